@@ -1,0 +1,1 @@
+"""Plain-PyTorch reference implementations: run anywhere, differentiable, the oracle."""

@@ -1,0 +1,164 @@
+"""MLA attention over the paged latent cache, and merging partial results by LSE.
+
+Shapes use: T tokens, B sequences, H heads, W block-table width, bs block size,
+S = W * bs gathered context positions, C = kv_lora_rank, R = qk_rope_head_dim,
+Dn = qk_nope_head_dim, Dv = v_head_dim.
+
+These references favour clarity and static shapes over memory: they gather each
+sequence's whole block table and mask, so they capture in a CUDA graph and run
+under torch.func, but cost O(T * B * S) memory in prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_shape
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Low-precision inputs accumulate in float32; float64 stays float64 (test oracle).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, D], [B, W] -> [B, W * bs, D]: each sequence's cache rows in position order."""
+    num_seqs, width = block_table.shape
+    _, block_size, dim = kv_cache.shape
+    return kv_cache[block_table.long()].reshape(num_seqs, width * block_size, dim)
+
+
+def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim that gives probabilities 0 and LSE -inf for a fully masked row."""
+    lse = torch.logsumexp(scores, dim=-1)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: one query token per sequence attends over its latent cache.
+
+    q:           [B, H, C + R] absorbed query (q_nope @ W_UK, then q_pe)
+    kv_cache:    [num_blocks, bs, C + R] latent vectors (normalised c_kv, then rotated k_pe)
+    block_table: [B, W] int32
+    seq_lens:    [B] int32, keys [0, seq_lens[b]) are attended; 0 marks a padded row
+    returns      out [B, H, C] in q's dtype (values are the first C dims of the cache),
+                 lse [B, H] float32 (natural log); a padded row gives out 0, lse -inf.
+    """
+    num_seqs, num_heads, dim = q.shape
+    check_shape("kv_cache", kv_cache, (None, None, dim))
+    check_shape("block_table", block_table, (num_seqs, None))
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    acc = _acc_dtype(q.dtype)
+    kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
+    scores = torch.einsum("bhd,bsd->bhs", q.to(acc), kv) * softmax_scale
+    key_pos = torch.arange(kv.shape[1], device=q.device)
+    visible = key_pos[None, :] < seq_lens[:, None]                      # [B, S]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs, lse = _softmax_with_lse(scores)
+    out = torch.einsum("bhs,bsc->bhc", probs, kv[..., :kv_lora_rank])
+    return out.to(q.dtype), lse.float()
+
+
+def token_to_seq(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[B + 1] cumulative query lengths -> [T] index of each token's sequence; B for padded tokens."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+    return torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+
+
+def prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decompressed MLA prefill: new tokens attend causally over their sequence's cache.
+
+    The cache already holds this step's latent vectors, so "context + own keys" is
+    one read of positions [0, seq_lens[b]).
+
+    q_nope:       [T, H, Dn]      q_pe: [T, H, R] (rotated)
+    kv_cache:     [num_blocks, bs, C + R]
+    block_table:  [B, W] int32
+    cu_seqlens_q: [B + 1] int32, tokens of sequence b are rows cu[b]:cu[b+1];
+                  rows from cu[B] on are padding
+    seq_lens:     [B] int32 KV length of each sequence after this step
+    positions:    [T] int64, token t sees key positions j <= positions[t]
+    w_uk:         [H, Dn, C]      w_uv: [H, Dv, C] (kv_b_proj split per head)
+    returns       out [T, H, Dv] in q's dtype, lse [T, H] float32; padded rows give 0 / -inf.
+    """
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    num_seqs = block_table.shape[0]
+    rope_dim = q_pe.shape[-1]
+    kv_lora_rank = w_uk.shape[-1]
+    check_shape("q_pe", q_pe, (num_tokens, num_heads, None))
+    check_shape("kv_cache", kv_cache, (None, None, kv_lora_rank + rope_dim))
+    check_shape("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
+    check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+    acc = _acc_dtype(q_nope.dtype)
+
+    kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
+    context_len = kv.shape[1]
+    latent, k_pe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
+    k_nope = torch.einsum("bsc,hdc->bshd", latent, w_uk.to(acc))        # decompress keys
+    value = torch.einsum("bsc,hvc->bshv", latent, w_uv.to(acc))         # and values
+
+    scores = torch.einsum("thd,bshd->thbs", q_nope.to(acc), k_nope)
+    scores = scores + torch.einsum("thr,bsr->thbs", q_pe.to(acc), k_pe)
+    scores = scores * softmax_scale                                     # [T, H, B, S]
+
+    seq_of_token = token_to_seq(cu_seqlens_q, num_tokens)              # [T], B = padding
+    key_pos = torch.arange(context_len, device=q_nope.device)
+    seq_ids = torch.arange(num_seqs, device=q_nope.device)
+    visible = (
+        (seq_ids[None, :, None] == seq_of_token[:, None, None])
+        & (key_pos[None, None, :] <= positions[:, None, None])
+        & (key_pos[None, None, :] < seq_lens[None, :, None])
+    )                                                                   # [T, B, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs, lse = _softmax_with_lse(scores.flatten(2))                   # over all (b, s)
+    out = torch.einsum("thk,khv->thv", probs, value.flatten(0, 1))
+    return out.to(q_nope.dtype), lse.float()
+
+
+def merge_attn_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets.
+
+    out_a, out_b: [T, H, D]; lse_a, lse_b: [T, H] float32 natural-log sums (-inf = empty)
+    returns       out [T, H, D] in out_a's dtype, lse [T, H] float32.
+    Both sides empty gives out 0 and lse -inf, never NaN.
+    """
+    check_shape("out_b", out_b, tuple(out_a.shape))
+    check_shape("lse_a", lse_a, tuple(out_a.shape[:2]))
+    check_shape("lse_b", lse_b, tuple(out_a.shape[:2]))
+    acc = _acc_dtype(out_a.dtype)
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weight_a = torch.exp(lse_a - finite_lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - finite_lse).unsqueeze(-1)
+    out = weight_a * out_a.to(acc) + weight_b * out_b.to(acc)
+    return out.to(out_a.dtype), lse.float()

@@ -1,0 +1,43 @@
+"""Mixture-of-experts combination given the router's choice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_shape
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+
+    x:            [T, D]
+    w13:          [E, 2I, D], rows [0, I) the gate projection, [I, 2I) the up projection
+    w2:           [E, D, I]
+    topk_weights: [T, k] float32
+    topk_ids:     [T, k] integer; -1 takes no expert (padded rows)
+    returns       [T, D] in x's dtype
+
+    The reference runs every expert on every token and weights the results, so it
+    has static shapes and no data-dependent indexing; it reads all experts.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    check_shape("w13", w13, (num_experts, two_inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, two_inter // 2))
+    check_shape("topk_ids", topk_ids, tuple(topk_weights.shape))
+    check_shape("topk_weights", topk_weights, (num_tokens, None))
+    # -1 goes to a spare column that is dropped, so padded rows combine nothing.
+    ids = torch.where(topk_ids >= 0, topk_ids, num_experts).long()
+    combine = torch.zeros(num_tokens, num_experts + 1, dtype=topk_weights.dtype, device=x.device)
+    combine = combine.scatter_add(1, ids, topk_weights)[:, :num_experts]
+    gate_up = torch.einsum("td,efd->tef", x, w13)                       # [T, E, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    expert_out = torch.einsum("tei,edi->ted", F.silu(gate) * up, w2)    # [T, E, D]
+    return torch.einsum("ted,te->td", expert_out, combine.to(x.dtype))

@@ -1,0 +1,39 @@
+"""Rotary position embedding of the decoupled rope parts of queries and keys."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x1.to(acc), x2.to(acc)
+    cos, sin = cos.to(acc), sin.to(acc)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope(
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q_pe [T, H, R] and k_pe [T, R] by the angles at `positions` [T].
+
+    cos, sin: [max_positions, R / 2] tables (YaRN attention factor already applied).
+    interleaved: input pairs are (x0, x1), (x2, x3), ... (DeepSeek's layout) rather
+    than (x_i, x_{i + R/2}). The output is always in the half-split layout: queries
+    and keys get the same permutation, so their dot products are unchanged.
+    """
+    c, s = cos[positions], sin[positions]                               # [T, R/2]
+    return (
+        _rotate(q_pe, c.unsqueeze(1), s.unsqueeze(1), interleaved),
+        _rotate(k_pe, c, s, interleaved),
+    )

@@ -1,0 +1,89 @@
+"""The op registry: one contract per op, one implementation per backend, chosen explicitly.
+
+The model calls ops only through an `Ops` table obtained from `ops_for(backend)`.
+Each backend's table names an implementation for every op; where a backend has
+no kernel of its own for an op, its table says so by naming the reference, so
+nothing falls back silently.
+
+Contracts (shapes in the docstrings of the reference implementations):
+
+    write_kv(kv_cache, slot_mapping, kv, *, inplace=True) -> kv_cache
+    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank) -> (out, lse)
+    prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
+                      w_uk, w_uv, *, softmax_scale) -> (out, lse)
+    merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
+    fused_moe(x, w13, w2, topk_weights, topk_ids) -> y
+    rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
+    rope(q_pe, k_pe, positions, cos, sin, *, interleaved) -> (q_pe, k_pe)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .reference import attention as ref_attention
+from .reference import cache as ref_cache
+from .reference import moe as ref_moe
+from .reference import norm as ref_norm
+from .reference import rope as ref_rope
+
+BACKENDS = ("torch", "triton", "aiter")
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    """Every op the model calls, bound to one backend's implementations."""
+
+    backend: str
+    write_kv: Callable
+    mla_decode: Callable
+    prefill_attention: Callable
+    merge_attn_states: Callable
+    fused_moe: Callable
+    rms_norm: Callable
+    rope: Callable
+
+
+def _torch_ops() -> Ops:
+    return Ops(
+        backend="torch",
+        write_kv=ref_cache.write_kv,
+        mla_decode=ref_attention.mla_decode,
+        prefill_attention=ref_attention.prefill_attention,
+        merge_attn_states=ref_attention.merge_attn_states,
+        fused_moe=ref_moe.fused_moe,
+        rms_norm=ref_norm.rms_norm,
+        rope=ref_rope.rope,
+    )
+
+
+def _triton_ops() -> Ops:
+    from . import triton as triton_kernels
+
+    return triton_kernels.ops()
+
+
+def _aiter_ops() -> Ops:
+    from . import aiter as aiter_kernels
+
+    return aiter_kernels.ops()
+
+
+_TABLES: dict[str, Callable[[], Ops]] = {"torch": _torch_ops, "triton": _triton_ops, "aiter": _aiter_ops}
+
+
+@functools.cache
+def ops_for(backend: str) -> Ops:
+    """The op table of `backend` ("torch", "triton" or "aiter")."""
+    if backend not in _TABLES:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return _TABLES[backend]()
+
+
+def default_backend(device: torch.device | str) -> str:
+    """"triton" on CUDA devices, "torch" elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"

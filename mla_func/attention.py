@@ -1,0 +1,115 @@
+"""Multi-head Latent Attention of one layer: projections, cache write, and the two attention paths.
+
+Prefill rows decompress the cached latents into per-head keys and values and
+attend causally; decode rows absorb the key up-projection into the query and
+attend over the latent cache directly, then apply the value up-projection.
+Both compute the same function (tests check `absorbed == decompressed`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import Batch
+from .config import ModelConfig
+from .kernels import Ops
+from .mode import ForwardMode
+from .params import AttentionParams
+
+# DeepSeek's q_a and kv_a norms are built with RMSNorm's default epsilon, not
+# the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def project_q(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
+    """x [T, D] -> q [T, H, Dn + R], through the low-rank path when q_lora_rank is set."""
+    if p.q_proj is not None:
+        q = F.linear(x, p.q_proj)
+    else:
+        q = F.linear(ops.rms_norm(F.linear(x, p.q_a_proj), p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
+    return q.view(x.shape[0], config.num_attention_heads, config.qk_head_dim)
+
+
+def project_latent(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (normalised c_kv [T, C], k_pe [T, R] before rotation)."""
+    latent = F.linear(x, p.kv_a_proj)
+    c_kv, k_pe = latent.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
+    return ops.rms_norm(c_kv.contiguous(), p.kv_a_norm, LATENT_NORM_EPS), k_pe
+
+
+def decode_attention(
+    p: AttentionParams,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    config: ModelConfig,
+    ops: Ops,
+) -> torch.Tensor:
+    """Absorbed attention of one token per sequence.
+
+    q_nope [B, H, Dn], q_pe [B, H, R] (rotated), block_table [B, W], seq_lens [B] -> [B, H, Dv]
+    """
+    q_absorbed = torch.einsum("bhd,hdc->bhc", q_nope, p.w_uk)
+    latent_out, _ = ops.mla_decode(
+        torch.cat([q_absorbed, q_pe], dim=-1),
+        kv_cache,
+        block_table,
+        seq_lens,
+        softmax_scale=config.softmax_scale,
+        kv_lora_rank=config.kv_lora_rank,
+    )
+    return torch.einsum("bhc,hvc->bhv", latent_out, p.w_uv)
+
+
+def mla_attention(
+    p: AttentionParams,
+    x: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: Batch,
+    mode: ForwardMode,
+    config: ModelConfig,
+    ops: Ops,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's attention over all rows of a step.
+
+    x [T, D] normalised hidden states; kv_cache [num_blocks, bs, C + R]
+    returns (output [T, D], the layer's cache with this step's latents written)
+    """
+    q = project_q(p, x, config, ops)
+    q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = project_latent(p, x, config, ops)
+    q_pe, k_pe = ops.rope(q_pe, k_pe, batch.positions, cos, sin, interleaved=config.rope_interleave)
+    # The write comes first so that prefill reads its own keys from the cache like any context.
+    kv_cache = ops.write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1), inplace=inplace)
+
+    split = mode.padded_prefill_tokens
+    outputs = []
+    if batch.prefill is not None:
+        meta = batch.prefill
+        out, _ = ops.prefill_attention(
+            q_nope[:split],
+            q_pe[:split],
+            kv_cache,
+            meta.block_table,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            batch.positions[:split],
+            p.w_uk,
+            p.w_uv,
+            softmax_scale=config.softmax_scale,
+        )
+        outputs.append(out)
+    if batch.decode is not None:
+        meta = batch.decode
+        outputs.append(
+            decode_attention(p, q_nope[split:], q_pe[split:], kv_cache, meta.block_table, meta.seq_lens, config, ops)
+        )
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return F.linear(out.flatten(1), p.o_proj), kv_cache

@@ -1,0 +1,236 @@
+"""Batch: the device tensors of one step, built from a host-side plan and its mode.
+
+Every shape comes from the `ForwardMode`; every value from the `StepPlan`. The
+plan's values are checked on the host while building (no device sync), and the
+shape contract between the batch and its mode is checked by `check_batch`.
+
+Padded rows: input id 0, position 0, slot -1 (writes nothing), no sequence
+(prefill) or a sequence of length 0 (decode), block table entries pointing at
+the scratch block, so they attend to nothing and produce zero attention output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .mode import ForwardMode
+from .plan import SeqPlan, StepPlan
+from .pytree import register_dataclass
+from .state.kv_cache import SCRATCH_BLOCK
+
+
+class BatchError(ValueError):
+    """A plan or batch violates the shape contract; the message says expected vs got."""
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class PrefillMetadata:
+    """Metadata of the prefill segment (its own values, never views of another segment's)."""
+
+    cu_seqlens_q: torch.Tensor  # [Bp + 1] int32 row offsets in the segment; the padded tail repeats the last
+    seq_lens: torch.Tensor      # [Bp] int32 KV length after this step; 0 for padded sequences
+    block_table: torch.Tensor   # [Bp, W] int32; unused entries point at the scratch block
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class DecodeMetadata:
+    """Metadata of the decode segment: one query token per sequence."""
+
+    seq_lens: torch.Tensor      # [Bd] int32 KV length including the new token; 0 for padded rows
+    block_table: torch.Tensor   # [Bd, W] int32
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's inputs. Rows: [prefill tokens | padding | decode tokens | padding]."""
+
+    input_ids: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64
+    slot_mapping: torch.Tensor    # [T] int64, block * block_size + offset; -1 for padded rows
+    logits_indices: torch.Tensor  # [N] int64 rows whose logits are returned (padded entries: row 0)
+    prefill: PrefillMetadata | None = None
+    decode: DecodeMetadata | None = None
+
+
+def _check_seq(where: str, seq: SeqPlan, block_size: int, num_blocks: int | None,
+               vocab_size: int | None, max_position: int | None) -> None:
+    if not seq.token_ids:
+        raise BatchError(f"{where}: token_ids is empty")
+    if seq.start_pos < 0:
+        raise BatchError(f"{where}: start_pos must be >= 0, got {seq.start_pos}")
+    if not 0 <= seq.num_logits <= seq.num_tokens:
+        raise BatchError(f"{where}: num_logits must be in [0, {seq.num_tokens}], got {seq.num_logits}")
+    needed = -(-seq.seq_len // block_size)
+    if len(seq.block_table) < needed:
+        raise BatchError(
+            f"{where}: block_table must cover {seq.seq_len} positions: expected >= {needed} blocks, "
+            f"got {len(seq.block_table)}"
+        )
+    used = seq.block_table[:needed]
+    if SCRATCH_BLOCK in used:
+        raise BatchError(f"{where}: block {SCRATCH_BLOCK} is the scratch block and cannot hold a sequence")
+    if num_blocks is not None and any(not 0 <= b < num_blocks for b in used):
+        raise BatchError(f"{where}: block ids must be in [1, {num_blocks}), got {list(used)}")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in seq.token_ids):
+        bad = [t for t in seq.token_ids if not 0 <= t < vocab_size]
+        raise BatchError(f"{where}: token ids must be in [0, {vocab_size}), got {bad[:8]}")
+    if max_position is not None and seq.seq_len > max_position:
+        raise BatchError(f"{where}: positions reach {seq.seq_len - 1}, the model's maximum is {max_position - 1}")
+
+
+def _slots(seq: SeqPlan, block_size: int) -> list[int]:
+    return [
+        seq.block_table[p // block_size] * block_size + p % block_size
+        for p in range(seq.start_pos, seq.seq_len)
+    ]
+
+
+def _block_rows(seqs: tuple[SeqPlan, ...], padded_seqs: int, width: int, block_size: int) -> list[list[int]]:
+    rows = []
+    for seq in seqs:
+        needed = -(-seq.seq_len // block_size)
+        row = list(seq.block_table[:needed])
+        rows.append(row + [SCRATCH_BLOCK] * (width - len(row)))
+    rows += [[SCRATCH_BLOCK] * width for _ in range(padded_seqs - len(seqs))]
+    return rows
+
+
+def build_batch(
+    plan: StepPlan,
+    mode: ForwardMode,
+    *,
+    block_size: int,
+    device: torch.device | str,
+    num_blocks: int | None = None,
+    vocab_size: int | None = None,
+    max_position: int | None = None,
+) -> Batch:
+    """Turn a plan into device tensors shaped by `mode`.
+
+    The optional limits add host-side checks of block ids, token ids and positions.
+    Raises BatchError naming the sequence and the expected vs got values.
+    """
+    if (len(plan.prefill), len(plan.decode), plan.num_prefill_tokens) != (
+        mode.num_prefill_seqs, mode.num_decode_seqs, mode.num_prefill_tokens
+    ):
+        raise BatchError(
+            f"plan does not match mode: expected {mode.num_prefill_seqs} prefill seqs / "
+            f"{mode.num_prefill_tokens} tokens / {mode.num_decode_seqs} decode seqs, got "
+            f"{len(plan.prefill)} / {plan.num_prefill_tokens} / {len(plan.decode)}"
+        )
+    for i, seq in enumerate(plan.prefill):
+        _check_seq(f"prefill sequence {i}", seq, block_size, num_blocks, vocab_size, max_position)
+    for i, seq in enumerate(plan.decode):
+        _check_seq(f"decode sequence {i}", seq, block_size, num_blocks, vocab_size, max_position)
+        if seq.num_tokens != 1 or seq.start_pos < 1:
+            raise BatchError(
+                f"decode sequence {i}: expected one token after cached context, got {seq.num_tokens} "
+                f"token(s) at start_pos {seq.start_pos}"
+            )
+    width = mode.block_table_width
+    if any(-(-s.seq_len // block_size) > width for s in (*plan.prefill, *plan.decode)):
+        raise BatchError(f"mode.block_table_width {width} is narrower than a sequence of the plan needs")
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    logits_rows: list[int] = []
+    cu_seqlens = [0]
+    for seq in plan.prefill:
+        input_ids += seq.token_ids
+        positions += range(seq.start_pos, seq.seq_len)
+        slot_mapping += _slots(seq, block_size)
+        end = len(input_ids)
+        logits_rows += range(end - seq.num_logits, end)
+        cu_seqlens.append(end)
+    pad = mode.padded_prefill_tokens - len(input_ids)
+    input_ids += [0] * pad
+    positions += [0] * pad
+    slot_mapping += [-1] * pad
+    cu_seqlens += [cu_seqlens[-1]] * (mode.padded_prefill_seqs - len(plan.prefill))
+    for seq in plan.decode:
+        logits_rows += [len(input_ids)] if seq.num_logits else []
+        input_ids += seq.token_ids
+        positions.append(seq.start_pos)
+        slot_mapping += _slots(seq, block_size)
+    pad = mode.padded_decode_seqs - len(plan.decode)
+    input_ids += [0] * pad
+    positions += [0] * pad
+    slot_mapping += [-1] * pad
+    logits_rows += [0] * (mode.padded_num_logits - len(logits_rows))
+
+    real_slots = [s for s in slot_mapping if s >= 0]
+    if len(set(real_slots)) != len(real_slots):
+        raise BatchError("slot_mapping: two tokens of the step write the same cache slot")
+
+    def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    prefill = decode = None
+    if mode.padded_prefill_seqs:
+        prefill = PrefillMetadata(
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            seq_lens=tensor(
+                [s.seq_len for s in plan.prefill] + [0] * (mode.padded_prefill_seqs - len(plan.prefill)), torch.int32
+            ),
+            block_table=tensor(_block_rows(plan.prefill, mode.padded_prefill_seqs, width, block_size), torch.int32),
+        )
+    if mode.padded_decode_seqs:
+        decode = DecodeMetadata(
+            seq_lens=tensor(
+                [s.seq_len for s in plan.decode] + [0] * (mode.padded_decode_seqs - len(plan.decode)), torch.int32
+            ),
+            block_table=tensor(_block_rows(plan.decode, mode.padded_decode_seqs, width, block_size), torch.int32),
+        )
+    batch = Batch(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slot_mapping, torch.int64),
+        logits_indices=tensor(logits_rows, torch.int64),
+        prefill=prefill,
+        decode=decode,
+    )
+    check_batch(batch, mode)
+    return batch
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(tensor.shape) != shape:
+        raise BatchError(f"{name}: expected shape {shape} from the mode, got {tuple(tensor.shape)}")
+    if tensor.dtype != dtype:
+        raise BatchError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+
+
+def check_batch(batch: Batch, mode: ForwardMode) -> None:
+    """The shape contract between a batch and its mode (shapes and dtypes only: no device sync).
+
+    input_ids, positions and slot_mapping have one entry per row; each segment's
+    metadata matches that segment's padded sizes; logits_indices matches
+    padded_num_logits.
+    """
+    rows = (mode.num_tokens,)
+    _expect("input_ids", batch.input_ids, rows, torch.int64)
+    _expect("positions", batch.positions, rows, torch.int64)
+    _expect("slot_mapping", batch.slot_mapping, rows, torch.int64)
+    _expect("logits_indices", batch.logits_indices, (mode.padded_num_logits,), torch.int64)
+    width = mode.block_table_width
+    if (batch.prefill is None) != (mode.padded_prefill_seqs == 0):
+        raise BatchError(f"prefill metadata: mode has {mode.padded_prefill_seqs} prefill seqs, batch has "
+                         f"{'none' if batch.prefill is None else 'some'}")
+    if batch.prefill is not None:
+        n = mode.padded_prefill_seqs
+        _expect("prefill.cu_seqlens_q", batch.prefill.cu_seqlens_q, (n + 1,), torch.int32)
+        _expect("prefill.seq_lens", batch.prefill.seq_lens, (n,), torch.int32)
+        _expect("prefill.block_table", batch.prefill.block_table, (n, width), torch.int32)
+    if (batch.decode is None) != (mode.padded_decode_seqs == 0):
+        raise BatchError(f"decode metadata: mode has {mode.padded_decode_seqs} decode seqs, batch has "
+                         f"{'none' if batch.decode is None else 'some'}")
+    if batch.decode is not None:
+        n = mode.padded_decode_seqs
+        _expect("decode.seq_lens", batch.decode.seq_lens, (n,), torch.int32)
+        _expect("decode.block_table", batch.decode.block_table, (n, width), torch.int32)

@@ -1,0 +1,257 @@
+"""The params pytree of a DeepSeek-V2/V3 model and its construction from Hugging Face tensors.
+
+Weights keep the Hugging Face [out, in] layout. Two things are reshaped once at
+load time: `kv_b_proj` is split per head into `w_uk` [H, Dn, C] and `w_uv`
+[H, Dv, C], which both the decompressed (prefill) and the absorbed (decode)
+attention use; and routed experts are stacked into `w13` [E, 2I, D] (gate rows
+then up rows) and `w2` [E, D, I].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig, yarn_mscale
+from .pytree import register_dataclass, static_field
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """MLA projections of one layer (D hidden, H heads, C kv_lora_rank, R rope dim)."""
+
+    kv_a_proj: torch.Tensor               # [C + R, D]
+    kv_a_norm: torch.Tensor               # [C]
+    w_uk: torch.Tensor                    # [H, Dn, C] key up-projection
+    w_uv: torch.Tensor                    # [H, Dv, C] value up-projection
+    o_proj: torch.Tensor                  # [D, H * Dv]
+    q_proj: torch.Tensor | None = None    # [H * (Dn + R), D] when q_lora_rank is null
+    q_a_proj: torch.Tensor | None = None  # [q_lora_rank, D]
+    q_a_norm: torch.Tensor | None = None  # [q_lora_rank]
+    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R), q_lora_rank]
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class MLPParams:
+    """A SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+
+    gate_up: torch.Tensor                 # [2I, D], gate rows then up rows
+    down: torch.Tensor                    # [D, I]
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class MoEParams:
+    """Routed experts, their router, and the shared experts (one MLP of n_shared * I)."""
+
+    gate: torch.Tensor                    # [E, D] router weight
+    w13: torch.Tensor                     # [E, 2I, D]
+    w2: torch.Tensor                      # [E, D, I]
+    e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
+    shared: MLPParams | None = None
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class LayerParams:
+    input_norm: torch.Tensor              # [D]
+    attn: AttentionParams
+    post_attention_norm: torch.Tensor     # [D]
+    mlp: MLPParams | MoEParams
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class Params:
+    """All weights of a model, plus the RoPE tables derived from its config.
+
+    `config` is tree metadata, so pure functions need only `params`.
+    """
+
+    embed: torch.Tensor                   # [V, D]
+    layers: tuple[LayerParams, ...]
+    norm: torch.Tensor                    # [D]
+    lm_head: torch.Tensor                 # [V, D] (the embedding itself when tied)
+    rope_cos: torch.Tensor                # [max_position_embeddings, R / 2] float32
+    rope_sin: torch.Tensor                # [max_position_embeddings, R / 2] float32
+    config: ModelConfig = static_field()
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R / 2] (float32) and the attention factor scaling cos/sin.
+
+    YaRN blends interpolated and extrapolated frequencies with a linear ramp
+    between the correction dims of beta_fast and beta_slow.
+    """
+    rope, dim = config.rope, config.qk_rope_head_dim
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(num_rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+
+    if rope.attention_factor is not None:
+        attention_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(rope.factor)
+    return inv_freq, attention_factor
+
+
+def rope_tables(config: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_position_embeddings, R / 2] float32, attention factor applied."""
+    inv_freq, attention_factor = rope_inv_freq(config)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    return (
+        (freqs.cos() * attention_factor).to(device),
+        (freqs.sin() * attention_factor).to(device),
+    )
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `config` holds, by name, with its shape."""
+    c = config
+    d, h = c.hidden_size, c.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, d),
+        "model.norm.weight": (d,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, d)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        a = p + "self_attn."
+        if c.q_lora_rank is None:
+            shapes[a + "q_proj.weight"] = (h * c.qk_head_dim, d)
+        else:
+            shapes[a + "q_a_proj.weight"] = (c.q_lora_rank, d)
+            shapes[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (h * c.qk_head_dim, c.q_lora_rank)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (c.kv_cache_dim, d)
+        shapes[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            e, inter = c.n_routed_experts, c.moe_intermediate_size
+            shapes[m + "gate.weight"] = (e, d)
+            if c.topk_method == "noaux_tc":
+                shapes[m + "gate.e_score_correction_bias"] = (e,)
+            for j in range(e):
+                shapes.update(_mlp_shapes(f"{m}experts.{j}.", d, inter))
+            if c.n_shared_experts:
+                shapes.update(_mlp_shapes(m + "shared_experts.", d, inter * c.n_shared_experts))
+        else:
+            shapes.update(_mlp_shapes(m, d, c.intermediate_size))
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (inter, hidden),
+        prefix + "up_proj.weight": (inter, hidden),
+        prefix + "down_proj.weight": (hidden, inter),
+    }
+
+
+TensorFetch = Callable[[str], torch.Tensor]
+
+
+def params_from_hf(
+    config: ModelConfig,
+    fetch: TensorFetch,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Params:
+    """Build the params pytree from tensors named as in a Hugging Face checkpoint.
+
+    `fetch(name)` returns one tensor (already checked against `hf_tensor_shapes`);
+    it is called once per name, layer by layer, so a large model never holds two
+    copies of more than one layer's experts.
+    """
+
+    def get(name: str, keep_float32: bool = False) -> torch.Tensor:
+        return fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)
+
+    def mlp(prefix: str) -> MLPParams:
+        gate_up = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], dim=0)
+        return MLPParams(gate_up=gate_up, down=get(prefix + "down_proj.weight"))
+
+    c = config
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        if c.q_lora_rank is None:
+            q_parts = dict(q_proj=get(a + "q_proj.weight"))
+        else:
+            q_parts = dict(
+                q_a_proj=get(a + "q_a_proj.weight"),
+                q_a_norm=get(a + "q_a_layernorm.weight"),
+                q_b_proj=get(a + "q_b_proj.weight"),
+            )
+        attn = AttentionParams(
+            kv_a_proj=get(a + "kv_a_proj_with_mqa.weight"),
+            kv_a_norm=get(a + "kv_a_layernorm.weight"),
+            w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
+            w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
+            o_proj=get(a + "o_proj.weight"),
+            **q_parts,
+        )
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts)]
+            block: MLPParams | MoEParams = MoEParams(
+                gate=get(m + "gate.weight"),
+                w13=torch.stack([e.gate_up for e in experts]),
+                w2=torch.stack([e.down for e in experts]),
+                e_score_correction_bias=(
+                    get(m + "gate.e_score_correction_bias", keep_float32=True) if c.topk_method == "noaux_tc" else None
+                ),
+                shared=mlp(m + "shared_experts.") if c.n_shared_experts else None,
+            )
+            del experts
+        else:
+            block = mlp(m)
+        layers.append(
+            LayerParams(
+                input_norm=get(p + "input_layernorm.weight"),
+                attn=attn,
+                post_attention_norm=get(p + "post_attention_layernorm.weight"),
+                mlp=block,
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    cos, sin = rope_tables(c, device)
+    return Params(
+        embed=embed,
+        layers=tuple(layers),
+        norm=get("model.norm.weight"),
+        lm_head=embed if c.tie_word_embeddings else get("lm_head.weight"),
+        rope_cos=cos,
+        rope_sin=sin,
+        config=c,
+    )

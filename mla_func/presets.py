@@ -1,0 +1,83 @@
+"""Named models: shape presets with random weights, and models that ship with the package."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from .config import ModelConfig, RopeConfig
+
+
+def tiny() -> ModelConfig:
+    """A few-layer DeepSeek-V3-shaped model for CPU tests (MLA with q_lora, MoE with noaux_tc)."""
+    return ModelConfig(
+        model_type="deepseek_v3",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=2048,
+        eos_token_ids=(1,),
+    )
+
+
+def v2_lite() -> ModelConfig:
+    """DeepSeek-V2-Lite's shapes: 27 layers, 16 heads, kv_lora_rank 512, 64 experts top-6 + 2 shared."""
+    return ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=10944,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        moe_intermediate_size=1408,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        topk_method="greedy",
+        rope=RopeConfig(
+            theta=10000.0,
+            kind="yarn",
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        eos_token_ids=(100001,),
+    )
+
+
+PRESETS: Mapping[str, Callable[[], ModelConfig]] = MappingProxyType({
+    "tiny": tiny,
+    "v2-lite": v2_lite,
+})

@@ -1,0 +1,1 @@
+"""Explicit state pytrees: the paged latent KV cache and the block allocator."""
