@@ -12,11 +12,12 @@ from .params import Params
 from .plan import SeqPlan, StepPlan
 from .presets import PRESETS
 from .state.kv_cache import DonatedStateError, KVCacheState
+from .step import Step, StepOutput, make_step, padding_ladders
 from .stepping import init_state, plan_step
 
 __all__ = [
     "Batch", "BatchError", "CheckpointError", "ConfigError", "DecodeMetadata", "DonatedStateError",
     "ForwardMode", "KVCacheState", "Model", "ModelConfig", "PRESETS", "PaddingPolicy", "Params",
-    "PrefillMetadata", "RopeConfig", "SeqPlan", "StepPlan", "build_batch", "check_batch", "decode",
-    "forward", "init_state", "load_model", "plan_step", "prefill",
+    "PrefillMetadata", "RopeConfig", "SeqPlan", "Step", "StepOutput", "StepPlan", "build_batch", "check_batch", "decode",
+    "forward", "init_state", "load_model", "make_step", "padding_ladders", "plan_step", "prefill",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .params import Params, hf_tensor_shapes, params_from_hf
-from .presets import PRESETS
+from .presets import PRESETS, SHIPPED_PRESETS, preset_names
 
 
 class CheckpointError(ValueError):
@@ -55,28 +56,50 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
+    progress: bool | None = None,
 ) -> Model:
     """Load a checkpoint folder (config.json + *.safetensors) or a preset name.
+
+    A shipped preset ("demo") is a checkpoint folder inside the package; a shape
+    preset ("tiny", "v2-lite") gets random weights. A folder path of the same
+    name as a preset wins over the preset.
 
     dtype:  weight dtype; defaults to bfloat16 on CUDA and float32 elsewhere.
     device: defaults to "cuda" when available, else "cpu".
     seed:   for shape presets with random weights, the seed of their initialisation
             (done directly on `device`).
+    progress: a progress bar over layers; by default shown for models of over a
+            billion parameters.
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
     name = str(path_or_preset)
+    if name in SHIPPED_PRESETS and not Path(name).exists():
+        folder = SHIPPED_PRESETS[name]
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(
+                f"preset {name!r} ships as the folder {folder}, which has no config.json: "
+                "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
+            )
+        return _load_folder(folder, dtype=dtype, device=device, progress=progress)
     if name in PRESETS and not Path(name).exists():
-        return _random_model(PRESETS[name](), dtype=dtype, device=device, seed=seed)
+        config = PRESETS[name]()
+        return _random_model(config, dtype=dtype, device=device, seed=seed, progress=_show_progress(config, progress))
     path = Path(path_or_preset)
     if not path.is_dir():
         raise CheckpointError(
-            f"{name!r} is neither a checkpoint folder nor a preset (presets: {sorted(PRESETS)})"
+            f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
-    return _load_folder(path, dtype=dtype, device=device)
+    return _load_folder(path, dtype=dtype, device=device, progress=progress)
 
 
-def _load_folder(path: Path, *, dtype: torch.dtype, device: torch.device) -> Model:
+def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
+    if progress is not None:
+        return progress
+    return sum(math.prod(shape) for shape in hf_tensor_shapes(config).values()) > 1e9
+
+
+def _load_folder(path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None) -> Model:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json")
@@ -98,7 +121,7 @@ def _load_folder(path: Path, *, dtype: torch.dtype, device: torch.device) -> Mod
             handles[file] = safe_open(file, framework="pt", device="cpu")
         return handles[file].get_tensor(name)
 
-    params = params_from_hf(config, fetch, dtype=dtype, device=device)
+    params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress))
     return Model(config=config, params=params, tokenizer=_load_tokenizer(path))
 
 
@@ -167,7 +190,7 @@ def _load_tokenizer(path: Path) -> Any:
     return Tokenizer.from_file(str(file))
 
 
-def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Model:
+def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int, progress: bool) -> Model:
     """Random weights with the shapes of `config`, made on `device`, through the checkpoint path."""
     shapes = hf_tensor_shapes(config)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -183,4 +206,4 @@ def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.devi
         std = shape[1] ** -0.5
         return torch.empty(shape, device=device, dtype=init_dtype).normal_(0.0, std, generator=generator)
 
-    return Model(config=config, params=params_from_hf(config, fetch, dtype=dtype, device=device))
+    return Model(config=config, params=params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress))

@@ -9,7 +9,7 @@ none of them re-derives any of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .plan import StepPlan
@@ -104,11 +104,13 @@ class ForwardMode:
         backend: str = "torch",
         padding: PaddingPolicy | None = None,
         graphs: bool = False,
+        graph_kinds: Collection[str] = SEGMENT_KINDS,
     ) -> ForwardMode:
         """The single rule that fixes a step's kind, sizes and graph use.
 
-        A step uses a graph only when `graphs` is on and every size fits its
-        padding ladder; otherwise its sizes are exact and it runs eagerly.
+        A step uses a graph only when `graphs` is on, its kind is in `graph_kinds`
+        and every size fits its padding ladder; otherwise its sizes are exact and
+        it runs eagerly.
         """
         if not plan.prefill and not plan.decode:
             raise ValueError("StepPlan: a step needs at least one sequence")
@@ -124,7 +126,7 @@ class ForwardMode:
         }
         padded = {name: _pad(size, ladder) for name, (size, ladder) in sizes.items()}
         fits = all(ok for _, ok in padded.values())
-        if not fits:
+        if not fits or (graphs and kind not in graph_kinds):
             # Eager steps run at their exact size: padding buys nothing without a graph.
             padded = {name: (size, True) for name, (size, _) in sizes.items()}
         padded_seqs = padded["prefill_seqs"][0] + padded["decode_seqs"][0]
@@ -143,5 +145,5 @@ class ForwardMode:
             # whole prompt has more and is sized exactly.
             padded_num_logits=max(num_logits, padded_seqs),
             block_table_width=padded["width"][0],
-            use_graph=graphs and fits,
+            use_graph=graphs and fits and kind in graph_kinds,
         )

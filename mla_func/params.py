@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from .config import ModelConfig, yarn_mscale
 from .pytree import register_dataclass, static_field
@@ -184,12 +185,13 @@ def params_from_hf(
     *,
     dtype: torch.dtype,
     device: torch.device | str,
+    progress: bool = False,
 ) -> Params:
     """Build the params pytree from tensors named as in a Hugging Face checkpoint.
 
     `fetch(name)` returns one tensor (already checked against `hf_tensor_shapes`);
     it is called once per name, layer by layer, so a large model never holds two
-    copies of more than one layer's experts.
+    copies of more than one layer's experts. `progress` shows a bar over layers.
     """
 
     def get(name: str, keep_float32: bool = False) -> torch.Tensor:
@@ -201,7 +203,7 @@ def params_from_hf(
 
     c = config
     layers = []
-    for i in range(c.num_hidden_layers):
+    for i in tqdm(range(c.num_hidden_layers), desc="loading layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)

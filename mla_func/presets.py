@@ -1,8 +1,19 @@
-"""Named models: shape presets with random weights, and models that ship with the package."""
+"""Named models: shape presets with random weights, and models that ship with the package.
+
+Two kinds of names, kept apart because they are built differently:
+
+* `PRESETS`: name -> config factory; `load_model(name)` draws random weights of
+  those shapes (for tests and benchmarks);
+* `SHIPPED_PRESETS`: name -> a checkpoint folder inside the package (trained
+  weights, config.json, tokenizer.json); `load_model(name)` loads the folder.
+
+`preset_names()` lists both.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 from .config import ModelConfig, RopeConfig
@@ -19,7 +30,7 @@ def tiny() -> ModelConfig:
         q_lora_rank=48,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
+        qk_rope_head_dim=16,
         v_head_dim=16,
         intermediate_size=128,
         n_routed_experts=8,
@@ -81,3 +92,14 @@ PRESETS: Mapping[str, Callable[[], ModelConfig]] = MappingProxyType({
     "tiny": tiny,
     "v2-lite": v2_lite,
 })
+
+SHIPPED_PRESETS: Mapping[str, Path] = MappingProxyType({
+    # A small DeepSeek-V3-architecture model trained on the standard library's
+    # docstrings by `python -m mla_func.demo.train` (see its TRAINING.md).
+    "demo": Path(__file__).resolve().parent / "demo" / "model",
+})
+
+
+def preset_names() -> list[str]:
+    """Every name `load_model` accepts besides a folder path, sorted."""
+    return sorted({*PRESETS, *SHIPPED_PRESETS})

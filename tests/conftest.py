@@ -3,17 +3,68 @@
 Without CUDA, Triton kernels run in the interpreter: the variable has to be set
 before triton is first imported, which this file (loaded before any test module)
 guarantees.
+
+Triton's CPU interpreter (3.9 at least) gets bfloat16 wrong in two ways that
+compiled kernels do not:
+* `tl.dot` multiplies bf16 operands as the raw uint16 bit patterns it stores
+  them in, so every bf16 dot comes out as garbage;
+* float32 -> bf16 casts truncate instead of rounding to nearest even.
+The patches below widen bf16 dot operands to float32 first (exact, as a tensor
+core does) and round casts to nearest even (as the GPU does). They are applied
+only when the interpreter is active.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_bf16() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_widens_bf16", False):
+        return
+    original = builder.create_dot
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+            # NaN stays NaN (rounding could carry a NaN payload into infinity).
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._widens_bf16 = True
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_bf16()
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_bf16()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,121 @@
+"""Shared benchmark helpers: device ceilings measured in the same run, timers, result files."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+
+def git_commit(explicit: str | None = None) -> str:
+    """--commit, else `git rev-parse HEAD`, else $MLA_FUNC_COMMIT, else "unknown"."""
+    if explicit:
+        return explicit
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("MLA_FUNC_COMMIT", "unknown")
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+def gpu_slug() -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    name = gpu_name().lower()
+    match = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", name.replace("nvidia", ""))
+    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def time_eager(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Milliseconds per call, launches included, L2 flushed before each call (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Milliseconds per call of `calls` captured back to back in one CUDA graph.
+
+    The calls should touch different memory (other pages, other experts) so that
+    one call does not find the previous call's data in L2.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / (replays * len(calls))
+    del graph
+    return ms
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_eager(lambda: dst.copy_(src), warmup_ms=50, rep_ms=300)
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 torch.mm FLOP/s on random n x n x n operands."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_eager(lambda: torch.mm(a, b), warmup_ms=100, rep_ms=500)
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def write_json(result: dict, out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}-{result['gpu_slug']}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """Rows of dicts as a fixed-width table; columns are (key, header)."""
+    cells = [[header for _, header in columns]]
+    for row in rows:
+        cells.append([_fmt(row.get(key, "")) for key, _ in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for i, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)

@@ -1,0 +1,269 @@
+"""Kernel benchmark: Triton ops against the device's own copy bandwidth and bf16 matmul rate.
+
+    python bench/kernels.py [--commit SHA] [--out bench/results] [--skip-reference]
+    python bench/kernels.py --sweep      # time tile-size candidates instead (no result file)
+
+Prints a table and writes bench/results/kernels-<gpu>-<date>.json. Both ceilings
+(device-to-device copy bandwidth, counting bytes read and written, and a bf16
+8192^3 torch.mm) are measured in the same run. Decode and MoE are timed as CUDA
+graph replays (how the model runs them), with consecutive calls reading other
+pages / experts so that no call finds its data in L2; eager timings (launch
+overhead included, L2 flushed) are recorded beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
+from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
+from mla_func.kernels.triton import decode, moe, prefill  # noqa: E402
+
+KV_LORA_RANK, ROPE_DIM = 512, 64
+DIM = KV_LORA_RANK + ROPE_DIM
+BF16 = torch.bfloat16
+L2_DEFEAT_BYTES = 256 << 20
+
+
+# --- MLA decode ---------------------------------------------------------------------------
+
+def _decode_setup(num_seqs, context, num_heads, block_size, copies):
+    width = context // block_size
+    num_blocks = copies * num_seqs * width + 1
+    kv_cache = torch.randn(num_blocks, block_size, DIM, device="cuda", dtype=BF16)
+    pages = (torch.randperm(num_blocks - 1, device="cuda") + 1).to(torch.int32)
+    tables = list(pages.view(copies, num_seqs, width))
+    q = torch.randn(num_seqs, num_heads, DIM, device="cuda", dtype=BF16)
+    lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+    return kv_cache, tables, q, lens
+
+
+def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=None, num_splits=None,
+                 reference=False, eager=True):
+    kv_bytes = num_seqs * context * DIM * 2
+    copies = min(16, max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+    kv_cache, tables, q, lens = _decode_setup(num_seqs, context, num_heads, block_size, copies)
+    scale = DIM ** -0.5
+    splits = num_splits or decode.mla_decode_num_splits(num_seqs, num_heads, tables[0].shape[1], block_size,
+                                                        q.device, config)
+    workspace = (torch.empty(num_seqs, num_heads, splits, KV_LORA_RANK, device="cuda"),
+                 torch.empty(num_seqs, num_heads, splits, device="cuda"))
+
+    def call(table):
+        return decode.mla_decode(q, kv_cache, table, lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK,
+                                 workspace=workspace, num_splits=splits, config=config)
+
+    ms = common.time_graph([lambda t=t: call(t) for t in tables])
+    num_bytes = kv_bytes + q.numel() * 2 + num_seqs * num_heads * KV_LORA_RANK * 2
+    flops = decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
+    row = dict(op="mla_decode", batch=num_seqs, context=context, heads=num_heads, block_size=block_size,
+               splits=splits, ms=ms, GBps=num_bytes / ms / 1e6, TFLOPs=flops / ms / 1e9,
+               pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
+               pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops)
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
+    if reference:
+        out, lse = call(tables[0])
+        ref_out, ref_lse = ref_attention.mla_decode(q, kv_cache, tables[0], lens, softmax_scale=scale,
+                                                    kv_lora_rank=KV_LORA_RANK)
+        row["max_err_vs_ref"] = (out.float() - ref_out.float()).abs().max().item()
+        row["ref_ms"] = common.time_eager(lambda: ref_attention.mla_decode(
+            q, kv_cache, tables[0], lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK), rep_ms=50)
+    return row
+
+
+# --- fused MoE ----------------------------------------------------------------------------
+
+def bench_moe(num_tokens, ceilings, num_experts=64, top_k=6, hidden=2048, inter=1408, config=None,
+              reference=False, eager=True, routing_sets=8):
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=BF16) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=BF16) * inter ** -0.5
+    routes = []
+    for _ in range(routing_sets):
+        weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)
+        routes.append(((weights / weights.sum(1, keepdim=True)).float(), ids.to(torch.int32)))
+
+    def call(route):
+        return moe.fused_moe(x, w13, w2, route[0], route[1], config=config)
+
+    ms = common.time_graph([lambda r=r: call(r) for r in routes])
+    expert_bytes = (2 * inter * hidden + hidden * inter) * 2
+    distinct = sum(r[1].unique().numel() for r in routes) / routing_sets
+    num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
+    flops = num_tokens * top_k * 2 * (2 * inter * hidden + hidden * inter)
+    row = dict(op="fused_moe", tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
+               distinct_experts=distinct, ms=ms, GBps=num_bytes / ms / 1e6, TFLOPs=flops / ms / 1e9,
+               pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
+               pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops,
+               copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(routes[0]))
+    if reference:
+        out = call(routes[0])
+        expected = ref_moe.fused_moe(x, w13, w2, *routes[0])
+        row["max_err_vs_ref"] = (out.float() - expected.float()).abs().max().item()
+        row["ref_ms"] = common.time_eager(lambda: ref_moe.fused_moe(x, w13, w2, *routes[0]), rep_ms=50)
+    return row
+
+
+# --- prefill ------------------------------------------------------------------------------
+
+def bench_prefill(num_tokens, ceilings, num_heads=16, nope_dim=128, v_dim=128, block_size=64, config=None,
+                  reference=False):
+    width = num_tokens // block_size
+    kv_cache = torch.randn(width + 1, block_size, DIM, device="cuda", dtype=BF16)
+    block_table = (torch.randperm(width, device="cuda") + 1).to(torch.int32).view(1, width)
+    q_nope = torch.randn(num_tokens, num_heads, nope_dim, device="cuda", dtype=BF16)
+    q_pe = torch.randn(num_tokens, num_heads, ROPE_DIM, device="cuda", dtype=BF16)
+    w_uk = torch.randn(num_heads, nope_dim, KV_LORA_RANK, device="cuda", dtype=BF16) * KV_LORA_RANK ** -0.5
+    w_uv = torch.randn(num_heads, v_dim, KV_LORA_RANK, device="cuda", dtype=BF16) * KV_LORA_RANK ** -0.5
+    cu = torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
+    positions = torch.arange(num_tokens, device="cuda")
+    scale = (nope_dim + ROPE_DIM) ** -0.5
+    args = (q_nope, q_pe, kv_cache, block_table, cu, lens, positions, w_uk, w_uv)
+
+    whole_ms = common.time_eager(lambda: prefill.prefill_attention(*args, softmax_scale=scale, config=config))
+    decompress_ms = common.time_eager(lambda: prefill.decompress_context(kv_cache, block_table, w_uk, w_uv))
+    k_nope, k_pe, value = prefill.decompress_context(kv_cache, block_table, w_uk, w_uv)
+    out = torch.empty(num_tokens, num_heads, v_dim, device="cuda", dtype=BF16)
+    lse = torch.empty(num_tokens, num_heads, device="cuda")
+    kernel_ms = common.time_eager(lambda: prefill.flash_prefill(
+        q_nope, q_pe, k_nope, k_pe, value, cu, lens, positions, out, lse, softmax_scale=scale, config=config))
+    pairs = num_tokens * (num_tokens + 1) // 2
+    flops = prefill.prefill_flops(pairs, num_heads, nope_dim, ROPE_DIM, v_dim, num_tokens, KV_LORA_RANK)
+    row = dict(op="prefill_attention", tokens=num_tokens, heads=num_heads, nope_dim=nope_dim, rope_dim=ROPE_DIM,
+               v_dim=v_dim, kv_lora_rank=KV_LORA_RANK, ms=whole_ms, kernel_ms=kernel_ms,
+               decompress_ms=decompress_ms, flops=flops["total"], attention_flops=flops["attention"],
+               decompress_flops=flops["decompress"],
+               flops_counted="decompressed MLA: 2*(Dn+R+Dv) per visible (query, key) pair per head "
+                             "+ 2*S*C*H*(Dn+Dv) for decompressing the context",
+               TFLOPs=flops["total"] / whole_ms / 1e9,
+               kernel_TFLOPs=flops["attention"] / kernel_ms / 1e9,
+               pct_matmul=100 * flops["total"] / (whole_ms * 1e-3) / ceilings["matmul"],
+               kernel_pct_matmul=100 * flops["attention"] / (kernel_ms * 1e-3) / ceilings["matmul"])
+    if reference:
+        got, got_lse = prefill.prefill_attention(*args, softmax_scale=scale, config=config)
+        expected, expected_lse = ref_attention.prefill_attention(*args, softmax_scale=scale)
+        row["max_err_vs_ref"] = (got.float() - expected.float()).abs().max().item()
+        row["max_lse_err_vs_ref"] = (got_lse - expected_lse).abs().max().item()
+        row["ref_ms"] = common.time_eager(lambda: ref_attention.prefill_attention(*args, softmax_scale=scale),
+                                          warmup_ms=1, rep_ms=1)
+    return row
+
+
+# --- tile sweeps --------------------------------------------------------------------------
+
+def sweep(ceilings):
+    rows = []
+    for cfg in [decode.DecodeConfig(16, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2)]:
+        try:
+            r = bench_decode(128, 4096, 16, ceilings, config=cfg, eager=False)
+        except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+            r = dict(op="mla_decode", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="decode B128 ctx4K H16"))
+    for splits in (1, 2, 3, 4, 6, 8):
+        r = bench_decode(128, 4096, 16, ceilings, num_splits=splits, eager=False)
+        rows.append(dict(r, config="default", case="decode B128 ctx4K H16"))
+    for splits in (1, 2, 4, 8, 16, 32):
+        r = bench_decode(1, 16384, 16, ceilings, num_splits=splits, eager=False)
+        rows.append(dict(r, config="default", case="decode B1 ctx16K H16"))
+    for cfg in [decode.DecodeConfig(h, n, w, 2) for h in (16, 32, 64) for n in (16, 32) for w in (4, 8)]:
+        try:
+            r = bench_decode(64, 4096, 128, ceilings, config=cfg, eager=False)
+        except Exception as exc:
+            r = dict(op="mla_decode", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="decode B64 ctx4K H128"))
+    for cfg in [prefill.PrefillConfig(m, n, w, s) for (m, n, w) in ((128, 64, 8), (128, 128, 8), (64, 64, 4),
+                                                                     (128, 64, 4), (64, 128, 4)) for s in (2, 3)]:
+        try:
+            r = bench_prefill(8192, ceilings, config=cfg)
+        except Exception as exc:
+            r = dict(op="prefill_attention", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="prefill 8K H16"))
+    for cfg in [moe.MoeConfig(16, n, k, w, s) for (n, k) in ((16, 256), (32, 256), (32, 128), (64, 128),
+                                                              (64, 64)) for w in (4, 8) for s in (3, 5)]:
+        try:
+            r = bench_moe(1, ceilings, config=cfg, eager=False)
+        except Exception as exc:
+            r = dict(op="fused_moe", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="moe T1"))
+    for cfg in [moe.MoeConfig(m, n, k, w, 3) for (m, n, k) in ((64, 128, 64), (128, 128, 64), (64, 64, 64))
+                for w in (4, 8)]:
+        try:
+            r = bench_moe(2048, ceilings, config=cfg, eager=False)
+        except Exception as exc:
+            r = dict(op="fused_moe", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="moe T2048"))
+    print("\n== sweep ==")
+    common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("ms", "ms"),
+                              ("GBps", "GB/s"), ("TFLOPs", "TFLOP/s"), ("kernel_TFLOPs", "kern TFLOP/s"),
+                              ("error", "error")])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
+    parser.add_argument("--skip-reference", action="store_true", help="no torch reference timings")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    import triton
+
+    ceilings = {"copy": common.copy_bandwidth(), "matmul": common.matmul_rate()}
+    result = dict(gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(),
+                  commit=common.git_commit(args.commit), torch=torch.__version__, triton=triton.__version__,
+                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                  copy_bandwidth_GBps=ceilings["copy"] / 1e9, bf16_matmul_TFLOPs=ceilings["matmul"] / 1e12,
+                  timing="decode and MoE: CUDA-graph replay, consecutive calls on other pages/experts; "
+                         "eager_ms and prefill: triton.testing.do_bench median, L2 flushed",
+                  cases=[])
+    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write), "
+          f"bf16 mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if args.sweep:
+        sweep(ceilings)
+        return
+
+    ref = not args.skip_reference
+    for num_heads in (16, 128):
+        for num_seqs in (1, 16, 64, 128):
+            for context in (1024, 4096, 16384):
+                check = ref and num_seqs == 16 and context <= 4096
+                result["cases"].append(bench_decode(num_seqs, context, num_heads, ceilings, reference=check))
+                print(".", end="", flush=True)
+    for num_tokens in (1, 16, 2048):
+        result["cases"].append(bench_moe(num_tokens, ceilings, reference=ref and num_tokens <= 16))
+    result["cases"].append(bench_prefill(8192, ceilings, reference=ref))
+    print()
+
+    path = common.write_json(result, args.out, "kernels")
+    rows = []
+    for c in result["cases"]:
+        shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}",
+                 "fused_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}",
+                 "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}"}[c["op"]](c)
+        rows.append(dict(c, shape=shape))
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
+          f"mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s  -> {path}")
+    common.print_table(rows, [("op", "op"), ("shape", "shape"), ("ms", "ms"), ("eager_ms", "eager ms"),
+                              ("GBps", "GB/s"), ("pct_copy", "%copy"), ("TFLOPs", "TFLOP/s"),
+                              ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
+                              ("copy_time_ratio", "t/t_copy"), ("ref_ms", "ref ms"),
+                              ("max_err_vs_ref", "err")])
+
+
+if __name__ == "__main__":
+    main()

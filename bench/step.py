@@ -1,0 +1,198 @@
+"""Decode step latency of the "v2-lite" preset: graphs vs eager vs transformers, against the roofline.
+
+    python bench/step.py [--batches 1 8 32 64 128 256] [--contexts 1024 4096] [--commit SHA]
+
+Each row: one decode step of `batch` sequences with `context` cached tokens each
+(random bf16 weights, KV cache filled with random latents). The roofline is the
+bytes a step must read — every weight it touches (the experts actually selected
+in that step included) plus the KV cache — over the device-to-device copy
+bandwidth measured in the same run. Prints a table and writes JSON under
+bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import mla_func as mf  # noqa: E402
+import mla_func.moe as moe_module  # noqa: E402
+
+BLOCK_SIZE = 64
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
+    blocks_per_seq = math.ceil((context + 1) / BLOCK_SIZE)
+    state = mf.init_state(model.config, num_blocks=1 + batch * blocks_per_seq, block_size=BLOCK_SIZE,
+                          dtype=model.dtype, device="cuda")
+    for cache in state.kv_cache:
+        cache.normal_(0.0, 1.0)
+    plan = mf.StepPlan(decode=tuple(
+        mf.SeqPlan(((17 * i) % model.config.vocab_size,), context,
+                   tuple(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
+        for i in range(batch)
+    ))
+    batch_tensors, mode = step.prepare(state, plan)
+    return state, batch_tensors, mode
+
+
+def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> tuple[int, int, float]:
+    """(weight bytes, KV bytes, mean distinct experts a layer) of one step, from its actual routing."""
+    chosen: list[torch.Tensor] = []
+    real_route = moe_module.route
+
+    def recording_route(*args, **kwargs):
+        weights, ids = real_route(*args, **kwargs)
+        chosen.append(ids)
+        return weights, ids
+
+    moe_module.route = recording_route
+    try:
+        handle = mf.KVCacheState(kv_cache=state.kv_cache)
+        mf.forward(model.params, handle, batch_tensors, mode)
+    finally:
+        moe_module.route = real_route
+    p = model.params
+    weight = nbytes(p.lm_head) + nbytes(p.norm) + mode.num_decode_seqs * p.embed.shape[1] * p.embed.element_size()
+    distinct = []
+    moe_layers = [layer for layer in p.layers if isinstance(layer.mlp, mf.params.MoEParams)]
+    for layer in p.layers:
+        a = layer.attn
+        weight += sum(nbytes(t) for t in (a.kv_a_proj, a.kv_a_norm, a.w_uk, a.w_uv, a.o_proj, a.q_proj,
+                                          a.q_a_proj, a.q_a_norm, a.q_b_proj, layer.input_norm, layer.post_attention_norm))
+        if isinstance(layer.mlp, mf.params.MLPParams):
+            weight += nbytes(layer.mlp.gate_up) + nbytes(layer.mlp.down)
+    for layer, ids in zip(moe_layers, chosen):
+        m = layer.mlp
+        experts = torch.unique(ids[ids >= 0]).numel()
+        distinct.append(experts)
+        per_expert = (nbytes(m.w13) + nbytes(m.w2)) // m.w13.shape[0]
+        weight += nbytes(m.gate) + experts * per_expert
+        if m.shared is not None:
+            weight += nbytes(m.shared.gate_up) + nbytes(m.shared.down)
+    kv = mode.num_decode_seqs * (context + 1) * model.config.kv_cache_dim * model.dtype.itemsize * model.config.num_hidden_layers
+    return weight, kv, sum(distinct) / max(len(distinct), 1)
+
+
+def time_steps(step: mf.Step, state, batch_tensors, mode, iters: int) -> tuple[float, object]:
+    """Wall milliseconds per step over `iters` back-to-back steps (after warm-up), synchronised at the end."""
+    for _ in range(3):
+        state, out = step(state, batch_tensors, mode)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        state, out = step(state, batch_tensors, mode)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / iters, state
+
+
+def transformers_decode(config: mf.ModelConfig, batch: int, context: int, new_tokens: int) -> float:
+    """Milliseconds per decode step of transformers' DeepseekV3ForCausalLM.generate, same shapes, bf16."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf_config = DeepseekV3Config(**{
+        **config.to_hf_dict(), "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
+    })
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(hf_config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, context), device="cuda")
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    generate(2)  # warm-up
+    prefill_only = generate(1)
+    full = generate(1 + new_tokens)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return (full - prefill_only) * 1e3 / new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8],
+                        help="batches (at context 1024) to also run transformers' generate on")
+    parser.add_argument("--hf-new-tokens", type=int, default=16)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+
+    copy_bw = common.copy_bandwidth()
+    model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
+    max_len = max(args.contexts) + 1
+    graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
+                              block_size=BLOCK_SIZE)
+    eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            state, batch_tensors, mode = decode_setup(model, batch, context, graph_step)
+            weight_bytes, kv_bytes, experts = touched_bytes(model, state, batch_tensors, mode, context)
+            roofline_ms = (weight_bytes + kv_bytes) / copy_bw * 1e3
+            graph_ms, state = time_steps(graph_step, state, batch_tensors, mode, args.iters)
+            eager_ms, state = time_steps(eager_step, state, batch_tensors, dataclasses.replace(mode, use_graph=False), args.iters)
+            rows.append(dict(
+                batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
+                graph_tok_s=batch / graph_ms * 1e3, eager_tok_s=batch / eager_ms * 1e3,
+                roofline_tok_s=batch / roofline_ms * 1e3, pct_roofline=100 * roofline_ms / graph_ms,
+                graph_speedup=eager_ms / graph_ms, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
+                experts_per_layer=experts, padded_batch=mode.padded_decode_seqs,
+            ))
+            print(rows[-1], flush=True)
+            del state, batch_tensors
+            torch.cuda.empty_cache()
+    graph_step._memo.clear()
+    del model, graph_step, eager_step
+    gc.collect()
+    torch.cuda.empty_cache()
+    for batch in args.hf_batches:
+        ms = transformers_decode(mf.PRESETS["v2-lite"](), batch, 1024, args.hf_new_tokens)
+        for row in rows:
+            if row["batch"] == batch and row["context"] == 1024:
+                row["hf_ms"] = ms
+                row["hf_tok_s"] = batch / ms * 1e3
+                row["vs_hf"] = row["graph_tok_s"] / row["hf_tok_s"]
+        print(f"transformers batch {batch} context 1024: {ms:.1f} ms/step", flush=True)
+
+    result = dict(
+        benchmark="decode_step", preset="v2-lite", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9, rows=rows,
+    )
+    path = common.write_json(result, args.out, "step")
+    print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
+    common.print_table(rows, [
+        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("eager_ms", "eager ms"),
+        ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("graph_speedup", "graph x"),
+        ("graph_tok_s", "tok/s"), ("hf_tok_s", "hf tok/s"), ("vs_hf", "x hf"), ("experts_per_layer", "experts/layer"),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Offline throughput of the "v2-lite" preset against transformers' batched generate, same requests, same GPU.
+
+    python bench/throughput.py [--num-prompts 256] [--min-input-len 128] [--max-input-len 1024]
+                               [--output-len 256] [--hf-prompts 256] [--commit SHA]
+
+Random bf16 weights; prompts of uniform random length; greedy decoding with no
+early stop, so every request generates exactly --output-len tokens. Prints a
+table and writes JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import mla_func as mf  # noqa: E402
+from mla_func.benchmark import random_requests, run_throughput  # noqa: E402
+
+
+def transformers_throughput(config: mf.ModelConfig, prompts: list[list[int]], output_len: int, batch: int) -> dict:
+    """transformers' DeepseekV3ForCausalLM.generate over `prompts`, `batch` at a time, left-padded."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf_config = DeepseekV3Config(**{**config.to_hf_dict(), "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(hf_config).to(torch.bfloat16).eval()
+    outputs = 0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        group = prompts[start : start + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device="cuda")
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0)
+        outputs += (out.shape[1] - width) * len(group)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    prompt_tokens = sum(len(p) for p in prompts)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(num_prompts=len(prompts), prompt_tokens=prompt_tokens, output_tokens=outputs, seconds=seconds,
+                output_tok_s=outputs / seconds, total_tok_s=(outputs + prompt_tokens) / seconds, batch=batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=128)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--hf-prompts", type=int, default=256, help="how many of the same requests transformers runs")
+    parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+
+    model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
+    ours = run_throughput(
+        model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
+        output_len=args.output_len, backend=args.backend, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+    )
+    print("mla-func:", ours, flush=True)
+    config = model.config
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = [dict(engine="mla-func", **ours)]
+    if args.hf_prompts:
+        prompts = random_requests(config.vocab_size, args.num_prompts, (args.min_input_len, args.max_input_len), 0)
+        hf = transformers_throughput(config, prompts[: args.hf_prompts], args.output_len, args.hf_batch)
+        print("transformers:", hf, flush=True)
+        rows.append(dict(engine="transformers", **hf))
+        rows[0]["vs_transformers"] = ours["output_tok_s"] / hf["output_tok_s"]
+    result = dict(
+        benchmark="throughput", preset="v2-lite", dtype="bfloat16", backend=args.backend,
+        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        torch=torch.__version__, output_len=args.output_len, input_len=[args.min_input_len, args.max_input_len],
+        rows=rows,
+    )
+    path = common.write_json(result, args.out, "throughput")
+    print(f"\n{result['gpu']} -> {path}")
+    common.print_table(rows, [
+        ("engine", "engine"), ("num_prompts", "requests"), ("prompt_tokens", "prompt tok"),
+        ("output_tokens", "output tok"), ("seconds", "s"), ("output_tok_s", "output tok/s"),
+        ("total_tok_s", "total tok/s"), ("vs_transformers", "x transformers"),
+    ])
+
+
+if __name__ == "__main__":
+    main()

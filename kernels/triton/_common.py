@@ -1,0 +1,41 @@
+"""Helpers shared by the Triton op wrappers: launch geometry and dtype rules."""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_dtype
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Under TRITON_INTERPRET=1 (CPU tests) there is no device to size a grid for; a
+# small fixed count keeps the interpreted grids short while still giving
+# split-KV several splits to reduce.
+_INTERPRETER_SM_COUNT = 4
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessor count of `device`: the one hardware fact grid sizes may depend on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SM_COUNT
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise be multiplied in TF32 (10-bit mantissa) on
+    # tensor cores; float32 callers (tests, oracles) expect float32 products.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    check_dtype(name, tensor, FLOAT_DTYPES)
+
+
+def check_unit_stride(name: str, tensor: torch.Tensor) -> None:
+    """Raise unless the last dim is contiguous, which wide vector loads need."""
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name}: expected stride 1 in the last dim, got strides {tuple(tensor.stride())}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

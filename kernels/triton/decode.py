@@ -1,0 +1,310 @@
+"""Absorbed MLA decode over the paged latent cache: split-KV flash decoding.
+
+Stage 1 gives every (sequence, head group, split) program one contiguous slice of
+the sequence's keys and writes a normalised partial output and its LSE; stage 2
+merges the splits by LSE. The number of splits is a function of static shapes
+and the device only (`mla_decode_num_splits`), and each sequence divides its
+*actual* length among them on the device, so a captured graph stays valid for
+any lengths and no step waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import check_float, dot_precision, next_pow2, sm_count
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Tile sizes of the split kernel: heads per program, keys per step, warps, pipeline depth."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H100 by `bench/kernels.py --sweep` (bf16, C=512, R=64). At 16 heads
+# the kernel streams keys, and two pipeline stages matter more than tile width
+# (0.28 ms vs 0.45-0.56 ms unpipelined at B=128, 4K). At 128 heads it is nearly
+# compute-bound: 64 heads a program reuse each key tile 4x more than 16 heads
+# do (0.48 ms vs 0.71 ms at B=64, 4K), given 8 warps to hold the accumulator.
+_GPU_CONFIGS = MappingProxyType({
+    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    32: DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
+    64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+})
+# The interpreter's cost is per program and per step, not per element.
+_INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+# About two split programs fit on a multiprocessor at once. Splits fill that one
+# wave and no more: a partial second wave runs at a fraction of the bandwidth
+# (B=128, 16 heads, 4K on an H100: 2 splits 0.23 ms, 3 splits 0.28 ms, 4 splits
+# 0.24 ms). No split is shorter than _MIN_KEYS_PER_SPLIT keys, below which the
+# partial-result traffic outweighs the gain.
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+
+
+def mla_decode_num_splits(
+    num_seqs: int,
+    num_heads: int,
+    block_table_width: int,
+    block_size: int,
+    device: torch.device | str,
+    config: DecodeConfig | None = None,
+) -> int:
+    """Splits per sequence: depends only on static shapes and the device's multiprocessor count."""
+    device = torch.device(device)
+    config = config or decode_config(num_heads, device)
+    programs = max(1, num_seqs) * triton.cdiv(num_heads, config.block_h)
+    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
+    by_length = triton.cdiv(block_table_width * block_size, _MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def mla_decode_workspace(
+    num_seqs: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    block_table_width: int,
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split partials for `mla_decode(..., workspace=...)`, to allocate once per static shape.
+
+    returns (partial_out [B, H, S, C] float32, partial_lse [B, H, S] float32),
+    S = mla_decode_num_splits(B, H, W, bs, device).
+    """
+    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device)
+    return (
+        torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
+        torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device),
+    )
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
+    num_heads, scale_log2, s_sl,
+    s_qb, s_qh, s_qd,
+    s_kn, s_kb, s_kd,
+    s_btb, s_btw,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b * s_sl)
+    # Whole key tiles per split, so only a split's last tile is ragged.
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seq_len)
+
+    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+    q_nope = tl.load(q_row + offs_c[None, :] * s_qd,
+                     mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK), other=0.0)
+    q_pe = tl.load(q_row + (KV_LORA_RANK + offs_r[None, :]) * s_qd,
+                   mask=head_mask[:, None] & (offs_r[None, :] < ROPE_DIM), other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    # Every iteration holds at least one visible key (start < end), so m_i is
+    # finite after the first and exp2(m_i - m_new) never sees -inf - -inf.
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        key_mask = pos < end
+        page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
+        row = kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb
+        if BLOCK_C == KV_LORA_RANK:
+            c_mask = key_mask[:, None]
+        else:
+            c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
+        if BLOCK_R == ROPE_DIM:
+            r_mask = key_mask[:, None]
+        else:
+            r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
+        k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
+        k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+
+        scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
+        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
+    tl.store(po_row + offs_c[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
+             mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK))
+    tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    po_ptr, pl_ptr, out_ptr, lse_ptr,
+    num_heads,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    s_ob, s_oh, s_lb, s_lh,
+    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    split_mask = offs_s < NUM_SPLITS
+    lse_s = tl.load(pl_ptr + b * s_plb + h * s_plh + offs_s * s_pls, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m)
+    total = tl.sum(w, axis=0)
+    w = w * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+    offs_c = tl.arange(0, BLOCK_C)
+    for c0 in range(0, KV_LORA_RANK, BLOCK_C):
+        c = c0 + offs_c
+        c_mask = c < KV_LORA_RANK
+        parts = tl.load(po_ptr + b * s_pob + h * s_poh + offs_s[:, None] * s_pos + c[None, :] * s_pod,
+                        mask=split_mask[:, None] & c_mask[None, :], other=0.0)
+        out = tl.sum(parts * w[:, None], axis=0)
+        tl.store(out_ptr + b * s_ob + h * s_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: one query token per sequence attends over its latent cache.
+
+    q:           [B, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32
+    kv_cache:    [num_blocks, bs, C + R], same dtype as q
+    block_table: [B, W] int32
+    seq_lens:    [B] int32; keys [0, seq_lens[b]) are attended, 0 marks a padded row
+    workspace:   (partial_out [B, H, S, C] fp32, partial_lse [B, H, S] fp32) from
+                 `mla_decode_workspace`, so that a captured graph allocates only its
+                 outputs; None allocates it here. Unused when S == 1.
+    num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
+    config:      overrides the tile sizes (benchmark sweeps).
+    returns      out [B, H, C] in q's dtype, lse [B, H] float32 (natural log);
+                 a padded row gives out 0, lse -inf.
+    """
+    num_seqs, num_heads, dim = q.shape
+    rope_dim = dim - kv_lora_rank
+    _, block_size, _ = kv_cache.shape
+    check_shape("kv_cache", kv_cache, (None, None, dim))
+    check_shape("block_table", block_table, (num_seqs, None))
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_float("q", q)
+    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_dtype("seq_lens", seq_lens, (torch.int32,))
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+    if not 0 < kv_lora_rank < dim:
+        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    width = block_table.shape[1]
+    device = q.device
+    config = config or decode_config(num_heads, device)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config)
+
+    out = torch.empty((num_seqs, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
+    lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=device)
+    if num_seqs == 0:
+        return out, lse
+    if splits == 1:
+        # One split is already the whole answer: stage 1 writes the outputs
+        # directly (split stride 0) and stage 2 is skipped.
+        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    elif workspace is not None:
+        partial_out, partial_lse = workspace
+        check_shape("workspace[0]", partial_out, (num_seqs, num_heads, splits, kv_lora_rank))
+        check_shape("workspace[1]", partial_lse, (num_seqs, num_heads, splits))
+        check_dtype("workspace[0]", partial_out, (torch.float32,))
+        check_dtype("workspace[1]", partial_lse, (torch.float32,))
+        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
+    else:
+        partial_out = torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device)
+
+    grid = (num_seqs, triton.cdiv(num_heads, config.block_h), splits)
+    _split_kernel[grid](
+        q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
+        num_heads, softmax_scale * _LOG2E, seq_lens.stride(0),
+        *q.stride(), *kv_cache.stride(), *block_table.stride(),
+        *partial_out.stride(), *partial_lse.stride(),
+        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
+        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        PAGE_SIZE=block_size, NUM_SPLITS=splits,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _reduce_kernel[(num_seqs * num_heads,)](
+            partial_out, partial_lse, out, lse,
+            num_heads,
+            *partial_out.stride(), *partial_lse.stride(),
+            *out.stride()[:2], *lse.stride(),
+            KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
+            NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def decode_flops(num_heads: int, total_keys: int, kv_lora_rank: int, rope_dim: int) -> int:
+    """Multiply-adds x 2 of scores (C + R) and of the value product (C) over all keys."""
+    return 2 * num_heads * total_keys * (2 * kv_lora_rank + rope_dim)
+

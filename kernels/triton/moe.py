@@ -1,0 +1,353 @@
+"""Fused mixture-of-experts: expert GEMMs that read only the chosen experts' weights.
+
+Four launches (three for at most 64 pairs), all with static grids sized from T * k and E:
+
+1. `_align_kernel` (one program; folded into the next kernel for few pairs):
+   counting sort of the (token, slot) pairs by expert, each expert's run padded
+   to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted order belong to
+   one expert. Unused rows hold the sentinel
+   T * k; unused blocks get expert -1 and are skipped by the GEMMs.
+2. `_gate_up_kernel`: act = silu(x @ W_gate^T) * (x @ W_up^T) per sorted row.
+3. `_down_kernel`: act @ W_down^T, scaled by the pair's router weight, into a
+   float32 row per (token, slot) pair.
+4. `_combine_kernel`: sums each token's k pair rows, skipping ids of -1.
+
+Nothing is read back to the host, so the whole op can be captured in a graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import check_float, dot_precision, next_pow2
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    block_m: int   # sorted rows per program (one expert each)
+    block_n: int   # output columns per program
+    block_k: int   # reduction step
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H100 by `bench/kernels.py --sweep` for V2-Lite shapes (D=2048,
+# I=1408, bf16). Decode: one live row per expert, so the GEMMs stream weights;
+# narrow column tiles give enough programs to cover every multiprocessor (all
+# candidates ran 47-70 us, this one the fastest). Prefill: 64-row tiles (1.62 ms
+# at 2048 tokens; 128-row tiles 1.73-2.64 ms).
+_GPU_DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+_GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+_INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+
+
+# Up to this many (token, slot) pairs the GEMM programs sort them themselves.
+_INLINE_ALIGN_MAX_PAIRS = 64
+
+
+def moe_config(num_pairs: int, num_experts: int, device: torch.device,
+               dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+    if device.type != "cuda":
+        return _INTERPRETER
+    # Rows per expert on average; below a 16-row tile the tall config only pads.
+    config = _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
+    # float32 tiles take twice the shared memory: one stage less keeps them in it.
+    return replace(config, num_stages=2) if dtype == torch.float32 else config
+
+
+def moe_sorted_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted, padded order: each non-empty expert (at most min(E, T*k)) pads < BLOCK_M rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, num_experts, s_ids_t, s_ids_k,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_f = tl.arange(0, BLOCK_FILL)
+
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + offs_p
+        ids = tl.load(ids_ptr + (pairs // TOP_K) * s_ids_t + (pairs % TOP_K) * s_ids_k,
+                      mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)
+    run_start = run_end - padded
+
+    for r0 in range(0, NUM_ROWS, BLOCK_FILL):
+        rows = r0 + offs_f
+        tl.store(sorted_ptr + rows, tl.full([BLOCK_FILL], 0, tl.int32) + num_pairs, mask=rows < NUM_ROWS)
+    for b0 in range(0, NUM_BLOCKS, BLOCK_FILL):
+        blocks = b0 + offs_f
+        first_row = blocks * BLOCK_M
+        inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
+        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
+        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
+        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < NUM_BLOCKS)
+    # The scatter below overwrites sentinel rows that other threads of this
+    # program filled; the barrier orders those global stores.
+    tl.debug_barrier()
+
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + offs_p
+        ids = tl.load(ids_ptr + (pairs // TOP_K) * s_ids_t + (pairs % TOP_K) * s_ids_k,
+                      mask=pairs < num_pairs, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+        dest = tl.sum(onehot * (run_start + seen)[None, :], axis=1) + rank
+        tl.store(sorted_ptr + dest, pairs, mask=(pairs < num_pairs) & (ids >= 0))
+        seen += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
+                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The counting sort of `_align_kernel`, for one block of rows and all pairs in one tile."""
+    experts = tl.arange(0, BLOCK_E)
+    all_pairs = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + (all_pairs // TOP_K) * s_ids_t + (all_pairs % TOP_K) * s_ids_k,
+                  mask=all_pairs < num_pairs, other=-1)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    padded = tl.cdiv(tl.sum(onehot, axis=0), BLOCK_M) * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)
+    run_start = run_end - padded
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    dest = tl.where(ids >= 0, tl.sum(onehot * run_start[None, :], axis=1) + rank, -1)
+    first_row = block * BLOCK_M
+    inside = (first_row >= run_start) & (first_row < run_end) & (experts < num_experts)
+    expert = tl.where(tl.sum(inside.to(tl.int32), axis=0) > 0, tl.sum(tl.where(inside, experts, 0), axis=0), -1)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    match = dest[None, :] == rows[:, None]
+    pairs = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, all_pairs[None, :], 0), axis=1),
+                     num_pairs)
+    return expert, pairs
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
+    num_pairs, num_experts, hidden, inter,
+    s_xt, s_xd, s_we, s_wn, s_wd, s_ar, s_ai, s_ids_t, s_ids_k,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    block = tl.program_id(0)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INLINE_ALIGN:
+        # Few pairs (decode): every program sorts them itself, which saves the
+        # align launch; the first column of programs publishes the result for
+        # the down kernel.
+        expert, pairs = _block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
+                                       TOP_K, BLOCK_M, BLOCK_E, BLOCK_P)
+        if tl.program_id(1) == 0:
+            tl.store(sorted_ptr + rows, pairs.to(tl.int32))
+            tl.store(block_expert_ptr + block, expert.to(tl.int32))
+    else:
+        expert = tl.load(block_expert_ptr + block)
+        pairs = tl.load(sorted_ptr + rows)
+    if expert >= 0:
+        row_mask = pairs < num_pairs
+        tokens = (pairs // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + tokens[:, None] * s_xt
+        w_gate = w13_ptr + expert.to(tl.int64) * s_we + cols[None, :] * s_wn
+        w_up = w_gate + inter * s_wn
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + offs_k
+            xa = tl.load(x_rows + ks[None, :] * s_xd, mask=row_mask[:, None] & (ks[None, :] < hidden), other=0.0)
+            if EVEN_K and EVEN_N:
+                gate = tl.load(w_gate + ks[:, None] * s_wd)
+                up = tl.load(w_up + ks[:, None] * s_wd)
+            else:
+                w_mask = (ks[:, None] < hidden) & col_mask[None, :]
+                gate = tl.load(w_gate + ks[:, None] * s_wd, mask=w_mask, other=0.0)
+                up = tl.load(w_up + ks[:, None] * s_wd, mask=w_mask, other=0.0)
+            acc_gate = tl.dot(xa, gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(xa, up, acc_up, input_precision=DOT_PRECISION)
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai,
+                 act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, pair_out_ptr,
+    num_pairs, hidden, inter,
+    s_ar, s_ai, s_we, s_wn, s_wk, s_tw_t, s_tw_k, s_pr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_ptr + rows)
+        row_mask = pairs < num_pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = act_ptr + rows[:, None].to(tl.int64) * s_ar
+        w_cols = w2_ptr + expert.to(tl.int64) * s_we + cols[None, :] * s_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + offs_k
+            a = tl.load(a_rows + ks[None, :] * s_ai, mask=row_mask[:, None] & (ks[None, :] < inter), other=0.0)
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_cols + ks[:, None] * s_wk)
+            else:
+                w = tl.load(w_cols + ks[:, None] * s_wk, mask=(ks[:, None] < inter) & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        router = tl.load(weights_ptr + (pairs // TOP_K) * s_tw_t + (pairs % TOP_K) * s_tw_k, mask=row_mask, other=0.0)
+        acc = acc * router[:, None]
+        tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * s_pr + cols[None, :], acc,
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    pair_out_ptr, ids_ptr, out_ptr,
+    hidden, s_pr, s_ids_t, s_ids_k, s_ot,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < hidden
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # A pair with id -1 was never written by the down kernel: skip its row.
+        expert = tl.load(ids_ptr + token * s_ids_t + j * s_ids_k)
+        chosen = col_mask & (tl.zeros([BLOCK_D], dtype=expert.dtype) + expert >= 0)
+        total += tl.load(pair_out_ptr + (token * TOP_K + j) * s_pr + cols, mask=chosen, other=0.0)
+    tl.store(out_ptr + token * s_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of `block_m`.
+
+    topk_ids: [T, k] int32/int64 in [-1, E)
+    returns   sorted_pairs [R] int32: pair index t * k + j in expert order, T * k in
+              padding rows; block_expert [R / block_m] int32: the expert of each
+              block of rows, -1 for unused blocks. R = moe_sorted_size(T * k, E, block_m).
+    Within one expert, pairs keep their original order.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    num_rows = moe_sorted_size(num_pairs, num_experts, block_m)
+    num_blocks = num_rows // block_m
+    sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    block_e = max(2, next_pow2(num_experts))
+    _align_kernel[(1,)](
+        topk_ids, sorted_pairs, block_expert,
+        num_pairs, num_experts, *topk_ids.stride(),
+        TOP_K=top_k, BLOCK_M=block_m, NUM_ROWS=num_rows, NUM_BLOCKS=num_blocks,
+        BLOCK_E=block_e,
+        # Keep the [pairs, experts] one-hot tile at <= 16K elements.
+        BLOCK_P=max(2, min(next_pow2(num_pairs), 16384 // block_e)),
+        BLOCK_FILL=max(2, min(1024, next_pow2(num_rows), 16384 // block_e)),
+        num_warps=4,
+    )
+    return sorted_pairs, block_expert
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+
+    x:            [T, D] bf16 / fp16 / fp32 (any strides)
+    w13:          [E, 2I, D], rows [0, I) gate, [I, 2I) up; same dtype as x
+    w2:           [E, D, I], same dtype as x
+    topk_weights: [T, k] float32
+    topk_ids:     [T, k] int32 / int64 in [-1, E); -1 takes no expert (padded rows).
+                  Ids >= E are not checked (that would need a host sync).
+    returns       [T, D] in x's dtype. Intermediates: act in x's dtype, products
+                  and the k-way sum in float32.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+    check_shape("w13", w13, (num_experts, 2 * inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, inter))
+    check_shape("topk_ids", topk_ids, (num_tokens, None))
+    check_shape("topk_weights", topk_weights, (num_tokens, top_k))
+    check_float("x", x)
+    check_dtype("w13", w13, (x.dtype,))
+    check_dtype("w2", w2, (x.dtype,))
+    check_dtype("topk_weights", topk_weights, (torch.float32,))
+    check_dtype("topk_ids", topk_ids, (torch.int32, torch.int64))
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    device = x.device
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return out.zero_()
+    config = config or moe_config(num_pairs, num_experts, device, x.dtype)
+    bm = config.block_m
+    num_rows = moe_sorted_size(num_pairs, num_experts, bm)
+    num_blocks = num_rows // bm
+
+    block_e = max(2, next_pow2(num_experts))
+    inline_align = num_pairs <= _INLINE_ALIGN_MAX_PAIRS
+    if inline_align:
+        sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    else:
+        sorted_pairs, block_expert = moe_align(topk_ids, num_experts, bm)
+
+    precision = dot_precision(x.dtype)
+    act = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
+        x, w13, topk_ids, sorted_pairs, block_expert, act,
+        num_pairs, num_experts, hidden, inter,
+        *x.stride(), *w13.stride(), *act.stride(), *topk_ids.stride(),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=hidden % config.block_k == 0, EVEN_N=inter % config.block_n == 0,
+        DOT_PRECISION=precision,
+        INLINE_ALIGN=inline_align, BLOCK_E=block_e, BLOCK_P=max(2, next_pow2(num_pairs)),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
+        act, w2, sorted_pairs, block_expert, topk_weights, pair_out,
+        num_pairs, hidden, inter,
+        *act.stride(), *w2.stride(), *topk_weights.stride(), pair_out.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=inter % config.block_k == 0, EVEN_N=hidden % config.block_n == 0,
+        DOT_PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    block_d = min(1024, next_pow2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+        pair_out, topk_ids, out,
+        hidden, pair_out.stride(0), *topk_ids.stride(), out.stride(0),
+        TOP_K=top_k, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out

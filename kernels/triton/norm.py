@@ -1,0 +1,78 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_same_device, check_shape
+from ._common import check_float, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
+    dim, eps,
+    stride_xt, stride_xd, stride_rt, stride_rd, stride_w,
+    stride_yt, stride_ot,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_rt + cols * stride_rd, mask=mask, other=0.0)
+        # Round the sum to the input dtype before taking statistics, as the
+        # unfused `x + residual` would; the rounded sum is also what is returned.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ot + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_yt + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32.
+
+    x, residual: [T, D] same dtype (any strides); weight: [D]
+    returns      y [T, D] in promote(weight, x) dtype; with `residual`,
+                 (y, x + residual) where y normalises the (rounded) sum.
+    """
+    num_tokens, dim = x.shape
+    check_shape("weight", weight, (dim,))
+    check_float("x", x)
+    check_float("weight", weight)
+    if residual is not None:
+        check_shape("residual", residual, (num_tokens, dim))
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual: expected dtype {x.dtype}, got {residual.dtype}")
+        check_same_device(x=x, weight=weight, residual=residual)
+    else:
+        check_same_device(x=x, weight=weight)
+    y = torch.empty((num_tokens, dim), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device) if residual is not None else y
+    if num_tokens > 0:
+        block_d = next_pow2(dim)
+        res = residual if residual is not None else x
+        _rms_norm_kernel[(num_tokens,)](
+            x, res, weight, y, res_out,
+            dim, float(eps),
+            *x.stride(), *res.stride(), weight.stride(0),
+            y.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_D=block_d,
+            # A whole row per program; wider rows get more warps so each thread
+            # holds at most ~16 values.
+            num_warps=max(1, min(16, block_d // 512)),
+        )
+    return y if residual is None else (y, res_out)

@@ -1,0 +1,180 @@
+"""Seeded token sampling on the device, in one batched computation with no host sync.
+
+Randomness is an explicit key, as in JAX: the noise for row i and vocab entry v
+is a counter-based hash of (seeds[i], positions[i], v). A row's token therefore
+depends only on its own logits, sampling settings, seed and position, never on
+its batch-mates, their order, the batch size or how many steps ran before.
+
+Seeds: a request with `SamplingParams.seed` set uses it; for one without, the
+caller draws a seed once when the request arrives (`request_seed`) and keeps it
+for every step of that request, so a preempted and recomputed request, or a
+replayed step, samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# splitmix64's constants. torch int64 arithmetic wraps modulo 2**64, so signed
+# multiplies and adds give the same bits as the unsigned ones the mix is defined with.
+_GAMMA = _i64(0x9E3779B97F4A7C15)
+_M1 = _i64(0xBF58476D1CE4E5B9)
+_M2 = _i64(0x94D049BB133111EB)
+_U23 = 1 << 23
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples.
+
+    temperature:    0 means greedy (argmax); default 1.0 samples from the model's distribution.
+    top_p:          keep the smallest set of most likely tokens whose probability reaches top_p; 1 = off.
+    top_k:          keep the k most likely tokens; 0 = off.
+    max_tokens:     most tokens to generate.
+    seed:           in [0, 2**63); None means the caller draws one per request (`request_seed`).
+    stop_token_ids: sampling one of these stops the request (it is kept in the output).
+    ignore_eos:     do not stop at the tokenizer's end-of-sequence token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(field_name, why):
+            raise ValueError(f"SamplingParams.{field_name} {why}, got {getattr(self, field_name)!r}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            bad("temperature", "must be a finite number >= 0")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an int >= 0 (0 = off)")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an int >= 1")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 1 << 63):
+            bad("seed", "must be None or an int in [0, 2**63)")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            is_int(x) and x >= 0 for x in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a tuple of ints >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def request_seed(params: SamplingParams, rng: random.Random) -> int:
+    """The seed a request samples with: its own, or one drawn from `rng` (call once per request)."""
+    return params.seed if params.seed is not None else rng.getrandbits(63)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the sign copies makes it logical.
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, a bijection of 64-bit values that spreads every input bit."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1) keyed by (seed, position, vocab index).
+
+    seeds [N] int64, positions [N] int64 -> [N, vocab_size] float32.
+    Row key k = mix(mix(seed + G) ^ position); entry v is the top 23 bits of
+    mix(k + (v + 1) * G), i.e. the v-th output of a splitmix64 stream seeded
+    with k, mapped to (b + 0.5) / 2**23 (23 bits so the value stays below 1 in
+    float32).
+    """
+    key = _mix64(_mix64(seeds + _GAMMA) ^ positions)  # [N]
+    counter = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GAMMA)  # [V]
+    bits = _shr(_mix64(key[:, None] + counter[None, :]), 64 - 23)  # [N, V]
+    return (bits.to(torch.float32) + 0.5) * (1.0 / _U23)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    use_top_k_top_p: bool = True,
+) -> torch.Tensor:
+    """Sample one token per row; greedy, temperature, top-k and top-p, no host sync.
+
+    logits      [N, V] float (any float dtype; computed in float32)
+    temperature [N] float: 0 = greedy (argmax of the raw logits)
+    top_k       [N] int: 0 (or >= V) = off
+    top_p       [N] float in (0, 1]: 1 = off
+    seeds       [N] int64, positions [N] int64: the random key of each row
+                (position: the index the sampled token will have in its sequence,
+                or any per-step counter the caller keeps consistent)
+    returns     [N] int64 token ids
+
+    Top-k is applied before top-p, both on the temperature-scaled distribution.
+    Tokens tied with the last kept one are kept too. The draw is Gumbel-max:
+    argmax(logits / T + g) with g = -log(-log(u)) samples softmax(logits / T).
+    `use_top_k_top_p=False` skips the sort when the caller knows every row has
+    top_k = 0 and top_p = 1 (a host-side fact, so no sync).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    n, vocab = logits.shape
+    per_row = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seeds": seeds, "positions": positions}
+    for name, t in per_row.items():
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name} must have shape [{n}] to match logits, got {tuple(t.shape)}")
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+
+    logits = logits.float()
+    greedy = temperature <= 0  # [N]
+    # Greedy rows are divided by 1 so they stay finite; their draw is discarded below.
+    scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]  # [N, V]
+
+    if use_top_k_top_p:
+        sorted_logits, _ = scaled.sort(dim=-1, descending=True)  # [N, V]
+        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).long()  # [N]
+        ranks = torch.arange(vocab, device=logits.device)  # [V]
+        in_top_k = ranks[None, :] < k[:, None]  # [N, V]
+        probs = torch.softmax(sorted_logits.masked_fill(~in_top_k, -math.inf), dim=-1)  # [N, V]
+        # A token is in the nucleus if the mass strictly before it is below top_p (the first always is).
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = (mass_before < top_p.float()[:, None]) & in_top_k  # [N, V], a prefix of each row
+        num_keep = keep.sum(dim=-1).clamp(min=1)  # [N]
+        threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [N, 1]
+        scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))  # [N, V]
+    drawn = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -1,0 +1,65 @@
+"""make_step: the memoized step equals the forward; ladders; misuse raises. (CUDA graphs: test_step_gpu.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_func as mf
+from driver import blocks
+from mla_func.step import padding_ladders
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mf.load_model("tiny", dtype=torch.float64, device="cpu", seed=4)
+
+
+def fresh_state(model):
+    return mf.init_state(model.config, num_blocks=64, block_size=4, dtype=model.dtype)
+
+
+def plan_of(lengths, start=0):
+    return mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(range(2, 2 + n)), start, blocks(i, 6)) for i, n in enumerate(lengths)))
+
+
+def test_step_equals_forward_and_donates(model):
+    step = mf.make_step(model)
+    assert not step.graphs and step.backend == "torch"
+    plan = plan_of([5, 3])
+    state = fresh_state(model)
+    batch, mode = step.prepare(state, plan)
+    want, _ = mf.forward(model.params, fresh_state(model), *mf.plan_step(model.config, fresh_state(model), plan))
+    new_state, out = step(state, batch, mode)
+    assert torch.equal(out.logits, want) and out.logits.shape[0] == mode.num_logits and not out.graph
+    with pytest.raises(mf.DonatedStateError):
+        step(state, batch, mode)
+    assert not new_state.is_donated
+
+
+def test_padded_step_equals_exact_step(model):
+    ladder = mf.PaddingPolicy(decode_seqs=(2, 4), prefill_tokens=(16, 32), prefill_seqs=(4,), block_table_widths=(8,))
+    plan = plan_of([5, 3, 6])
+    exact_step, padded_step = mf.make_step(model), mf.make_step(model, padding=ladder)
+    batch, mode = padded_step.prepare(fresh_state(model), plan)
+    assert (mode.padded_prefill_tokens, mode.padded_prefill_seqs, mode.block_table_width) == (16, 4, 8)
+    _, padded = padded_step(fresh_state(model), batch, mode)
+    _, exact = exact_step(fresh_state(model), *exact_step.prepare(fresh_state(model), plan))
+    torch.testing.assert_close(padded.logits, exact.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mode_from_another_backend_is_refused(model):
+    step = mf.make_step(model)
+    state = fresh_state(model)
+    batch, mode = mf.plan_step(model.config, state, plan_of([2]), backend="triton")
+    with pytest.raises(ValueError, match="decided for backend 'triton'"):
+        step(state, batch, mode)
+
+
+def test_default_ladders():
+    p = padding_ladders(max_num_seqs=100, max_num_batched_tokens=3000, max_blocks_per_seq=40)
+    assert p.decode_seqs[:5] == (1, 2, 4, 8, 16) and p.decode_seqs[-1] == 100
+    steps = [b - a for a, b in zip(p.decode_seqs, p.decode_seqs[1:])]
+    assert all(s in (8, 16) for s in steps[3:-1])
+    assert p.prefill_tokens == (16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
+    assert p.block_table_widths[-1] == 40 and p.prefill_seqs[-1] == 100

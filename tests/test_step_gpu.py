@@ -1,0 +1,171 @@
+"""CUDA graphs as memoization: graph == eager on every key, padded sizes and the eager fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mla_func as mf
+from driver import blocks
+
+pytestmark = pytest.mark.gpu
+
+LADDER = mf.PaddingPolicy(decode_seqs=(1, 2, 4, 8), prefill_tokens=(16, 32, 64), prefill_seqs=(1, 2, 4),
+                          block_table_widths=(4, 8, 16))
+BLOCK_SIZE = 4
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mf.load_model("tiny", dtype=torch.float32, device="cuda", seed=7)
+
+
+def fresh_state(model):
+    return mf.init_state(model.config, num_blocks=128, block_size=BLOCK_SIZE, dtype=model.dtype, device="cuda")
+
+
+def clone_state(state):
+    return mf.KVCacheState(kv_cache=tuple(c.clone() for c in state.kv_cache))
+
+
+def with_context(model, contexts):
+    """A state where sequence i holds contexts[i] tokens (written eagerly)."""
+    state = fresh_state(model)
+    seqs = tuple(mf.SeqPlan(tuple((5 * i + k) % 500 for k in range(n)), 0, blocks(i, 12), 0) for i, n in enumerate(contexts) if n)
+    if seqs:
+        batch, mode = mf.plan_step(model.config, state, mf.StepPlan(prefill=seqs))
+        _, state = mf.forward(model.params, state, batch, mode)
+    return state
+
+
+def decode_plan(contexts):
+    return mf.StepPlan(decode=tuple(mf.SeqPlan((7 + i,), n, blocks(i, 12)) for i, n in enumerate(contexts)))
+
+
+def prefill_plan(lengths, offset=0):
+    return mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(range(3, 3 + n)), 0, blocks(offset + i, 12)) for i, n in enumerate(lengths)))
+
+
+def compare(model, backend, state, plan):
+    """Run `plan` through a graph step and an eager step with the same padding; compare everything."""
+    graph_step = mf.make_step(model, backend=backend, padding=LADDER)
+    eager_step = mf.make_step(model, backend=backend, padding=LADDER, graphs=False)
+    g_state, e_state = clone_state(state), clone_state(state)
+    g_batch, g_mode = graph_step.prepare(g_state, plan)
+    e_batch, e_mode = eager_step.prepare(e_state, plan)
+    assert dataclasses.replace(g_mode, use_graph=False) == e_mode
+    g_state, g_out = graph_step(g_state, g_batch, g_mode)
+    # replay a second time over a fresh copy: the replay path, not only the capture's warm-up
+    again_state = clone_state(state)
+    again_batch, again_mode = graph_step.prepare(again_state, plan)
+    again_state, again_out = graph_step(again_state, again_batch, again_mode)
+    e_state, e_out = eager_step(e_state, e_batch, e_mode)
+    torch.cuda.synchronize()
+    if g_mode.use_graph:
+        assert g_out.graph and again_out.graph
+    for out in (g_out, again_out):
+        torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
+    for g_cache, e_cache in zip(again_state.kv_cache, e_state.kv_cache):
+        torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=1e-6, atol=1e-6)  # block 0 is scratch
+    return g_mode
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 7, 8, 9])
+def test_decode_graph_equals_eager(model, backend, num_seqs):
+    contexts = [3 + 5 * i for i in range(num_seqs)]
+    mode = compare(model, backend, with_context(model, contexts), decode_plan(contexts))
+    assert mode.use_graph == (num_seqs <= 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths", [[16], [15], [9, 6], [32], [31, 1, 1], [20, 20, 20, 4], [40, 40]])
+def test_prefill_graph_equals_eager(model, backend, lengths):
+    mode = compare(model, backend, fresh_state(model), prefill_plan(lengths))
+    assert mode.use_graph == (sum(lengths) <= 64 and len(lengths) <= 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths, contexts", [([5], [9]), ([16], [3, 4]), ([11, 4], [8, 8, 8]), ([60, 10], [2])])
+def test_mixed_graph_equals_eager(model, backend, lengths, contexts):
+    state = with_context(model, contexts)
+    decode = decode_plan(contexts).decode
+    prefill = prefill_plan(lengths, offset=len(contexts)).prefill
+    mode = compare(model, backend, state, mf.StepPlan(prefill=prefill, decode=decode))
+    assert mode.kind == "mixed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_graph_and_eager_agree_for_64_steps(model, backend):
+    prompts = [[11, 12, 13, 14, 15], [200, 3, 99], [42]]
+
+    def generate(graphs):
+        step = mf.make_step(model, backend=backend, padding=mf.PaddingPolicy(
+            decode_seqs=(1, 2, 4), prefill_tokens=(16,), prefill_seqs=(4,), block_table_widths=(8, 16, 32)), graphs=graphs)
+        state = fresh_state(model)
+        plan = mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(p), 0, blocks(i, 24)) for i, p in enumerate(prompts)))
+        state, out = step(state, *step.prepare(state, plan))
+        tokens = [[int(t)] for t in out.logits.argmax(-1)]
+        for _ in range(63):
+            plan = mf.StepPlan(decode=tuple(
+                mf.SeqPlan((toks[-1],), len(p) + len(toks) - 1, blocks(i, 24)) for i, (p, toks) in enumerate(zip(prompts, tokens))
+            ))
+            state, out = step(state, *step.prepare(state, plan))
+            for toks, t in zip(tokens, out.logits.argmax(-1).tolist()):
+                toks.append(t)
+        return tokens, step
+
+    graph_tokens, graph_step = generate(True)
+    eager_tokens, _ = generate(False)
+    assert graph_tokens == eager_tokens
+    assert len(graph_step.captured_keys) >= 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_host_sync_inside_a_step(model, backend):
+    step = mf.make_step(model, backend=backend, padding=LADDER)
+    contexts = [4, 9]
+    state = with_context(model, contexts)
+    plans = [decode_plan(contexts), prefill_plan([7, 5], offset=2),
+             mf.StepPlan(prefill=prefill_plan([6], offset=4).prefill, decode=decode_plan([5, 10]).decode)]
+    prepared = []
+    for plan in plans:  # capture first: capture itself synchronises by design
+        batch, mode = step.prepare(state, plan)
+        state, _ = step(state, batch, mode)
+        prepared.append(step.prepare(state, plan))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch, mode in prepared:
+            state, out = step(state, batch, mode)
+            assert out.graph
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_stale_state_raises_and_capture_errors_reach_the_caller(model, monkeypatch):
+    step = mf.make_step(model, backend="torch", padding=LADDER)
+    state = with_context(model, [4])
+    batch, mode = step.prepare(state, decode_plan([4]))
+
+    import mla_func.step as step_module
+
+    real_forward = step_module.forward
+
+    def failing_forward(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="injected capture failure"):
+        step(state, batch, mode)
+    assert step.captured_keys == ()  # nothing half-registered
+    monkeypatch.setattr(step_module, "forward", real_forward)
+    new_state, out = step(state, batch, mode)
+    assert out.graph and step.captured_keys == (mode.static_key,)
+    with pytest.raises(mf.DonatedStateError):
+        step(state, batch, mode)
