@@ -35,7 +35,7 @@ def project_latent(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops
     """x [T, D] -> (normalised c_kv [T, C], k_pe [T, R] before rotation)."""
     latent = F.linear(x, p.kv_a_proj)
     c_kv, k_pe = latent.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
-    return ops.rms_norm(c_kv.contiguous(), p.kv_a_norm, LATENT_NORM_EPS), k_pe
+    return ops.rms_norm(c_kv, p.kv_a_norm, LATENT_NORM_EPS), k_pe
 
 
 def decode_attention(

@@ -194,16 +194,16 @@ def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.devi
     """Random weights with the shapes of `config`, made on `device`, through the checkpoint path."""
     shapes = hf_tensor_shapes(config)
     generator = torch.Generator(device=device).manual_seed(seed)
-    init_dtype = torch.float32 if dtype == torch.float64 else dtype
 
     def fetch(name: str) -> torch.Tensor:
         shape = shapes[name]
         if name.endswith("e_score_correction_bias"):
             return torch.zeros(shape, device=device)
         if len(shape) == 1:  # norm weights
-            return torch.ones(shape, device=device, dtype=init_dtype)
-        # std 1/sqrt(fan_in) keeps activations of order one through every layer.
+            return torch.ones(shape, device=device)
+        # std 1/sqrt(fan_in) keeps activations of order one through every layer. Drawn in
+        # float32 (and cast by params_from_hf), so a seed gives the same weights in every dtype.
         std = shape[1] ** -0.5
-        return torch.empty(shape, device=device, dtype=init_dtype).normal_(0.0, std, generator=generator)
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
     return Model(config=config, params=params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress))

@@ -31,7 +31,7 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
     """
     c = config
     acc = torch.promote_types(x.dtype, torch.float32)
-    logits = F.linear(x.to(acc), p.gate.to(acc))                        # [T, E]
+    logits = F.linear(x.to(acc), p.gate if p.gate.dtype == acc else p.gate.to(acc))  # [T, E]
     scores = logits.softmax(dim=-1) if c.scoring_func == "softmax" else logits.sigmoid()
     choice = scores if p.e_score_correction_bias is None else scores + p.e_score_correction_bias
     if c.topk_method in ("group_limited_greedy", "noaux_tc"):
@@ -47,7 +47,8 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
     topk_weights = scores.gather(1, topk_ids)
     if c.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    topk_weights = topk_weights * c.routed_scaling_factor
+    if c.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * c.routed_scaling_factor
     topk_weights = topk_weights.masked_fill(~valid.unsqueeze(-1), 0.0)
     topk_ids = topk_ids.masked_fill(~valid.unsqueeze(-1), -1)
     return topk_weights, topk_ids

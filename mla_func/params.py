@@ -50,7 +50,7 @@ class MLPParams:
 class MoEParams:
     """Routed experts, their router, and the shared experts (one MLP of n_shared * I)."""
 
-    gate: torch.Tensor                    # [E, D] router weight
+    gate: torch.Tensor                    # [E, D] router weight, float32 (or float64 in a float64 model)
     w13: torch.Tensor                     # [E, 2I, D]
     w2: torch.Tensor                      # [E, D, I]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
@@ -227,7 +227,8 @@ def params_from_hf(
         if c.is_moe_layer(i):
             experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts)]
             block: MLPParams | MoEParams = MoEParams(
-                gate=get(m + "gate.weight"),
+                # Routing runs in at least float32; holding the router there saves a cast per step.
+                gate=get(m + "gate.weight").to(torch.promote_types(dtype, torch.float32)),
                 w13=torch.stack([e.gate_up for e in experts]),
                 w2=torch.stack([e.down for e in experts]),
                 e_score_correction_bias=(

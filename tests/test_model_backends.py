@@ -46,13 +46,31 @@ def test_greedy_tokens_identical_in_float32(block_size):
     assert greedy(model, "triton", prompts, 6, block_size) == greedy(model, "torch", prompts, 6, block_size)
 
 
-def test_bfloat16_logits_within_bf16_tolerance():
-    model = mf.load_model("tiny", dtype=torch.bfloat16, device=DEVICE, seed=22)
+def row_errors(got, truth):
+    """[rows] max |got - truth| / max |truth| of each logits row."""
+    got, truth = got.double(), truth.double()
+    return (got - truth).abs().amax(-1) / truth.abs().amax(-1)
+
+
+@pytest.mark.parametrize("seed", [22, 23, 24])
+def test_bfloat16_logits_within_bf16_tolerance(seed):
+    """Triton in bf16 is as close to the float64 truth as the torch reference in bf16 is.
+
+    Judged by the median row error and by top-1 agreement: in bf16 a near-tie in
+    routing can send a row to another expert on either backend, so single rows may
+    differ by far more than rounding (seen on GPU for both backends alike).
+    """
     plans = [
         mf.StepPlan(prefill=(mf.SeqPlan(tuple(range(3, 24)), 0, blocks(0, 8), 21), mf.SeqPlan((9, 8, 7), 0, blocks(1, 8), 3))),
         mf.StepPlan(prefill=(mf.SeqPlan((40, 41, 42), 3, blocks(1, 8), 3),), decode=(mf.SeqPlan((50,), 21, blocks(0, 8)),)),
     ]
-    want = run_plan(model, "torch", plans, 16)
-    got = run_plan(model, "triton", plans, 16)
-    # bf16 carries 8 significant bits; a few roundings through 3 layers stay well inside 3%.
-    assert rel_err(got, want) <= 3e-2
+    truth = run_plan(mf.load_model("tiny", dtype=torch.float64, device=DEVICE, seed=seed), "torch", plans, 16)
+    model = mf.load_model("tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+    reference = run_plan(model, "torch", plans, 16)
+    triton = run_plan(model, "triton", plans, 16)
+    reference_error = row_errors(reference, truth).median().item()
+    assert 0 < reference_error < 0.05  # bf16 rounding is visible, and bounded
+    assert row_errors(triton, truth).median().item() <= 1.5 * reference_error + 5e-3
+    top1 = truth.argmax(-1)
+    reference_agree = (reference.argmax(-1) == top1).float().mean().item()
+    assert (triton.argmax(-1) == top1).float().mean().item() >= reference_agree - 0.1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..reference import rope as ref_rope
 from ..registry import Ops
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
@@ -10,6 +9,7 @@ from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
 from .prefill import prefill_attention
+from .rope import rope
 
 __all__ = [
     "fused_moe",
@@ -20,6 +20,7 @@ __all__ = [
     "ops",
     "prefill_attention",
     "rms_norm",
+    "rope",
     "write_kv",
 ]
 
@@ -34,8 +35,5 @@ def ops() -> Ops:
         merge_attn_states=merge_attn_states,
         fused_moe=fused_moe,
         rms_norm=rms_norm,
-        # RoPE touches [T, H, 64] + [T, 64] elements per layer, a few microseconds
-        # of elementwise torch ops; it stays the reference until it is fused into
-        # the q/kv projection epilogue, where a kernel would pay off.
-        rope=ref_rope.rope,
+        rope=rope,
     )

@@ -1,0 +1,87 @@
+"""Rotary embedding of q_pe and k_pe in one launch.
+
+The reference spends some twenty elementwise kernels a layer on this (gathers of
+the tables, casts, strided halves, a concatenation); at decode batch sizes each
+is a few microseconds of launch-bound time, which one program per token removes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_same_device, check_shape
+from ._common import check_float, next_pow2
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    num_heads,
+    s_qt, s_qh, s_qd, s_kt, s_kd, s_qot, s_qoh, s_kot, s_ct, s_st,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * s_ct + i).to(tl.float32)
+    s = tl.load(sin_ptr + pos * s_st + i).to(tl.float32)
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + HALF
+    heads = tl.arange(0, BLOCK_H)
+    hmask = (heads < num_heads)[:, None]
+    q_row = q_ptr + t * s_qt + heads[:, None] * s_qh
+    x1 = tl.load(q_row + first[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_row + second[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    out_row = q_out_ptr + t * s_qot + heads[:, None] * s_qoh
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(out_row + i[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(out_ty), mask=hmask)
+    tl.store(out_row + HALF + i[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(out_ty), mask=hmask)
+    k1 = tl.load(k_ptr + t * s_kt + first * s_kd).to(tl.float32)
+    k2 = tl.load(k_ptr + t * s_kt + second * s_kd).to(tl.float32)
+    tl.store(k_out_ptr + t * s_kot + i, (k1 * c - k2 * s).to(k_out_ptr.dtype.element_ty))
+    tl.store(k_out_ptr + t * s_kot + HALF + i, (k2 * c + k1 * s).to(k_out_ptr.dtype.element_ty))
+
+
+def rope(
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q_pe [T, H, R] and k_pe [T, R] (any strides) by the angles at `positions` [T].
+
+    cos, sin: [max_positions, R / 2] float tables; R / 2 must be a power of two.
+    returns   new contiguous (q_pe [T, H, R], k_pe [T, R]) in the half-split layout,
+              as the reference: rotation in float32, rounded once to the input dtype.
+    """
+    num_tokens, num_heads, rope_dim = q_pe.shape
+    half = rope_dim // 2
+    check_shape("k_pe", k_pe, (num_tokens, rope_dim))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("cos", cos, (None, half))
+    check_shape("sin", sin, tuple(cos.shape))
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
+    check_float("q_pe", q_pe)
+    check_float("k_pe", k_pe)
+    check_same_device(q_pe=q_pe, k_pe=k_pe, positions=positions, cos=cos, sin=sin)
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
+    k_out = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+    if num_tokens:
+        _rope_kernel[(num_tokens,)](
+            q_pe, k_pe, q_out, k_out, positions, cos, sin,
+            num_heads,
+            q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), cos.stride(0), sin.stride(0),
+            HALF=half, INTERLEAVED=interleaved, BLOCK_H=next_pow2(num_heads),
+        )
+    return q_out, k_out
