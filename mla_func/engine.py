@@ -282,16 +282,20 @@ class Engine:
         if not with_logits:
             return [None] * len(rows)
         settings = [live[scheduled.request_ids[i]].sampling_params for i in with_logits]
-        device = out.logits.device
-        tokens = sample(
-            out.logits,
-            temperature=torch.tensor([p.temperature for p, _, _ in settings], device=device),
-            top_k=torch.tensor([p.top_k for p, _, _ in settings], device=device),
-            top_p=torch.tensor([p.top_p for p, _, _ in settings], device=device),
-            seeds=torch.tensor([seed for _, seed, _ in settings], dtype=torch.int64, device=device),
-            positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
-            use_top_k_top_p=any(p.top_k or p.top_p < 1 for p, _, _ in settings),
-        ).tolist()
+        if all(p.temperature == 0 for p, _, _ in settings):
+            # Greedy rows need no noise: skip the [N, V] draw (a host-side fact, so no sync).
+            tokens = out.logits.argmax(dim=-1).tolist()
+        else:
+            device = out.logits.device
+            tokens = sample(
+                out.logits,
+                temperature=torch.tensor([p.temperature for p, _, _ in settings], device=device),
+                top_k=torch.tensor([p.top_k for p, _, _ in settings], device=device),
+                top_p=torch.tensor([p.top_p for p, _, _ in settings], device=device),
+                seeds=torch.tensor([seed for _, seed, _ in settings], dtype=torch.int64, device=device),
+                positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
+                use_top_k_top_p=any(p.top_k or p.top_p < 1 for p, _, _ in settings),
+            ).tolist()
         sampled: list[int | None] = [None] * len(rows)
         for i, token in zip(with_logits, tokens):
             sampled[i] = token

@@ -65,12 +65,14 @@ def moe_sorted_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
-@triton.jit
+# Sizes that follow the step's token count are plain (unspecialised) arguments:
+# as constexprs or specialised ints, every new token count of an eager step
+# would compile the kernel again.
+@triton.jit(do_not_specialize=["num_pairs", "num_rows", "num_blocks"])
 def _align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr,
-    num_pairs, num_experts, s_ids_t, s_ids_k,
+    num_pairs, num_rows, num_blocks, num_experts, s_ids_t, s_ids_k,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    NUM_ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr,
 ):
     experts = tl.arange(0, BLOCK_E)
@@ -87,16 +89,16 @@ def _align_kernel(
     run_end = tl.cumsum(padded, axis=0)
     run_start = run_end - padded
 
-    for r0 in range(0, NUM_ROWS, BLOCK_FILL):
+    for r0 in range(0, num_rows, BLOCK_FILL):
         rows = r0 + offs_f
-        tl.store(sorted_ptr + rows, tl.full([BLOCK_FILL], 0, tl.int32) + num_pairs, mask=rows < NUM_ROWS)
-    for b0 in range(0, NUM_BLOCKS, BLOCK_FILL):
+        tl.store(sorted_ptr + rows, tl.full([BLOCK_FILL], 0, tl.int32) + num_pairs, mask=rows < num_rows)
+    for b0 in range(0, num_blocks, BLOCK_FILL):
         blocks = b0 + offs_f
         first_row = blocks * BLOCK_M
         inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
         owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
         owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < NUM_BLOCKS)
+        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < num_blocks)
     # The scatter below overwrites sentinel rows that other threads of this
     # program filled; the barrier orders those global stores.
     tl.debug_barrier()
@@ -137,7 +139,7 @@ def _block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
     return expert, pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
     num_pairs, num_experts, hidden, inter,
@@ -188,7 +190,7 @@ def _gate_up_kernel(
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, pair_out_ptr,
     num_pairs, hidden, inter,
@@ -258,8 +260,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = max(2, next_pow2(num_experts))
     _align_kernel[(1,)](
         topk_ids, sorted_pairs, block_expert,
-        num_pairs, num_experts, *topk_ids.stride(),
-        TOP_K=top_k, BLOCK_M=block_m, NUM_ROWS=num_rows, NUM_BLOCKS=num_blocks,
+        num_pairs, num_rows, num_blocks, num_experts, *topk_ids.stride(),
+        TOP_K=top_k, BLOCK_M=block_m,
         BLOCK_E=block_e,
         # Keep the [pairs, experts] one-hot tile at <= 16K elements.
         BLOCK_P=max(2, min(next_pow2(num_pairs), 16384 // block_e)),

@@ -80,7 +80,9 @@ def _attend_tile(q_nope, q_pe, kn_ptrs, kr_ptrs, v_ptrs, key_mask, visible, acc,
     return acc, m_new, l_i
 
 
-@triton.jit
+# The step's token and sequence counts stay unspecialised so that eager steps of
+# new sizes reuse the compiled kernel.
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def _prefill_kernel(
     qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr,
     cu_q_ptr, seq_lens_ptr, pos_ptr, out_ptr, lse_ptr,
