@@ -1,0 +1,112 @@
+"""Writing a params pytree back out as a Hugging Face checkpoint folder.
+
+`params_to_hf` is the inverse of `mla_func.params.params_from_hf`: it undoes the
+two load-time reshapes (per-head `w_uk` / `w_uv` back into `kv_b_proj`, stacked
+experts back into one gate/up/down triple per expert) and names every tensor as
+`hf_tensor_shapes` does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import ModelConfig
+from ..params import MLPParams, MoEParams, Params, hf_tensor_shapes
+
+
+def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
+    gate, up = p.gate_up.chunk(2, dim=0)                                # [I, D] each
+    return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up, prefix + "down_proj.weight": p.down}
+
+
+def params_to_hf(params: Params) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint of `params.config`, by name (views where possible).
+
+    The result has exactly the names and shapes of `hf_tensor_shapes(params.config)`,
+    so `params_from_hf(config, out.__getitem__, ...)` rebuilds equal params.
+    """
+    c = params.config
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.norm}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = params.lm_head
+    for i, layer in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.input_norm
+        out[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
+        a, attn = p + "self_attn.", layer.attn
+        if attn.q_proj is not None:
+            out[a + "q_proj.weight"] = attn.q_proj
+        else:
+            out[a + "q_a_proj.weight"] = attn.q_a_proj
+            out[a + "q_a_layernorm.weight"] = attn.q_a_norm
+            out[a + "q_b_proj.weight"] = attn.q_b_proj
+        out[a + "kv_a_proj_with_mqa.weight"] = attn.kv_a_proj
+        out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
+        # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
+        out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
+        out[a + "o_proj.weight"] = attn.o_proj
+        m = p + "mlp."
+        if isinstance(layer.mlp, MoEParams):
+            moe = layer.mlp
+            out[m + "gate.weight"] = moe.gate
+            if moe.e_score_correction_bias is not None:
+                out[m + "gate.e_score_correction_bias"] = moe.e_score_correction_bias
+            for j in range(moe.w13.shape[0]):
+                out.update(_mlp_to_hf(f"{m}experts.{j}.", MLPParams(gate_up=moe.w13[j], down=moe.w2[j])))
+            if moe.shared is not None:
+                out.update(_mlp_to_hf(m + "shared_experts.", moe.shared))
+        else:
+            out.update(_mlp_to_hf(m, layer.mlp))
+    _check_names(c, out)
+    return out
+
+
+def _check_names(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    expected = hf_tensor_shapes(config)
+    if set(expected) != set(tensors):
+        raise ValueError(
+            f"params_to_hf: names differ from hf_tensor_shapes: missing {sorted(set(expected) - set(tensors))}, "
+            f"extra {sorted(set(tensors) - set(expected))}"
+        )
+    wrong = {n: (tuple(t.shape), expected[n]) for n, t in tensors.items() if tuple(t.shape) != expected[n]}
+    if wrong:
+        raise ValueError(f"params_to_hf: shapes differ from hf_tensor_shapes (got, expected): {wrong}")
+
+
+def save_checkpoint(
+    folder: str | Path,
+    params: Params,
+    *,
+    weight_dtype: torch.dtype = torch.bfloat16,
+    tokenizer: Any = None,
+    extra_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write config.json, model.safetensors (and tokenizer.json when given) into `folder`.
+
+    weight_dtype: storage dtype of the weights. The noaux_tc correction bias stays
+                  float32: it only steers the top-k choice, where bf16 rounding
+                  would flip near-tied experts.
+    extra_config: more config.json fields (e.g. bos_token_id).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in params_to_hf(params).items():
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else weight_dtype
+        # safetensors wants each tensor to own contiguous memory (no shared views).
+        tensors[name] = t.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+    weights = folder / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    weights.chmod(0o644)  # the writer makes it owner-only; the file is meant to be shipped and read by anyone
+    config = params.config.to_hf_dict()
+    config["dtype"] = str(weight_dtype).removeprefix("torch.")
+    config.update(extra_config or {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(folder / "tokenizer.json"))
+    return folder

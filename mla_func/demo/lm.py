@@ -1,0 +1,118 @@
+"""Language-model steps on the pure forward: scoring packed windows, perplexity, generation.
+
+A *window* is a list of `L + 1` token ids: its first `L` are fed, its last `L`
+are the next-token targets (see `data.pack`). Several windows run as one prefill
+step, each a sequence with its own blocks of a fresh cache and every one of its
+rows producing logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import Model
+from ..config import ModelConfig
+from ..forward import forward
+from ..params import Params
+from ..plan import SeqPlan, StepPlan
+from ..stepping import init_state, plan_step
+
+
+def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block_size: int, device="cpu"):
+    """The prefill step of `windows` (B windows of L + 1 tokens) on a fresh cache.
+
+    returns (state, batch, mode, targets [B * L] int64); the step's logits rows are
+            the B * L fed tokens in order, so they line up with `targets`.
+    """
+    blocks_per_seq = -(-(len(windows[0]) - 1) // block_size)
+    seqs = []
+    for b, window in enumerate(windows):
+        first = 1 + b * blocks_per_seq  # block 0 is the cache's scratch block
+        seqs.append(SeqPlan(tuple(window[:-1]), 0, tuple(range(first, first + blocks_per_seq)), len(window) - 1))
+    # A fresh zeroed cache per step: a training step is a pure function of its windows.
+    state = init_state(config, num_blocks=1 + len(windows) * blocks_per_seq, block_size=block_size, device=device)
+    batch, mode = plan_step(config, state, StepPlan(prefill=tuple(seqs)), backend="torch")
+    targets = torch.tensor([t for w in windows for t in w[1:]], dtype=torch.int64, device=device)
+    return state, batch, mode, targets
+
+
+def windows_loss(params: Params, windows: Sequence[Sequence[int]], *, block_size: int) -> torch.Tensor:
+    """Mean next-token cross entropy (nats, scalar) over every target of `windows`.
+
+    Differentiable in `params` (the cache is written out of place, `copy=True`).
+    """
+    state, batch, mode, targets = windows_step(params.config, windows, block_size=block_size, device=params.embed.device)
+    logits, _ = forward(params, state, batch, mode, copy=True)         # [B * L, V] float32
+    return F.cross_entropy(logits[: mode.num_logits], targets)
+
+
+@torch.no_grad()
+def perplexity(params: Params, windows: Sequence[Sequence[int]], *, batch_size: int = 4, block_size: int = 64) -> tuple[float, int]:
+    """exp(mean next-token NLL) over every target of `windows`, and the number of targets.
+
+    Windows are scored `batch_size` at a time; the sum of NLLs is kept in float64
+    so the result does not depend on the batching beyond float32 logits.
+    """
+    if not windows:
+        raise ValueError("perplexity: no windows to score")
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        chunk = windows[i : i + batch_size]
+        state, batch, mode, targets = windows_step(params.config, chunk, block_size=block_size, device=params.embed.device)
+        logits, _ = forward(params, state, batch, mode)
+        nll = F.cross_entropy(logits[: mode.num_logits].double(), targets, reduction="sum")
+        total += float(nll)
+        count += targets.numel()
+    return math.exp(total / count), count
+
+
+@torch.no_grad()
+def generate(
+    model: Model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int = 16,
+) -> list[int]:
+    """Continue `prompt_ids`: one prefill step, then one decode step per new token.
+
+    temperature 0 is greedy (argmax); otherwise tokens are sampled from
+    softmax(logits / temperature) with a generator seeded by `seed`.
+    Returns the new token ids (stopping after the first of `stop_token_ids`).
+    """
+    if not prompt_ids:
+        raise ValueError("generate: the prompt is empty (give at least the bos token)")
+    config, params = model.config, model.params
+    total = len(prompt_ids) + max_new_tokens
+    if total > config.max_position_embeddings:
+        raise ValueError(f"generate: {total} positions exceed max_position_embeddings={config.max_position_embeddings}")
+    table = tuple(range(1, 1 + -(-total // block_size)))
+    state = init_state(config, num_blocks=1 + len(table), block_size=block_size, dtype=model.dtype, device=model.device)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> int:
+        if temperature <= 0:
+            return int(logits[0].argmax())
+        probs = torch.softmax(logits[0].double() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    plan = StepPlan(prefill=(SeqPlan(tuple(prompt_ids), 0, table, 1),))
+    out: list[int] = []
+    pos = len(prompt_ids)
+    while len(out) < max_new_tokens:
+        batch, mode = plan_step(config, state, plan)
+        logits, state = forward(params, state, batch, mode)             # [1, V]
+        token = pick(logits)
+        out.append(token)
+        if token in stop_token_ids:
+            break
+        plan = StepPlan(decode=(SeqPlan((token,), pos, table, 1),))
+        pos += 1
+    return out
