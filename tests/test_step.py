@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,3 +65,23 @@ def test_default_ladders():
     assert all(s in (8, 16) for s in steps[3:-1])
     assert p.prefill_tokens == (16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
     assert p.block_table_widths[-1] == 40 and p.prefill_seqs[-1] == 100
+
+
+def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
+    """What `Step.warmup` captures with: a batch of nothing but padded rows."""
+    ladder = mf.PaddingPolicy(decode_seqs=(4,), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(4,))
+    state = fresh_state(model)
+    for cache in state.kv_cache:
+        cache.normal_()
+    before = [c.clone() for c in state.kv_cache]
+    mode = mf.ForwardMode.decide(
+        mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (1,)),), decode=(mf.SeqPlan((3,), 2, (2,)),)),
+        block_size=4, padding=ladder,
+    )
+    empty = dataclasses.replace(mode, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
+    batch = mf.build_batch(mf.StepPlan(), empty, block_size=4, device="cpu")
+    assert bool((batch.slot_mapping == -1).all()) and empty.num_tokens == 20
+    logits, new_state = mf.forward(model.params, state, batch, empty)
+    assert logits.shape == (6, model.config.vocab_size) and logits.isfinite().all()
+    for old, new in zip(before, new_state.kv_cache):
+        assert torch.equal(old[1:], new[1:])

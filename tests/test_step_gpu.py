@@ -172,3 +172,24 @@ def test_stale_state_raises_and_capture_errors_reach_the_caller(model, monkeypat
     assert out.graph and step.captured_keys == (mode.static_key,)
     with pytest.raises(mf.DonatedStateError):
         step(state, batch, mode)
+
+
+def test_warmup_captures_largest_first_and_later_steps_replay(model):
+    step = mf.make_step(model, backend="triton", padding=LADDER)
+    state = with_context(model, [5, 6, 7])
+    modes = [
+        mf.ForwardMode.decide(decode_plan([5] * n), block_size=BLOCK_SIZE, backend="triton", padding=LADDER, graphs=True)
+        for n in (1, 2, 4, 8)
+    ]
+    before = [c.clone() for c in state.kv_cache]
+    step.warmup(state, modes)
+    assert [key[3] for key in step.captured_keys] == [8, 4, 2, 1]  # largest first
+    for old, new in zip(before, state.kv_cache):
+        torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)  # padding writes only scratch
+    plan = decode_plan([5, 6, 7])
+    eager = mf.make_step(model, backend="triton", padding=LADDER, graphs=False)
+    e_state = clone_state(state)
+    _, e_out = eager(e_state, *eager.prepare(e_state, plan))
+    state, out = step(state, *step.prepare(state, plan))
+    assert out.graph and len(step.captured_keys) == 4
+    torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
