@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
-import mla_func.moe as moe_module  # noqa: E402
+from mla_func.kernels import ops_for, record_expert_choice  # noqa: E402
 
 BLOCK_SIZE = 64
 
@@ -52,20 +52,9 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
 
 def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> tuple[int, int, float]:
     """(weight bytes, KV bytes, mean distinct experts a layer) of one step, from its actual routing."""
-    chosen: list[torch.Tensor] = []
-    real_route = moe_module.route
-
-    def recording_route(*args, **kwargs):
-        weights, ids = real_route(*args, **kwargs)
-        chosen.append(ids)
-        return weights, ids
-
-    moe_module.route = recording_route
-    try:
-        handle = mf.KVCacheState(kv_cache=state.kv_cache)
-        mf.forward(model.params, handle, batch_tensors, mode)
-    finally:
-        moe_module.route = real_route
+    ops, chosen = record_expert_choice(ops_for(mode.backend))
+    handle = mf.KVCacheState(kv_cache=state.kv_cache)
+    mf.forward(model.params, handle, batch_tensors, mode, ops=ops)
     p = model.params
     weight = nbytes(p.lm_head) + nbytes(p.norm) + mode.num_decode_seqs * p.embed.shape[1] * p.embed.element_size()
     distinct = []

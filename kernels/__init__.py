@@ -1,5 +1,5 @@
 """Ops behind functional wrappers: a torch reference, Triton kernels, AITER on ROCm."""
 
-from .registry import BACKENDS, Ops, default_backend, ops_for
+from .registry import BACKENDS, Ops, default_backend, ops_for, record_expert_choice
 
-__all__ = ["BACKENDS", "Ops", "default_backend", "ops_for"]
+__all__ = ["BACKENDS", "Ops", "default_backend", "ops_for", "record_expert_choice"]

@@ -19,6 +19,7 @@ Contracts (shapes in the docstrings of the reference implementations):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,3 +88,19 @@ def ops_for(backend: str) -> Ops:
 def default_backend(device: torch.device | str) -> str:
     """"triton" on CUDA devices, "torch" elsewhere."""
     return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def record_expert_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
+    """`ops` whose fused_moe also appends each call's topk_ids [T, k] to the returned list.
+
+    For measuring routing (expert loads, bytes a step reads) through the public
+    `ops=` argument of the forward, in call order: one entry per MoE layer.
+    """
+    chosen: list[torch.Tensor] = []
+    fused_moe = ops.fused_moe
+
+    def recording_fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs):
+        chosen.append(topk_ids)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
+
+    return dataclasses.replace(ops, fused_moe=recording_fused_moe), chosen

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .attention import mla_attention
 from .batch import Batch, check_batch
-from .kernels import ops_for
+from .kernels import Ops, ops_for
 from .mode import ForwardMode
 from .moe import feed_forward
 from .params import Params
@@ -27,13 +27,17 @@ def _run(
     batch: Batch,
     mode: ForwardMode,
     copy: bool,
+    ops: Ops | None,
 ) -> tuple[torch.Tensor, KVCacheState]:
     state.check_live(name)
     check_batch(batch, mode)
     config = params.config
     if state.num_layers != config.num_hidden_layers:
         raise ValueError(f"{name}: state has {state.num_layers} layers, the model {config.num_hidden_layers}")
-    ops = ops_for(mode.backend)
+    if ops is None:
+        ops = ops_for(mode.backend)
+    elif ops.backend != mode.backend:
+        raise ValueError(f"{name}: ops are for backend {ops.backend!r}, the mode for {mode.backend!r}")
     eps = config.rms_norm_eps
     valid = batch.slot_mapping >= 0                                     # real rows always write a slot
 
@@ -65,6 +69,7 @@ def forward(
     mode: ForwardMode,
     *,
     copy: bool = False,
+    ops: Ops | None = None,
 ) -> tuple[torch.Tensor, KVCacheState]:
     """Run one step of any kind.
 
@@ -72,19 +77,24 @@ def forward(
             mode.num_logits belong to padding) and the new state.
     copy:   write the cache out of place and keep `state` valid; otherwise `state`
             is donated and using it again raises.
+    ops:    the op table to call, by default `ops_for(mode.backend)`; an explicit
+            table (e.g. `record_expert_choice`) instruments or replaces ops
+            without touching any module.
     """
-    return _run("forward", params, state, batch, mode, copy)
+    return _run("forward", params, state, batch, mode, copy, ops)
 
 
-def prefill(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *, copy: bool = False):
+def prefill(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *,
+            copy: bool = False, ops: Ops | None = None):
     """`forward` for a step whose every row is a prefill row (mode.kind == "prefill")."""
     if mode.kind != "prefill":
         raise ValueError(f"prefill: expected a prefill mode, got kind {mode.kind!r}")
-    return _run("prefill", params, state, batch, mode, copy)
+    return _run("prefill", params, state, batch, mode, copy, ops)
 
 
-def decode(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *, copy: bool = False):
+def decode(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *,
+           copy: bool = False, ops: Ops | None = None):
     """`forward` for a step whose every row is a decode row (mode.kind == "decode")."""
     if mode.kind != "decode":
         raise ValueError(f"decode: expected a decode mode, got kind {mode.kind!r}")
-    return _run("decode", params, state, batch, mode, copy)
+    return _run("decode", params, state, batch, mode, copy, ops)

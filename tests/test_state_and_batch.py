@@ -186,3 +186,25 @@ def test_forward_is_differentiable_under_torch_func(model):
     bumped[[i for i, leaf in enumerate(leaves) if leaf is w_uk][0]][0, 0, 0] += eps
     numeric = (loss(bumped) - loss(leaves)) / eps
     torch.testing.assert_close(numeric, by_id[id(w_uk)][0, 0, 0], rtol=1e-4, atol=1e-7)
+
+
+def test_an_explicit_op_table_records_the_experts_chosen(model):
+    from mla_func.kernels import ops_for, record_expert_choice
+
+    state = fresh_state(model)
+    plan = mf.StepPlan(prefill=(mf.SeqPlan((3, 4, 5), 0, blocks(0, 8), 1),))
+    padding = mf.PaddingPolicy(prefill_tokens=(8,), prefill_seqs=(2,), block_table_widths=(4,))
+    mode = mf.ForwardMode.decide(plan, block_size=BLOCK_SIZE, padding=padding)
+    batch = mf.build_batch(plan, mode, block_size=BLOCK_SIZE, device="cpu")
+    ops, chosen = record_expert_choice(ops_for("torch"))
+    logits, _ = mf.forward(model.params, state, batch, mode, copy=True, ops=ops)
+    plain, _ = mf.forward(model.params, state, batch, mode, copy=True)
+    assert torch.equal(logits, plain)
+    moe_layers = sum(isinstance(layer.mlp, mf.params.MoEParams) for layer in model.params.layers)
+    assert len(chosen) == moe_layers
+    k = model.config.num_experts_per_tok
+    for ids in chosen:
+        assert ids.shape == (8, k)
+        assert bool((ids[:3] >= 0).all()) and bool((ids[3:] == -1).all())  # padded rows take no expert
+    with pytest.raises(ValueError, match="ops are for backend 'triton'"):
+        mf.forward(model.params, state, batch, mode, copy=True, ops=ops_for("triton"))

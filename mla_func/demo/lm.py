@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..checkpoint import Model
 from ..config import ModelConfig
 from ..forward import forward
+from ..kernels import Ops
 from ..params import Params
 from ..plan import SeqPlan, StepPlan
 from ..stepping import init_state, plan_step
@@ -40,13 +41,15 @@ def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block
     return state, batch, mode, targets
 
 
-def windows_loss(params: Params, windows: Sequence[Sequence[int]], *, block_size: int) -> torch.Tensor:
+def windows_loss(params: Params, windows: Sequence[Sequence[int]], *, block_size: int,
+                 ops: Ops | None = None) -> torch.Tensor:
     """Mean next-token cross entropy (nats, scalar) over every target of `windows`.
 
     Differentiable in `params` (the cache is written out of place, `copy=True`).
+    `ops` is passed to the forward (e.g. to record the experts chosen).
     """
     state, batch, mode, targets = windows_step(params.config, windows, block_size=block_size, device=params.embed.device)
-    logits, _ = forward(params, state, batch, mode, copy=True)         # [B * L, V] float32
+    logits, _ = forward(params, state, batch, mode, copy=True, ops=ops)  # [B * L, V] float32
     return F.cross_entropy(logits[: mode.num_logits], targets)
 
 

@@ -26,20 +26,19 @@ sections wait on each other whenever either is descheduled).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import platform
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .. import moe as moe_module
+from ..kernels import ops_for, record_expert_choice
 from ..checkpoint import Model, load_model
 from ..config import ModelConfig
 from ..params import MoEParams, Params, hf_tensor_shapes, params_from_hf
@@ -184,29 +183,6 @@ class LeafLayout:
         return tree_unflatten(self.spec, leaves)
 
 
-@contextlib.contextmanager
-def recorded_routing() -> Iterator[list[torch.Tensor]]:
-    """Collect each MoE layer's chosen expert ids [T, k] while the block is active.
-
-    DeepSeek-V3's bias update needs the per-expert load of every step, which the
-    forward does not return; this wraps `mla_func.moe.route` (looked up by name
-    at each call) for the duration of one loss evaluation.
-    """
-    original = moe_module.route
-    chosen: list[torch.Tensor] = []
-
-    def route(p, x, valid, config):
-        weights, ids = original(p, x, valid, config)
-        chosen.append(ids)
-        return weights, ids
-
-    moe_module.route = route
-    try:
-        yield chosen
-    finally:
-        moe_module.route = original
-
-
 # ---------------------------------------------------------------------------------------------
 # AdamW, schedule, clipping: plain functions over lists of tensors
 
@@ -265,8 +241,10 @@ def train(params: Params, windows: Sequence[Sequence[int]], cfg: TrainConfig, *,
     num_experts = params.config.n_routed_experts
 
     def loss_fn(trainable, biases, windows):
-        with recorded_routing() as chosen:
-            loss = windows_loss(layout.params(trainable, biases), windows, block_size=cfg.block_size)
+        # DeepSeek-V3's bias update needs each step's per-expert load, which the
+        # forward reports through an instrumented op table.
+        ops, chosen = record_expert_choice(ops_for("torch"))
+        loss = windows_loss(layout.params(trainable, biases), windows, block_size=cfg.block_size, ops=ops)
         # [moe layers, E] tokens per expert: returned as an auxiliary output so it leaves the transform
         loads = torch.stack([F.one_hot(ids.clamp(min=0), num_experts).sum(dim=(0, 1)) for ids in chosen])
         return loss, loads
