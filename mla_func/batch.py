@@ -72,11 +72,12 @@ def _check_seq(where: str, seq: SeqPlan, block_size: int, num_blocks: int | None
             f"got {len(seq.block_table)}"
         )
     used = seq.block_table[:needed]
+    # min/max rather than a generator: this runs for every sequence of every step.
     if SCRATCH_BLOCK in used:
         raise BatchError(f"{where}: block {SCRATCH_BLOCK} is the scratch block and cannot hold a sequence")
-    if num_blocks is not None and any(not 0 <= b < num_blocks for b in used):
+    if num_blocks is not None and (min(used) < 0 or max(used) >= num_blocks):
         raise BatchError(f"{where}: block ids must be in [1, {num_blocks}), got {list(used)}")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in seq.token_ids):
+    if vocab_size is not None and (min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab_size):
         bad = [t for t in seq.token_ids if not 0 <= t < vocab_size]
         raise BatchError(f"{where}: token ids must be in [0, {vocab_size}), got {bad[:8]}")
     if max_position is not None and seq.seq_len > max_position:
