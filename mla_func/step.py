@@ -183,12 +183,9 @@ class Step:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits, _ = forward(params, handle(), static_batch, mode)
-        except BaseException:
-            del graph  # nothing is registered for this key; the error reaches the caller
-            raise
+        # An error here propagates as it is; the memo is written only after a capture succeeds.
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, _ = forward(params, handle(), static_batch, mode)
         torch.cuda.synchronize()
         captured = _Captured(graph=graph, batch=static_batch, logits=logits, cache_ptrs=_cache_ptrs(state))
         self._memo[key] = captured

@@ -87,11 +87,6 @@ class KVCacheState:
         """A new live state holding `kv_cache`."""
         return KVCacheState(kv_cache=tuple(kv_cache))
 
-    def block(self, layer: int, block_id: int) -> torch.Tensor:
-        """[block_size, D] contents of one block of one layer (a view)."""
-        self.check_live("KVCacheState.block")
-        return self.kv_cache[layer][block_id]
-
 
 def init_state(
     num_layers: int,

@@ -31,11 +31,5 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
     check_dtype(name, tensor, FLOAT_DTYPES)
 
 
-def check_unit_stride(name: str, tensor: torch.Tensor) -> None:
-    """Raise unless the last dim is contiguous, which wide vector loads need."""
-    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name}: expected stride 1 in the last dim, got strides {tuple(tensor.stride())}")
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Model
 from ..config import ModelConfig
 from ..forward import forward
 from ..kernels import Ops
@@ -71,51 +70,3 @@ def perplexity(params: Params, windows: Sequence[Sequence[int]], *, batch_size: 
         total += float(nll)
         count += targets.numel()
     return math.exp(total / count), count
-
-
-@torch.no_grad()
-def generate(
-    model: Model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    stop_token_ids: Sequence[int] = (),
-    block_size: int = 16,
-) -> list[int]:
-    """Continue `prompt_ids`: one prefill step, then one decode step per new token.
-
-    temperature 0 is greedy (argmax); otherwise tokens are sampled from
-    softmax(logits / temperature) with a generator seeded by `seed`.
-    Returns the new token ids (stopping after the first of `stop_token_ids`).
-    """
-    if not prompt_ids:
-        raise ValueError("generate: the prompt is empty (give at least the bos token)")
-    config, params = model.config, model.params
-    total = len(prompt_ids) + max_new_tokens
-    if total > config.max_position_embeddings:
-        raise ValueError(f"generate: {total} positions exceed max_position_embeddings={config.max_position_embeddings}")
-    table = tuple(range(1, 1 + -(-total // block_size)))
-    state = init_state(config, num_blocks=1 + len(table), block_size=block_size, dtype=model.dtype, device=model.device)
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-
-    def pick(logits: torch.Tensor) -> int:
-        if temperature <= 0:
-            return int(logits[0].argmax())
-        probs = torch.softmax(logits[0].double() / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-    plan = StepPlan(prefill=(SeqPlan(tuple(prompt_ids), 0, table, 1),))
-    out: list[int] = []
-    pos = len(prompt_ids)
-    while len(out) < max_new_tokens:
-        batch, mode = plan_step(config, state, plan)
-        logits, state = forward(params, state, batch, mode)             # [1, V]
-        token = pick(logits)
-        out.append(token)
-        if token in stop_token_ids:
-            break
-        plan = StepPlan(decode=(SeqPlan((token,), pos, table, 1),))
-        pos += 1
-    return out

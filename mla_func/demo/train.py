@@ -38,14 +38,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kernels import ops_for, record_expert_choice
 from ..checkpoint import Model, load_model
 from ..config import ModelConfig
+from ..engine import Engine
+from ..kernels import ops_for, record_expert_choice
 from ..params import MoEParams, Params, hf_tensor_shapes, params_from_hf
 from ..pytree import tree_flatten, tree_unflatten
+from ..sampling import SamplingParams
 from . import MODEL_DIR, data
 from .export import save_checkpoint
-from .lm import generate, perplexity, windows_loss
+from .lm import perplexity, windows_loss
 
 SAMPLE_PROMPTS = ("Return the number of", "Create a new", "This module provides", "If the")
 
@@ -284,15 +286,17 @@ def eval_subset_documents() -> list[data.Document]:
 
 
 def samples(model: Model, prompts: Sequence[str], *, max_new_tokens: int, temperature: float, seed: int) -> list[dict]:
-    """Continuations of `prompts` (strings) with the model's tokenizer: [{prompt, temperature, ids, text}]."""
-    eos = model.tokenizer.token_to_id(data.EOS)
-    out = []
-    for i, prompt in enumerate(prompts):
-        ids = model.tokenizer.encode(prompt).ids
-        new = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed + i, stop_token_ids=(eos,))
-        out.append({"prompt": prompt, "temperature": temperature, "ids": new,
-                    "text": prompt + model.tokenizer.decode(new, skip_special_tokens=True)})
-    return out
+    """Continuations of `prompts` (strings) through the engine: [{prompt, temperature, ids, text}].
+
+    Each prompt has its own seed, so its sample does not depend on the others; the
+    engine stops at the config's eos token.
+    """
+    engine = Engine(model, graphs=False, max_num_seqs=len(prompts))
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(prompts))]
+    completions = engine.generate(list(prompts), params)
+    return [{"prompt": prompt, "temperature": temperature, "ids": list(c.raise_for_error().token_ids),
+             "text": prompt + model.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)}
+            for prompt, c in zip(prompts, completions)]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
