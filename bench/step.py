@@ -135,12 +135,14 @@ def main() -> None:
     copy_bw = common.copy_bandwidth()
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
     max_len = max(args.contexts) + 1
-    graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
-                              block_size=BLOCK_SIZE)
-    eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
+            # A fresh step a row: each row has a state of its own, and a graph replays
+            # only over the cache buffers it was captured with.
+            graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
+                                      max_model_len=max_len, block_size=BLOCK_SIZE)
+            eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
             state, batch_tensors, mode = decode_setup(model, batch, context, graph_step)
             weight_bytes, kv_bytes, experts = touched_bytes(model, state, batch_tensors, mode, context)
             roofline_ms = (weight_bytes + kv_bytes) / copy_bw * 1e3
@@ -154,10 +156,10 @@ def main() -> None:
                 experts_per_layer=experts, padded_batch=mode.padded_decode_seqs,
             ))
             print(rows[-1], flush=True)
-            del state, batch_tensors
+            del state, batch_tensors, graph_step, eager_step
+            gc.collect()
             torch.cuda.empty_cache()
-    graph_step._memo.clear()
-    del model, graph_step, eager_step
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     for batch in args.hf_batches:

@@ -24,3 +24,33 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors on different devices: {devices}")
+
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def check_route_args(num_experts: int, *, top_k: int, scoring_func: str, topk_method: str,
+                     n_group: int | None, topk_group: int | None) -> None:
+    """Raise ValueError unless the routing arguments describe a choice of top_k of num_experts experts.
+
+    Group arguments are read only by the group-limited methods, which need n_group
+    to divide num_experts and the topk_group kept groups to hold at least top_k experts.
+    """
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func: expected one of {SCORING_FUNCS}, got {scoring_func!r}")
+    if topk_method not in TOPK_METHODS:
+        raise ValueError(f"topk_method: expected one of {TOPK_METHODS}, got {topk_method!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: expected 1 <= top_k <= num_experts={num_experts}, got {top_k}")
+    if topk_method == "greedy":
+        return
+    if not n_group or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group: expected a divisor of num_experts={num_experts} for {topk_method}, got {n_group}")
+    if not topk_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: expected 1 <= topk_group <= n_group={n_group}, got {topk_group}")
+    group_size = num_experts // n_group
+    if topk_group * group_size < top_k:
+        raise ValueError(f"topk_group: {topk_group} groups of {group_size} experts hold fewer than top_k={top_k}")
+    if topk_method == "noaux_tc" and group_size < 2:
+        raise ValueError(f"n_group: noaux_tc scores a group by its best two experts, got groups of {group_size}")

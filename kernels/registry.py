@@ -12,6 +12,8 @@ Contracts (shapes in the docstrings of the reference implementations):
     prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
                       w_uk, w_uv, *, softmax_scale) -> (out, lse)
     merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
+    route(x, gate, e_score_correction_bias, valid, *, top_k, scoring_func, topk_method, n_group,
+          topk_group, norm_topk_prob, routed_scaling_factor) -> (topk_weights, topk_ids)
     fused_moe(x, w13, w2, topk_weights, topk_ids) -> y
     rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
     rope(q_pe, k_pe, positions, cos, sin, *, interleaved) -> (q_pe, k_pe)
@@ -31,6 +33,7 @@ from .reference import cache as ref_cache
 from .reference import moe as ref_moe
 from .reference import norm as ref_norm
 from .reference import rope as ref_rope
+from .reference import routing as ref_routing
 
 BACKENDS = ("torch", "triton", "aiter")
 
@@ -44,6 +47,7 @@ class Ops:
     mla_decode: Callable
     prefill_attention: Callable
     merge_attn_states: Callable
+    route: Callable
     fused_moe: Callable
     rms_norm: Callable
     rope: Callable
@@ -56,6 +60,7 @@ def _torch_ops() -> Ops:
         mla_decode=ref_attention.mla_decode,
         prefill_attention=ref_attention.prefill_attention,
         merge_attn_states=ref_attention.merge_attn_states,
+        route=ref_routing.route,
         fused_moe=ref_moe.fused_moe,
         rms_norm=ref_norm.rms_norm,
         rope=ref_rope.rope,

@@ -36,8 +36,8 @@ def run_throughput(
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
     Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s.
-    A short warm-up run on other random prompts of the same lengths first compiles
-    kernels and captures the common graphs, so timing excludes that; its prompts
+    The warm-up captures every decode graph, then a short run on other random
+    prompts of the same lengths compiles kernels, so timing excludes both; its prompts
     share no prefix with the measured ones, so no measured prefill is skipped by
     the prefix cache.
     """
@@ -47,6 +47,7 @@ def run_throughput(
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
     if warmup:
+        engine.warmup()
         others = random_requests(model.config.vocab_size, min(num_prompts, max_num_seqs), input_len, seed + 1)
         engine.generate(others, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     total = num_prompts * output_len

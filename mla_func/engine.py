@@ -168,6 +168,17 @@ class Engine:
         self._rng = random.Random(seed)
         self._next_id = 0
 
+    def warmup(self, *, progress: bool = True) -> int:
+        """Capture every decode graph the step's ladders allow, now rather than on first use.
+
+        One graph per (decode batch rung, block-table width rung); with the default
+        ladders and a table of at most 65536 entries, one per batch rung. Without
+        graphs (or off CUDA) it does nothing. Returns how many graphs were captured.
+        """
+        before = len(self.step.captured_keys)
+        self.step.warmup(self.state, self.step.decode_graph_modes(), progress=progress)
+        return len(self.step.captured_keys) - before
+
     # ---- requests ---------------------------------------------------------------
 
     def _tokenize(self, index: int, prompt: Prompt) -> tuple[int, ...]:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import operator
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +180,8 @@ class _StepBuild:
     prefill: list[tuple[_Seq, int]] = field(default_factory=list)
     decode: list[_Seq] = field(default_factory=list)
     preempted: list[_Seq] = field(default_factory=list)
+    # The same requests as `preempted`, for the O(1) membership test of the scheduling loops.
+    gone: set[int] = field(default_factory=set)
 
     def num_tokens(self) -> int:
         return sum(n for _, n in self.prefill) + len(self.decode)
@@ -340,21 +341,23 @@ class Scheduler:
             )
 
     def _schedule_decodes(self, b: _StepBuild) -> None:
+        bs = self.config.block_size
         for seq in list(self._running):
-            if seq not in self._running or not seq.is_decoding:
+            if id(seq) in b.gone or not seq.is_decoding:
                 continue  # preempted earlier in this loop, or still prefilling
-            need = self._blocks_needed(seq, 1)
-            if not self._make_room(seq, need, b):
+            need = -(-(seq.num_computed + 1) // bs) - len(seq.block_table)  # `_blocks_needed(seq, 1)`, inlined
+            if need > 0 and not self._make_room(seq, need, b):
                 # Nobody younger is left to preempt; give the blocks back to older requests.
                 self._preempt(seq, b)
                 continue
-            seq.block_table += self.allocator.allocate(need)
+            if need > 0:
+                seq.block_table += self.allocator.allocate(need)
             b.decode.append(seq)
 
     def _schedule_prefills(self, b: _StepBuild) -> None:
         cfg = self.config
         for seq in list(self._running):
-            if seq not in self._running or seq.is_decoding:
+            if id(seq) in b.gone or seq.is_decoding:
                 continue
             budget = cfg.max_num_batched_tokens - b.num_tokens()
             if budget == 0:
@@ -410,6 +413,7 @@ class Scheduler:
         b.decode = [s for s in b.decode if s is not seq]
         b.prefill = [(s, n) for s, n in b.prefill if s is not seq]
         b.preempted.append(seq)
+        b.gone.add(id(seq))
         self._running.remove(seq)
         self._release(seq)
         seq.num_preemptions += 1
@@ -436,11 +440,11 @@ class Scheduler:
             raise ValueError(f"step {step.index} has {len(rows)} rows, got {len(sampled_token_ids)} sampled tokens")
         tokens: list[int | None] = []
         for i, (row, tok) in enumerate(zip(rows, sampled_token_ids)):
-            if (tok is None) != (row.num_logits == 0) or not (tok is None or hasattr(tok, "__index__")):
+            if (tok is None) != (row.num_logits == 0) or not (tok is None or isinstance(tok, int)):
                 raise ValueError(
                     f"row {i} ({step.request_ids[i]!r}) has num_logits={row.num_logits} but got sampled token {tok!r}"
                 )
-            tokens.append(None if tok is None else operator.index(tok))
+            tokens.append(tok)
         self._pending = None
         finished = []
         for seq, row, tok in zip(self._pending_seqs, rows, tokens):

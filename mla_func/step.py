@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from .batch import Batch, build_batch, check_batch
 from .checkpoint import Model
@@ -32,6 +33,12 @@ from .state.kv_cache import KVCacheState
 
 logger = logging.getLogger(__name__)
 
+# Up to this many block-table entries a step (max_num_seqs x blocks a sequence,
+# 256 KiB of int32), every step uses the full table width: graphs are then keyed
+# on batch sizes alone, so one warm-up captures every decode graph a run can meet,
+# and copying the wider table costs microseconds.
+_FULL_WIDTH_TABLE_ENTRIES = 1 << 16
+
 
 def padding_ladders(
     *,
@@ -41,8 +48,9 @@ def padding_ladders(
     prefill_token_sizes: Sequence[int] | None = None,
 ) -> PaddingPolicy:
     """The default ladders: decode sequences 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond;
-    prefill tokens, prefill sequences and block-table widths in powers of two (the last rung
-    is the maximum itself)."""
+    prefill tokens and prefill sequences in powers of two (the last rung is the maximum itself);
+    block-table widths one rung, `max_blocks_per_seq`, when a full table has at most 65536
+    entries (max_num_seqs x max_blocks_per_seq), else powers of two as well."""
 
     def powers_of_two(start: int, top: int) -> tuple[int, ...]:
         rungs, r = [], start
@@ -62,7 +70,10 @@ def padding_ladders(
         decode_seqs=tuple(decode),
         prefill_tokens=tokens,
         prefill_seqs=powers_of_two(1, max_num_seqs),
-        block_table_widths=powers_of_two(1, max_blocks_per_seq),
+        block_table_widths=(
+            (max_blocks_per_seq,) if max_num_seqs * max_blocks_per_seq <= _FULL_WIDTH_TABLE_ENTRIES
+            else powers_of_two(1, max_blocks_per_seq)
+        ),
     )
 
 
@@ -148,15 +159,30 @@ class Step:
         new_state = state.with_caches(state.kv_cache)
         return new_state, StepOutput(captured.logits[: mode.num_logits].clone(), mode, graph=True)
 
-    def warmup(self, state: KVCacheState, modes: Sequence[ForwardMode]) -> None:
+    def decode_graph_modes(self) -> tuple[ForwardMode, ...]:
+        """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung)."""
+        if not self.graphs or "decode" not in self.graph_kinds:
+            return ()
+        return tuple(
+            ForwardMode(
+                kind="decode", backend=self.backend, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,
+                num_logits=0, padded_prefill_tokens=0, padded_prefill_seqs=0, padded_decode_seqs=seqs,
+                padded_num_logits=seqs, block_table_width=width, use_graph=True,
+            )
+            for seqs in self.padding.decode_seqs
+            for width in self.padding.block_table_widths
+        )
+
+    def warmup(self, state: KVCacheState, modes: Sequence[ForwardMode], *, progress: bool = False) -> None:
         """Capture graphs for `modes` up front, largest first, with all-padding batches.
 
         Padding rows write only the scratch block, so `state` stays valid.
+        progress: show a progress bar (capturing a large model's graphs takes seconds each).
         """
         state.check_live("step.warmup")
-        for mode in sorted(modes, key=lambda m: m.num_tokens, reverse=True):
-            if not mode.use_graph or mode.static_key in self._memo:
-                continue
+        todo = [m for m in sorted(modes, key=lambda m: m.num_tokens, reverse=True)
+                if m.use_graph and m.static_key not in self._memo]
+        for mode in tqdm(todo, desc="capturing graphs", unit="graph", disable=not progress):
             empty = dataclasses.replace(mode, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
             batch = build_batch(StepPlan(), empty, block_size=state.block_size, device=state.device)
             self._capture(state, batch, empty)

@@ -76,6 +76,11 @@ def test_shape_contract_violation_raises_with_expected_and_got(model):
     "plan, message",
     [
         (mf.StepPlan(prefill=(mf.SeqPlan((), 0, (1,)),)), "token_ids is empty"),
+        (mf.StepPlan(prefill=(mf.SeqPlan((), 3, (1,), num_logits=0),)), "token_ids is empty"),
+        (mf.StepPlan(prefill=(mf.SeqPlan((1, 2), -1, (1,)),)), "start_pos must be >= 0"),
+        (mf.StepPlan(decode=(mf.SeqPlan((7,), 4, (1, 0)),)), "scratch block"),
+        (mf.StepPlan(prefill=(mf.SeqPlan((1,), 0, (2,)),), decode=(mf.SeqPlan((-3,), 4, (1, 3)),)),
+         r"token ids must be in \[0, 512\)"),
         (mf.StepPlan(prefill=(mf.SeqPlan((1, 2, 3, 4, 5), 0, (1,)),)), "expected >= 2 blocks, got 1"),
         (mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (0,)),)), "scratch block"),
         (mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (999,)),)), r"block ids must be in \[1, 64\)"),

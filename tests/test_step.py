@@ -67,6 +67,17 @@ def test_default_ladders():
     assert p.block_table_widths[-1] == 40 and p.prefill_seqs[-1] == 100
 
 
+def test_ladders_use_the_full_table_width_while_it_is_small():
+    small = padding_ladders(max_num_seqs=256, max_num_batched_tokens=8192, max_blocks_per_seq=21)
+    assert small.block_table_widths == (21,)
+    large = padding_ladders(max_num_seqs=64, max_num_batched_tokens=2048, max_blocks_per_seq=10240)
+    assert large.block_table_widths == tuple(2**i for i in range(14)) + (10240,)
+
+
+def test_decode_graph_modes_are_empty_without_graphs(model):
+    assert mf.make_step(model, backend="torch").decode_graph_modes() == ()
+
+
 def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     """What `Step.warmup` captures with: a batch of nothing but padded rows."""
     ladder = mf.PaddingPolicy(decode_seqs=(4,), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(4,))

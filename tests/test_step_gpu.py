@@ -193,3 +193,19 @@ def test_warmup_captures_largest_first_and_later_steps_replay(model):
     state, out = step(state, *step.prepare(state, plan))
     assert out.graph and len(step.captured_keys) == 4
     torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_warmup_captures_every_decode_graph_a_run_needs(model):
+    engine = mf.Engine(model, block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                       max_model_len=64)
+    modes = engine.step.decode_graph_modes()
+    # 8 sequences x 16 blocks fit one full-width table: one graph a batch rung.
+    assert {m.block_table_width for m in modes} == {16}
+    assert engine.warmup(progress=False) == len(modes) == len(engine.step.padding.decode_seqs)
+    prompts = [[(3 * i + k) % 500 for k in range(5 + 3 * i)] for i in range(7)]
+    params = mf.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    warm = engine.generate(prompts, params)
+    assert len(engine.step.captured_keys) == len(modes)  # nothing captured while generating
+    eager = mf.Engine(model, block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=64, graphs=False).generate(prompts, params)
+    assert [c.token_ids for c in warm] == [c.token_ids for c in eager]

@@ -1,4 +1,4 @@
-"""AMD AITER kernels on ROCm: MLA decode and fused MoE; every other op is the reference.
+"""AMD AITER kernels on ROCm: MLA decode and fused MoE; every other op (routing too) is the reference.
 
 AITER's MLA decode reads the cache as [num_pages, page_size, 1, C + R] through a
 CSR page list (kv_indptr, kv_indices) rather than a block table. The wrapper
@@ -23,6 +23,7 @@ from ..reference import attention as ref_attention
 from ..reference import cache as ref_cache
 from ..reference import norm as ref_norm
 from ..reference import rope as ref_rope
+from ..reference import routing as ref_routing
 from ..registry import Ops
 
 
@@ -129,6 +130,7 @@ def ops() -> Ops:
         mla_decode=mla_decode,
         prefill_attention=ref_attention.prefill_attention,
         merge_attn_states=ref_attention.merge_attn_states,
+        route=ref_routing.route,
         fused_moe=fused_moe,
         rms_norm=ref_norm.rms_norm,
         rope=ref_rope.rope,

@@ -10,6 +10,7 @@ from .moe import fused_moe
 from .norm import rms_norm
 from .prefill import prefill_attention
 from .rope import rope
+from .routing import route
 
 __all__ = [
     "fused_moe",
@@ -21,6 +22,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rope",
+    "route",
     "write_kv",
 ]
 
@@ -33,6 +35,7 @@ def ops() -> Ops:
         mla_decode=mla_decode,
         prefill_attention=prefill_attention,
         merge_attn_states=merge_attn_states,
+        route=route,
         fused_moe=fused_moe,
         rms_norm=rms_norm,
         rope=rope,

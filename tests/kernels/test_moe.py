@@ -68,11 +68,13 @@ def test_non_contiguous_inputs(device):
     assert_close(out, expected, torch.bfloat16)
 
 
-def test_align_groups_pairs_by_expert(device):
+@pytest.mark.parametrize("tile_pairs", [None, 16])
+def test_align_groups_pairs_by_expert(tile_pairs, device):
+    # tile_pairs 16 spreads the 69 pairs over five counting tiles.
     gen = generator(6, device)
     num_experts, block_m = 5, 16
     ids = torch.randint(-1, num_experts, (23, 3), generator=gen, device=device)
-    sorted_pairs, block_expert = tri.moe_align(ids, num_experts, block_m)
+    sorted_pairs, block_expert = tri.moe_align(ids, num_experts, block_m, tile_pairs=tile_pairs)
     flat = ids.flatten()
     num_pairs = flat.numel()
     assert sorted_pairs.numel() == tri.moe_sorted_size(num_pairs, num_experts, block_m)

@@ -1,0 +1,77 @@
+"""Mixture-of-experts routing: each token's experts and their weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_route_args, check_shape
+
+
+def route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    e_score_correction_bias: torch.Tensor | None,
+    valid: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose each token's top_k experts.
+
+    x:                       [T, D]
+    gate:                    [E, D] router weight, float32 (float64 in a float64 model)
+    e_score_correction_bias: [E] or None; added to the scores for the choice only
+    valid:                   [T] bool, False for padded rows
+    returns                  topk_weights [T, k] (float32, or float64 for float64 x) and
+                             topk_ids [T, k] int64; padded rows get id -1 and weight 0,
+                             so they take no expert.
+
+    Routing runs in at least float32 whatever x's dtype (bf16 scores would tie and
+    flip experts); float64 x routes in float64. Scores are the softmax or sigmoid
+    of x @ gate^T. `greedy` takes the plain top-k; `group_limited_greedy` first keeps
+    the topk_group groups (of E / n_group consecutive experts) with the best single
+    score, `noaux_tc` those with the best sum of their two best scores. The bias
+    only steers the choice: weights are the raw scores of the chosen experts,
+    optionally normalised to sum 1, then multiplied by routed_scaling_factor.
+    """
+    num_tokens, hidden = x.shape
+    num_experts = gate.shape[0]
+    check_shape("gate", gate, (num_experts, hidden))
+    check_shape("valid", valid, (num_tokens,))
+    if e_score_correction_bias is not None:
+        check_shape("e_score_correction_bias", e_score_correction_bias, (num_experts,))
+    check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+                     n_group=n_group, topk_group=topk_group)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    logits = F.linear(x.to(acc), gate if gate.dtype == acc else gate.to(acc))  # [T, E]
+    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    if topk_method in ("group_limited_greedy", "noaux_tc"):
+        choice = _limit_groups(choice, n_group, topk_group, top2=topk_method == "noaux_tc")
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    topk_weights = topk_weights.masked_fill(~valid.unsqueeze(-1), 0.0)
+    topk_ids = topk_ids.masked_fill(~valid.unsqueeze(-1), -1)
+    return topk_weights, topk_ids
+
+
+def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, *, top2: bool) -> torch.Tensor:
+    """choice [T, E] -> [T, E] with every expert outside the topk_group best groups at -inf.
+
+    A group scores its best choice value, or with `top2` the sum of its best two.
+    """
+    grouped = choice.view(choice.shape[0], n_group, -1)                                   # [T, G, E / G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if top2 else grouped.amax(dim=-1)  # [T, G]
+    group_ids = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_ids, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)

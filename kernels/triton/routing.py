@@ -1,0 +1,385 @@
+"""Mixture-of-experts routing in one kernel: router logits, scores, group limiting, top-k.
+
+Each program routes BLOCK_T tokens over all E experts, one row of the tile per
+token, so a token's whole choice happens in registers:
+
+1. logits = x @ gate^T in float32 (where they come from: below);
+2. softmax or sigmoid scores; the correction bias is added for the choice only;
+3. group limiting: a group scores its best (group_limited_greedy) or best two
+   (noaux_tc) choice values, and all but the topk_group best groups drop to -inf;
+4. top-k by k rounds of a max with its index (ties go to the lowest expert id);
+   the weights are the raw scores of the picked experts, then normalised,
+   scaled and masked by `valid`.
+
+Columns of the tile are laid out by group: group g's experts sit at columns
+[g * GROUP_BLOCK, g * GROUP_BLOCK + E / n_group), so the tile reshapes to
+[BLOCK_T, groups, GROUP_BLOCK] and all groups are scored by one reduction.
+
+Logits. For decode-sized batches (up to `_KERNEL_LOGITS_MAX_TOKENS` tokens) the
+kernel computes them itself, loading x in its own dtype and widening it to
+float32. One program per token tile would stream the whole router weight
+through one multiprocessor, so the weight is cut into split_d slices of D times
+E / BLOCK_C slices of columns, one program each: each writes its partial logits
+to a workspace and bumps the tile's arrival counter (zeroed by the wrapper, the
+one other launch); the last to arrive sums the partials in split order (so the
+result does not depend on the order of arrival) and routes. Larger batches take
+their logits from one float32 matmul beforehand, the reference's own: computing
+them in the kernel would re-read the router weight once per token tile, where a
+GEMM reads it once. Nothing is read back to the host, so the op can be captured
+in a graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..checks import check_dtype, check_route_args, check_same_device, check_shape
+from ._common import check_float, next_pow2
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    block_t: int          # tokens per program
+    kernel_logits: bool   # the kernel computes x @ gate^T (else one matmul before it)
+    block_d: int = 32     # reduction step over D (kernel logits only)
+    split_d: int = 1      # programs sharing one tile's D axis (kernel logits only)
+    block_c: int = 0      # tile columns per program (kernel logits only; 0: all)
+    num_warps: int = 4
+
+
+# Up to this many tokens the kernel computes the logits itself (decode): the
+# broadcast product it uses does not pad the tile to the 16 rows tl.dot needs.
+_KERNEL_LOGITS_MAX_TOKENS = 4
+# The [BLOCK_T, BLOCK_K, BLOCK_E] tile that gathers the picked experts' raw scores.
+_GATHER_TILE = 8192
+# Kernel logits: tile columns (experts) per program. Splitting E as well as D
+# spreads the router weight over many programs while keeping the partial sums
+# that the last program reads (split_d * T * E values) few.
+_BLOCK_C = 16
+# Kernel logits: at most this many partial sums for the last program to read,
+# and at least this long a share of D per split.
+_MAX_PARTIALS = 8192
+_MIN_SPLIT_D = 64
+# Kernel logits: the broadcast product's [BLOCK_T, BLOCK_C, BLOCK_D] float32 tile.
+_PRODUCT_TILE = 16384
+
+
+def route_config(num_tokens: int, num_experts: int, n_group: int, top_k: int, hidden: int) -> RouteConfig:
+    """The tile sizes and D split for routing num_tokens tokens to top_k of num_experts experts in n_group groups."""
+    block_e = _block_e(num_experts, n_group)
+    if num_tokens > _KERNEL_LOGITS_MAX_TOKENS:
+        block_t = max(1, min(16, _GATHER_TILE // (block_e * next_pow2(top_k))))
+        return RouteConfig(block_t=block_t, kernel_logits=False)
+    # Chosen on an H100 with V2-Lite (D 2048, 64 experts) and V3 (D 7168, 256
+    # experts) shapes for T <= 4, timed as CUDA graph replays that read the
+    # router weight from memory: 5.8-8.5 us (V2-Lite) and 11-22 us (V3) a call,
+    # zeroing the counters included, against 28-34 and 67-84 us for the reference.
+    block_t = next_pow2(num_tokens)
+    block_c = min(block_e, _BLOCK_C)
+    split_d = max(1, min(triton.cdiv(hidden, _MIN_SPLIT_D), _MAX_PARTIALS // (block_t * block_e)))
+    # Most splits are one BLOCK_D step long: a loop over D waits on memory once per step.
+    block_d = max(16, min(256, next_pow2(triton.cdiv(hidden, split_d)), _PRODUCT_TILE // (block_t * block_c)))
+    return RouteConfig(block_t=block_t, kernel_logits=True, block_d=block_d, split_d=split_d, block_c=block_c)
+
+
+def _group_block(num_experts: int, n_group: int) -> int:
+    return next_pow2(num_experts // n_group)
+
+
+def _block_e(num_experts: int, n_group: int) -> int:
+    """Columns of the tile: n_group (rounded up to a power of two) groups of GROUP_BLOCK columns."""
+    return next_pow2(n_group) * _group_block(num_experts, n_group)
+
+
+@triton.jit
+def _expert_of(cols, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr):
+    """Expert id of each tile column, and whether the column holds an expert at all."""
+    group = cols // GROUP_BLOCK
+    member = cols % GROUP_BLOCK
+    return group * GROUP_SIZE + member, (member < GROUP_SIZE) & (group < N_GROUP)
+
+
+@triton.jit
+def _partial_logits(x_ptr, gate_ptr, rows, row_mask, experts, col_mask, d_lo, d_hi,
+                    s_xt, s_xd, s_ge, s_gd,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_T, BLOCK_C] float32 sums of x[t, d] * gate[experts[c], d] over d in [d_lo, d_hi)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * s_xt
+    gate_rows = gate_ptr + experts[:, None].to(tl.int64) * s_ge
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        ds = d0 + offs_d
+        d_mask = ds < d_hi
+        xt = tl.load(x_rows + ds[None, :] * s_xd, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        g = tl.load(gate_rows + ds[None, :] * s_gd, mask=col_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += tl.sum(xt.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _scores(logits, col_mask, SIGMOID: tl.constexpr):
+    """Softmax or sigmoid of [BLOCK_T, BLOCK_E] logits; columns without an expert score 0."""
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        masked = tl.where(col_mask[None, :], logits, float("-inf"))
+        e = tl.exp(masked - tl.max(masked, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+    return tl.where(col_mask[None, :], scores, 0.0)
+
+
+@triton.jit
+def _limit_groups(choice, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_BLOCK: tl.constexpr):
+    """choice [BLOCK_T, BLOCK_E] with every expert outside the TOPK_GROUP best groups at -inf.
+
+    A group scores its best choice value, with TOP2 the sum of its best two.
+    Columns without an expert are -inf already, so they never count.
+    """
+    grouped = tl.reshape(choice, [BLOCK_T, BLOCK_G, GROUP_BLOCK])
+    if TOP2:
+        best, first = tl.max(grouped, axis=2, return_indices=True, return_indices_tie_break_left=True)
+        # Only the best one's column is dropped, so a tie for best counts twice.
+        members = tl.arange(0, GROUP_BLOCK)
+        second = tl.max(tl.where(members[None, None, :] == first[:, :, None], float("-inf"), grouped), axis=2)
+        group_scores = best + second
+    else:
+        group_scores = tl.max(grouped, axis=2)                                      # [BLOCK_T, BLOCK_G]
+    # A group's rank is the number of groups ahead of it (ties go to the lower
+    # group): one reduction picks all TOPK_GROUP groups at once.
+    groups = tl.arange(0, BLOCK_G)
+    mine = group_scores[:, :, None]
+    other = group_scores[:, None, :]
+    ahead = (other > mine) | ((other == mine) & (groups[None, None, :] < groups[None, :, None]))
+    keep = tl.sum(ahead.to(tl.int32), axis=2) < TOPK_GROUP
+    grouped = tl.where(keep[:, :, None], grouped, float("-inf"))
+    return tl.reshape(grouped, [BLOCK_T, BLOCK_G * GROUP_BLOCK])
+
+
+@triton.jit
+def _top_k(choice, scores, cols, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The TOP_K best columns of each row of choice, and their raw scores: [BLOCK_T, BLOCK_K] each.
+
+    Slots past TOP_K hold column -1 and weight 0.
+    """
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    picked = tl.full([BLOCK_T, BLOCK_K], -1, dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best, col = tl.max(choice, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        weights = tl.where(slots[None, :] == j, best[:, None], weights)
+        picked = tl.where(slots[None, :] == j, col[:, None], picked)
+        choice = tl.where(cols[None, :] == col[:, None], float("-inf"), choice)
+    if HAS_BIAS:
+        # The best choices include the bias, which only steers: gather the raw
+        # scores of all picked columns in one reduction.
+        hit = cols[None, None, :] == picked[:, :, None]                             # [BLOCK_T, BLOCK_K, BLOCK_E]
+        weights = tl.sum(tl.where(hit, scores[:, None, :], 0.0), axis=2)
+    return weights, picked
+
+
+@triton.jit
+def _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
+                s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
+                TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Steps 2-4 of the module docstring for one tile of logits; writes the tile's weights and ids."""
+    experts, _ = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+    scores = _scores(logits, col_mask, SIGMOID)
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + experts * s_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(col_mask[None, :], choice, float("-inf"))
+    if GROUPED:
+        choice = _limit_groups(choice, TOPK_GROUP, TOP2, BLOCK_T, BLOCK_G, GROUP_BLOCK)
+    weights, picked = _top_k(choice, scores, cols, TOP_K, HAS_BIAS, BLOCK_T, BLOCK_K)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    weights = weights * scaling
+    ids, _ = _expert_of(picked, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+
+    valid = tl.load(valid_ptr + rows * s_v, mask=row_mask, other=0) != 0
+    weights = tl.where(valid[:, None], weights, 0.0)
+    ids = tl.where(valid[:, None], ids, -1)
+    slots = tl.arange(0, BLOCK_K)
+    out_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    tl.store(w_ptr + rows64 * s_wt + slots[None, :] * s_wk, weights, mask=out_mask)
+    tl.store(ids_ptr + rows64 * s_it + slots[None, :] * s_ik, ids.to(tl.int64), mask=out_mask)
+
+
+@triton.jit
+def _sum_partials(partial_ptr, tile_offs, tile_mask, split_d, stride_s,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Sum over splits of the [split_d, T, BLOCK_E] workspace, for one tile, in split order."""
+    # BLOCK_S splits per step: one round trip to L2 for BLOCK_S splits.
+    splits = tl.arange(0, BLOCK_S)
+    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for s0 in range(0, split_d, BLOCK_S):
+        ss = s0 + splits
+        # .cg reads from L2, past any stale copy in this multiprocessor's L1.
+        part = tl.load(partial_ptr + ss[:, None, None].to(tl.int64) * stride_s + tile_offs[None, :, :],
+                       mask=(ss < split_d)[:, None, None] & tile_mask[None, :, :], other=0.0,
+                       cache_modifier=".cg")
+        logits += tl.sum(part, axis=0)
+    return logits
+
+
+# The token count and the split follow the step's size: plain (unspecialised)
+# arguments, or every new token count of an eager step would compile again.
+@triton.jit(do_not_specialize=["num_tokens", "split_d", "d_per_split"])
+def _route_kernel(
+    x_ptr, gate_ptr, logits_ptr, bias_ptr, valid_ptr, w_ptr, ids_ptr, partial_ptr, arrived_ptr,
+    num_tokens, hidden, split_d, d_per_split, scaling,
+    s_xt, s_xd, s_ge, s_gd, s_lt, s_le, s_b, s_v, s_wt, s_wk, s_it, s_ik,
+    KERNEL_LOGITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
+    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    BLOCK_E: tl.constexpr = BLOCK_G * GROUP_BLOCK
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    experts, col_mask = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+    last = True
+    if KERNEL_LOGITS:
+        # Program (tile, s, c) sums D slice s for tile columns [c * BLOCK_C, (c + 1) * BLOCK_C).
+        d_lo = tl.program_id(1) * d_per_split
+        d_hi = tl.minimum(d_lo + d_per_split, hidden)
+        my_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        my_experts, my_mask = _expert_of(my_cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+        part = _partial_logits(x_ptr, gate_ptr, rows, row_mask, my_experts, my_mask, d_lo, d_hi,
+                               s_xt, s_xd, s_ge, s_gd, BLOCK_T, BLOCK_C, BLOCK_D)
+        if SPLIT:
+            # partial[s, t, c]: split s's sums for token t and tile column c.
+            stride_s = num_tokens.to(tl.int64) * BLOCK_E
+            rows_offs = rows[:, None].to(tl.int64) * BLOCK_E
+            tl.store(partial_ptr + tl.program_id(1) * stride_s + rows_offs + my_cols[None, :], part,
+                     mask=row_mask[:, None])
+            # Every thread's partial stores precede the release of the arrival count.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            last = arrived == split_d * tl.num_programs(2) - 1
+            logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            if last:
+                logits = _sum_partials(partial_ptr, rows_offs + cols[None, :],
+                                       row_mask[:, None] & col_mask[None, :], split_d, stride_s,
+                                       BLOCK_T, BLOCK_E, BLOCK_S)
+        else:
+            logits = part  # one program holds the whole tile: BLOCK_C == BLOCK_E
+    else:
+        logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + experts[None, :] * s_le,
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    if last:
+        _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
+                    s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
+                    TOP_K, SIGMOID, HAS_BIAS, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
+                    NORM, BLOCK_T, BLOCK_K, BLOCK_G)
+
+
+def route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    e_score_correction_bias: torch.Tensor | None,
+    valid: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    config: RouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.routing.route`, in the routing kernel (see the module docstring).
+
+    x:                       [T, D] bf16 / fp16 / fp32 (any strides); float64 is refused
+    gate:                    [E, D] bf16 / fp16 / fp32, read as float32
+    e_score_correction_bias: [E] bf16 / fp16 / fp32, or None
+    valid:                   [T] bool
+    returns                  topk_weights [T, k] float32, topk_ids [T, k] int64 (-1 and
+                             weight 0 in rows where valid is False)
+    Logits, scores and weights are float32 throughout.
+    """
+    num_tokens, hidden = x.shape
+    num_experts = gate.shape[0]
+    check_float("x", x)
+    check_float("gate", gate)
+    check_shape("gate", gate, (num_experts, hidden))
+    check_shape("valid", valid, (num_tokens,))
+    check_dtype("valid", valid, (torch.bool,))
+    bias = e_score_correction_bias
+    if bias is not None:
+        check_float("e_score_correction_bias", bias)
+        check_shape("e_score_correction_bias", bias, (num_experts,))
+        check_same_device(x=x, gate=gate, valid=valid, e_score_correction_bias=bias)
+    else:
+        check_same_device(x=x, gate=gate, valid=valid)
+    check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+                     n_group=n_group, topk_group=topk_group)
+    device = x.device
+    topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return topk_weights, topk_ids
+    groups = 1 if topk_method == "greedy" else n_group
+    config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
+    _launch(x, gate, bias, valid, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
+            scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
+            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    return topk_weights, topk_ids
+
+
+def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *, groups, top_k, scoring_func,
+            topk_method, topk_group, norm_topk_prob, routed_scaling_factor) -> None:
+    num_tokens, hidden = x.shape
+    num_experts = gate.shape[0]
+    device = x.device
+    block_e = _block_e(num_experts, groups)
+    num_tiles = triton.cdiv(num_tokens, config.block_t)
+    split_d, d_per_split, block_c = 1, hidden, block_e
+    logits = partial = arrived = topk_weights  # stand-ins for buffers the chosen path never touches
+    if config.kernel_logits:
+        # Each split's share of D is a whole number of BLOCK_D steps.
+        d_per_split = triton.cdiv(triton.cdiv(hidden, config.split_d), config.block_d) * config.block_d
+        split_d = triton.cdiv(hidden, d_per_split)
+        block_c = min(block_e, config.block_c or block_e)
+        if block_c != next_pow2(block_c):
+            raise ValueError(f"config.block_c: expected 0 or a power of two, got {config.block_c}")
+        if split_d > 1 or block_c < block_e:
+            partial = torch.empty((split_d, num_tokens, block_e), dtype=torch.float32, device=device)
+            arrived = torch.zeros(num_tiles, dtype=torch.int32, device=device)
+    else:
+        # The reference's own float32 matmul.
+        logits = F.linear(x.float(), gate.float())
+    grouped = topk_method != "greedy"
+    _route_kernel[(num_tiles, split_d, block_e // block_c)](
+        x, gate, logits, bias if bias is not None else gate, valid, topk_weights, topk_ids, partial, arrived,
+        num_tokens, hidden, split_d, d_per_split, float(routed_scaling_factor),
+        *x.stride(), *gate.stride(), *logits.stride(), bias.stride(0) if bias is not None else 0, valid.stride(0),
+        *topk_weights.stride(), *topk_ids.stride(),
+        KERNEL_LOGITS=config.kernel_logits, SPLIT=split_d > 1 or block_c < block_e, BLOCK_C=block_c,
+        TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None,
+        GROUPED=grouped, TOP2=topk_method == "noaux_tc", GROUP_SIZE=num_experts // groups,
+        GROUP_BLOCK=_group_block(num_experts, groups), N_GROUP=groups, TOPK_GROUP=topk_group if grouped else 1,
+        NORM=bool(norm_topk_prob),
+        BLOCK_T=config.block_t, BLOCK_D=config.block_d, BLOCK_K=max(2, next_pow2(top_k)),
+        BLOCK_G=next_pow2(groups),
+        # The last program sums a [BLOCK_S, BLOCK_T, BLOCK_E] tile of at most 8K partials per step.
+        BLOCK_S=max(2, min(64, 8192 // (config.block_t * block_e))),
+        num_warps=config.num_warps,
+    )

@@ -1,0 +1,184 @@
+"""Triton MoE routing against the reference.
+
+Gate and x are random, so no two experts of a row score within rounding of each
+other: the chosen ids must match exactly, whatever the summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import generator, randn, strided
+from mla_func.kernels.reference import routing as ref
+from mla_func.kernels.triton import routing as tri
+
+# (num_experts, routing arguments) of the three methods, shaped like the models that use them.
+V2_LITE = (64, dict(top_k=6, scoring_func="softmax", topk_method="greedy", n_group=None, topk_group=None,
+                    norm_topk_prob=False, routed_scaling_factor=1.0))
+V2_GROUPED = (64, dict(top_k=6, scoring_func="softmax", topk_method="group_limited_greedy", n_group=8,
+                       topk_group=3, norm_topk_prob=False, routed_scaling_factor=16.0))
+V3_TINY = (8, dict(top_k=2, scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
+                   norm_topk_prob=True, routed_scaling_factor=2.5))
+V3 = (256, dict(top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                norm_topk_prob=True, routed_scaling_factor=2.5))
+
+
+def _inputs(num_tokens, hidden, num_experts, dtype, device, seed, *, bias=False, padded_rows=0):
+    gen = generator(seed, device)
+    x = randn((num_tokens, hidden), dtype, device, gen)
+    gate = randn((num_experts, hidden), torch.float32, device, gen, scale=hidden ** -0.5)
+    correction = randn((num_experts,), torch.float32, device, gen, scale=0.1) if bias else None
+    valid = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    valid[num_tokens - padded_rows:] = False
+    return x, gate, correction, valid
+
+
+def _check(inputs, config=None, max_flipped_rows=0, **args):
+    weights, ids = tri.route(*inputs, config=config, **args)
+    x, gate, correction, valid = inputs
+    # The float64 reference on the same (rounded) inputs is the truth.
+    expected_weights, expected_ids = ref.route(
+        x.double(), gate.double(), None if correction is None else correction.double(), valid, **args)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    same = (ids == expected_ids).all(dim=1)
+    assert (~same).sum().item() <= max_flipped_rows
+    torch.testing.assert_close(weights[same].double(), expected_weights[same], rtol=1e-5, atol=1e-7)
+    return weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 40])
+@pytest.mark.parametrize("method", [V2_LITE, V2_GROUPED, V3_TINY], ids=["greedy", "group_limited", "noaux_tc"])
+def test_matches_reference(method, num_tokens, dtype, device):
+    num_experts, args = method
+    inputs = _inputs(num_tokens, 64, num_experts, dtype, device, seed=num_tokens,
+                     bias=args["topk_method"] == "noaux_tc", padded_rows=min(2, num_tokens - 1))
+    weights, ids = _check(inputs, **args)
+    padded = ~inputs[3]
+    assert torch.all(ids[padded] == -1) and torch.all(weights[padded] == 0)
+    assert torch.all(ids[~padded] >= 0)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+def test_normalisation_and_scaling(scoring_func, scaling, norm, device):
+    args = dict(V2_LITE[1], scoring_func=scoring_func, norm_topk_prob=norm, routed_scaling_factor=scaling)
+    weights, _ = _check(_inputs(5, 48, 64, torch.float32, device, seed=11), **args)
+    if norm:
+        torch.testing.assert_close(weights.sum(dim=1), torch.full_like(weights[:, 0], scaling))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17])
+def test_deepseek_v3_experts(num_tokens, device):
+    num_experts, args = V3
+    _check(_inputs(num_tokens, 96, num_experts, torch.bfloat16, device, seed=12, bias=True, padded_rows=1), **args)
+
+
+def test_bias_steers_choice_only(device):
+    num_experts, args = V3_TINY
+    x, gate, _, valid = _inputs(6, 64, num_experts, torch.float32, device, seed=13)
+    # A large bias on one expert makes every token choose it, at its raw score.
+    correction = torch.zeros(num_experts, device=device)
+    correction[5] = 10.0
+    weights, ids = _check((x, gate, correction, valid), **dict(args, norm_topk_prob=False, routed_scaling_factor=1.0))
+    assert torch.all(ids[:, 0] == 5)
+    torch.testing.assert_close(weights[:, 0], torch.sigmoid(x @ gate[5]))
+
+
+@pytest.mark.parametrize("num_tokens, block_t, split_d, block_c", [(3, 4, 4, 0), (20, 8, 4, 16), (2, 2, 1, 16)])
+@pytest.mark.parametrize("method", [V2_LITE, V2_GROUPED], ids=["greedy", "group_limited"])
+def test_split_hidden(method, num_tokens, block_t, split_d, block_c, device):
+    # D off every block multiple, split over several programs per tile, and E over tile columns.
+    num_experts, args = method
+    config = tri.RouteConfig(block_t=block_t, kernel_logits=True, block_d=32, split_d=split_d, block_c=block_c)
+    _check(_inputs(num_tokens, 300, num_experts, torch.float32, device, seed=14, padded_rows=1), config, **args)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 20])
+def test_logits_from_matmul_or_kernel(num_tokens, device):
+    num_experts, args = V3_TINY
+    inputs = _inputs(num_tokens, 64, num_experts, torch.bfloat16, device, seed=15, bias=True)
+    for kernel_logits in (False, True):
+        _check(inputs, tri.RouteConfig(block_t=4, kernel_logits=kernel_logits), **args)
+
+
+def test_default_config_splits_wide_hidden(device):
+    num_experts, args = V3
+    config = tri.route_config(1, num_experts, 8, 8, 512)
+    assert config.kernel_logits and (config.split_d > 1 or config.block_c < num_experts)  # several programs
+    _check(_inputs(1, 512, num_experts, torch.float32, device, seed=15, bias=True), **args)
+
+
+def test_uneven_groups(device):
+    # 6 groups of 10 experts: each group's columns are padded to 16 inside the tile.
+    args = dict(V2_GROUPED[1], n_group=6, topk_group=2)
+    for num_tokens in (2, 9):
+        _check(_inputs(num_tokens, 64, 60, torch.float32, device, seed=16), **args)
+        _check(_inputs(num_tokens, 64, 60, torch.float32, device, seed=17, bias=True),
+               **dict(args, scoring_func="sigmoid", topk_method="noaux_tc"))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 7])  # logits in the kernel, from a matmul
+def test_non_contiguous_inputs(num_tokens, device):
+    num_experts, args = V3_TINY
+    x, gate, correction, valid = _inputs(num_tokens, 64, num_experts, torch.bfloat16, device, seed=16, bias=True,
+                                         padded_rows=2)
+    gen = generator(17, device)
+    _check((strided(x, gen), strided(gate, gen), strided(correction, gen), strided(valid, gen)), **args)
+
+
+def test_no_tokens(device):
+    num_experts, args = V2_LITE
+    weights, ids = tri.route(*_inputs(0, 64, num_experts, torch.float32, device, seed=18), **args)
+    assert weights.shape == (0, 6) and ids.shape == (0, 6)
+
+
+def test_rejects_bad_inputs(device):
+    num_experts, args = V2_GROUPED
+    x, gate, correction, valid = _inputs(2, 64, num_experts, torch.float32, device, seed=19)
+    with pytest.raises(ValueError, match="x: .*float64"):
+        tri.route(x.double(), gate, correction, valid, **args)
+    with pytest.raises(ValueError, match="gate"):
+        tri.route(x, gate[:, :32], correction, valid, **args)
+    with pytest.raises(ValueError, match="valid"):
+        tri.route(x, gate, correction, valid.int(), **args)
+    with pytest.raises(ValueError, match="n_group"):
+        tri.route(x, gate, correction, valid, **dict(args, n_group=7))
+    with pytest.raises(ValueError, match="topk_method"):
+        tri.route(x, gate, correction, valid, **dict(args, topk_method="top2"))
+    with pytest.raises(ValueError, match="topk_group"):
+        tri.route(x, gate, correction, valid, **dict(args, topk_group=9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 2048])
+@pytest.mark.parametrize("model", ["v2_lite", "v3"])
+def test_gpu_real_sizes(model, num_tokens):
+    device = torch.device("cuda")
+    (num_experts, args), hidden = (V2_LITE, 2048) if model == "v2_lite" else (V3, 7168)
+    inputs = _inputs(num_tokens, hidden, num_experts, torch.bfloat16, device, seed=num_tokens,
+                     bias=model == "v3", padded_rows=1 if num_tokens > 1 else 0)
+    # Among thousands of random rows a few hold two experts within float32
+    # rounding of each other (seen: 1 of 2048 rows for V3), which either order
+    # settles; they may differ from the float64 truth.
+    _check(inputs, max_flipped_rows=num_tokens // 500, **args)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_with_new_tokens():
+    device = torch.device("cuda")
+    num_experts, args = V3
+    x, gate, correction, valid = _inputs(1, 7168, num_experts, torch.bfloat16, device, seed=20, bias=True)
+    tri.route(x, gate, correction, valid, **args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = tri.route(x, gate, correction, valid, **args)
+    for seed in (21, 22, 23):
+        x.copy_(_inputs(1, 7168, num_experts, torch.bfloat16, device, seed=seed)[0])
+        graph.replay()
+        expected_weights, expected_ids = ref.route(x.double(), gate.double(), correction.double(), valid, **args)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights.double(), expected_weights, rtol=1e-5, atol=1e-7)
