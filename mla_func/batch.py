@@ -144,8 +144,8 @@ def build_batch(
 
     The optional limits add host-side checks of block ids, token ids and positions.
     Raises BatchError naming the sequence and the expected vs got values.
-    The tensors of each dtype travel to the device in one copy (the fields are
-    views of it), since a decode step of hundreds of sequences runs every step.
+    The fields of each dtype travel to the device in one copy (they are aligned
+    views of one buffer): a decode step of hundreds of sequences runs every step.
     """
     if (len(plan.prefill), len(plan.decode), plan.num_prefill_tokens) != (
         mode.num_prefill_seqs, mode.num_decode_seqs, mode.num_prefill_tokens
@@ -201,34 +201,30 @@ def build_batch(
     if len(set(real_slots)) != len(real_slots):
         raise BatchError("slot_mapping: two tokens of the step write the same cache slot")
 
-    # Host layout of the int32 buffer: [cu_seqlens | prefill seq_lens | prefill table | decode seq_lens | decode table].
     num_prefill = len(plan.prefill)
-    ints: list[int] = []
-    if mode.padded_prefill_seqs:
-        ints += cu_seqlens
-        ints += seq_lens[:num_prefill] + [0] * (mode.padded_prefill_seqs - num_prefill)
-        ints += _table(used[:num_prefill], mode.padded_prefill_seqs, width)
-    if mode.padded_decode_seqs:
-        ints += seq_lens[num_prefill:] + [0] * (mode.padded_decode_seqs - len(plan.decode))
-        ints += _table(used[num_prefill:], mode.padded_decode_seqs, width)
-    longs = _device_tensor(input_ids + positions + slot_mapping + logits_rows, torch.int64, device)
-    int32s = _device_tensor(ints, torch.int32, device)
-    take = _Taker(int32s)
+    long_fields = _packed([input_ids, positions, slot_mapping, logits_rows], torch.int64, device)
+    input_ids_t, positions_t, slot_mapping_t, logits_t = long_fields
     prefill = decode = None
     if mode.padded_prefill_seqs:
         n = mode.padded_prefill_seqs
-        prefill = PrefillMetadata(
-            cu_seqlens_q=take(n + 1), seq_lens=take(n), block_table=take(n * width).view(n, width),
-        )
+        cu_t, lens_t, table_t = _packed([
+            cu_seqlens,
+            seq_lens[:num_prefill] + [0] * (n - num_prefill),
+            _table(used[:num_prefill], n, width),
+        ], torch.int32, device)
+        prefill = PrefillMetadata(cu_seqlens_q=cu_t, seq_lens=lens_t, block_table=table_t.view(n, width))
     if mode.padded_decode_seqs:
         n = mode.padded_decode_seqs
-        decode = DecodeMetadata(seq_lens=take(n), block_table=take(n * width).view(n, width))
-    t = mode.num_tokens
+        lens_t, table_t = _packed([
+            seq_lens[num_prefill:] + [0] * (n - len(plan.decode)),
+            _table(used[num_prefill:], n, width),
+        ], torch.int32, device)
+        decode = DecodeMetadata(seq_lens=lens_t, block_table=table_t.view(n, width))
     batch = Batch(
-        input_ids=longs[:t],
-        positions=longs[t : 2 * t],
-        slot_mapping=longs[2 * t : 3 * t],
-        logits_indices=longs[3 * t :],
+        input_ids=input_ids_t,
+        positions=positions_t,
+        slot_mapping=slot_mapping_t,
+        logits_indices=logits_t,
         prefill=prefill,
         decode=decode,
     )
@@ -236,15 +232,27 @@ def build_batch(
     return batch
 
 
-def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    # Through array.array: converting a Python list in C is ~10x faster than torch.tensor(list).
-    if not values:
-        return torch.empty(0, dtype=dtype, device=device)
-    host = torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
-    return host.to(device, non_blocking=True)
-
-
+# Triton compiles a kernel variant per 16-byte alignment of each pointer argument,
+# so every field starts on a 16-byte boundary of its shared buffer, whatever the
+# step's sizes: otherwise eager steps of new sizes would compile kernels mid-run.
+_ALIGN_BYTES = 16
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def _packed(fields: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Views of one device buffer, one a field, each starting 16-byte aligned: one host-to-device copy."""
+    per_align = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    flat: list[int] = []
+    bounds = []
+    for values in fields:
+        bounds.append((len(flat), len(values)))
+        flat += values
+        flat += [0] * (-len(flat) % per_align)
+    # Through array.array: converting a Python list in C is ~10x faster than torch.tensor(list).
+    host = (torch.frombuffer(array.array(_ARRAY_CODES[dtype], flat), dtype=dtype) if flat
+            else torch.empty(0, dtype=dtype))
+    buffer = host.to(device, non_blocking=True)
+    return [buffer[start : start + n] for start, n in bounds]
 
 
 def _table(used: list[tuple[int, ...]], padded_seqs: int, width: int) -> list[int]:
@@ -255,19 +263,6 @@ def _table(used: list[tuple[int, ...]], padded_seqs: int, width: int) -> list[in
         flat += [SCRATCH_BLOCK] * (width - len(blocks))
     flat += [SCRATCH_BLOCK] * (width * (padded_seqs - len(used)))
     return flat
-
-
-class _Taker:
-    """Consecutive slices of one flat tensor, in order."""
-
-    def __init__(self, flat: torch.Tensor):
-        self.flat = flat
-        self.offset = 0
-
-    def __call__(self, n: int) -> torch.Tensor:
-        part = self.flat[self.offset : self.offset + n]
-        self.offset += n
-        return part
 
 
 def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:

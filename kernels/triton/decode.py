@@ -100,10 +100,12 @@ def mla_decode_workspace(
     )
 
 
-@triton.jit
+# The split count follows the batch size, and eager (mixed) steps meet every batch
+# size: as a constexpr or a specialised int it would compile a kernel per count mid-run.
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _split_kernel(
     q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
-    num_heads, scale_log2, s_sl,
+    num_heads, num_splits, scale_log2, s_sl,
     s_qb, s_qh, s_qd,
     s_kn, s_kb, s_kd,
     s_btb, s_btw,
@@ -112,7 +114,7 @@ def _split_kernel(
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -121,7 +123,7 @@ def _split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b * s_sl)
     # Whole key tiles per split, so only a split's last tile is ragged.
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
@@ -180,21 +182,21 @@ def _split_kernel(
     tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _reduce_kernel(
     po_ptr, pl_ptr, out_ptr, lse_ptr,
-    num_heads,
+    num_heads, num_splits,
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
     s_ob, s_oh, s_lb, s_lh,
     KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // num_heads).to(tl.int64)
     h = pid % num_heads
     offs_s = tl.arange(0, BLOCK_S)
-    split_mask = offs_s < NUM_SPLITS
+    split_mask = offs_s < num_splits
     lse_s = tl.load(pl_ptr + b * s_plb + h * s_plh + offs_s * s_pls, mask=split_mask, other=float("-inf"))
     m = tl.max(lse_s, axis=0)
     # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
@@ -282,24 +284,24 @@ def mla_decode(
     grid = (num_seqs, triton.cdiv(num_heads, config.block_h), splits)
     _split_kernel[grid](
         q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
-        num_heads, softmax_scale * _LOG2E, seq_lens.stride(0),
+        num_heads, splits, softmax_scale * _LOG2E, seq_lens.stride(0),
         *q.stride(), *kv_cache.stride(), *block_table.stride(),
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        PAGE_SIZE=block_size, NUM_SPLITS=splits,
+        PAGE_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         _reduce_kernel[(num_seqs * num_heads,)](
             partial_out, partial_lse, out, lse,
-            num_heads,
+            num_heads, splits,
             *partial_out.stride(), *partial_lse.stride(),
             *out.stride()[:2], *lse.stride(),
             KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
-            NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+            BLOCK_S=next_pow2(splits),
             num_warps=4,
         )
     return out, lse

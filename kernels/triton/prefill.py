@@ -241,7 +241,9 @@ def flash_prefill(
         *k_nope.stride(), *k_pe.stride(), *value.stride(),
         *out.stride(), *lse.stride(),
         NOPE_DIM=nope_dim, ROPE_DIM=q_pe.shape[-1], V_DIM=value.shape[-1],
-        BLOCK_B=max(2, next_pow2(num_seqs)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        # At least 16: a step's prefill sequence count varies, and each new power of
+        # two would compile another kernel in the middle of a run.
+        BLOCK_B=max(16, next_pow2(num_seqs)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q_nope.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
