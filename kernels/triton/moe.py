@@ -381,7 +381,10 @@ def fused_moe(
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=hidden % config.block_k == 0, EVEN_N=inter % config.block_n == 0,
         DOT_PRECISION=precision,
-        INLINE_ALIGN=inline_align, BLOCK_E=block_e, BLOCK_P=max(2, next_pow2(num_pairs)),
+        # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
+        # power of two of pairs in an eager step would compile another variant.
+        INLINE_ALIGN=inline_align, BLOCK_E=block_e,
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
