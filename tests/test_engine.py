@@ -152,3 +152,12 @@ def test_score_returns_every_position(reference, prompts):
     assert rel_err(got, reference_logits(hf, ids)) <= 1e-4
     with pytest.raises(ValueError, match="token_ids is empty"):
         e.score([])
+
+
+def test_warmup_without_graphs_captures_nothing_and_changes_nothing(reference, prompts):
+    model = reference[1]
+    warmed = engine(model)
+    assert warmed.warmup(progress=False) == 0  # no CUDA here: every step is eager
+    params = mf.SamplingParams(temperature=0.0, max_tokens=5)
+    assert [c.token_ids for c in warmed.generate(prompts, params)] == \
+        [c.token_ids for c in engine(model).generate(prompts, params)]
