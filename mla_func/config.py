@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The routing op validates the same names; one definition serves the config and the kernels.
+from .kernels.checks import SCORING_FUNCS, TOPK_METHODS
+
 
 class ConfigError(ValueError):
     """A config.json field has a value mla-func does not support."""
 
-
-SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 # Fields that carry no meaning for inference (training knobs, bookkeeping, values
 # derived from other fields). Anything neither read nor listed here is reported.
