@@ -61,8 +61,8 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
     moe_layers = [layer for layer in p.layers if isinstance(layer.mlp, mf.params.MoEParams)]
     for layer in p.layers:
         a = layer.attn
-        weight += sum(nbytes(t) for t in (a.kv_a_proj, a.kv_a_norm, a.w_uk, a.w_uv, a.o_proj, a.q_proj,
-                                          a.q_a_proj, a.q_a_norm, a.q_b_proj, layer.input_norm, layer.post_attention_norm))
+        weight += sum(nbytes(t) for t in (a.qkv_a_proj, a.kv_a_norm, a.w_uk, a.w_uv, a.o_proj, a.q_a_norm,
+                                          a.q_b_proj, layer.input_norm, layer.post_attention_norm))
         if isinstance(layer.mlp, mf.params.MLPParams):
             weight += nbytes(layer.mlp.gate_up) + nbytes(layer.mlp.down)
     for layer, ids in zip(moe_layers, chosen):
@@ -70,9 +70,7 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
         experts = torch.unique(ids[ids >= 0]).numel()
         distinct.append(experts)
         per_expert = (nbytes(m.w13) + nbytes(m.w2)) // m.w13.shape[0]
-        weight += nbytes(m.gate) + experts * per_expert
-        if m.shared is not None:
-            weight += nbytes(m.shared.gate_up) + nbytes(m.shared.down)
+        weight += nbytes(m.gate) + (experts + m.num_shared) * per_expert
     kv = mode.num_decode_seqs * (context + 1) * model.config.kv_cache_dim * model.dtype.itemsize * model.config.num_hidden_layers
     return weight, kv, sum(distinct) / max(len(distinct), 1)
 

@@ -31,7 +31,7 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 def check_route_args(num_experts: int, *, top_k: int, scoring_func: str, topk_method: str,
-                     n_group: int | None, topk_group: int | None) -> None:
+                     n_group: int | None, topk_group: int | None, num_shared: int = 0) -> None:
     """Raise ValueError unless the routing arguments describe a choice of top_k of num_experts experts.
 
     Group arguments are read only by the group-limited methods, which need n_group
@@ -43,6 +43,8 @@ def check_route_args(num_experts: int, *, top_k: int, scoring_func: str, topk_me
         raise ValueError(f"topk_method: expected one of {TOPK_METHODS}, got {topk_method!r}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: expected 1 <= top_k <= num_experts={num_experts}, got {top_k}")
+    if num_shared < 0:
+        raise ValueError(f"num_shared: expected >= 0, got {num_shared}")
     if topk_method == "greedy":
         return
     if not n_group or n_group < 1 or num_experts % n_group:

@@ -8,12 +8,15 @@ nothing falls back silently.
 Contracts (shapes in the docstrings of the reference implementations):
 
     write_kv(kv_cache, slot_mapping, kv, *, inplace=True) -> kv_cache
+    write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin, *, eps, interleaved,
+                 inplace=True) -> (kv_cache, q_pe)
+    absorb_query(q_nope, q_pe, w_uk) -> q
     mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank) -> (out, lse)
     prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
                       w_uk, w_uv, *, softmax_scale) -> (out, lse)
     merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
     route(x, gate, e_score_correction_bias, valid, *, top_k, scoring_func, topk_method, n_group,
-          topk_group, norm_topk_prob, routed_scaling_factor) -> (topk_weights, topk_ids)
+          topk_group, norm_topk_prob, routed_scaling_factor, num_shared=0) -> (topk_weights, topk_ids)
     fused_moe(x, w13, w2, topk_weights, topk_ids) -> y
     rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
     rope(q_pe, k_pe, positions, cos, sin, *, interleaved) -> (q_pe, k_pe)
@@ -30,6 +33,7 @@ import torch
 
 from .reference import attention as ref_attention
 from .reference import cache as ref_cache
+from .reference import latent as ref_latent
 from .reference import moe as ref_moe
 from .reference import norm as ref_norm
 from .reference import rope as ref_rope
@@ -44,6 +48,8 @@ class Ops:
 
     backend: str
     write_kv: Callable
+    write_latent: Callable
+    absorb_query: Callable
     mla_decode: Callable
     prefill_attention: Callable
     merge_attn_states: Callable
@@ -57,6 +63,8 @@ def _torch_ops() -> Ops:
     return Ops(
         backend="torch",
         write_kv=ref_cache.write_kv,
+        write_latent=ref_latent.write_latent,
+        absorb_query=ref_attention.absorb_query,
         mla_decode=ref_attention.mla_decode,
         prefill_attention=ref_attention.prefill_attention,
         merge_attn_states=ref_attention.merge_attn_states,
@@ -96,16 +104,18 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def record_expert_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
-    """`ops` whose fused_moe also appends each call's topk_ids [T, k] to the returned list.
+    """`ops` whose route also appends each call's routed choice, topk_ids [T, k], to the returned list.
 
     For measuring routing (expert loads, bytes a step reads) through the public
-    `ops=` argument of the forward, in call order: one entry per MoE layer.
+    `ops=` argument of the forward, in call order: one entry per MoE layer. Shared
+    experts, which every token takes, are not in the record.
     """
     chosen: list[torch.Tensor] = []
-    fused_moe = ops.fused_moe
+    route = ops.route
 
-    def recording_fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs):
-        chosen.append(topk_ids)
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
+    def recording_route(*args, top_k, **kwargs):
+        topk_weights, topk_ids = route(*args, top_k=top_k, **kwargs)
+        chosen.append(topk_ids[:, :top_k])
+        return topk_weights, topk_ids
 
-    return dataclasses.replace(ops, fused_moe=recording_fused_moe), chosen
+    return dataclasses.replace(ops, route=recording_route), chosen

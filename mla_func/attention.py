@@ -22,20 +22,17 @@ from .params import AttentionParams
 LATENT_NORM_EPS = 1e-6
 
 
-def project_q(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
-    """x [T, D] -> q [T, H, Dn + R], through the low-rank path when q_lora_rank is set."""
-    if p.q_proj is not None:
-        q = F.linear(x, p.q_proj)
-    else:
-        q = F.linear(ops.rms_norm(F.linear(x, p.q_a_proj), p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
-    return q.view(x.shape[0], config.num_attention_heads, config.qk_head_dim)
+def project(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (q [T, H, Dn + R], latent [T, C + R]: c_kv not yet normalised, k_pe not rotated).
 
-
-def project_latent(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (normalised c_kv [T, C], k_pe [T, R] before rotation)."""
-    latent = F.linear(x, p.kv_a_proj)
-    c_kv, k_pe = latent.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
-    return ops.rms_norm(c_kv, p.kv_a_norm, LATENT_NORM_EPS), k_pe
+    One GEMM makes the query's first projection and the latent; a low-rank query
+    then goes through its norm and q_b_proj. Both results are views of that GEMM's output.
+    """
+    first = F.linear(x, p.qkv_a_proj)
+    q, latent = first.split([first.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
+    if p.q_b_proj is not None:
+        q = F.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
+    return q.view(x.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
 
 def decode_attention(
@@ -52,9 +49,8 @@ def decode_attention(
 
     q_nope [B, H, Dn], q_pe [B, H, R] (rotated), block_table [B, W], seq_lens [B] -> [B, H, Dv]
     """
-    q_absorbed = torch.einsum("bhd,hdc->bhc", q_nope, p.w_uk)
     latent_out, _ = ops.mla_decode(
-        torch.cat([q_absorbed, q_pe], dim=-1),
+        ops.absorb_query(q_nope, q_pe, p.w_uk),
         kv_cache,
         block_table,
         seq_lens,
@@ -82,12 +78,13 @@ def mla_attention(
     x [T, D] normalised hidden states; kv_cache [num_blocks, bs, C + R]
     returns (output [T, D], the layer's cache with this step's latents written)
     """
-    q = project_q(p, x, config, ops)
+    q, latent = project(p, x, config, ops)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-    c_kv, k_pe = project_latent(p, x, config, ops)
-    q_pe, k_pe = ops.rope(q_pe, k_pe, batch.positions, cos, sin, interleaved=config.rope_interleave)
     # The write comes first so that prefill reads its own keys from the cache like any context.
-    kv_cache = ops.write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1), inplace=inplace)
+    kv_cache, q_pe = ops.write_latent(
+        kv_cache, batch.slot_mapping, latent, p.kv_a_norm, q_pe, batch.positions, cos, sin,
+        eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace,
+    )
 
     split = mode.padded_prefill_tokens
     outputs = []

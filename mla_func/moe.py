@@ -16,13 +16,22 @@ def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, p.down)
 
 
-def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+# Up to this many tokens a step runs its shared experts inside the fused MoE call,
+# as experts every token takes with weight 1: there they cost one more expert's
+# weight stream instead of three GEMM launches and an add (the fused kernel's
+# 16-row tiles read an expert's weights once per 16 tokens, so above that the
+# dense GEMMs, which read them once, win).
+SHARED_IN_FUSED_MAX_TOKENS = 16
+
+
+def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops, *,
+          num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each token's experts, with the backend's `route` op.
 
     x [T, D]; valid [T] bool (False for padded rows)
-    returns topk_weights [T, k] (float32, or float64 for a float64 model) and topk_ids [T, k] int64; padded rows get
-    id -1 and weight 0, so they take no expert.
+    returns topk_weights [T, k + num_shared] (float32, or float64 for a float64 model) and topk_ids
+    [T, k + num_shared] int64; padded rows get id -1 and weight 0, so they take no expert. The
+    last num_shared columns are the shared experts (ids E.., weight 1).
 
     Routing runs in at least float32 whatever the model dtype (bf16 scores would
     tie and flip experts); a float64 model routes in float64 (torch backend only).
@@ -35,16 +44,31 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
         x, p.gate, p.e_score_correction_bias, valid,
         top_k=c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
         n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-        routed_scaling_factor=c.routed_scaling_factor,
+        routed_scaling_factor=c.routed_scaling_factor, num_shared=num_shared,
     )
+
+
+def shared_experts(p: MoEParams, x: torch.Tensor) -> torch.Tensor:
+    """The shared experts (experts E.. of p) as dense GEMMs: x [T, D] -> [T, D]."""
+    w13, w2 = p.w13[p.num_routed:], p.w2[p.num_routed:]                # [S, 2I, D], [S, D, I]
+    num_shared, two_inter, _ = w13.shape
+    gate, up = F.linear(x, w13.flatten(0, 1)).view(-1, num_shared, 2, two_inter // 2).unbind(2)
+    act = F.silu(gate) * up                                             # [T, S, I]
+    out = F.linear(act[:, 0], w2[0])
+    for s in range(1, num_shared):
+        out = torch.addmm(out, act[:, s], w2[s].t())
+    return out
 
 
 def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
     """Routed experts plus shared experts: x [T, D] -> [T, D]."""
+    if p.num_shared and x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS:
+        topk_weights, topk_ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
+        return ops.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids)
     topk_weights, topk_ids = route(p, x, valid, config, ops)
-    out = ops.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids)
-    if p.shared is not None:
-        out = out + mlp(p.shared, x)
+    out = ops.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], topk_weights, topk_ids)
+    if p.num_shared:
+        out = out + shared_experts(p, x)
     return out
 
 

@@ -3,8 +3,9 @@
 Weights keep the Hugging Face [out, in] layout. Two things are reshaped once at
 load time: `kv_b_proj` is split per head into `w_uk` [H, Dn, C] and `w_uv`
 [H, Dv, C], which both the decompressed (prefill) and the absorbed (decode)
-attention use; and routed experts are stacked into `w13` [E, 2I, D] (gate rows
-then up rows) and `w2` [E, D, I].
+attention use; and the experts are stacked into `w13` [E + S, 2I, D] (gate rows
+then up rows) and `w2` [E + S, D, I]: the E routed experts, then the shared MLP
+(intermediate size S * I) cut into S experts of I columns each, which sum to it.
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ from .pytree import register_dataclass, static_field
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class AttentionParams:
-    """MLA projections of one layer (D hidden, H heads, C kv_lora_rank, R rope dim)."""
+    """MLA projections of one layer (D hidden, H heads, C kv_lora_rank, R rope dim).
 
-    kv_a_proj: torch.Tensor               # [C + R, D]
+    Both projections of the hidden state, the query's first one and the latent's
+    (`kv_a_proj_with_mqa`), are one matrix: one GEMM reads both.
+    """
+
+    qkv_a_proj: torch.Tensor              # [Q + C + R, D]: query rows (Q = H * (Dn + R), or
+                                          # q_lora_rank with a low-rank query), then latent rows
     kv_a_norm: torch.Tensor               # [C]
     w_uk: torch.Tensor                    # [H, Dn, C] key up-projection
     w_uv: torch.Tensor                    # [H, Dv, C] value up-projection
     o_proj: torch.Tensor                  # [D, H * Dv]
-    q_proj: torch.Tensor | None = None    # [H * (Dn + R), D] when q_lora_rank is null
-    q_a_proj: torch.Tensor | None = None  # [q_lora_rank, D]
-    q_a_norm: torch.Tensor | None = None  # [q_lora_rank]
-    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R), q_lora_rank]
+    q_a_norm: torch.Tensor | None = None  # [q_lora_rank], low-rank query only
+    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R), q_lora_rank], low-rank query only
 
 
 @register_dataclass
@@ -48,13 +52,25 @@ class MLPParams:
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class MoEParams:
-    """Routed experts, their router, and the shared experts (one MLP of n_shared * I)."""
+    """Routed experts, their router, and the shared experts.
+
+    Experts [0, E) are routed; [E, E + S) are the shared experts, slices of I
+    columns of the checkpoint's shared MLP, which every token takes with weight 1.
+    Stacked with the routed ones, a decode step runs them in the same fused call.
+    """
 
     gate: torch.Tensor                    # [E, D] router weight, float32 (or float64 in a float64 model)
-    w13: torch.Tensor                     # [E, 2I, D]
-    w2: torch.Tensor                      # [E, D, I]
+    w13: torch.Tensor                     # [E + S, 2I, D]
+    w2: torch.Tensor                      # [E + S, D, I]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
-    shared: MLPParams | None = None
+
+    @property
+    def num_routed(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def num_shared(self) -> int:
+        return self.w13.shape[0] - self.gate.shape[0]
 
 
 @register_dataclass
@@ -176,6 +192,29 @@ def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
     }
 
 
+def split_shared(shared: MLPParams, num_shared: int) -> list[MLPParams]:
+    """The shared MLP (gate_up [2 * S * I, D], down [D, S * I]) as S experts of I columns.
+
+    Each output column of gate and up and each input column of down belongs to one
+    slice, so the slices' outputs sum to the whole MLP's.
+    """
+    inter = shared.down.shape[1] // num_shared
+    gate, up = shared.gate_up.chunk(2, dim=0)
+    return [
+        MLPParams(
+            gate_up=torch.cat([gate[s * inter:(s + 1) * inter], up[s * inter:(s + 1) * inter]]),
+            down=shared.down[:, s * inter:(s + 1) * inter].contiguous(),
+        )
+        for s in range(num_shared)
+    ]
+
+
+def join_shared(experts: list[MLPParams]) -> MLPParams:
+    """The inverse of `split_shared`: S experts of I columns as one MLP of S * I."""
+    gates, ups = zip(*(e.gate_up.chunk(2, dim=0) for e in experts))
+    return MLPParams(gate_up=torch.cat([*gates, *ups]), down=torch.cat([e.down for e in experts], dim=1))
+
+
 TensorFetch = Callable[[str], torch.Tensor]
 
 
@@ -208,15 +247,12 @@ def params_from_hf(
         a = p + "self_attn."
         kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         if c.q_lora_rank is None:
-            q_parts = dict(q_proj=get(a + "q_proj.weight"))
+            q_a, q_parts = get(a + "q_proj.weight"), {}
         else:
-            q_parts = dict(
-                q_a_proj=get(a + "q_a_proj.weight"),
-                q_a_norm=get(a + "q_a_layernorm.weight"),
-                q_b_proj=get(a + "q_b_proj.weight"),
-            )
+            q_a = get(a + "q_a_proj.weight")
+            q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"), q_b_proj=get(a + "q_b_proj.weight"))
         attn = AttentionParams(
-            kv_a_proj=get(a + "kv_a_proj_with_mqa.weight"),
+            qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight")]),
             kv_a_norm=get(a + "kv_a_layernorm.weight"),
             w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
             w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
@@ -226,6 +262,8 @@ def params_from_hf(
         m = p + "mlp."
         if c.is_moe_layer(i):
             experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts)]
+            if c.n_shared_experts:
+                experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
             block: MLPParams | MoEParams = MoEParams(
                 # Routing runs in at least float32; holding the router there saves a cast per step.
                 gate=get(m + "gate.weight").to(torch.promote_types(dtype, torch.float32)),
@@ -234,7 +272,6 @@ def params_from_hf(
                 e_score_correction_bias=(
                     get(m + "gate.e_score_correction_bias", keep_float32=True) if c.topk_method == "noaux_tc" else None
                 ),
-                shared=mlp(m + "shared_experts.") if c.n_shared_experts else None,
             )
             del experts
         else:

@@ -21,6 +21,7 @@ import torch
 from ..checks import check_dtype, check_shape
 from ..reference import attention as ref_attention
 from ..reference import cache as ref_cache
+from ..reference import latent as ref_latent
 from ..reference import norm as ref_norm
 from ..reference import rope as ref_rope
 from ..reference import routing as ref_routing
@@ -127,6 +128,8 @@ def ops() -> Ops:
     return Ops(
         backend="aiter",
         write_kv=ref_cache.write_kv,
+        write_latent=ref_latent.write_latent,
+        absorb_query=ref_attention.absorb_query,
         mla_decode=mla_decode,
         prefill_attention=ref_attention.prefill_attention,
         merge_attn_states=ref_attention.merge_attn_states,

@@ -162,3 +162,15 @@ def merge_attn_states(
     weight_b = torch.exp(lse_b - finite_lse).unsqueeze(-1)
     out = weight_a * out_a.to(acc) + weight_b * out_b.to(acc)
     return out.to(out_a.dtype), lse.float()
+
+
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed decode query: each head's q_nope through its key up-projection, then q_pe.
+
+    q_nope [B, H, Dn], q_pe [B, H, R], w_uk [H, Dn, C] -> q [B, H, C + R], which
+    `mla_decode` scores against the latent cache: q_nope . (W_UK c_kv) = (q_nope W_UK) . c_kv.
+    """
+    num_heads, qk_nope_head_dim, _ = w_uk.shape
+    check_shape("q_nope", q_nope, (None, num_heads, qk_nope_head_dim))
+    check_shape("q_pe", q_pe, (q_nope.shape[0], num_heads, None))
+    return torch.cat([torch.einsum("bhd,hdc->bhc", q_nope, w_uk), q_pe], dim=-1)

@@ -21,15 +21,19 @@ def route(
     topk_group: int | None,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose each token's top_k experts.
+    """Choose each token's top_k experts (and, with num_shared, the shared experts after them).
 
     x:                       [T, D]
     gate:                    [E, D] router weight, float32 (float64 in a float64 model)
     e_score_correction_bias: [E] or None; added to the scores for the choice only
     valid:                   [T] bool, False for padded rows
-    returns                  topk_weights [T, k] (float32, or float64 for float64 x) and
-                             topk_ids [T, k] int64; padded rows get id -1 and weight 0,
+    num_shared:              S shared experts to append to every row, as experts
+                             E .. E + S - 1 of weight 1 (so that one fused MoE call
+                             runs routed and shared experts together)
+    returns                  topk_weights [T, k + S] (float32, or float64 for float64 x) and
+                             topk_ids [T, k + S] int64; padded rows get id -1 and weight 0,
                              so they take no expert.
 
     Routing runs in at least float32 whatever x's dtype (bf16 scores would tie and
@@ -47,7 +51,7 @@ def route(
     if e_score_correction_bias is not None:
         check_shape("e_score_correction_bias", e_score_correction_bias, (num_experts,))
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
-                     n_group=n_group, topk_group=topk_group)
+                     n_group=n_group, topk_group=topk_group, num_shared=num_shared)
     acc = torch.promote_types(x.dtype, torch.float32)
     logits = F.linear(x.to(acc), gate if gate.dtype == acc else gate.to(acc))  # [T, E]
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
@@ -60,6 +64,10 @@ def route(
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
+    if num_shared:
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, device=x.device)
+        topk_ids = torch.cat([topk_ids, shared_ids.expand(num_tokens, num_shared)], dim=1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(num_tokens, num_shared)], dim=1)
     topk_weights = topk_weights.masked_fill(~valid.unsqueeze(-1), 0.0)
     topk_ids = topk_ids.masked_fill(~valid.unsqueeze(-1), -1)
     return topk_weights, topk_ids

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ..registry import Ops
+from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
+from .latent import write_latent
 from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
@@ -13,6 +15,7 @@ from .rope import rope
 from .routing import route
 
 __all__ = [
+    "absorb_query",
     "fused_moe",
     "merge_attn_states",
     "mla_decode",
@@ -24,6 +27,7 @@ __all__ = [
     "rope",
     "route",
     "write_kv",
+    "write_latent",
 ]
 
 
@@ -32,6 +36,8 @@ def ops() -> Ops:
     return Ops(
         backend="triton",
         write_kv=write_kv,
+        write_latent=write_latent,
+        absorb_query=absorb_query,
         mla_decode=mla_decode,
         prefill_attention=prefill_attention,
         merge_attn_states=merge_attn_states,

@@ -9,7 +9,8 @@ token, so a token's whole choice happens in registers:
    (noaux_tc) choice values, and all but the topk_group best groups drop to -inf;
 4. top-k by k rounds of a max with its index (ties go to the lowest expert id);
    the weights are the raw scores of the picked experts, then normalised,
-   scaled and masked by `valid`.
+   scaled and masked by `valid`; shared experts, when asked for, follow in
+   slots k .. k + S - 1 with weight 1.
 
 Columns of the tile are laid out by group: group g's experts sit at columns
 [g * GROUP_BLOCK, g * GROUP_BLOCK + E / n_group), so the tile reshapes to
@@ -191,8 +192,12 @@ def _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_p
                 TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                 GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr,
                 GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Steps 2-4 of the module docstring for one tile of logits; writes the tile's weights and ids."""
+                NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Steps 2-4 of the module docstring for one tile of logits; writes the tile's weights and ids.
+
+    Slots [TOP_K, TOP_K + NUM_SHARED) take the shared experts, ids E.., weight 1.
+    """
     experts, _ = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
     scores = _scores(logits, col_mask, SIGMOID)
     choice = scores
@@ -215,6 +220,10 @@ def _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_p
     rows64 = rows[:, None].to(tl.int64)
     tl.store(w_ptr + rows64 * s_wt + slots[None, :] * s_wk, weights, mask=out_mask)
     tl.store(ids_ptr + rows64 * s_it + slots[None, :] * s_ik, ids.to(tl.int64), mask=out_mask)
+    for j in tl.static_range(NUM_SHARED):
+        shared_id = tl.where(valid, N_GROUP * GROUP_SIZE + j, -1).to(tl.int64)
+        tl.store(w_ptr + rows.to(tl.int64) * s_wt + (TOP_K + j) * s_wk, tl.where(valid, 1.0, 0.0), mask=row_mask)
+        tl.store(ids_ptr + rows.to(tl.int64) * s_it + (TOP_K + j) * s_ik, shared_id, mask=row_mask)
 
 
 @triton.jit
@@ -244,7 +253,7 @@ def _route_kernel(
     KERNEL_LOGITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -287,7 +296,7 @@ def _route_kernel(
         _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
                     s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
                     TOP_K, SIGMOID, HAS_BIAS, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
-                    NORM, BLOCK_T, BLOCK_K, BLOCK_G)
+                    NORM, NUM_SHARED, BLOCK_T, BLOCK_K, BLOCK_G)
 
 
 def route(
@@ -303,6 +312,7 @@ def route(
     topk_group: int | None,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    num_shared: int = 0,
     config: RouteConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.routing.route`, in the routing kernel (see the module docstring).
@@ -311,8 +321,9 @@ def route(
     gate:                    [E, D] bf16 / fp16 / fp32, read as float32
     e_score_correction_bias: [E] bf16 / fp16 / fp32, or None
     valid:                   [T] bool
-    returns                  topk_weights [T, k] float32, topk_ids [T, k] int64 (-1 and
-                             weight 0 in rows where valid is False)
+    num_shared:              S shared experts appended to every row (ids E .., weight 1)
+    returns                  topk_weights [T, k + S] float32, topk_ids [T, k + S] int64 (-1
+                             and weight 0 in rows where valid is False)
     Logits, scores and weights are float32 throughout.
     """
     num_tokens, hidden = x.shape
@@ -330,22 +341,22 @@ def route(
     else:
         check_same_device(x=x, gate=gate, valid=valid)
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
-                     n_group=n_group, topk_group=topk_group)
+                     n_group=n_group, topk_group=topk_group, num_shared=num_shared)
     device = x.device
-    topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    topk_weights = torch.empty((num_tokens, top_k + num_shared), dtype=torch.float32, device=device)
+    topk_ids = torch.empty((num_tokens, top_k + num_shared), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
     groups = 1 if topk_method == "greedy" else n_group
     config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
     _launch(x, gate, bias, valid, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
-            scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
+            num_shared=num_shared, scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
             norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
     return topk_weights, topk_ids
 
 
-def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *, groups, top_k, scoring_func,
-            topk_method, topk_group, norm_topk_prob, routed_scaling_factor) -> None:
+def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *, groups, top_k, num_shared,
+            scoring_func, topk_method, topk_group, norm_topk_prob, routed_scaling_factor) -> None:
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     device = x.device
@@ -376,7 +387,7 @@ def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *
         TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None,
         GROUPED=grouped, TOP2=topk_method == "noaux_tc", GROUP_SIZE=num_experts // groups,
         GROUP_BLOCK=_group_block(num_experts, groups), N_GROUP=groups, TOPK_GROUP=topk_group if grouped else 1,
-        NORM=bool(norm_topk_prob),
+        NORM=bool(norm_topk_prob), NUM_SHARED=num_shared,
         BLOCK_T=config.block_t, BLOCK_D=config.block_d, BLOCK_K=max(2, next_pow2(top_k)),
         BLOCK_G=next_pow2(groups),
         # The last program sums a [BLOCK_S, BLOCK_T, BLOCK_E] tile of at most 8K partials per step.

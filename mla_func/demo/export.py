@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..params import MLPParams, MoEParams, Params, hf_tensor_shapes
+from ..params import MLPParams, MoEParams, Params, hf_tensor_shapes, join_shared
 
 
 def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
@@ -39,13 +39,14 @@ def params_to_hf(params: Params) -> dict[str, torch.Tensor]:
         out[p + "input_layernorm.weight"] = layer.input_norm
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
         a, attn = p + "self_attn.", layer.attn
-        if attn.q_proj is not None:
-            out[a + "q_proj.weight"] = attn.q_proj
+        q_a, kv_a = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
+        if attn.q_b_proj is None:
+            out[a + "q_proj.weight"] = q_a
         else:
-            out[a + "q_a_proj.weight"] = attn.q_a_proj
+            out[a + "q_a_proj.weight"] = q_a
             out[a + "q_a_layernorm.weight"] = attn.q_a_norm
             out[a + "q_b_proj.weight"] = attn.q_b_proj
-        out[a + "kv_a_proj_with_mqa.weight"] = attn.kv_a_proj
+        out[a + "kv_a_proj_with_mqa.weight"] = kv_a
         out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
         # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
         out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
@@ -56,10 +57,11 @@ def params_to_hf(params: Params) -> dict[str, torch.Tensor]:
             out[m + "gate.weight"] = moe.gate
             if moe.e_score_correction_bias is not None:
                 out[m + "gate.e_score_correction_bias"] = moe.e_score_correction_bias
-            for j in range(moe.w13.shape[0]):
-                out.update(_mlp_to_hf(f"{m}experts.{j}.", MLPParams(gate_up=moe.w13[j], down=moe.w2[j])))
-            if moe.shared is not None:
-                out.update(_mlp_to_hf(m + "shared_experts.", moe.shared))
+            experts = [MLPParams(gate_up=moe.w13[j], down=moe.w2[j]) for j in range(moe.w13.shape[0])]
+            for j in range(moe.num_routed):
+                out.update(_mlp_to_hf(f"{m}experts.{j}.", experts[j]))
+            if moe.num_shared:
+                out.update(_mlp_to_hf(m + "shared_experts.", join_shared(experts[moe.num_routed:])))
         else:
             out.update(_mlp_to_hf(m, layer.mlp))
     _check_names(c, out)

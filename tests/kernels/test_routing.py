@@ -129,6 +129,27 @@ def test_non_contiguous_inputs(num_tokens, device):
     _check((strided(x, gen), strided(gate, gen), strided(correction, gen), strided(valid, gen)), **args)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 9])  # logits in the kernel, from a matmul
+@pytest.mark.parametrize("method", [V2_LITE, V3_TINY], ids=["greedy", "noaux_tc"])
+def test_shared_experts_follow_the_routed(method, num_tokens, device):
+    num_experts, args = method
+    inputs = _inputs(num_tokens, 64, num_experts, torch.float32, device, seed=20,
+                     bias=args["topk_method"] == "noaux_tc", padded_rows=1)
+    routed_weights, routed_ids = tri.route(*inputs, **args)
+    weights, ids = tri.route(*inputs, **args, num_shared=2)
+    expected_weights, expected_ids = ref.route(*inputs, **args, num_shared=2)
+    k = args["top_k"]
+    assert weights.shape == ids.shape == (num_tokens, k + 2)
+    torch.testing.assert_close(weights[:, :k], routed_weights)       # the routed choice is unchanged
+    assert torch.equal(ids[:, :k], routed_ids) and torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+    valid = inputs[3]
+    shared = torch.tensor([num_experts, num_experts + 1], device=device)
+    assert torch.equal(ids[valid, k:], shared.expand(int(valid.sum()), 2))
+    assert torch.all(weights[valid, k:] == 1.0)
+    assert torch.all(ids[~valid] == -1) and torch.all(weights[~valid] == 0.0)
+
+
 def test_no_tokens(device):
     num_experts, args = V2_LITE
     weights, ids = tri.route(*_inputs(0, 64, num_experts, torch.float32, device, seed=18), **args)
@@ -150,6 +171,8 @@ def test_rejects_bad_inputs(device):
         tri.route(x, gate, correction, valid, **dict(args, topk_method="top2"))
     with pytest.raises(ValueError, match="topk_group"):
         tri.route(x, gate, correction, valid, **dict(args, topk_group=9))
+    with pytest.raises(ValueError, match="num_shared"):
+        tri.route(x, gate, correction, valid, **args, num_shared=-1)
 
 
 @pytest.mark.gpu

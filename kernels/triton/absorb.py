@@ -1,0 +1,84 @@
+"""The absorbed decode query in one launch: per-head q_nope @ W_UK, written beside q_pe.
+
+Unfused this is a batched GEMM of one row per head at batch 1 (a few
+microseconds of launch-bound cuBLAS work) and a concatenation; here each program
+multiplies a tile of sequences of one head by a column tile of that head's W_UK
+and the first column tile's programs also copy q_pe into the output's tail.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import check_float, dot_precision, next_pow2
+
+_BLOCK_C = 64
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _absorb_kernel(
+    qn_ptr, qpe_ptr, w_ptr, out_ptr,
+    num_seqs,
+    s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
+    NOPE_DIM: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    col_block = tl.program_id(1)
+    seqs = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+    seq_mask = seqs < num_seqs
+    seqs64 = seqs.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < NOPE_DIM
+    q = tl.load(qn_ptr + seqs64[:, None] * s_nb + head * s_nh + d[None, :] * s_nd,
+                mask=seq_mask[:, None] & d_mask[None, :], other=0.0)
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < KV_LORA_RANK
+    w = tl.load(w_ptr + head * s_wh + d[:, None] * s_wd + cols[None, :] * s_wc,
+                mask=d_mask[:, None] & col_mask[None, :], other=0.0)
+    acc = tl.dot(q, w, input_precision=DOT_PRECISION)
+    out_rows = out_ptr + seqs64[:, None] * s_ob + head * s_oh
+    tl.store(out_rows + cols[None, :] * s_oc, acc.to(out_ptr.dtype.element_ty),
+             mask=seq_mask[:, None] & col_mask[None, :])
+    if col_block == 0:
+        r = tl.arange(0, BLOCK_R)
+        r_mask = seq_mask[:, None] & (r < ROPE_DIM)[None, :]
+        pe = tl.load(qpe_ptr + seqs64[:, None] * s_pb + head * s_ph + r[None, :] * s_pr, mask=r_mask)
+        tl.store(out_rows + (KV_LORA_RANK + r[None, :]) * s_oc, pe.to(out_ptr.dtype.element_ty), mask=r_mask)
+
+
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """Contract of `reference.attention.absorb_query`, in one launch.
+
+    q_nope [B, H, Dn], q_pe [B, H, R] (any strides), w_uk [H, Dn, C], one float dtype
+    returns a new contiguous q [B, H, C + R]; products in float32, rounded once.
+    """
+    num_heads, nope_dim, kv_lora_rank = w_uk.shape
+    num_seqs = q_nope.shape[0]
+    check_shape("q_nope", q_nope, (num_seqs, num_heads, nope_dim))
+    check_shape("q_pe", q_pe, (num_seqs, num_heads, None))
+    check_float("q_nope", q_nope)
+    check_dtype("q_pe", q_pe, (q_nope.dtype,))
+    check_dtype("w_uk", w_uk, (q_nope.dtype,))
+    check_same_device(q_nope=q_nope, q_pe=q_pe, w_uk=w_uk)
+    rope_dim = q_pe.shape[2]
+    out = torch.empty((num_seqs, num_heads, kv_lora_rank + rope_dim), dtype=q_nope.dtype, device=q_nope.device)
+    if num_seqs == 0:
+        return out
+    # Up to 64 sequences share a program's W_UK tile; tl.dot needs at least 16 rows.
+    block_b = min(64, max(16, next_pow2(num_seqs)))
+    grid = (num_heads, triton.cdiv(kv_lora_rank, _BLOCK_C), triton.cdiv(num_seqs, block_b))
+    _absorb_kernel[grid](
+        q_nope, q_pe, w_uk, out,
+        num_seqs,
+        *q_nope.stride(), *q_pe.stride(), *w_uk.stride(), *out.stride(),
+        NOPE_DIM=nope_dim, KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
+        BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_C=_BLOCK_C,
+        BLOCK_R=max(16, next_pow2(rope_dim)), DOT_PRECISION=dot_precision(q_nope.dtype),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,127 @@
+"""One step's latents into the cache in one launch: norm of c_kv, rotation of k_pe and q_pe, the write.
+
+At decode batch sizes the unfused sequence (RMSNorm, rotary embedding, a
+concatenation, the cache write) is four launches of a microsecond or two of
+work each; here one program per token does all of it, with the same rounding
+as those ops (statistics and rotation in float32, each result rounded once).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import check_float, next_pow2
+
+
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    num_heads, block_size, eps,
+    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * s_ct + i).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * s_st + i).to(tl.float32)
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + HALF
+
+    # The queries' rope part: every token, padded ones included (their output is never read).
+    heads = tl.arange(0, BLOCK_H)
+    hmask = (heads < num_heads)[:, None]
+    q_row = q_ptr + t * s_qt + heads[:, None] * s_qh
+    x1 = tl.load(q_row + first[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_row + second[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    out_row = q_out_ptr + t * s_qot + heads[:, None] * s_qoh
+    q_ty = q_out_ptr.dtype.element_ty
+    tl.store(out_row + i[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ty), mask=hmask)
+    tl.store(out_row + HALF + i[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ty), mask=hmask)
+
+    slot = tl.load(slot_ptr + t * s_slot).to(tl.int64)
+    if slot >= 0:
+        row = latent_ptr + t * s_lt
+        cols = tl.arange(0, BLOCK_C)
+        cmask = cols < KV_LORA_RANK
+        c = tl.load(row + cols * s_ld, mask=cmask, other=0.0)
+        cf = c.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / KV_LORA_RANK + eps)
+        normed = (cf * inv_rms).to(c.dtype).to(tl.float32)
+        w = tl.load(norm_ptr + cols * s_w, mask=cmask, other=0.0).to(tl.float32)
+        normed = w * normed
+        if ROUND_TO_WEIGHT:
+            # RMSNorm's result has the weight's dtype when it is also the input's;
+            # for mixed dtypes it is float32, kept as is. The cache then takes its own.
+            normed = normed.to(norm_ptr.dtype.element_ty)
+        dst = cache_ptr + (slot // block_size) * s_cn + (slot % block_size) * s_cb
+        cache_ty = cache_ptr.dtype.element_ty
+        tl.store(dst + cols * s_cd, normed.to(cache_ty), mask=cmask)
+        k_row = row + KV_LORA_RANK * s_ld
+        k1 = tl.load(k_row + first * s_ld).to(tl.float32)
+        k2 = tl.load(k_row + second * s_ld).to(tl.float32)
+        k_ty = latent_ptr.dtype.element_ty
+        k_dst = dst + KV_LORA_RANK * s_cd
+        tl.store(k_dst + i * s_cd, (k1 * cos - k2 * sin).to(k_ty).to(cache_ty))
+        tl.store(k_dst + (HALF + i) * s_cd, (k2 * cos + k1 * sin).to(k_ty).to(cache_ty))
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent: torch.Tensor,
+    kv_a_norm: torch.Tensor,
+    q_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    inplace: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.latent.write_latent`, in one launch.
+
+    kv_cache [num_blocks, bs, C + R]; slot_mapping [T] int32 / int64 (-1: padding,
+    which writes nothing); latent [T, C + R], kv_a_norm [C], q_pe [T, H, R] (any
+    strides); positions [T]; cos, sin [max_positions, R / 2], R / 2 a power of two.
+    returns (kv_cache, a new contiguous rotated q_pe [T, H, R]); `inplace=False`
+    clones the cache first.
+    """
+    num_tokens, num_heads, rope_dim = q_pe.shape
+    kv_lora_rank = kv_a_norm.shape[0]
+    half = rope_dim // 2
+    check_shape("kv_cache", kv_cache, (None, None, kv_lora_rank + rope_dim))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check_shape("latent", latent, (num_tokens, kv_lora_rank + rope_dim))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("cos", cos, (None, half))
+    check_shape("sin", sin, tuple(cos.shape))
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
+    for name, tensor in (("kv_cache", kv_cache), ("latent", latent), ("kv_a_norm", kv_a_norm), ("q_pe", q_pe)):
+        check_float(name, tensor)
+    check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping, latent=latent, kv_a_norm=kv_a_norm,
+                      q_pe=q_pe, positions=positions, cos=cos, sin=sin)
+    if not inplace:
+        kv_cache = kv_cache.clone()
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
+    if num_tokens:
+        _write_latent_kernel[(num_tokens,)](
+            kv_cache, slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
+            num_heads, kv_cache.shape[1], float(eps),
+            *kv_cache.stride(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
+            *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
+            KV_LORA_RANK=kv_lora_rank, HALF=half, INTERLEAVED=interleaved,
+            ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype,
+            BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads),
+            num_warps=4,
+        )
+    return kv_cache, q_out
