@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, next_pow2
+from .rope import rope_angles, rotate_heads
 
 
 @triton.jit
@@ -26,24 +27,10 @@ def _write_latent_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
-    i = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * s_ct + i).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * s_st + i).to(tl.float32)
-    if INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, i + HALF
-
+    cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
     # The queries' rope part: every token, padded ones included (their output is never read).
-    heads = tl.arange(0, BLOCK_H)
-    hmask = (heads < num_heads)[:, None]
-    q_row = q_ptr + t * s_qt + heads[:, None] * s_qh
-    x1 = tl.load(q_row + first[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(q_row + second[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
-    out_row = q_out_ptr + t * s_qot + heads[:, None] * s_qoh
-    q_ty = q_out_ptr.dtype.element_ty
-    tl.store(out_row + i[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ty), mask=hmask)
-    tl.store(out_row + HALF + i[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ty), mask=hmask)
+    rotate_heads(q_ptr + t * s_qt, q_out_ptr + t * s_qot, num_heads, s_qh, s_qd, s_qoh, cos, sin, first, second,
+                 HALF, BLOCK_H)
 
     slot = tl.load(slot_ptr + t * s_slot).to(tl.int64)
     if slot >= 0:
@@ -63,6 +50,7 @@ def _write_latent_kernel(
         dst = cache_ptr + (slot // block_size) * s_cn + (slot % block_size) * s_cb
         cache_ty = cache_ptr.dtype.element_ty
         tl.store(dst + cols * s_cd, normed.to(cache_ty), mask=cmask)
+        i = tl.arange(0, HALF)
         k_row = row + KV_LORA_RANK * s_ld
         k1 = tl.load(k_row + first * s_ld).to(tl.float32)
         k2 = tl.load(k_row + second * s_ld).to(tl.float32)

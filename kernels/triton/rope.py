@@ -16,6 +16,33 @@ from ._common import check_float, next_pow2
 
 
 @triton.jit
+def rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """cos and sin [HALF] (float32) at `pos`, and the offsets of each pair's two halves in the input."""
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * s_ct + i).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * s_st + i).to(tl.float32)
+    if INTERLEAVED:
+        return cos, sin, 2 * i, 2 * i + 1
+    return cos, sin, i, i + HALF
+
+
+@triton.jit
+def rotate_heads(q_row, out_row, num_heads, s_qh, s_qd, s_qoh, cos, sin, first, second,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate one token's [num_heads, 2 * HALF] rows at q_row into out_row (half-split layout)."""
+    i = tl.arange(0, HALF)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = (heads < num_heads)[:, None]
+    q_row = q_row + heads[:, None] * s_qh
+    x1 = tl.load(q_row + first[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_row + second[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
+    out_row = out_row + heads[:, None] * s_qoh
+    out_ty = out_row.dtype.element_ty
+    tl.store(out_row + i[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ty), mask=hmask)
+    tl.store(out_row + HALF + i[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ty), mask=hmask)
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_heads,
@@ -26,22 +53,10 @@ def _rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    c, s, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
+    rotate_heads(q_ptr + t * s_qt, q_out_ptr + t * s_qot, num_heads, s_qh, s_qd, s_qoh, c, s, first, second,
+                 HALF, BLOCK_H)
     i = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + pos * s_ct + i).to(tl.float32)
-    s = tl.load(sin_ptr + pos * s_st + i).to(tl.float32)
-    if INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, i + HALF
-    heads = tl.arange(0, BLOCK_H)
-    hmask = (heads < num_heads)[:, None]
-    q_row = q_ptr + t * s_qt + heads[:, None] * s_qh
-    x1 = tl.load(q_row + first[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(q_row + second[None, :] * s_qd, mask=hmask, other=0.0).to(tl.float32)
-    out_row = q_out_ptr + t * s_qot + heads[:, None] * s_qoh
-    out_ty = q_out_ptr.dtype.element_ty
-    tl.store(out_row + i[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(out_ty), mask=hmask)
-    tl.store(out_row + HALF + i[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(out_ty), mask=hmask)
     k1 = tl.load(k_ptr + t * s_kt + first * s_kd).to(tl.float32)
     k2 = tl.load(k_ptr + t * s_kt + second * s_kd).to(tl.float32)
     tl.store(k_out_ptr + t * s_kot + i, (k1 * c - k2 * s).to(k_out_ptr.dtype.element_ty))
