@@ -7,11 +7,14 @@ nothing falls back silently.
 
 Contracts (shapes in the docstrings of the reference implementations):
 
+    linear(x, weight, *, out_dtype=None) -> y
     write_kv(kv_cache, slot_mapping, kv, *, inplace=True) -> kv_cache
     write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin, *, eps, interleaved,
                  inplace=True) -> (kv_cache, q_pe)
+    write_latent_absorb(kv_cache, slot_mapping, latent, kv_a_norm, q_nope, q_pe, w_uk, positions, cos, sin, *,
+                        eps, interleaved, absorb_from, inplace=True) -> (kv_cache, q_pe, q)
     absorb_query(q_nope, q_pe, w_uk) -> q
-    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank) -> (out, lse)
+    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, w_uv=None) -> (out, lse)
     prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
                       w_uk, w_uv, *, softmax_scale) -> (out, lse)
     merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
@@ -34,6 +37,7 @@ import torch
 from .reference import attention as ref_attention
 from .reference import cache as ref_cache
 from .reference import latent as ref_latent
+from .reference import linear as ref_linear
 from .reference import moe as ref_moe
 from .reference import norm as ref_norm
 from .reference import rope as ref_rope
@@ -47,8 +51,10 @@ class Ops:
     """Every op the model calls, bound to one backend's implementations."""
 
     backend: str
+    linear: Callable
     write_kv: Callable
     write_latent: Callable
+    write_latent_absorb: Callable
     absorb_query: Callable
     mla_decode: Callable
     prefill_attention: Callable
@@ -62,8 +68,10 @@ class Ops:
 def _torch_ops() -> Ops:
     return Ops(
         backend="torch",
+        linear=ref_linear.linear,
         write_kv=ref_cache.write_kv,
         write_latent=ref_latent.write_latent,
+        write_latent_absorb=ref_latent.write_latent_absorb,
         absorb_query=ref_attention.absorb_query,
         mla_decode=ref_attention.mla_decode,
         prefill_attention=ref_attention.prefill_attention,

@@ -9,7 +9,6 @@ Both compute the same function (tests check `absorbed == decompressed`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .batch import Batch
 from .config import ModelConfig
@@ -28,36 +27,37 @@ def project(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) 
     One GEMM makes the query's first projection and the latent; a low-rank query
     then goes through its norm and q_b_proj. Both results are views of that GEMM's output.
     """
-    first = F.linear(x, p.qkv_a_proj)
+    first = ops.linear(x, p.qkv_a_proj)
     q, latent = first.split([first.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
     if p.q_b_proj is not None:
-        q = F.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
+        q = ops.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
     return q.view(x.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
 
 def decode_attention(
     p: AttentionParams,
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
+    q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     config: ModelConfig,
     ops: Ops,
 ) -> torch.Tensor:
-    """Absorbed attention of one token per sequence.
+    """Absorbed attention of one token per sequence, through the value up-projection.
 
-    q_nope [B, H, Dn], q_pe [B, H, R] (rotated), block_table [B, W], seq_lens [B] -> [B, H, Dv]
+    q [B, H, C + R] absorbed query (q_nope @ W_UK, then the rotated q_pe),
+    block_table [B, W], seq_lens [B] -> [B, H, Dv]
     """
-    latent_out, _ = ops.mla_decode(
-        ops.absorb_query(q_nope, q_pe, p.w_uk),
+    out, _ = ops.mla_decode(
+        q,
         kv_cache,
         block_table,
         seq_lens,
         softmax_scale=config.softmax_scale,
         kv_lora_rank=config.kv_lora_rank,
+        w_uv=p.w_uv,
     )
-    return torch.einsum("bhc,hvc->bhv", latent_out, p.w_uv)
+    return out
 
 
 def mla_attention(
@@ -80,13 +80,18 @@ def mla_attention(
     """
     q, latent = project(p, x, config, ops)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-    # The write comes first so that prefill reads its own keys from the cache like any context.
-    kv_cache, q_pe = ops.write_latent(
-        kv_cache, batch.slot_mapping, latent, p.kv_a_norm, q_pe, batch.positions, cos, sin,
-        eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace,
-    )
-
     split = mode.padded_prefill_tokens
+    # The write comes first so that prefill reads its own keys from the cache like any context;
+    # decode rows get their absorbed query from the same op.
+    latent_args = (kv_cache, batch.slot_mapping, latent, p.kv_a_norm)
+    rope_args = (batch.positions, cos, sin)
+    options = dict(eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
+    if batch.decode is not None:
+        kv_cache, q_pe, q_absorbed = ops.write_latent_absorb(
+            *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, **options)
+    else:
+        kv_cache, q_pe = ops.write_latent(*latent_args, q_pe, *rope_args, **options)
+
     outputs = []
     if batch.prefill is not None:
         meta = batch.prefill
@@ -106,7 +111,7 @@ def mla_attention(
     if batch.decode is not None:
         meta = batch.decode
         outputs.append(
-            decode_attention(p, q_nope[split:], q_pe[split:], kv_cache, meta.block_table, meta.seq_lens, config, ops)
+            decode_attention(p, q_absorbed, kv_cache, meta.block_table, meta.seq_lens, config, ops)
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-    return F.linear(out.flatten(1), p.o_proj), kv_cache
+    return ops.linear(out.flatten(1), p.o_proj), kv_cache

@@ -54,7 +54,7 @@ def _run(
         ffn_out = feed_forward(layer.mlp, x, valid, config, ops)
         next_norm = params.layers[i + 1].input_norm if i + 1 < len(params.layers) else params.norm
         x, hidden = ops.rms_norm(ffn_out, next_norm, eps, residual=hidden)
-    logits = F.linear(x[batch.logits_indices], params.lm_head)          # [N, V]
+    logits = ops.linear(x[batch.logits_indices], params.lm_head)        # [N, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     new_state = state.with_caches(tuple(caches))
     if not copy:

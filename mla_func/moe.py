@@ -10,10 +10,10 @@ from .kernels import Ops
 from .params import MLPParams, MoEParams
 
 
-def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
+def mlp(p: MLPParams, x: torch.Tensor, ops: Ops) -> torch.Tensor:
     """x [T, D] -> down(silu(gate(x)) * up(x)) [T, D]."""
-    gate, up = F.linear(x, p.gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, p.down)
+    gate, up = ops.linear(x, p.gate_up).chunk(2, dim=-1)
+    return ops.linear(F.silu(gate) * up, p.down)
 
 
 # Up to this many tokens a step runs its shared experts inside the fused MoE call,
@@ -76,4 +76,4 @@ def feed_forward(p: MLPParams | MoEParams, x: torch.Tensor, valid: torch.Tensor,
     """The layer's feed-forward block, dense or MoE, x [T, D] -> [T, D]."""
     if isinstance(p, MoEParams):
         return moe(p, x, valid, config, ops)
-    return mlp(p, x)
+    return mlp(p, x, ops)

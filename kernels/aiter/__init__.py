@@ -22,6 +22,7 @@ from ..checks import check_dtype, check_shape
 from ..reference import attention as ref_attention
 from ..reference import cache as ref_cache
 from ..reference import latent as ref_latent
+from ..reference import linear as ref_linear
 from ..reference import norm as ref_norm
 from ..reference import rope as ref_rope
 from ..reference import routing as ref_routing
@@ -72,11 +73,13 @@ def mla_decode(
     *,
     softmax_scale: float,
     kv_lora_rank: int,
+    w_uv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.attention.mla_decode`, run by AITER's MLA decode kernel.
 
     q [B, H, C + R]; kv_cache [num_blocks, bs, C + R]; block_table [B, W] int32;
-    seq_lens [B] int32 -> out [B, H, C] in q's dtype, lse [B, H] float32.
+    seq_lens [B] int32; w_uv [H, Dv, C] or None -> out [B, H, C] (or [B, H, Dv] with
+    w_uv, one batched GEMM after the kernel) in q's dtype, lse [B, H] float32.
     Head counts and dtypes are those AITER's kernels support (16 or 128 heads, bf16).
     """
     aiter_mla, _ = _import_aiter()
@@ -98,6 +101,8 @@ def mla_decode(
     live = (seq_lens > 0)[:, None]
     out = torch.where(live[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     lse = torch.where(live, lse.view(num_seqs, num_heads).float(), float("-inf"))
+    if w_uv is not None:
+        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
     return out, lse
 
 
@@ -127,8 +132,10 @@ def ops() -> Ops:
     _import_aiter()
     return Ops(
         backend="aiter",
+        linear=ref_linear.linear,
         write_kv=ref_cache.write_kv,
         write_latent=ref_latent.write_latent,
+        write_latent_absorb=ref_latent.write_latent_absorb,
         absorb_query=ref_attention.absorb_query,
         mla_decode=mla_decode,
         prefill_attention=ref_attention.prefill_attention,

@@ -43,6 +43,7 @@ def mla_decode(
     *,
     softmax_scale: float,
     kv_lora_rank: int,
+    w_uv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: one query token per sequence attends over its latent cache.
 
@@ -50,8 +51,10 @@ def mla_decode(
     kv_cache:    [num_blocks, bs, C + R] latent vectors (normalised c_kv, then rotated k_pe)
     block_table: [B, W] int32
     seq_lens:    [B] int32, keys [0, seq_lens[b]) are attended; 0 marks a padded row
+    w_uv:        [H, Dv, C] value up-projection, or None
     returns      out [B, H, C] in q's dtype (values are the first C dims of the cache),
-                 lse [B, H] float32 (natural log); a padded row gives out 0, lse -inf.
+                 or with w_uv out [B, H, Dv] = out @ w_uv[h]^T (out rounded to q's dtype
+                 first); lse [B, H] float32 (natural log); a padded row gives out 0, lse -inf.
     """
     num_seqs, num_heads, dim = q.shape
     check_shape("kv_cache", kv_cache, (None, None, dim))
@@ -64,8 +67,11 @@ def mla_decode(
     visible = key_pos[None, :] < seq_lens[:, None]                      # [B, S]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
-    out = torch.einsum("bhs,bsc->bhc", probs, kv[..., :kv_lora_rank])
-    return out.to(q.dtype), lse.float()
+    out = torch.einsum("bhs,bsc->bhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    if w_uv is not None:
+        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
+    return out, lse.float()
 
 
 def token_to_seq(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_shape
+from .attention import absorb_query
 from .cache import write_kv
 from .norm import rms_norm
 from .rope import rope
@@ -41,3 +42,32 @@ def write_latent(
     q_pe, k_pe = rope(q_pe, k_pe, positions, cos, sin, interleaved=interleaved)
     kv = torch.cat([rms_norm(c_kv, kv_a_norm, eps), k_pe], dim=-1)
     return write_kv(kv_cache, slot_mapping, kv, inplace=inplace), q_pe
+
+
+def write_latent_absorb(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent: torch.Tensor,
+    kv_a_norm: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    absorb_from: int,
+    inplace: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`write_latent`, then `absorb_query` of the rows from `absorb_from` on (a step's decode rows).
+
+    q_nope:      [T, H, Dn]; w_uk: [H, Dn, C]; absorb_from in [0, T]; the rest as `write_latent`
+    returns      (kv_cache, rotated q_pe [T, H, R], absorbed q [T - absorb_from, H, C + R])
+    """
+    if not 0 <= absorb_from <= q_pe.shape[0]:
+        raise ValueError(f"absorb_from: expected in [0, {q_pe.shape[0]}], got {absorb_from}")
+    kv_cache, q_pe = write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin,
+                                  eps=eps, interleaved=interleaved, inplace=inplace)
+    return kv_cache, q_pe, absorb_query(q_nope[absorb_from:], q_pe[absorb_from:], w_uk)

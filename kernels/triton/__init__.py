@@ -6,7 +6,8 @@ from ..registry import Ops
 from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
-from .latent import write_latent
+from .latent import write_latent, write_latent_absorb
+from .linear import linear
 from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
@@ -17,6 +18,7 @@ from .routing import route
 __all__ = [
     "absorb_query",
     "fused_moe",
+    "linear",
     "merge_attn_states",
     "mla_decode",
     "mla_decode_num_splits",
@@ -28,6 +30,7 @@ __all__ = [
     "route",
     "write_kv",
     "write_latent",
+    "write_latent_absorb",
 ]
 
 
@@ -35,8 +38,10 @@ def ops() -> Ops:
     """The Triton op table."""
     return Ops(
         backend="triton",
+        linear=linear,
         write_kv=write_kv,
         write_latent=write_latent,
+        write_latent_absorb=write_latent_absorb,
         absorb_query=absorb_query,
         mla_decode=mla_decode,
         prefill_attention=prefill_attention,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..checks import check_dtype
@@ -19,6 +21,25 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _INTERPRETER_SM_COUNT
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents of the kernel before them.
+
+    On Hopper and later NVIDIA GPUs a kernel launched with `launch_pdl=True` may be
+    scheduled while the previous kernel of the stream is still running; it must
+    pass `gdc_wait()` before it reads anything an earlier kernel wrote or writes
+    anything at all. What it loads before the wait (weights) overlaps the previous
+    kernel's tail, and a chain of small decode kernels loses most of its launch gaps.
+    The kernels take the answer as their GDC constexpr.
+    """
+    return device.type == "cuda" and _pdl_capable(device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -11,11 +11,50 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2
+from ._common import check_float, dot_precision, next_pow2, pdl
 
-_BLOCK_C = 64
+# W_UK columns per program.
+ABSORB_BLOCK_C = 64
+
+
+@triton.jit
+def absorb_tile(
+    head, col_block, seq_block, qn_ptr, qpe_ptr, w_ptr, out_ptr,
+    num_seqs,
+    s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
+    NOPE_DIM: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, COPY_PE: tl.constexpr,
+):
+    """out[seqs, head, cols] = q_nope[seqs, head] @ W_UK[head][:, cols] for one tile; with COPY_PE the
+    first column block also copies q_pe into the tail. Waits for the previous kernel (GDC) after loading W_UK."""
+    seqs = seq_block * BLOCK_B + tl.arange(0, BLOCK_B)
+    seq_mask = seqs < num_seqs
+    seqs64 = seqs.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < NOPE_DIM
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < KV_LORA_RANK
+    # The weight tile depends on no earlier kernel: in flight before the wait.
+    w = tl.load(w_ptr + head * s_wh + d[:, None] * s_wd + cols[None, :] * s_wc,
+                mask=d_mask[:, None] & col_mask[None, :], other=0.0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    q = tl.load(qn_ptr + seqs64[:, None] * s_nb + head * s_nh + d[None, :] * s_nd,
+                mask=seq_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.dot(q, w, input_precision=DOT_PRECISION)
+    out_rows = out_ptr + seqs64[:, None] * s_ob + head * s_oh
+    tl.store(out_rows + cols[None, :] * s_oc, acc.to(out_ptr.dtype.element_ty),
+             mask=seq_mask[:, None] & col_mask[None, :])
+    if COPY_PE and col_block == 0:
+        r = tl.arange(0, BLOCK_R)
+        r_mask = seq_mask[:, None] & (r < ROPE_DIM)[None, :]
+        pe = tl.load(qpe_ptr + seqs64[:, None] * s_pb + head * s_ph + r[None, :] * s_pr, mask=r_mask)
+        tl.store(out_rows + (KV_LORA_RANK + r[None, :]) * s_oc, pe.to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -25,30 +64,17 @@ def _absorb_kernel(
     s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
     NOPE_DIM: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    col_block = tl.program_id(1)
-    seqs = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
-    seq_mask = seqs < num_seqs
-    seqs64 = seqs.to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < NOPE_DIM
-    q = tl.load(qn_ptr + seqs64[:, None] * s_nb + head * s_nh + d[None, :] * s_nd,
-                mask=seq_mask[:, None] & d_mask[None, :], other=0.0)
-    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < KV_LORA_RANK
-    w = tl.load(w_ptr + head * s_wh + d[:, None] * s_wd + cols[None, :] * s_wc,
-                mask=d_mask[:, None] & col_mask[None, :], other=0.0)
-    acc = tl.dot(q, w, input_precision=DOT_PRECISION)
-    out_rows = out_ptr + seqs64[:, None] * s_ob + head * s_oh
-    tl.store(out_rows + cols[None, :] * s_oc, acc.to(out_ptr.dtype.element_ty),
-             mask=seq_mask[:, None] & col_mask[None, :])
-    if col_block == 0:
-        r = tl.arange(0, BLOCK_R)
-        r_mask = seq_mask[:, None] & (r < ROPE_DIM)[None, :]
-        pe = tl.load(qpe_ptr + seqs64[:, None] * s_pb + head * s_ph + r[None, :] * s_pr, mask=r_mask)
-        tl.store(out_rows + (KV_LORA_RANK + r[None, :]) * s_oc, pe.to(out_ptr.dtype.element_ty), mask=r_mask)
+    absorb_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), qn_ptr, qpe_ptr, w_ptr, out_ptr,
+                num_seqs, s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
+                NOPE_DIM, KV_LORA_RANK, ROPE_DIM, BLOCK_B, BLOCK_D, BLOCK_C, BLOCK_R, DOT_PRECISION, GDC, True)
+
+
+def absorb_block_b(num_seqs: int) -> int:
+    """Sequences per program: up to 64 share a W_UK tile; tl.dot needs at least 16 rows."""
+    return min(64, max(16, next_pow2(num_seqs)))
+
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -69,16 +95,16 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -
     out = torch.empty((num_seqs, num_heads, kv_lora_rank + rope_dim), dtype=q_nope.dtype, device=q_nope.device)
     if num_seqs == 0:
         return out
-    # Up to 64 sequences share a program's W_UK tile; tl.dot needs at least 16 rows.
-    block_b = min(64, max(16, next_pow2(num_seqs)))
-    grid = (num_heads, triton.cdiv(kv_lora_rank, _BLOCK_C), triton.cdiv(num_seqs, block_b))
+    block_b = absorb_block_b(num_seqs)
+    grid = (num_heads, triton.cdiv(kv_lora_rank, ABSORB_BLOCK_C), triton.cdiv(num_seqs, block_b))
+    use_pdl = pdl(q_nope.device)
     _absorb_kernel[grid](
         q_nope, q_pe, w_uk, out,
         num_seqs,
         *q_nope.stride(), *q_pe.stride(), *w_uk.stride(), *out.stride(),
         NOPE_DIM=nope_dim, KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
-        BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_C=_BLOCK_C,
-        BLOCK_R=max(16, next_pow2(rope_dim)), DOT_PRECISION=dot_precision(q_nope.dtype),
-        num_warps=4,
+        BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_C=ABSORB_BLOCK_C,
+        BLOCK_R=max(16, next_pow2(rope_dim)), DOT_PRECISION=dot_precision(q_nope.dtype), GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
     )
     return out

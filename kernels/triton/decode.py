@@ -2,7 +2,8 @@
 
 Stage 1 gives every (sequence, head group, split) program one contiguous slice of
 the sequence's keys and writes a normalised partial output and its LSE; stage 2
-merges the splits by LSE. The number of splits is a function of static shapes
+merges the splits by LSE. Given the value up-projection W_UV, small batches
+merge and project in one stage-2 kernel; larger ones project with one batched GEMM. The number of splits is a function of static shapes
 and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
 any lengths and no step waits on the host.
@@ -16,9 +17,10 @@ from types import MappingProxyType
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2, sm_count
+from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -61,6 +63,16 @@ def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+
+
+# Up to this many sequences stage 2 also applies W_UV. Each of its programs
+# re-reads a [BLOCK_V, C] slice of one head's W_UV, which at batch 1 is the
+# cheapest way to read it (no extra launch, the slice loaded before the wait for
+# stage 1); with many sequences the batched GEMM reads it once instead.
+_FUSED_VALUE_MAX_SEQS = 8
+_VALUE_BLOCK_V = 32
+# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile.
+_MERGE_SPLITS = 8
 
 
 def mla_decode_num_splits(
@@ -115,11 +127,14 @@ def _split_kernel(
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
 
     seq_len = tl.load(seq_lens_ptr + b * s_sl)
     # Whole key tiles per split, so only a split's last tile is ragged.
@@ -190,9 +205,12 @@ def _reduce_kernel(
     s_plb, s_plh, s_pls,
     s_ob, s_oh, s_lb, s_lh,
     KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, GDC: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     b = (pid // num_heads).to(tl.int64)
     h = pid % num_heads
     offs_s = tl.arange(0, BLOCK_S)
@@ -216,6 +234,62 @@ def _reduce_kernel(
     tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
 
 
+# The split count follows the batch size (see above).
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
+def _reduce_value_kernel(
+    po_ptr, pl_ptr, w_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits, value_dim,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    s_wh, s_wv, s_wc,
+    s_ob, s_oh, s_ov, s_lb, s_lh,
+    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    c_mask = offs_c < KV_LORA_RANK
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vs < value_dim
+    # W_UV depends on no earlier kernel: its slice is in flight before the wait.
+    w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + offs_c[None, :] * s_wc,
+                mask=v_mask[:, None] & c_mask[None, :], other=0.0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    pl_row = pl_ptr + b * s_plb + h * s_plh
+    # The largest split LSE, over all splits first, then a weighted sum in chunks of BLOCK_S splits.
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.load(pl_row + ss * s_pls, mask=ss < num_splits, other=float("-inf")))
+    m_all = tl.max(m, axis=0)
+    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
+    po_row = po_ptr + b * s_pob + h * s_poh
+    for s0 in range(0, num_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        s_mask = ss < num_splits
+        wt = tl.exp(tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf")) - m_all)
+        total += wt
+        parts = tl.load(po_row + ss[:, None] * s_pos + offs_c[None, :] * s_pod,
+                        mask=s_mask[:, None] & c_mask[None, :] & (wt > 0.0)[:, None], other=0.0)
+        latent += tl.sum(parts * wt[:, None], axis=0)
+    total_all = tl.sum(total, axis=0)
+    latent = latent * tl.where(total_all > 0.0, 1.0 / tl.where(total_all > 0.0, total_all, 1.0), 0.0)
+    # Rounded to the output dtype first, as the merged latent is before an unfused projection.
+    latent = latent.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.sum(w.to(tl.float32) * latent[None, :], axis=1)
+    tl.store(out_ptr + b * s_ob + h * s_oh + vs * s_ov, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+    if tl.program_id(1) == 0:
+        lse = tl.where(total_all > 0.0, m_all + tl.log(tl.where(total_all > 0.0, total_all, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -227,6 +301,7 @@ def mla_decode(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    w_uv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: one query token per sequence attends over its latent cache.
 
@@ -239,7 +314,9 @@ def mla_decode(
                  outputs; None allocates it here. Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
     config:      overrides the tile sizes (benchmark sweeps).
-    returns      out [B, H, C] in q's dtype, lse [B, H] float32 (natural log);
+    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
+    returns      out [B, H, C] in q's dtype, or with w_uv out [B, H, Dv] = (out rounded
+                 to q's dtype) @ w_uv[h]^T; lse [B, H] float32 (natural log);
                  a padded row gives out 0, lse -inf.
     """
     num_seqs, num_heads, dim = q.shape
@@ -255,6 +332,11 @@ def mla_decode(
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if not 0 < kv_lora_rank < dim:
         raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    if w_uv is not None:
+        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+        check_dtype("w_uv", w_uv, (q.dtype,))
+        check_same_device(q=q, w_uv=w_uv)
+    fused_value = w_uv is not None and num_seqs <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
     config = config or decode_config(num_heads, device)
@@ -265,8 +347,8 @@ def mla_decode(
     out = torch.empty((num_seqs, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=device)
     if num_seqs == 0:
-        return out, lse
-    if splits == 1:
+        return (out if w_uv is None else torch.einsum("bhc,hvc->bhv", out, w_uv)), lse
+    if splits == 1 and not fused_value:
         # One split is already the whole answer: stage 1 writes the outputs
         # directly (split stride 0) and stage 2 is skipped.
         partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
@@ -282,6 +364,7 @@ def mla_decode(
         partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device)
 
     grid = (num_seqs, triton.cdiv(num_heads, config.block_h), splits)
+    use_pdl = pdl(device)
     _split_kernel[grid](
         q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
         num_heads, splits, softmax_scale * _LOG2E, seq_lens.stride(0),
@@ -291,9 +374,22 @@ def mla_decode(
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
+    if fused_value:
+        value_dim = w_uv.shape[1]
+        out = torch.empty((num_seqs, num_heads, value_dim), dtype=q.dtype, device=device)
+        _reduce_value_kernel[(num_seqs * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
+            partial_out, partial_lse, w_uv, out, lse,
+            num_heads, splits, value_dim,
+            *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
+            *out.stride(), *lse.stride(),
+            KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
+            BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=_VALUE_BLOCK_V, GDC=use_pdl,
+            num_warps=4, launch_pdl=use_pdl,
+        )
+        return out, lse
     if splits > 1:
         _reduce_kernel[(num_seqs * num_heads,)](
             partial_out, partial_lse, out, lse,
@@ -301,9 +397,11 @@ def mla_decode(
             *partial_out.stride(), *partial_lse.stride(),
             *out.stride()[:2], *lse.stride(),
             KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
-            BLOCK_S=next_pow2(splits),
-            num_warps=4,
+            BLOCK_S=next_pow2(splits), GDC=use_pdl,
+            num_warps=4, launch_pdl=use_pdl,
         )
+    if w_uv is not None:
+        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
     return out, lse
 
 

@@ -4,6 +4,9 @@ At decode batch sizes the unfused sequence (RMSNorm, rotary embedding, a
 concatenation, the cache write) is four launches of a microsecond or two of
 work each; here one program per token does all of it, with the same rounding
 as those ops (statistics and rotation in float32, each result rounded once).
+`write_latent_absorb` adds the absorbed decode query (`absorb_query`) to the
+same launch: its programs after the per-token ones multiply q_nope by W_UK, and
+the per-token programs write the rotated q_pe of decode rows into its tail.
 """
 
 from __future__ import annotations
@@ -11,23 +14,23 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, dot_precision, next_pow2, pdl
+from .absorb import ABSORB_BLOCK_C, absorb_block_b, absorb_tile
 from .rope import rope_angles, rotate_heads
 
 
 @triton.jit
-def _write_latent_kernel(
-    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+def _latent_row(
+    t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
     num_heads, block_size, eps,
-    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
-    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
+    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
-    cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
+    """Token t: rotate its q_pe into q_out, and write its normalised c_kv and rotated k_pe to its slot."""
     # The queries' rope part: every token, padded ones included (their output is never read).
     rotate_heads(q_ptr + t * s_qt, q_out_ptr + t * s_qot, num_heads, s_qh, s_qd, s_qoh, cos, sin, first, second,
                  HALF, BLOCK_H)
@@ -60,6 +63,84 @@ def _write_latent_kernel(
         tl.store(k_dst + (HALF + i) * s_cd, (k2 * cos + k1 * sin).to(k_ty).to(cache_ty))
 
 
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    num_heads, block_size, eps,
+    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
+    cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
+    _latent_row(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
+                num_heads, block_size, eps,
+                s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
+                KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H)
+
+
+# Token counts follow the step: plain arguments, not one compile per count.
+@triton.jit(do_not_specialize=["num_tokens", "absorb_from", "num_seqs"])
+def _write_latent_absorb_kernel(
+    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    qn_ptr, wuk_ptr, qa_ptr,
+    num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, block_size, eps,
+    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    s_nt, s_nh, s_nd, s_wh, s_wd, s_wc, s_at, s_ah, s_ad,
+    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    NOPE_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_AC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_tokens:
+        t = pid.to(tl.int64)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
+        cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
+        _latent_row(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
+                    num_heads, block_size, eps,
+                    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
+                    KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H)
+        if t >= absorb_from:
+            # A decode row: its rotated q_pe is also the absorbed query's tail.
+            rotate_heads(q_ptr + t * s_qt, qa_ptr + (t - absorb_from) * s_at + KV_LORA_RANK * s_ad, num_heads,
+                         s_qh, s_qd, s_ah, cos, sin, first, second, HALF, BLOCK_H)
+    else:
+        tile = pid - num_tokens
+        head = tile % num_heads
+        col_block = (tile // num_heads) % num_col_blocks
+        seq_block = tile // (num_heads * num_col_blocks)
+        absorb_tile(head, col_block, seq_block, qn_ptr + absorb_from.to(tl.int64) * s_nt, qn_ptr, wuk_ptr, qa_ptr,
+                    num_seqs, s_nt, s_nh, s_nd, 0, 0, 0, s_wh, s_wd, s_wc, s_at, s_ah, s_ad,
+                    NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False)
+
+
+def _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin) -> None:
+    num_tokens, _, rope_dim = q_pe.shape
+    kv_lora_rank = kv_a_norm.shape[0]
+    half = rope_dim // 2
+    check_shape("kv_cache", kv_cache, (None, None, kv_lora_rank + rope_dim))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check_shape("latent", latent, (num_tokens, kv_lora_rank + rope_dim))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("cos", cos, (None, half))
+    check_shape("sin", sin, tuple(cos.shape))
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
+    for name, tensor in (("kv_cache", kv_cache), ("latent", latent), ("kv_a_norm", kv_a_norm), ("q_pe", q_pe)):
+        check_float(name, tensor)
+    check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping, latent=latent, kv_a_norm=kv_a_norm,
+                      q_pe=q_pe, positions=positions, cos=cos, sin=sin)
+
+
 def write_latent(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -85,23 +166,12 @@ def write_latent(
     num_tokens, num_heads, rope_dim = q_pe.shape
     kv_lora_rank = kv_a_norm.shape[0]
     half = rope_dim // 2
-    check_shape("kv_cache", kv_cache, (None, None, kv_lora_rank + rope_dim))
-    check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    check_shape("latent", latent, (num_tokens, kv_lora_rank + rope_dim))
-    check_shape("positions", positions, (num_tokens,))
-    check_shape("cos", cos, (None, half))
-    check_shape("sin", sin, tuple(cos.shape))
-    if rope_dim % 2 or half & (half - 1):
-        raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
-    for name, tensor in (("kv_cache", kv_cache), ("latent", latent), ("kv_a_norm", kv_a_norm), ("q_pe", q_pe)):
-        check_float(name, tensor)
-    check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-    check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping, latent=latent, kv_a_norm=kv_a_norm,
-                      q_pe=q_pe, positions=positions, cos=cos, sin=sin)
+    _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin)
     if not inplace:
         kv_cache = kv_cache.clone()
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     if num_tokens:
+        use_pdl = pdl(q_pe.device)
         _write_latent_kernel[(num_tokens,)](
             kv_cache, slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
             num_heads, kv_cache.shape[1], float(eps),
@@ -109,7 +179,69 @@ def write_latent(
             *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
             KV_LORA_RANK=kv_lora_rank, HALF=half, INTERLEAVED=interleaved,
             ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype,
-            BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads),
-            num_warps=4,
+            BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads), GDC=use_pdl,
+            num_warps=4, launch_pdl=use_pdl,
         )
     return kv_cache, q_out
+
+
+def write_latent_absorb(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent: torch.Tensor,
+    kv_a_norm: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    absorb_from: int,
+    inplace: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract of `reference.latent.write_latent_absorb`, in one launch.
+
+    As `write_latent`, plus q_nope [T, H, Dn] and w_uk [H, Dn, C] (any strides):
+    returns (kv_cache, rotated q_pe [T, H, R], absorbed q [T - absorb_from, H, C + R]).
+    """
+    num_tokens, num_heads, rope_dim = q_pe.shape
+    nope_dim = q_nope.shape[2]
+    kv_lora_rank = kv_a_norm.shape[0]
+    check_shape("q_nope", q_nope, (num_tokens, num_heads, None))
+    check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
+    check_dtype("q_nope", q_nope, (q_pe.dtype,))
+    check_dtype("w_uk", w_uk, (q_pe.dtype,))
+    check_same_device(q_pe=q_pe, q_nope=q_nope, w_uk=w_uk)
+    if not 0 <= absorb_from <= num_tokens:
+        raise ValueError(f"absorb_from: expected in [0, {num_tokens}], got {absorb_from}")
+    _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin)
+    if not inplace:
+        kv_cache = kv_cache.clone()
+    device = q_pe.device
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=device)
+    num_seqs = num_tokens - absorb_from
+    q_absorbed = torch.empty((num_seqs, num_heads, kv_lora_rank + rope_dim), dtype=q_pe.dtype, device=device)
+    if num_tokens == 0:
+        return kv_cache, q_out, q_absorbed
+    block_b = absorb_block_b(num_seqs)
+    num_col_blocks = triton.cdiv(kv_lora_rank, ABSORB_BLOCK_C)
+    absorb_programs = num_heads * num_col_blocks * triton.cdiv(num_seqs, block_b)
+    use_pdl = pdl(device)
+    _write_latent_absorb_kernel[(num_tokens + absorb_programs,)](
+        kv_cache, slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
+        q_nope, w_uk, q_absorbed,
+        num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, kv_cache.shape[1], float(eps),
+        *kv_cache.stride(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
+        *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
+        *q_nope.stride(), *w_uk.stride(), *q_absorbed.stride(),
+        KV_LORA_RANK=kv_lora_rank, HALF=rope_dim // 2, INTERLEAVED=interleaved,
+        ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype,
+        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads),
+        NOPE_DIM=nope_dim, BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_AC=ABSORB_BLOCK_C,
+        DOT_PRECISION=dot_precision(q_pe.dtype), GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
+    )
+    return kv_cache, q_out, q_absorbed

@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2
+from ._common import check_float, dot_precision, next_pow2, pdl
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +175,12 @@ def _gate_up_kernel(
     s_xt, s_xd, s_we, s_wn, s_wd, s_ar, s_ai, s_ids_t, s_ids_k,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+    INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, GDC: tl.constexpr,
 ):
     block = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     if INLINE_ALIGN:
         # Few pairs (decode): every program sorts them itself, which saves the
@@ -224,9 +228,12 @@ def _down_kernel(
     num_pairs, hidden, inter,
     s_ar, s_ai, s_we, s_wn, s_wk, s_tw_t, s_tw_k, s_pr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
     block = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -256,9 +263,12 @@ def _down_kernel(
 def _combine_kernel(
     pair_out_ptr, ids_ptr, out_ptr,
     hidden, s_pr, s_ids_t, s_ids_k, s_ot,
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < hidden
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -373,6 +383,7 @@ def fused_moe(
         sorted_pairs, block_expert = moe_align(topk_ids, num_experts, bm)
 
     precision = dot_precision(x.dtype)
+    use_pdl = pdl(device)
     act = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
         x, w13, topk_ids, sorted_pairs, block_expert, act,
@@ -384,8 +395,8 @@ def fused_moe(
         # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=block_e,
-        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
@@ -394,14 +405,14 @@ def fused_moe(
         *act.stride(), *w2.stride(), *topk_weights.stride(), pair_out.stride(0),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=inter % config.block_k == 0, EVEN_N=hidden % config.block_n == 0,
-        DOT_PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION=precision, GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     block_d = min(1024, next_pow2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         pair_out, topk_ids, out,
         hidden, pair_out.stride(0), *topk_ids.stride(), out.stride(0),
-        TOP_K=top_k, BLOCK_D=block_d,
-        num_warps=4,
+        TOP_K=top_k, BLOCK_D=block_d, GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
     )
     return out

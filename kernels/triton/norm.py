@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 
 
 @triton.jit
@@ -18,10 +19,15 @@ def _rms_norm_kernel(
     stride_yt, stride_ot,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + cols * stride_rd, mask=mask, other=0.0)
@@ -32,7 +38,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
     normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_yt + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -64,6 +69,7 @@ def rms_norm(
     if num_tokens > 0:
         block_d = next_pow2(dim)
         res = residual if residual is not None else x
+        use_pdl = pdl(x.device)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, y, res_out,
             dim, float(eps),
@@ -71,6 +77,8 @@ def rms_norm(
             y.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK_D=block_d,
+            GDC=use_pdl,
+            launch_pdl=use_pdl,
             # A whole row per program; wider rows get more warps so each thread
             # holds at most ~16 values.
             num_warps=max(1, min(16, block_d // 512)),

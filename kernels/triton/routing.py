@@ -38,9 +38,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_route_args, check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
+from .linear import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,10 +257,13 @@ def _route_kernel(
     GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, GDC: tl.constexpr,
 ):
     BLOCK_E: tl.constexpr = BLOCK_G * GROUP_BLOCK
     tile = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
     cols = tl.arange(0, BLOCK_E)
@@ -374,10 +379,13 @@ def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *
         if split_d > 1 or block_c < block_e:
             partial = torch.empty((split_d, num_tokens, block_e), dtype=torch.float32, device=device)
             arrived = torch.zeros(num_tiles, dtype=torch.int32, device=device)
+    elif gate.dtype == x.dtype:
+        # Float32 products of the inputs as they are, as the reference's float32 matmul computes.
+        logits = linear(x, gate, out_dtype=torch.float32)
     else:
-        # The reference's own float32 matmul.
         logits = F.linear(x.float(), gate.float())
     grouped = topk_method != "greedy"
+    use_pdl = pdl(device)
     _route_kernel[(num_tiles, split_d, block_e // block_c)](
         x, gate, logits, bias if bias is not None else gate, valid, topk_weights, topk_ids, partial, arrived,
         num_tokens, hidden, split_d, d_per_split, float(routed_scaling_factor),
@@ -391,6 +399,6 @@ def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *
         BLOCK_T=config.block_t, BLOCK_D=config.block_d, BLOCK_K=max(2, next_pow2(top_k)),
         BLOCK_G=next_pow2(groups),
         # The last program sums a [BLOCK_S, BLOCK_T, BLOCK_E] tile of at most 8K partials per step.
-        BLOCK_S=max(2, min(64, 8192 // (config.block_t * block_e))),
-        num_warps=config.num_warps,
+        BLOCK_S=max(2, min(64, 8192 // (config.block_t * block_e))), GDC=use_pdl,
+        num_warps=config.num_warps, launch_pdl=use_pdl,
     )

@@ -135,3 +135,29 @@ def test_gpu_graph_replay_with_new_lengths():
         ref_out, _ = ref.mla_decode(q.double(), kv_cache.double(), block_table, lens,
                                     softmax_scale=0.07, kv_lora_rank=512)
         assert_close(out, ref_out, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 11])                 # 11: more than one merge step of splits
+@pytest.mark.parametrize("num_seqs", [1, 4, tri._FUSED_VALUE_MAX_SEQS + 1])  # merged with W_UV, then a GEMM
+def test_value_projection(dtype, num_splits, num_seqs, device):
+    gen = generator(num_seqs * 7 + num_splits, device)
+    heads, kv_lora_rank, rope_dim, value_dim, block_size = 3, 32, 16, 40, 16
+    lens = [(37 * i + 5) % 90 for i in range(num_seqs)]
+    lens[-1] = 0                                                    # a padded row
+    kv_cache, block_table = paged_cache(lens, block_size, kv_lora_rank + rope_dim, dtype, device, gen)
+    q = randn((num_seqs, heads, kv_lora_rank + rope_dim), dtype, device, gen)
+    w_uv = strided(randn((heads, value_dim, kv_lora_rank), dtype, device, gen, scale=kv_lora_rank ** -0.5), gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = 0.2
+    out, lse = tri.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=scale, kv_lora_rank=kv_lora_rank,
+                              num_splits=num_splits, w_uv=w_uv)
+    latent, ref_lse = ref.mla_decode(q.double(), kv_cache.double(), block_table, seq_lens,
+                                     softmax_scale=scale, kv_lora_rank=kv_lora_rank)
+    assert out.shape == (num_seqs, heads, value_dim) and out.dtype == dtype
+    assert_close(out, torch.einsum("bhc,hvc->bhv", latent, w_uv.double()), dtype)
+    assert_close(lse, ref_lse, dtype, LSE_TOLERANCE)
+    assert torch.all(out[-1] == 0) and torch.all(lse[-1] == float("-inf"))
+    with pytest.raises(ValueError, match="w_uv"):
+        tri.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=scale, kv_lora_rank=kv_lora_rank,
+                       w_uv=w_uv[:, :, :-1])

@@ -7,7 +7,8 @@ import torch
 
 from kernel_cases import generator, randn, strided
 from mla_func.kernels.reference.latent import write_latent as ref_write_latent
-from mla_func.kernels.triton.latent import write_latent
+from mla_func.kernels.reference.latent import write_latent_absorb as ref_write_latent_absorb
+from mla_func.kernels.triton.latent import write_latent, write_latent_absorb
 
 KV_LORA_RANK, ROPE_DIM, HEADS, BLOCK_SIZE, NUM_BLOCKS = 48, 16, 3, 8, 5
 
@@ -71,3 +72,34 @@ def test_write_latent_rejects_bad_inputs(device):
         write_latent(cache[..., 1:], slots, latent, norm, q_pe, positions, cos, sin, eps=1e-6, interleaved=True)
     with pytest.raises(ValueError, match="slot_mapping"):
         write_latent(cache, slots.float(), latent, norm, q_pe, positions, cos, sin, eps=1e-6, interleaved=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("absorb_from", [0, 2, 6])                 # all rows decode, a mixed step, no decode row
+def test_write_latent_absorb_matches_reference(dtype, absorb_from, device):
+    cache, slots, latent, norm, q_pe, positions, cos, sin = _case(dtype, device, seed=8 + absorb_from)
+    gen = generator(9 + absorb_from, device)
+    nope_dim = 24
+    q_nope = strided(randn((q_pe.shape[0], HEADS, nope_dim), dtype, device, gen), gen)
+    w_uk = randn((HEADS, nope_dim, KV_LORA_RANK), dtype, device, gen, scale=nope_dim ** -0.5)
+    before = cache.clone()
+    got_cache, got_q_pe, got_q = write_latent_absorb(cache, slots, latent, norm, q_nope, q_pe, w_uk, positions,
+                                                     cos, sin, eps=1e-6, interleaved=False, absorb_from=absorb_from)
+    want_cache, want_q_pe, want_q = ref_write_latent_absorb(before.clone(), slots, latent, norm, q_nope, q_pe, w_uk,
+                                                            positions, cos, sin, eps=1e-6, interleaved=False,
+                                                            absorb_from=absorb_from)
+    assert got_q.shape == (q_pe.shape[0] - absorb_from, HEADS, KV_LORA_RANK + ROPE_DIM)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_q_pe, want_q_pe, **tol)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    # The absorbed query's tail is the rotated q_pe of the same rows, bit for bit.
+    assert torch.equal(got_q[..., KV_LORA_RANK:], got_q_pe[absorb_from:])
+    real = slots[slots >= 0]
+    flat, want_flat = got_cache.view(-1, got_cache.shape[-1]), want_cache.view(-1, want_cache.shape[-1])
+    torch.testing.assert_close(flat[real], want_flat[real], **tol)
+    with pytest.raises(ValueError, match="absorb_from"):
+        write_latent_absorb(cache, slots, latent, norm, q_nope, q_pe, w_uk, positions, cos, sin, eps=1e-6,
+                            interleaved=False, absorb_from=7)
+    with pytest.raises(ValueError, match="w_uk"):
+        write_latent_absorb(cache, slots, latent, norm, q_nope, q_pe, w_uk[:, 1:], positions, cos, sin, eps=1e-6,
+                            interleaved=False, absorb_from=0)

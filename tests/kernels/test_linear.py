@@ -1,0 +1,44 @@
+"""The Triton few-row linear layer (a GEMV for decode) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import TOLERANCE, generator, randn, strided
+from mla_func.kernels.reference.linear import linear as ref_linear
+from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, LINEAR_MAX_ROWS, LINEAR_MAX_ROWS + 1])  # GEMV, then cuBLAS
+@pytest.mark.parametrize("n_out, k_in", [(40, 200), (16, 64), (5, 7)])   # ragged column and K tiles included
+def test_linear_matches_reference(dtype, num_rows, n_out, k_in, device):
+    gen = generator(num_rows * 131 + n_out + k_in, device)
+    x = randn((num_rows, k_in), dtype, device, gen)
+    weight = randn((n_out, k_in), dtype, device, gen, scale=k_in ** -0.5)
+    got = linear(x, weight)
+    assert got.shape == (num_rows, n_out) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref_linear(x.double(), weight.double()), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_rows", [2, LINEAR_MAX_ROWS + 3])
+def test_linear_widened_output_and_strided_inputs(num_rows, device):
+    # Router logits: bf16 inputs, float32 products and output.
+    gen = generator(7 + num_rows, device)
+    x = randn((num_rows, 96), torch.bfloat16, device, gen)
+    weight = randn((24, 96), torch.bfloat16, device, gen, scale=0.1)
+    got = linear(strided(x, gen), strided(weight, gen), out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    want = ref_linear(x, weight, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rejects_bad_inputs(device):
+    gen = generator(3, device)
+    x = randn((2, 8), torch.float32, device, gen)
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, randn((4, 9), torch.float32, device, gen))
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, randn((4, 8), torch.float64, device, gen))
+    assert linear(x[:0], randn((4, 8), torch.float32, device, gen)).shape == (0, 4)
