@@ -3,7 +3,8 @@
 Stage 1 gives every (sequence, head group, split) program one contiguous slice of
 the sequence's keys and writes a normalised partial output and its LSE; stage 2
 merges the splits by LSE. Given the value up-projection W_UV, small batches
-merge and project in one stage-2 kernel; larger ones project with one batched GEMM. The number of splits is a function of static shapes
+merge and project in one stage-2 kernel; larger ones project with one batched
+GEMM. The number of splits is a function of static shapes
 and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
 any lengths and no step waits on the host.

@@ -1,7 +1,7 @@
 """Linear layers of a few rows (decode at small batch) as a weight-streaming GEMV.
 
 At one to four rows a projection is a read of its weight and little else;
-cuBLAS reaches about a third of the copy rate there (a 2048 x 2048 bf16 weight
+cuBLAS reaches under half the copy rate there (a 2048 x 2048 bf16 weight
 in 6.3 us on an H100). Here each program owns BLOCK_N output columns, loads the
 first BLOCK_K-wide slice of their weight rows into registers *before* it waits
 for the previous kernel (see `_common.pdl`), then multiplies every row of x by
