@@ -20,7 +20,7 @@ Contracts (shapes in the docstrings of the reference implementations):
     merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
     route(x, gate, e_score_correction_bias, valid, *, top_k, scoring_func, topk_method, n_group,
           topk_group, norm_topk_prob, routed_scaling_factor, num_shared=0) -> (topk_weights, topk_ids)
-    fused_moe(x, w13, w2, topk_weights, topk_ids) -> y
+    fused_moe(x, w13, w2, topk_weights, topk_ids, *, out_dtype=None) -> y
     rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
     rope(q_pe, k_pe, positions, cos, sin, *, interleaved) -> (q_pe, k_pe)
 """

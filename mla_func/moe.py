@@ -61,19 +61,26 @@ def shared_experts(p: MoEParams, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
-    """Routed experts plus shared experts: x [T, D] -> [T, D]."""
+    """Routed experts plus shared experts: x [T, D] -> [T, D] in at least float32.
+
+    The sum over experts stays in float32 up to the residual add (`rms_norm`
+    rounds once, to the residual's dtype), which spares the fused MoE a pass
+    that would only round its float32 sums.
+    """
+    out_dtype = torch.promote_types(x.dtype, torch.float32)
     if p.num_shared and x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS:
         topk_weights, topk_ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
-        return ops.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids)
+        return ops.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids, out_dtype=out_dtype)
     topk_weights, topk_ids = route(p, x, valid, config, ops)
-    out = ops.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], topk_weights, topk_ids)
+    out = ops.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], topk_weights, topk_ids,
+                        out_dtype=out_dtype)
     if p.num_shared:
         out = out + shared_experts(p, x)
     return out
 
 
 def feed_forward(p: MLPParams | MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
-    """The layer's feed-forward block, dense or MoE, x [T, D] -> [T, D]."""
+    """The layer's feed-forward block, dense or MoE, x [T, D] -> [T, D] (x's dtype for dense, see `moe`)."""
     if isinstance(p, MoEParams):
         return moe(p, x, valid, config, ops)
     return mlp(p, x, ops)

@@ -112,8 +112,10 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Contract of `reference.moe.fused_moe`, run by AITER's fused MoE.
+    """Contract of `reference.moe.fused_moe`, run by AITER's fused MoE (which returns x's dtype).
 
     AITER has no "no expert" id, so -1 is routed to expert 0 with weight 0, and
     rows whose every id is -1 are zeroed afterwards.
@@ -124,7 +126,8 @@ def fused_moe(
     ids = torch.where(chosen, topk_ids, 0).to(torch.int32)
     weights = torch.where(chosen, topk_weights, 0.0).float()
     y = aiter_fused_moe.fused_moe(x, w13, w2, weights, ids)
-    return torch.where(chosen.any(dim=1, keepdim=True), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    y = torch.where(chosen.any(dim=1, keepdim=True), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return y.to(out_dtype or x.dtype)
 
 
 def ops() -> Ops:

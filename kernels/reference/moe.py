@@ -14,6 +14,8 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
 
@@ -22,7 +24,9 @@ def fused_moe(
     w2:           [E, D, I]
     topk_weights: [T, k] float32
     topk_ids:     [T, k] integer; -1 takes no expert (padded rows)
-    returns       [T, D] in x's dtype
+    out_dtype:    dtype of the result, by default x's; a wider one takes the
+                  weighted sum over experts in it
+    returns       [T, D] in out_dtype
 
     The reference runs every expert on every token and weights the results, so it
     has static shapes and no data-dependent indexing; it reads all experts.
@@ -40,4 +44,5 @@ def fused_moe(
     gate_up = torch.einsum("td,efd->tef", x, w13)                       # [T, E, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
     expert_out = torch.einsum("tei,edi->ted", F.silu(gate) * up, w2)    # [T, E, D]
-    return torch.einsum("ted,te->td", expert_out, combine.to(x.dtype))
+    out_dtype = out_dtype or x.dtype
+    return torch.einsum("ted,te->td", expert_out.to(out_dtype), combine.to(out_dtype))

@@ -15,9 +15,12 @@ def rms_norm(
 
     x, residual: [T, D]; weight: [D]
     returns      y [T, D]; with `residual`, (y, x + residual) where y normalises x + residual.
+    The sum is rounded to residual's dtype (the residual stream keeps its dtype;
+    a wider x, e.g. float32 expert sums, is added before that one rounding).
     """
     if residual is not None:
-        x = x + residual
+        wide = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), torch.float32)
+        x = (x.to(wide) + residual.to(wide)).to(residual.dtype)
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

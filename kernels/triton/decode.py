@@ -72,8 +72,9 @@ def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
 # stage 1); with many sequences the batched GEMM reads it once instead.
 _FUSED_VALUE_MAX_SEQS = 8
 _VALUE_BLOCK_V = 32
-# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile.
-_MERGE_SPLITS = 8
+# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile
+# (16 covers batch 1 up to 2K keys of table in one step).
+_MERGE_SPLITS = 16
 
 
 def mla_decode_num_splits(
@@ -261,26 +262,30 @@ def _reduce_value_kernel(
         gdc_wait()
         gdc_launch_dependents()
     pl_row = pl_ptr + b * s_plb + h * s_plh
-    # The largest split LSE, over all splits first, then a weighted sum in chunks of BLOCK_S splits.
-    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        m = tl.maximum(m, tl.load(pl_row + ss * s_pls, mask=ss < num_splits, other=float("-inf")))
-    m_all = tl.max(m, axis=0)
-    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros([BLOCK_S], dtype=tl.float32)
-    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
     po_row = po_ptr + b * s_pob + h * s_poh
+    # One pass over the splits, BLOCK_S at a time, rescaling the running sums to
+    # the largest LSE so far: a chunk's LSEs and partial outputs load together
+    # (every split wrote both, empty ones out 0 and lse -inf), so at batch 1,
+    # where one chunk holds every split, stage 2 waits on memory once.
+    m_run = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         s_mask = ss < num_splits
-        wt = tl.exp(tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf")) - m_all)
-        total += wt
+        lse_s = tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf"))
         parts = tl.load(po_row + ss[:, None] * s_pos + offs_c[None, :] * s_pod,
-                        mask=s_mask[:, None] & c_mask[None, :] & (wt > 0.0)[:, None], other=0.0)
-        latent += tl.sum(parts * wt[:, None], axis=0)
-    total_all = tl.sum(total, axis=0)
+                        mask=s_mask[:, None] & c_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(lse_s, axis=0))
+        # While every split so far is empty, shift by 0 so weights are 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m_run - shift)
+        wt = tl.exp(lse_s - shift)
+        total = total * rescale + tl.sum(wt, axis=0)
+        latent = latent * rescale + tl.sum(parts * wt[:, None], axis=0)
+        m_run = m_new
+    m_all = tl.where(m_run == float("-inf"), 0.0, m_run)
+    total_all = total
     latent = latent * tl.where(total_all > 0.0, 1.0 / tl.where(total_all > 0.0, total_all, 1.0), 0.0)
     # Rounded to the output dtype first, as the merged latent is before an unfused projection.
     latent = latent.to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -31,13 +31,14 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + cols * stride_rd, mask=mask, other=0.0)
-        # Round the sum to the input dtype before taking statistics, as the
+        # Round the sum to the residual's dtype before taking statistics, as the
         # unfused `x + residual` would; the rounded sum is also what is returned.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ot + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
-    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # res_ptr is x_ptr when there is no residual: the dtype of what is normalised.
+    normed = (xf * inv_rms).to(res_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * stride_yt + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -49,9 +50,10 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32.
 
-    x, residual: [T, D] same dtype (any strides); weight: [D]
+    x, residual: [T, D] (any strides); weight: [D]
     returns      y [T, D] in promote(weight, x) dtype; with `residual`,
-                 (y, x + residual) where y normalises the (rounded) sum.
+                 (y, x + residual) where the sum is rounded to residual's dtype,
+                 y normalises it and is in promote(weight, residual) dtype.
     """
     num_tokens, dim = x.shape
     check_shape("weight", weight, (dim,))
@@ -59,13 +61,13 @@ def rms_norm(
     check_float("weight", weight)
     if residual is not None:
         check_shape("residual", residual, (num_tokens, dim))
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual: expected dtype {x.dtype}, got {residual.dtype}")
+        check_float("residual", residual)
         check_same_device(x=x, weight=weight, residual=residual)
     else:
         check_same_device(x=x, weight=weight)
-    y = torch.empty((num_tokens, dim), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device) if residual is not None else y
+    sum_dtype = x.dtype if residual is None else residual.dtype
+    y = torch.empty((num_tokens, dim), dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    res_out = torch.empty((num_tokens, dim), dtype=sum_dtype, device=x.device) if residual is not None else y
     if num_tokens > 0:
         block_d = next_pow2(dim)
         res = residual if residual is not None else x

@@ -21,7 +21,7 @@ kernel computes them itself, loading x in its own dtype and widening it to
 float32. One program per token tile would stream the whole router weight
 through one multiprocessor, so the weight is cut into split_d slices of D times
 E / BLOCK_C slices of columns, one program each: each writes its partial logits
-to a workspace and bumps the tile's arrival counter (zeroed by the wrapper, the
+to a workspace and bumps the tile's arrival counter (zeroed by `fill.zeros`, the
 one other launch); the last to arrive sums the partials in split order (so the
 result does not depend on the order of arrival) and routes. Larger batches take
 their logits from one float32 matmul beforehand, the reference's own: computing
@@ -42,6 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_route_args, check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
+from .fill import zeros
 from .linear import linear
 
 
@@ -108,19 +109,30 @@ def _expert_of(cols, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr, N_GROU
 
 
 @triton.jit
-def _partial_logits(x_ptr, gate_ptr, rows, row_mask, experts, col_mask, d_lo, d_hi,
+def _gate_tile(gate_ptr, experts, col_mask, d0, d_hi, s_ge, s_gd, BLOCK_D: tl.constexpr):
+    """[BLOCK_C, BLOCK_D] slice gate[experts, d0:d0 + BLOCK_D] (zero past d_hi)."""
+    ds = d0 + tl.arange(0, BLOCK_D)
+    return tl.load(gate_ptr + experts[:, None].to(tl.int64) * s_ge + ds[None, :] * s_gd,
+                   mask=col_mask[:, None] & (ds < d_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _partial_logits(x_ptr, gate_ptr, first_gate, rows, row_mask, experts, col_mask, d_lo, d_hi,
                     s_xt, s_xd, s_ge, s_gd,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_T, BLOCK_C] float32 sums of x[t, d] * gate[experts[c], d] over d in [d_lo, d_hi)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    """[BLOCK_T, BLOCK_C] float32 sums of x[t, d] * gate[experts[c], d] over d in [d_lo, d_hi).
+
+    first_gate is the gate's first slice, `_gate_tile(..., d_lo, ...)`, loaded by the caller.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * s_xt
-    gate_rows = gate_ptr + experts[:, None].to(tl.int64) * s_ge
-    for d0 in range(d_lo, d_hi, BLOCK_D):
+    ds = d_lo + offs_d
+    xt = tl.load(x_rows + ds[None, :] * s_xd, mask=row_mask[:, None] & (ds < d_hi)[None, :], other=0.0)
+    acc = tl.sum(xt.to(tl.float32)[:, None, :] * first_gate.to(tl.float32)[None, :, :], axis=2)
+    for d0 in range(d_lo + BLOCK_D, d_hi, BLOCK_D):
         ds = d0 + offs_d
-        d_mask = ds < d_hi
-        xt = tl.load(x_rows + ds[None, :] * s_xd, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        g = tl.load(gate_rows + ds[None, :] * s_gd, mask=col_mask[:, None] & d_mask[None, :], other=0.0)
+        xt = tl.load(x_rows + ds[None, :] * s_xd, mask=row_mask[:, None] & (ds < d_hi)[None, :], other=0.0)
+        g = _gate_tile(gate_ptr, experts, col_mask, d0, d_hi, s_ge, s_gd, BLOCK_D)
         acc += tl.sum(xt.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], axis=2)
     return acc
 
@@ -261,6 +273,15 @@ def _route_kernel(
 ):
     BLOCK_E: tl.constexpr = BLOCK_G * GROUP_BLOCK
     tile = tl.program_id(0)
+    if KERNEL_LOGITS:
+        # Program (tile, s, c) sums D slice s for tile columns [c * BLOCK_C, (c + 1) * BLOCK_C).
+        d_lo = tl.program_id(1) * d_per_split
+        d_hi = tl.minimum(d_lo + d_per_split, hidden)
+        my_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        my_experts, my_mask = _expert_of(my_cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+        # The router weight depends on no earlier kernel: its first slice (at decode
+        # sizes the whole split) is in flight before the wait.
+        first_gate = _gate_tile(gate_ptr, my_experts, my_mask, d_lo, d_hi, s_ge, s_gd, BLOCK_D)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -270,12 +291,7 @@ def _route_kernel(
     experts, col_mask = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
     last = True
     if KERNEL_LOGITS:
-        # Program (tile, s, c) sums D slice s for tile columns [c * BLOCK_C, (c + 1) * BLOCK_C).
-        d_lo = tl.program_id(1) * d_per_split
-        d_hi = tl.minimum(d_lo + d_per_split, hidden)
-        my_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        my_experts, my_mask = _expert_of(my_cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
-        part = _partial_logits(x_ptr, gate_ptr, rows, row_mask, my_experts, my_mask, d_lo, d_hi,
+        part = _partial_logits(x_ptr, gate_ptr, first_gate, rows, row_mask, my_experts, my_mask, d_lo, d_hi,
                                s_xt, s_xd, s_ge, s_gd, BLOCK_T, BLOCK_C, BLOCK_D)
         if SPLIT:
             # partial[s, t, c]: split s's sums for token t and tile column c.
@@ -378,7 +394,7 @@ def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *
             raise ValueError(f"config.block_c: expected 0 or a power of two, got {config.block_c}")
         if split_d > 1 or block_c < block_e:
             partial = torch.empty((split_d, num_tokens, block_e), dtype=torch.float32, device=device)
-            arrived = torch.zeros(num_tiles, dtype=torch.int32, device=device)
+            arrived = zeros((num_tiles,), torch.int32, device)
     elif gate.dtype == x.dtype:
         # Float32 products of the inputs as they are, as the reference's float32 matmul computes.
         logits = linear(x, gate, out_dtype=torch.float32)

@@ -138,7 +138,7 @@ def test_gpu_graph_replay_with_new_lengths():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3, 11])                 # 11: more than one merge step of splits
+@pytest.mark.parametrize("num_splits", [1, 3, 23])                 # 23: more than one merge step of splits
 @pytest.mark.parametrize("num_seqs", [1, 4, tri._FUSED_VALUE_MAX_SEQS + 1])  # merged with W_UV, then a GEMM
 def test_value_projection(dtype, num_splits, num_seqs, device):
     gen = generator(num_seqs * 7 + num_splits, device)

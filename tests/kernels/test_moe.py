@@ -25,45 +25,72 @@ def _inputs(num_tokens, hidden, inter, num_experts, top_k, dtype, device, seed, 
     return x, w13, w2, topk_weights.float(), topk_ids
 
 
-def _check(inputs, dtype):
-    out = tri.fused_moe(*inputs)
+def _config(path, inputs):
+    x, w13, _, _, ids = inputs
+    if path == "pair":
+        return tri.pair_config(x.device)
+    return tri.tiled_config(ids.numel(), w13.shape[0], x.device, x.dtype)
+
+
+def _check(inputs, dtype, path=None, out_dtype=None):
+    config = _config(path, inputs) if path else None
+    out = tri.fused_moe(*inputs, config=config, out_dtype=out_dtype)
     x, w13, w2, weights, ids = inputs
     expected = ref.fused_moe(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    assert out.dtype == dtype and out.shape == x.shape
+    assert out.dtype == (out_dtype or dtype) and out.shape == x.shape
     assert_close(out, expected, dtype)
     return out
 
 
+@pytest.mark.parametrize("path", ["pair", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
-def test_fused_moe(dtype, num_tokens, device):
+def test_fused_moe(path, dtype, num_tokens, device):
     inputs = _inputs(num_tokens, 64, 48, 8, 3, dtype, device, seed=num_tokens, padded_rows=1)
-    out = _check(inputs, dtype)
+    out = _check(inputs, dtype, path)
     assert torch.all(out[-1] == 0)
 
 
-def test_odd_sizes_and_many_experts(device):
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 40])
+def test_default_path_and_float32_out(num_tokens, device):
+    # The default picks the per-pair path up to PAIR_MAX_PAIRS pairs, the tiled one above;
+    # either can return float32 sums of bf16 experts.
+    inputs = _inputs(num_tokens, 64, 48, 8, 6, torch.bfloat16, device, seed=10 + num_tokens)
+    want = tri.PairConfig if num_tokens * 6 <= tri.PAIR_MAX_PAIRS else tri.MoeConfig
+    assert isinstance(tri.moe_config(num_tokens * 6, 8, device), want)
+    out = _check(inputs, torch.bfloat16, out_dtype=torch.float32)
+    # Rounding the float32 result gives the bf16 result up to the order of the float32 sums.
+    assert_close(out.to(torch.bfloat16), tri.fused_moe(*inputs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["pair", "tiled"])
+def test_odd_sizes_and_many_experts(path, device):
     # Sizes off every block multiple; more experts than pairs.
-    _check(_inputs(3, 72, 40, 20, 6, torch.float32, device, seed=2), torch.float32)
+    _check(_inputs(3, 72, 40, 20, 6, torch.float32, device, seed=2), torch.float32, path)
 
 
-def test_reads_only_chosen_experts(device):
-    x, w13, w2, weights, ids = _inputs(4, 64, 32, 8, 2, torch.float32, device, seed=3)
+@pytest.mark.parametrize("path", ["pair", "tiled"])
+def test_reads_only_chosen_experts(path, device):
+    inputs = _inputs(4, 64, 32, 8, 2, torch.float32, device, seed=3)
+    config = _config(path, inputs)
+    x, w13, w2, weights, ids = inputs
     unused = torch.ones(8, dtype=torch.bool, device=device)
     unused[ids[ids >= 0]] = False
     expected = ref.fused_moe(x.double(), w13.double(), w2.double(), weights.double(), ids)
     # NaN weights in experts no token picked would poison any read of them.
     w13[unused] = float("nan")
     w2[unused] = float("nan")
-    out = tri.fused_moe(x, w13, w2, weights, ids)
+    out = tri.fused_moe(x, w13, w2, weights, ids, config=config)
     assert_close(out, expected, torch.float32)
 
 
-def test_non_contiguous_inputs(device):
-    x, w13, w2, weights, ids = _inputs(6, 64, 48, 8, 2, torch.bfloat16, device, seed=4)
+@pytest.mark.parametrize("path", ["pair", "tiled"])
+def test_non_contiguous_inputs(path, device):
+    inputs = _inputs(6, 64, 48, 8, 2, torch.bfloat16, device, seed=4)
+    x, w13, w2, weights, ids = inputs
     gen = generator(5, device)
     moved = (strided(x, gen), strided(w13, gen), strided(w2, gen), strided(weights, gen), strided(ids, gen))
-    out = tri.fused_moe(*moved)
+    out = tri.fused_moe(*moved, config=_config(path, inputs))
     expected = ref.fused_moe(x.double(), w13.double(), w2.double(), weights.double(), ids)
     assert_close(out, expected, torch.bfloat16)
 
@@ -96,6 +123,8 @@ def test_rejects_bad_inputs(device):
         tri.fused_moe(x, w13, w2[:, :, :16], weights, ids)
     with pytest.raises(ValueError, match="topk_weights"):
         tri.fused_moe(x, w13, w2, weights.double(), ids)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tri.fused_moe(x, w13, w2, weights, ids, out_dtype=torch.int32)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Triton write_kv, rms_norm and merge_attn_states against the reference."""
+"""Triton write_kv, rms_norm, merge_attn_states and zeros against the reference."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
 from mla_func.kernels.reference import attention as ref_attention
 from mla_func.kernels.reference import cache as ref_cache
 from mla_func.kernels.reference import norm as ref_norm
-from mla_func.kernels.triton import cache, merge, norm
+from mla_func.kernels.triton import cache, fill, merge, norm
 
 
 # --- write_kv ---------------------------------------------------------------------------
@@ -95,7 +95,24 @@ def test_rms_norm_rejects_bad_shapes(device):
         norm.rms_norm(torch.zeros(2, 8, device=device), torch.zeros(9, device=device), 1e-6)
     with pytest.raises(ValueError, match="residual"):
         norm.rms_norm(torch.zeros(2, 8, device=device), torch.zeros(8, device=device), 1e-6,
-                      torch.zeros(2, 8, dtype=torch.bfloat16, device=device))
+                      torch.zeros(3, 8, device=device))
+    with pytest.raises(ValueError, match="residual"):
+        norm.rms_norm(torch.zeros(2, 8, device=device), torch.zeros(8, device=device), 1e-6,
+                      torch.zeros(2, 8, dtype=torch.int32, device=device))
+
+
+def test_rms_norm_float32_input_onto_bf16_residual(device):
+    # Float32 expert sums added to a bf16 residual stream: one rounding, to bf16.
+    gen = generator(4, device)
+    x = randn((6, 80), torch.float32, device, gen)
+    residual = randn((6, 80), torch.bfloat16, device, gen)
+    weight = randn((80,), torch.bfloat16, device, gen)
+    y, res = norm.rms_norm(x, weight, 1e-6, residual)
+    ref_y, ref_res = ref_norm.rms_norm(x, weight, 1e-6, residual)
+    assert res.dtype == y.dtype == torch.bfloat16
+    assert torch.equal(res, (x + residual.float()).to(torch.bfloat16))
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=2e-2)
 
 
 # --- merge_attn_states ------------------------------------------------------------------
@@ -171,3 +188,16 @@ def test_gpu_small_ops_real_sizes():
     expected = ref_cache.write_kv(kv_cache.clone(), slots, kv)
     expected[0, 0] = kv_cache[0, 0]
     assert torch.equal(cache.write_kv(kv_cache, slots, kv), expected)
+
+
+# --- zeros -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bfloat16])
+def test_zeros_overwrite_reused_memory(dtype, device):
+    # Fill memory with non-zeros, free it, and let the allocator hand it back.
+    junk = torch.full((5000,), 7, dtype=dtype, device=device)
+    del junk
+    out = fill.zeros((3, 1500), dtype, device)
+    assert out.shape == (3, 1500) and out.dtype == dtype and out.is_contiguous()
+    assert torch.count_nonzero(out).item() == 0
+    assert fill.zeros((0, 4), dtype, device).shape == (0, 4)
