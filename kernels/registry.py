@@ -8,6 +8,7 @@ nothing falls back silently.
 Contracts (shapes in the docstrings of the reference implementations):
 
     linear(x, weight, *, out_dtype=None) -> y
+    rms_norm_linear(x, norm_weight, eps, weight, residual=None) -> y | (y, residual_out)
     write_kv(kv_cache, slot_mapping, kv, *, inplace=True) -> kv_cache
     write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin, *, eps, interleaved,
                  inplace=True) -> (kv_cache, q_pe)
@@ -52,6 +53,7 @@ class Ops:
 
     backend: str
     linear: Callable
+    rms_norm_linear: Callable
     write_kv: Callable
     write_latent: Callable
     write_latent_absorb: Callable
@@ -69,6 +71,7 @@ def _torch_ops() -> Ops:
     return Ops(
         backend="torch",
         linear=ref_linear.linear,
+        rms_norm_linear=ref_linear.rms_norm_linear,
         write_kv=ref_cache.write_kv,
         write_latent=ref_latent.write_latent,
         write_latent_absorb=ref_latent.write_latent_absorb,

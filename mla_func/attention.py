@@ -21,17 +21,18 @@ from .params import AttentionParams
 LATENT_NORM_EPS = 1e-6
 
 
-def project(p: AttentionParams, x: torch.Tensor, config: ModelConfig, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (q [T, H, Dn + R], latent [T, C + R]: c_kv not yet normalised, k_pe not rotated).
+def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv_a [T, Q + C + R] -> (q [T, H, Dn + R], latent [T, C + R]: c_kv not yet normalised, k_pe not rotated).
 
-    One GEMM makes the query's first projection and the latent; a low-rank query
-    then goes through its norm and q_b_proj. Both results are views of that GEMM's output.
+    qkv_a is the one GEMM (`qkv_a_proj`) of the normalised input that makes the
+    query's first projection (Q = q_lora_rank, or H * (Dn + R) without one) and the
+    latent; a low-rank query then goes through its norm and q_b_proj. Both results
+    are views of qkv_a.
     """
-    first = ops.linear(x, p.qkv_a_proj)
-    q, latent = first.split([first.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
+    q, latent = qkv_a.split([qkv_a.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
     if p.q_b_proj is not None:
         q = ops.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
-    return q.view(x.shape[0], config.num_attention_heads, config.qk_head_dim), latent
+    return q.view(qkv_a.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
 
 def decode_attention(
@@ -62,7 +63,7 @@ def decode_attention(
 
 def mla_attention(
     p: AttentionParams,
-    x: torch.Tensor,
+    qkv_a: torch.Tensor,
     kv_cache: torch.Tensor,
     batch: Batch,
     mode: ForwardMode,
@@ -75,10 +76,12 @@ def mla_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention over all rows of a step.
 
-    x [T, D] normalised hidden states; kv_cache [num_blocks, bs, C + R]
+    qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
+    `project`; the forward makes it with the norm, `ops.rms_norm_linear`);
+    kv_cache [num_blocks, bs, C + R]
     returns (output [T, D], the layer's cache with this step's latents written)
     """
-    q, latent = project(p, x, config, ops)
+    q, latent = project(p, qkv_a, config, ops)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
     split = mode.padded_prefill_tokens
     # The write comes first so that prefill reads its own keys from the cache like any context;

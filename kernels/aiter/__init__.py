@@ -136,6 +136,7 @@ def ops() -> Ops:
     return Ops(
         backend="aiter",
         linear=ref_linear.linear,
+        rms_norm_linear=ref_linear.rms_norm_linear,
         write_kv=ref_cache.write_kv,
         write_latent=ref_latent.write_latent,
         write_latent_absorb=ref_latent.write_latent_absorb,

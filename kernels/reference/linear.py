@@ -1,9 +1,11 @@
-"""A linear layer without bias, optionally computed and returned in a wider dtype."""
+"""A linear layer without bias, optionally computed and returned in a wider dtype, or after an RMSNorm."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .norm import rms_norm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -15,3 +17,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     if out_dtype is None or out_dtype == x.dtype == weight.dtype:
         return F.linear(x, weight)
     return F.linear(x.to(out_dtype), weight.to(out_dtype))
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm and its first projection: linear(rms_norm(x [+ residual]), weight).
+
+    x, residual [T, K]; norm_weight [K]; weight [N, K]
+    returns y [T, N]; with `residual`, (y, x + residual) as `rms_norm` returns the sum.
+    """
+    normed = rms_norm(x, norm_weight, eps, residual)
+    if residual is None:
+        return linear(normed, weight)
+    normed, residual_out = normed
+    return linear(normed, weight), residual_out

@@ -7,7 +7,7 @@ from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
 from .latent import write_latent, write_latent_absorb
-from .linear import linear
+from .linear import linear, rms_norm_linear
 from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
@@ -26,6 +26,7 @@ __all__ = [
     "ops",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_linear",
     "rope",
     "route",
     "write_kv",
@@ -39,6 +40,7 @@ def ops() -> Ops:
     return Ops(
         backend="triton",
         linear=linear,
+        rms_norm_linear=rms_norm_linear,
         write_kv=write_kv,
         write_latent=write_latent,
         write_latent_absorb=write_latent_absorb,

@@ -20,6 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
+from .norm import rms_norm
 
 # Rows up to which the GEMV runs; each row is one more pass over the weight tile in registers.
 LINEAR_MAX_ROWS = 4
@@ -103,3 +104,133 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
         num_warps=_NUM_WARPS, launch_pdl=use_pdl,
     )
     return y
+
+
+@triton.jit
+def _sum_row(x_ptr, res_ptr, t, ks, k_mask, s_xt, s_xk, s_rt, s_rk, HAS_RESIDUAL: tl.constexpr):
+    """Row t of x (plus residual, rounded to the residual's dtype) at columns ks, as float32."""
+    x = tl.load(x_ptr + t * s_xt + ks * s_xk, mask=k_mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + t * s_rt + ks * s_rk, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _normed_rows_times_tile(x_ptr, res_ptr, nw_ptr, w_ptr, res_out_ptr, w, ks, k_mask, acc, inv_rms, num_rows,
+                            write_sum, s_xt, s_xk, s_rt, s_rk, s_nw, s_ot,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """acc[t, :] += w @ rms_norm(x[t] (+ residual[t]))[ks] for the first num_rows rows.
+
+    The normalised row is rounded as `rms_norm` rounds it (to the sum's dtype, then
+    weight times that to the projection's dtype); w is the [BLOCK_N, BLOCK_K] tile in float32.
+    Programs with write_sum also store the sum itself.
+    """
+    rows = tl.arange(0, BLOCK_T)
+    nw = tl.load(nw_ptr + ks * s_nw, mask=k_mask, other=0.0).to(tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        row_ok = k_mask & (tl.full(ks.shape, t, tl.int32) < num_rows)
+        xs = _sum_row(x_ptr, res_ptr, t, ks, row_ok, s_xt, s_xk, s_rt, s_rk, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            mine = tl.full(ks.shape, write_sum, tl.int32) != 0
+            tl.store(res_out_ptr + t * s_ot + ks, xs.to(res_out_ptr.dtype.element_ty), mask=row_ok & mine)
+        inv = tl.sum(tl.where(rows == t, inv_rms, 0.0), axis=0)
+        normed = (xs * inv).to(res_ptr.dtype.element_ty).to(tl.float32)
+        xn = (nw * normed).to(w_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.where(rows[:, None] == t, acc + tl.sum(w * xn[None, :], axis=1)[None, :], acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _norm_linear_kernel(
+    x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr,
+    num_rows, n_out, k_in, eps,
+    s_xt, s_xk, s_rt, s_rk, s_nw, s_wn, s_wk, s_yt, s_yn, s_ot,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_out
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
+    # As in `_linear_kernel`: the weight's first slice is in flight before the wait.
+    k_mask = ks < k_in
+    w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    # Every program takes each row's statistics itself (a few K values a row, from
+    # L2), which saves the norm its own launch and round trip through memory.
+    rows = tl.arange(0, BLOCK_T)
+    inv_rms = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            kk = k0 + ks
+            row_ok = (kk < k_in) & (tl.full(ks.shape, t, tl.int32) < num_rows)
+            xs = _sum_row(x_ptr, res_ptr, t, kk, row_ok, s_xt, s_xk, s_rt, s_rk, HAS_RESIDUAL)
+            sum_sq += xs * xs
+        inv_rms = tl.where(rows == t, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / k_in + eps), inv_rms)
+    write_sum = (tl.program_id(0) == 0).to(tl.int32)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    acc = _normed_rows_times_tile(x_ptr, res_ptr, nw_ptr, w_ptr, res_out_ptr, w.to(tl.float32), ks, k_mask, acc,
+                                  inv_rms, num_rows, write_sum, s_xt, s_xk, s_rt, s_rk, s_nw, s_ot,
+                                  HAS_RESIDUAL, BLOCK_T)
+    for k0 in range(BLOCK_K, k_in, BLOCK_K):
+        kk = k0 + ks
+        k_mask = kk < k_in
+        w = tl.load(w_rows + kk[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _normed_rows_times_tile(x_ptr, res_ptr, nw_ptr, w_ptr, res_out_ptr, w.to(tl.float32), kk, k_mask,
+                                      acc, inv_rms, num_rows, write_sum, s_xt, s_xk, s_rt, s_rk, s_nw, s_ot,
+                                      HAS_RESIDUAL, BLOCK_T)
+    tl.store(y_ptr + rows[:, None] * s_yt + cols[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rows < num_rows)[:, None] & col_mask[None, :])
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.linear.rms_norm_linear`: one GEMV launch for up to LINEAR_MAX_ROWS rows.
+
+    x, residual [T, K] (any strides); norm_weight [K]; weight [N, K], whose dtype must
+    be that of the normalised rows, promote(norm_weight, residual or x).
+    Above LINEAR_MAX_ROWS rows it is `rms_norm` then `linear`.
+    """
+    num_rows, k_in = x.shape
+    if num_rows > LINEAR_MAX_ROWS or num_rows == 0:
+        normed = rms_norm(x, norm_weight, eps, residual)
+        if residual is None:
+            return linear(normed, weight)
+        return linear(normed[0], weight), normed[1]
+    n_out = weight.shape[0]
+    check_shape("norm_weight", norm_weight, (k_in,))
+    check_shape("weight", weight, (n_out, k_in))
+    check_float("x", x)
+    check_float("norm_weight", norm_weight)
+    sum_dtype = x.dtype
+    if residual is not None:
+        check_shape("residual", residual, (num_rows, k_in))
+        check_float("residual", residual)
+        check_same_device(x=x, norm_weight=norm_weight, weight=weight, residual=residual)
+        sum_dtype = residual.dtype
+    else:
+        check_same_device(x=x, norm_weight=norm_weight, weight=weight)
+    check_dtype("weight", weight, (torch.promote_types(norm_weight.dtype, sum_dtype),))
+    y = torch.empty((num_rows, n_out), dtype=weight.dtype, device=x.device)
+    res_out = torch.empty((num_rows, k_in), dtype=sum_dtype, device=x.device) if residual is not None else y
+    res = residual if residual is not None else x
+    on_gpu = x.device.type == "cuda"
+    block_k = min(_MAX_BLOCK_K if on_gpu else _INTERPRETER_BLOCK_K, next_pow2(k_in))
+    use_pdl = pdl(x.device)
+    _norm_linear_kernel[(triton.cdiv(n_out, _BLOCK_N),)](
+        x, res, norm_weight, weight, y, res_out,
+        num_rows, n_out, k_in, float(eps),
+        *x.stride(), *res.stride(), norm_weight.stride(0), *weight.stride(), *y.stride(), res_out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_T=next_pow2(num_rows), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
+        GDC=use_pdl, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+    )
+    return y if residual is None else (y, res_out)

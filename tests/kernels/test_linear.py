@@ -1,4 +1,4 @@
-"""The Triton few-row linear layer (a GEMV for decode) against the reference."""
+"""The Triton few-row linear layer (a GEMV for decode), alone and after an RMSNorm, against the reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
-from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear
+from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
+from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,3 +43,36 @@ def test_linear_rejects_bad_inputs(device):
     with pytest.raises(ValueError, match="weight"):
         linear(x, randn((4, 8), torch.float64, device, gen))
     assert linear(x[:0], randn((4, 8), torch.float32, device, gen)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, LINEAR_MAX_ROWS, LINEAR_MAX_ROWS + 1])  # fused GEMV, then composed
+@pytest.mark.parametrize("case", ["bf16", "float32 onto bf16 residual", "no residual", "float32"])
+def test_rms_norm_linear_matches_reference(num_rows, case, device):
+    # k_in 200: more than one interpreted K tile and a ragged one.
+    gen = generator(num_rows * 17 + len(case), device)
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    x_dtype = torch.float32 if case == "float32 onto bf16 residual" else dtype
+    x = randn((num_rows, 200), x_dtype, device, gen, scale=2.0)
+    residual = None if case == "no residual" else strided(randn((num_rows, 200), dtype, device, gen), gen)
+    norm_weight = randn((200,), dtype, device, gen)
+    weight = randn((40, 200), dtype, device, gen, scale=200 ** -0.5)
+    got = rms_norm_linear(strided(x, gen), norm_weight, 1e-6, weight, residual)
+    want = ref_rms_norm_linear(x, norm_weight, 1e-6, weight, residual)
+    if residual is not None:
+        (got, got_sum), (want, want_sum) = got, want
+        assert got_sum.dtype == dtype and torch.equal(got_sum, want_sum)
+    assert got.shape == (num_rows, 40) and got.dtype == dtype
+    # Same roundings as the reference; the float32 sums' order may move a bf16 rounding by an ulp.
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def test_rms_norm_linear_rejects_bad_inputs(device):
+    gen = generator(5, device)
+    x = randn((2, 8), torch.bfloat16, device, gen)
+    weight = randn((4, 8), torch.bfloat16, device, gen)
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_linear(x, torch.ones(7, dtype=torch.bfloat16, device=device), 1e-6, weight)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_linear(x, torch.ones(8, dtype=torch.float32, device=device), 1e-6, weight)  # normalised to fp32
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_linear(x, torch.ones(8, dtype=torch.bfloat16, device=device), 1e-6, weight, x[:1])
