@@ -43,6 +43,13 @@ def _rows_times_tile(x_ptr, w, ks, k_mask, acc, num_rows, s_xt, s_xk, BLOCK_T: t
     return acc
 
 
+@triton.jit
+def _weight_tile(w_rows, col_mask, ks, k_in, s_wk):
+    """The [BLOCK_N, BLOCK_K] weight slice at columns ks (zero past k_in), and the ks mask."""
+    k_mask = ks < k_in
+    return tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0), k_mask
+
+
 # The row count follows the step's batch: a plain argument, not one compile per count.
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(
@@ -56,8 +63,7 @@ def _linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
     # The weight depends on no earlier kernel: its first slice is in flight before the wait.
-    k_mask = ks < k_in
-    w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    w, k_mask = _weight_tile(w_rows, col_mask, ks, k_in, s_wk)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -65,8 +71,7 @@ def _linear_kernel(
     acc = _rows_times_tile(x_ptr, w.to(tl.float32), ks, k_mask, acc, num_rows, s_xt, s_xk, BLOCK_T)
     for k0 in range(BLOCK_K, k_in, BLOCK_K):
         kk = k0 + ks
-        k_mask = kk < k_in
-        w = tl.load(w_rows + kk[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        w, k_mask = _weight_tile(w_rows, col_mask, kk, k_in, s_wk)
         acc = _rows_times_tile(x_ptr, w.to(tl.float32), kk, k_mask, acc, num_rows, s_xt, s_xk, BLOCK_T)
     rows = tl.arange(0, BLOCK_T)
     tl.store(y_ptr + rows[:, None] * s_yt + cols[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty),
@@ -154,8 +159,7 @@ def _norm_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
     # As in `_linear_kernel`: the weight's first slice is in flight before the wait.
-    k_mask = ks < k_in
-    w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    w, k_mask = _weight_tile(w_rows, col_mask, ks, k_in, s_wk)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -178,8 +182,7 @@ def _norm_linear_kernel(
                                   HAS_RESIDUAL, BLOCK_T)
     for k0 in range(BLOCK_K, k_in, BLOCK_K):
         kk = k0 + ks
-        k_mask = kk < k_in
-        w = tl.load(w_rows + kk[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        w, k_mask = _weight_tile(w_rows, col_mask, kk, k_in, s_wk)
         acc = _normed_rows_times_tile(x_ptr, res_ptr, nw_ptr, w_ptr, res_out_ptr, w.to(tl.float32), kk, k_mask,
                                       acc, inv_rms, num_rows, write_sum, s_xt, s_xk, s_rt, s_rk, s_nw, s_ot,
                                       HAS_RESIDUAL, BLOCK_T)
