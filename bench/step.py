@@ -140,13 +140,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8],
                         help="batches (at context 1024) to also run transformers' generate on")
-    parser.add_argument("--hf-new-tokens", type=int, default=32)
+    parser.add_argument("--hf-new-tokens", type=int, default=32,
+                        help="decode steps timed in each transformers generate")
     parser.add_argument("--hf-repeats", type=int, default=2,
-                        help="warm transformers generates a batch, after the cold one")
+                        help="warm transformers generates a batch, timed after the cold one")
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    if args.hf_new_tokens < 1 or args.hf_repeats < 1:
+        parser.error(f"--hf-new-tokens and --hf-repeats: expected >= 1, got {args.hf_new_tokens} and {args.hf_repeats}")
 
     copy_bw = common.copy_bandwidth()
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
