@@ -15,7 +15,7 @@ Contracts (shapes in the docstrings of the reference implementations):
     write_latent_absorb(kv_cache, slot_mapping, latent, kv_a_norm, q_nope, q_pe, w_uk, positions, cos, sin, *,
                         eps, interleaved, absorb_from, inplace=True) -> (kv_cache, q_pe, q)
     absorb_query(q_nope, q_pe, w_uk) -> q
-    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, w_uv=None) -> (out, lse)
+    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, w_uv=None, q_len=1) -> (out, lse)
     prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
                       w_uk, w_uv, *, softmax_scale) -> (out, lse)
     merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)

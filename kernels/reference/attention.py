@@ -44,30 +44,46 @@ def mla_decode(
     softmax_scale: float,
     kv_lora_rank: int,
     w_uv: torch.Tensor | None = None,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode: one query token per sequence attends over its latent cache.
+    """Absorbed MLA decode: `q_len` query tokens per sequence attend causally over the latent cache.
 
-    q:           [B, H, C + R] absorbed query (q_nope @ W_UK, then q_pe)
+    The cache already holds the step's own keys. Query j of sequence b stands at
+    position seq_lens[b] - q_len + j and sees keys [0, seq_lens[b] - q_len + j]
+    (so with q_len = 1 it sees the whole sequence; several query tokens per row
+    serve speculative verification).
+
+    q:           [B * q_len, H, C + R] absorbed query (q_nope @ W_UK, then q_pe); the
+                 rows of sequence b are b * q_len .. b * q_len + q_len - 1, in position order
     kv_cache:    [num_blocks, bs, C + R] latent vectors (normalised c_kv, then rotated k_pe)
     block_table: [B, W] int32
-    seq_lens:    [B] int32, keys [0, seq_lens[b]) are attended; 0 marks a padded row
+    seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
     w_uv:        [H, Dv, C] value up-projection, or None
-    returns      out [B, H, C] in q's dtype (values are the first C dims of the cache),
-                 or with w_uv out [B, H, Dv] = out @ w_uv[h]^T (out rounded to q's dtype
-                 first); lse [B, H] float32 (natural log); a padded row gives out 0, lse -inf.
+    returns      out [B * q_len, H, C] in q's dtype (values are the first C dims of the cache),
+                 or with w_uv out [B * q_len, H, Dv] = out @ w_uv[h]^T (out rounded to q's dtype
+                 first); lse [B * q_len, H] float32 (natural log); the rows of a padded
+                 sequence give out 0, lse -inf.
     """
-    num_seqs, num_heads, dim = q.shape
+    if q_len < 1:
+        raise ValueError(f"q_len: expected at least 1, got {q_len}")
+    num_rows, num_heads, dim = q.shape
+    if num_rows % q_len:
+        raise ValueError(f"q: expected a multiple of q_len={q_len} rows, got {num_rows}")
+    num_seqs = num_rows // q_len
     check_shape("kv_cache", kv_cache, (None, None, dim))
     check_shape("block_table", block_table, (num_seqs, None))
     check_shape("seq_lens", seq_lens, (num_seqs,))
     acc = _acc_dtype(q.dtype)
     kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
-    scores = torch.einsum("bhd,bsd->bhs", q.to(acc), kv) * softmax_scale
+    qb = q.to(acc).reshape(num_seqs, q_len, num_heads, dim)
+    scores = torch.einsum("bqhd,bsd->bqhs", qb, kv) * softmax_scale
     key_pos = torch.arange(kv.shape[1], device=q.device)
-    visible = key_pos[None, :] < seq_lens[:, None]                      # [B, S]
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    query_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]   # [B, q]
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (seq_lens[:, None, None] > 0)  # [B, q, S]
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
-    out = torch.einsum("bhs,bsc->bhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    out = torch.einsum("bqhs,bsc->bqhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    out, lse = out.flatten(0, 1), lse.flatten(0, 1)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
         out = torch.einsum("bhc,hvc->bhv", out, w_uv)
