@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    # A terminated run still stops its busy process (SystemExit unwinds through busy_process's finally).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     tokens, repeats, output_len = (64, 1, 8) if args.quick else (256, 3, 32)
     demo = mf.load_model("demo", device="cpu")
     tiny = mf.load_model("tiny", device="cpu")
