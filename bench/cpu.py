@@ -61,13 +61,21 @@ def busy_process(enabled: bool) -> Iterator[None]:
         spinner.wait()
 
 
-def single_stream(model: mf.Model, tokens: int, repeats: int) -> float:
-    """Median decode tokens/s of one sampled request of `tokens` tokens (rate after the first token)."""
+def single_stream(model: mf.Model, tokens: int, repeats: int, budget_s: float = 5.0) -> float:
+    """Median decode tokens/s of one sampled request (rate after the first token).
+
+    Each run stops at `tokens` tokens or after `budget_s` seconds, whichever comes
+    first, so a slow configuration costs seconds, not minutes.
+    """
     engine = mf.Engine(model, graphs=False, max_num_seqs=1, max_num_batched_tokens=512)
     rates = []
     for r in range(repeats + 1):
         params = mf.SamplingParams(temperature=0.8, seed=r, max_tokens=tokens, ignore_eos=True)
-        times = [time.perf_counter() for _ in engine.generate_stream([PROMPT], params)]
+        times: list[float] = []
+        for _ in engine.generate_stream([PROMPT], params):
+            times.append(time.perf_counter())
+            if times[-1] - times[0] > budget_s:
+                break
         if r:   # the first run warms up
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     return statistics.median(rates)
@@ -105,7 +113,8 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        row: dict = {"threads": threads}
+        # The load average says how busy the machine was apart from this run's own busy process.
+        row: dict = {"threads": threads, "loadavg_1min_before": os.getloadavg()[0]}
         row["stream_tok_s"] = single_stream(demo, tokens, repeats)
         with busy_process(True):
             row["stream_busy_tok_s"] = single_stream(demo, tokens, repeats)
@@ -116,6 +125,7 @@ def main() -> None:
             row["bench_busy_output_tok_s"] = batched(demo, 64, output_len)["output_tok_s"]
         row["score_demo_512_s"] = score_seconds(demo, 512, repeats)
         row["score_tiny_2048_s"] = score_seconds(tiny, 2048, max(1, repeats - 2))
+        row["loadavg_1min_after"] = os.getloadavg()[0]
         rows.append(row)
         print(f"threads {threads}: {row}", file=sys.stderr, flush=True)
     result = {
@@ -132,6 +142,7 @@ def main() -> None:
         ("threads", "threads"), ("stream_tok_s", "stream tok/s"), ("stream_busy_tok_s", "stream busy tok/s"),
         ("bench_output_tok_s", "bench out tok/s"), ("bench_busy_output_tok_s", "bench busy out tok/s"),
         ("score_demo_512_s", "score demo 512 s"), ("score_tiny_2048_s", "score tiny 2048 s"),
+        ("loadavg_1min_before", "load before"), ("loadavg_1min_after", "load after"),
     ])
     print(f"wrote {common.write_json(result, args.out, 'cpu')}")
 
