@@ -1,9 +1,15 @@
-"""Offline throughput: many random requests through one engine, with a progress bar."""
+"""Offline throughput: many random requests through one engine, with a progress bar.
+
+The bar counts output tokens. Its time-left estimate appears only once every
+request has its first token: until then the steps are prefills, whose rate says
+nothing about the decode steps that make up the rest of the run.
+"""
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -11,6 +17,41 @@ from tqdm.auto import tqdm
 from .checkpoint import Model
 from .engine import Engine
 from .sampling import SamplingParams
+
+
+_NO_ETA = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
+
+
+class _PhaseBar:
+    """A prefill bar over requests with a first token (no time-left estimate: the
+    prefill's rate says nothing of the decode's), then a decode bar over output tokens.
+
+    It is fed whole steps, so the rate it shows is tokens per step time, not the
+    rate of one token of a batch.
+    """
+
+    def __init__(self, num_requests: int, num_tokens: int, *, enabled: bool) -> None:
+        self.num_requests, self.num_tokens, self.enabled = num_requests, num_tokens, enabled
+        self.started: set[int] = set()
+        self.tokens = 0
+        self.bar = tqdm(total=num_requests, desc="prefill", unit="req", disable=not enabled, bar_format=_NO_ETA)
+        self.decoding = False
+
+    def step(self, indices: set[int]) -> None:
+        self.tokens += len(indices)
+        if self.decoding:
+            self.bar.update(len(indices))
+            return
+        self.started |= indices
+        self.bar.update(len(self.started) - self.bar.n)
+        if len(self.started) == self.num_requests and self.tokens < self.num_tokens:
+            self.bar.close()
+            self.bar = tqdm(total=self.num_tokens, initial=self.tokens, desc="decode", unit="tok",
+                            disable=not self.enabled)
+            self.decoding = True
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def random_requests(vocab_size: int, num_prompts: int, input_len: tuple[int, int], seed: int) -> list[list[int]]:
@@ -32,10 +73,13 @@ def run_throughput(
     block_size: int = 16,
     seed: int = 0,
     warmup: bool = True,
+    progress: bool = True,
+    say: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
     Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s.
+    `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar.
     The warm-up captures every decode graph, then a short run on other random
     prompts of the same lengths compiles kernels, so timing excludes both; its prompts
     share no prefix with the measured ones, so no measured prefill is skipped by
@@ -47,18 +91,31 @@ def run_throughput(
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
     if warmup:
-        engine.warmup()
+        graphs_to_capture = sum(m.use_graph for m in engine.step.decode_graph_modes())
+        if graphs_to_capture:
+            say(f"capturing {graphs_to_capture} decode graphs")
+            engine.warmup(progress=progress)
         others = random_requests(model.config.vocab_size, min(num_prompts, max_num_seqs), input_len, seed + 1)
+        say(f"warming up on {len(others)} other random prompts")
         engine.generate(others, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    total = num_prompts * output_len
+    say(f"measuring {num_prompts} requests x {output_len} output tokens")
     started = time.perf_counter()
     outputs = 0
-    with tqdm(total=total, desc="output tokens", unit="tok") as bar:
+    bar = _PhaseBar(num_prompts, num_prompts * output_len, enabled=progress)
+    step_indices: set[int] = set()
+    try:
         for event in engine.generate_stream(prompts, params):
             if event.completion is not None and event.completion.error is not None:
                 raise event.completion.error
             outputs += 1
-            bar.update(1)
+            # A step samples at most one token per request, so a repeated index starts the next step.
+            if event.index in step_indices:
+                bar.step(step_indices)
+                step_indices = set()
+            step_indices.add(event.index)
+        bar.step(step_indices)
+    finally:
+        bar.close()
     seconds = time.perf_counter() - started
     prompt_tokens = sum(len(p) for p in prompts)
     return dict(

@@ -1,96 +1,208 @@
-"""The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput."""
+"""The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput.
+
+Every option is checked before the model loads (sampling options by building the
+`SamplingParams`, the device and backend against what this machine has), so a
+mistake costs no load time. User errors print one `error:` line and exit with 2;
+Ctrl-C prints a summary line and exits with 130 (128 + SIGINT), as shells expect.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
 
 import torch
 
-from .checkpoint import load_model
+from .checkpoint import Model, load_model
 from .engine import Engine
+from .kernels import BACKENDS
 from .sampling import SamplingParams
+from .streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completion
 
+# One torch thread per process: on a CPU that other processes also use, torch's
+# intra-op pool waits at every op for its slowest (descheduled) thread, and a single
+# stream of a small model ran 10-100x slower on two threads than on one; only
+# batched work on a quiet CPU gained from a second (bench/cpu.py, bench/RESULTS.md).
+DEFAULT_CPU_THREADS = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
-    parser.add_argument("--model", default=default_model,
-                        help=f"checkpoint folder or preset name (default: {default_model})")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                        help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--backend", choices=["torch", "triton", "aiter"], default=None,
-                        help="kernels (default: triton on cuda, torch on cpu)")
-    parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
+class UsageError(ValueError):
+    """A bad option value, found before any work starts; the message names the option."""
 
 
-def _load(args: argparse.Namespace):
-    return load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=args.device)
+@dataclass(frozen=True, slots=True)
+class SamplingOption:
+    """A `generate` option that sets one `SamplingParams` field (a bool field is an on/off flag)."""
+
+    flag: str
+    field: str
+    type: type
+    default: Any
+    help: str
 
 
-def _prompt_ids(model, prompt: str) -> list[int] | str:
-    """Text for a model with a tokenizer; otherwise the prompt must be token ids ("1,2,3" or "1 2 3")."""
-    if model.tokenizer is not None:
-        return prompt
+# `generate`'s sampling options, in --help order; their defaults are the CLI's, not SamplingParams'.
+SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
+    SamplingOption("--max-tokens", "max_tokens", int, 64, "most tokens to generate"),
+    SamplingOption("--temperature", "temperature", float, 0.8, "0 = greedy"),
+    SamplingOption("--top-k", "top_k", int, 0, "keep the k most likely tokens; 0 = off"),
+    SamplingOption("--top-p", "top_p", float, 1.0, "keep the most likely tokens up to this probability; 1 = off"),
+    SamplingOption("--seed", "seed", int, None, "sampling seed (default: a fresh random seed)"),
+    SamplingOption("--ignore-eos", "ignore_eos", bool, False, "keep generating after the end-of-sequence token"),
+)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = "off" if action.nargs == 0 and action.default is False else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The `SamplingParams` of `generate`'s options; UsageError naming the option if one is invalid."""
+    values = {o.field: getattr(args, o.field) for o in SAMPLING_OPTIONS}
     try:
-        return [int(t) for t in prompt.replace(",", " ").split()]
+        return SamplingParams(**values)
+    except ValueError as e:
+        flag = next((o.flag for o in SAMPLING_OPTIONS if f"SamplingParams.{o.field} " in str(e)), "sampling option")
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The --device value, checked against this machine (default: cuda when available, else cpu)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise UsageError(f"--device {name}: CUDA is not available ({why}); available: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda, got {name!r}")
+    return device
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """The kernel backends that can run on `device` here.
+
+    Triton kernels need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1,
+    which runs them on CPU tensors, slowly); AITER needs ROCm's `aiter` package.
+    """
+    found = ["torch"]
+    if importlib.util.find_spec("triton") is not None and (
+        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        found.append("triton")
+    if device.type == "cuda" and torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
+        found.append("aiter")
+    return found
+
+
+def check_backend(backend: str | None, device: torch.device) -> None:
+    available = available_backends(device)
+    if backend is None or backend in available:
+        return
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed (pip install 'mla-func[triton]')"
+    elif backend == "triton":
+        why = "its kernels need a CUDA GPU (or TRITON_INTERPRET=1 for Triton's slow CPU interpreter)"
+    else:
+        why = "it needs ROCm and its aiter package"
+    raise UsageError(f"--backend {backend}: not available on {device} here: {why}; available: {', '.join(available)}")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="checkpoint folder or preset name")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="weight dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="kernels (default: triton on cuda, torch elsewhere)")
+    parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly, without CUDA graphs")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help=f"torch CPU threads (default: {DEFAULT_CPU_THREADS} on cpu; torch's own choice on cuda)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
     except ValueError:
-        raise SystemExit(f"error: model {model.config.model_type} has no tokenizer; give the prompt as token ids") from None
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def prepare(args: argparse.Namespace) -> torch.device:
+    """Check the model options and apply the thread policy; returns the device to load on."""
+    device = resolve_device(args.device)
+    check_backend(args.backend, device)
+    threads = args.threads or (DEFAULT_CPU_THREADS if device.type == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return device
+
+
+def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> Model:
+    started = time.perf_counter()
+    say(f"loading {args.model} on {device}")
+    model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device)
+    say(f"loaded in {time.perf_counter() - started:.1f} s")
+    return model
+
+
+def read_prompt(text: str) -> str:
+    """The prompt argument; "-" reads it from standard input (without the final newline a file or echo ends with)."""
+    if text != "-":
+        return text
+    prompt = sys.stdin.read().removesuffix("\n").removesuffix("\r")
+    if not prompt:
+        raise UsageError("the prompt read from standard input (prompt '-') is empty")
+    return prompt
 
 
 def generate_main(args: argparse.Namespace) -> int:
-    model = _load(args)
+    params = sampling_params(args)
+    prompt = read_prompt(args.prompt)
+    device = prepare(args)
+    model = load(args, device, say=lambda msg: None)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
-                    max_num_batched_tokens=max(512, args.max_tokens))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
-    prompt = _prompt_ids(model, args.prompt)
-    started = time.perf_counter()
-    first_token_at = None
-    generated: list[int] = []
-    shown = ""
-    completion = None
-    for event in engine.generate_stream([prompt], params):
-        if event.completion is not None and event.completion.error is not None:
-            print(f"error: {event.completion.error}", file=sys.stderr)
-            return 2
-        if first_token_at is None:
-            first_token_at = time.perf_counter()
-        generated.append(event.token_id)
-        if model.tokenizer is not None:
-            # Decode everything so far: a multi-byte character may span tokens.
-            text = model.tokenizer.decode(generated)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):])
-                shown = text
-        else:
-            sys.stdout.write(f"{event.token_id} ")
-        sys.stdout.flush()
-        completion = event.completion or completion
-    finished = time.perf_counter()
-    print()
-    decode_time = finished - (first_token_at or finished)
-    rate = (len(generated) - 1) / decode_time if len(generated) > 1 and decode_time > 0 else float("nan")
-    print(
-        f"[prompt tokens {len(completion.prompt_token_ids) if completion else 0}, generated tokens {len(generated)}, "
-        f"time to first token {((first_token_at or finished) - started) * 1e3:.0f} ms, {rate:.1f} tokens/s, "
-        f"finish reason {completion.finish_reason if completion else 'none'}]",
-        file=sys.stderr,
-    )
-    return 0
+                    max_num_batched_tokens=max(512, params.max_tokens))
+    return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
 
 
 def bench_main(args: argparse.Namespace) -> int:
     from .benchmark import run_throughput
 
-    model = _load(args)
+    if args.min_input_len > args.max_input_len:
+        raise UsageError(f"--min-input-len {args.min_input_len} is above --max-input-len {args.max_input_len}")
+    device = prepare(args)
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    model = load(args, device, say)
     result = run_throughput(
         model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
     )
     print(
         f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
@@ -100,37 +212,59 @@ def bench_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mla-func", description="DeepSeek-style MLA inference.")
+def _version() -> str:
+    try:
+        version = metadata.version("mla-func")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    return f"mla-func {version} (torch {torch.__version__}, {cuda})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla-func", description="DeepSeek-style MLA inference.",
+                                     formatter_class=_DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="stream a completion of a prompt")
-    gen.add_argument("prompt")
-    _add_model_args(gen, default_model="demo")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--seed", type=int, default=None, help="default: a fresh random seed")
+    gen = commands.add_parser("generate", help="stream a completion of a prompt", formatter_class=_DefaultsFormatter,
+                              description="Stream a completion of PROMPT, then print a summary line on stderr.")
+    gen.add_argument("prompt", help="the text to continue ('-' reads it from standard input; token ids such as "
+                                    "'1 2 3' for a model without a tokenizer)")
+    _add_model_args(gen)
+    for option in SAMPLING_OPTIONS:
+        if option.type is bool:
+            gen.add_argument(option.flag, dest=option.field, action="store_true", help=option.help)
+        else:
+            gen.add_argument(option.flag, dest=option.field, type=option.type, default=option.default,
+                             help=option.help)
     gen.set_defaults(run=generate_main)
 
-    bench = commands.add_parser("bench", help="offline throughput on random prompts")
-    _add_model_args(bench, default_model="demo")
-    bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--min-input-len", type=int, default=32)
-    bench.add_argument("--max-input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=32)
-    bench.add_argument("--max-num-seqs", type=int, default=64)
-    bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    bench.add_argument("--seed", type=int, default=0)
+    bench = commands.add_parser("bench", help="offline throughput on random prompts", formatter_class=_DefaultsFormatter,
+                                description="Generate --output-len tokens (greedy, no early stop) for each of "
+                                            "--num-prompts random prompts; print the throughput.")
+    _add_model_args(bench)
+    bench.add_argument("--num-prompts", type=_positive_int, default=64, help="requests")
+    bench.add_argument("--min-input-len", type=_positive_int, default=32, help="shortest prompt, in tokens")
+    bench.add_argument("--max-input-len", type=_positive_int, default=128, help="longest prompt, in tokens")
+    bench.add_argument("--output-len", type=_positive_int, default=32, help="tokens generated per request")
+    bench.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in one step")
+    bench.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="most tokens in one step")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     bench.set_defaults(run=bench_main)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

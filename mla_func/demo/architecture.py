@@ -1,0 +1,74 @@
+"""The demo model's architecture (DeepSeek-V3 in miniature) and its initial weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+from ..params import Params, hf_tensor_shapes, params_from_hf
+
+
+def demo_model_config(vocab_size: int, **overrides) -> ModelConfig:
+    """The demo architecture: DeepSeek-V3 in miniature.
+
+    MLA with a low-rank query (q_lora_rank) and a 64-dim latent cache; one dense
+    layer, then MoE layers of 8 routed experts (top-2, sigmoid scores, noaux_tc
+    group-limited routing over 4 groups of 2, normalised weights) plus one shared
+    expert. Token ids 0 and 1 are <|bos|> and <|eos|>. Embeddings are tied, which
+    halves the largest matrix of so small a model.
+    """
+    fields = dict(
+        model_type="deepseek_v3",
+        vocab_size=vocab_size,
+        hidden_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=512,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=96,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_ids=(1,),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def init_params(config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Params:
+    """Fresh float32 weights on `device` (drawn on the CPU, so every device gets the same), built through `params_from_hf` from names of `hf_tensor_shapes`.
+
+    GPT-2's scheme: matrices ~ N(0, 0.02), with the projections that write into
+    the residual stream (o_proj, down_proj) scaled by 1 / sqrt(2 * layers) so the
+    stream's variance does not grow with depth; norm weights 1, correction bias 0.
+    """
+    shapes = hf_tensor_shapes(config)
+    generator = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * config.num_hidden_layers)
+
+    def fetch(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        if name.endswith("e_score_correction_bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1:
+            return torch.ones(shape)
+        std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    return params_from_hf(config, fetch, dtype=torch.float32, device=device)

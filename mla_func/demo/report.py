@@ -1,0 +1,75 @@
+"""What a training run reports: samples of the trained model and the model folder's TRAINING.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..checkpoint import Model
+from ..config import ModelConfig
+from ..engine import Engine
+from ..sampling import SamplingParams
+
+
+def samples(model: Model, prompts: Sequence[str], *, max_new_tokens: int, temperature: float, seed: int) -> list[dict]:
+    """Continuations of `prompts` (strings) through the engine: [{prompt, temperature, ids, text}].
+
+    Each prompt has its own seed, so its sample does not depend on the others; the
+    engine stops at the config's eos token.
+    """
+    engine = Engine(model, graphs=False, max_num_seqs=len(prompts))
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(prompts))]
+    completions = engine.generate(list(prompts), params)
+    return [{"prompt": prompt, "temperature": temperature, "ids": list(c.raise_for_error().token_ids),
+             "text": prompt + model.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)}
+            for prompt, c in zip(prompts, completions)]
+
+
+def training_md(m: dict, config: ModelConfig) -> str:
+    c = m["train_config"]
+    lines = [
+        "# The demo model",
+        "",
+        "A DeepSeek-V3-architecture model (MLA with a low-rank query, MoE with a shared",
+        "expert, sigmoid noaux_tc routing) trained by mla-func's own pure forward under",
+        "`torch.func.grad_and_value`, on the docstrings of Python's standard library.",
+        "",
+        "Reproduce (about the time below on a 2-core CPU shared with other work):",
+        "",
+        f"    {m['command']}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {m['model_parameters'] / 1e6:.2f}M (tied embeddings; weights stored in bfloat16) |",
+        f"| layers / hidden / heads | {config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} |",
+        f"| MLA | q_lora_rank {config.q_lora_rank}, kv_lora_rank {config.kv_lora_rank}, "
+        f"qk {config.qk_nope_head_dim}+{config.qk_rope_head_dim}, v {config.v_head_dim} |",
+        f"| MoE | {config.n_routed_experts} experts top-{config.num_experts_per_tok} "
+        f"(+{config.n_shared_experts} shared), {config.n_group} groups top-{config.topk_group}, "
+        f"first {config.first_k_dense_replace} layer dense |",
+        f"| tokenizer | byte-level BPE, {config.vocab_size} tokens, <\\|bos\\|> = 0, <\\|eos\\|> = 1 |",
+        f"| documents | {m['documents']['train']} training, {m['documents']['heldout']} held out "
+        "(sha256 of `path:qualname` mod 20 == 0) |",
+        f"| steps | {c['steps']} x {c['batch_size']} windows of {c['seq_len']} tokens "
+        f"(AdamW lr {c['lr']}, warm-up {c['warmup_steps']}, cosine to {c['min_lr_ratio']}x, "
+        f"wd {c['weight_decay']}, clip {c['clip_norm']}) |",
+        f"| tokens seen | {m['tokens_seen']} ({m['tokens_seen'] / m['train_tokens_available']:.2f} epochs) |",
+        f"| time | {m['train_seconds']:.0f}s training, {m['total_seconds']:.0f}s in all, "
+        f"{c['threads']} thread(s), Python {m['python']}, torch {m['torch']} |",
+        f"| final train loss | {m['final_train_loss_mean_last_100_steps']:.3f} nats (mean of the last 100 steps) |",
+        f"| **held-out perplexity** | **{m['heldout_perplexity']:.2f}** over {m['heldout_tokens']} tokens "
+        f"(the exported weights, loaded in float32; {m['heldout_perplexity_fp32_before_export']:.2f} "
+        "before the bfloat16 export) |",
+        f"| test subset perplexity | {m['eval_subset']['perplexity']:.3f} over {m['eval_subset']['tokens']} tokens "
+        "(held-out documents of the files in `data.EVAL_SUBSET_FILES`) |",
+        "",
+        "Perplexity is exp(mean next-token NLL) over the held-out documents packed like",
+        "the training data (each as `<|bos|> text <|eos|>`, concatenated, cut into",
+        f"windows of {c['seq_len']} + 1 tokens).",
+        "",
+        "## Samples",
+        "",
+    ]
+    for s in m["samples_greedy"] + m["samples_temperature_0.8"]:
+        lines.append(f"- T={s['temperature']}: `{s['text']!r}`")
+    lines += ["", "All numbers are in `training.json`, written by the same run.", ""]
+    return "\n".join(lines)
