@@ -41,12 +41,25 @@ def _prompt_ids(model, prompt: str) -> list[int] | str:
         raise SystemExit(f"error: model {model.config.model_type} has no tokenizer; give the prompt as token ids") from None
 
 
+def _add_penalty_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide positive / multiply negative logits of prompt and output tokens (default: 1.0, off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtract from the logits of tokens already generated (default: 0.0, off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtract per time a token was generated (default: 0.0, off)")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="no end-of-sequence or stop token before this many tokens (default: 0)")
+
+
 def generate_main(args: argparse.Namespace) -> int:
     model = _load(args)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
                     max_num_batched_tokens=max(512, args.max_tokens))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            min_tokens=args.min_tokens)
     prompt = _prompt_ids(model, args.prompt)
     started = time.perf_counter()
     first_token_at = None
@@ -112,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None, help="default: a fresh random seed")
+    _add_penalty_args(gen)
     gen.set_defaults(run=generate_main)
 
     bench = commands.add_parser("bench", help="offline throughput on random prompts")
