@@ -5,6 +5,9 @@ the scheduler for a plan, runs it through `make_step`, samples the rows that
 produce logits on the device with each request's own key (seed, position), and
 feeds the tokens back. A request with bad input fails alone: its completion
 carries the error, and every other request of the batch runs to its end.
+Every request is checked (`mla_func.requests`) before any is queued; each
+row's penalties and min_tokens (`mla_func.penalties`) are applied to its
+logits on the device before sampling.
 """
 
 from __future__ import annotations
@@ -197,14 +200,14 @@ class Engine:
         unfinished: set[Hashable] = set()
         try:
             for c in checked:
-                request_id = self._next_id
+                new_id = self._next_id
                 self._next_id += 1
-                live[request_id] = (c, request_seed(c.params, self._rng))
-                outputs[request_id] = []
-                self.scheduler.add(Request(request_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
-                unfinished.add(request_id)
-            for index, error in errors:
-                yield StreamEvent(index, -1, Completion(index, (), (), "error", error=error))
+                live[new_id] = (c, request_seed(c.params, self._rng))
+                outputs[new_id] = []
+                self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
+                unfinished.add(new_id)
+            for index, failure in errors:
+                yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
                 sampled = self._run(scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
