@@ -247,7 +247,9 @@ class Engine:
             device, vocab = logits.device, logits.shape[-1]
             tokens = sample(
                 logits,
-                temperature=torch.tensor([r.params.temperature for r in requests], device=device),
+                # 0 for greedy rows, so the device decides exactly as `SamplingParams.greedy` did.
+                temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
+                                         device=device),
                 top_k=torch.tensor([min(r.params.top_k, vocab) for r in requests], device=device),
                 top_p=torch.tensor([r.params.top_p for r in requests], device=device),
                 seeds=torch.tensor([live[rid][1] for rid in ids], dtype=torch.int64, device=device),

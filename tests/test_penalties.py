@@ -151,3 +151,21 @@ def test_a_seeded_penalised_request_does_not_depend_on_its_batch_mates(tiny, tem
     batch, params = others[:5] + [prompt] + others[5:], mates[:5] + [target] + mates[5:]
     together = tokens(engine(tiny, num_blocks=30, long_prefill_token_threshold=5).generate(batch, params))[5]
     assert together == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_a_seeded_penalised_request_keeps_its_tokens_among_others_and_without_graphs(dtype):
+    model = mf.load_model("tiny", dtype=dtype, device="cuda", seed=7)
+    rng = random.Random(8)
+    target = SamplingParams(temperature=0.8, seed=1234, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.4, frequency_penalty=0.2, min_tokens=10, stop_token_ids=(3,), top_p=0.9)
+    prompt = [rng.randrange(512) for _ in range(13)]
+    others = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(15)]
+    mates = [SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randrange(1, 25),
+                            frequency_penalty=rng.choice([0.0, 0.5])) for i in range(15)]
+    alone = tokens(engine(model).generate([prompt], target))[0]
+    eager = tokens(engine(model, graphs=False).generate([prompt], target))[0]
+    batch, params = others[:9] + [prompt] + others[9:], mates[:9] + [target] + mates[9:]
+    together = tokens(engine(model, max_num_seqs=16).generate(batch, params))[9]
+    assert alone == eager == together
