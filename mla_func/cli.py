@@ -57,6 +57,13 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     SamplingOption("--top-p", "top_p", float, 1.0, "keep the most likely tokens up to this probability; 1 = off"),
     SamplingOption("--seed", "seed", int, None, "sampling seed (default: a fresh random seed)"),
     SamplingOption("--ignore-eos", "ignore_eos", bool, False, "keep generating after the end-of-sequence token"),
+    SamplingOption("--repetition-penalty", "repetition_penalty", float, 1.0,
+                   "divide positive / multiply negative logits of prompt and output tokens; 1 = off"),
+    SamplingOption("--presence-penalty", "presence_penalty", float, 0.0,
+                   "subtract from the logits of tokens already generated; 0 = off"),
+    SamplingOption("--frequency-penalty", "frequency_penalty", float, 0.0,
+                   "subtract once per time a token was generated; 0 = off"),
+    SamplingOption("--min-tokens", "min_tokens", int, 0, "no end-of-sequence or stop token before this many tokens"),
 )
 
 

@@ -5,67 +5,33 @@ the scheduler for a plan, runs it through `make_step`, samples the rows that
 produce logits on the device with each request's own key (seed, position), and
 feeds the tokens back. A request with bad input fails alone: its completion
 carries the error, and every other request of the batch runs to its end.
+Every request is checked (`mla_func.requests`) before any is queued; each
+row's penalties and min_tokens (`mla_func.penalties`) are applied to its
+logits on the device before sampling.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .checkpoint import Model
 from .kernels import default_backend
+from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
-from .sampling import SamplingParams, request_seed, sample
+from .requests import CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent
+from .requests import check_request, check_score_ids, split_call
+from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .state.block_allocator import OutOfBlocks
 from .step import make_step
 from .stepping import init_state
 
-Prompt = str | Sequence[int]
-
-
-class RequestError(ValueError):
-    """One request of a batch is invalid; the message names it. The others still run."""
-
-    def __init__(self, index: int, message: str):
-        super().__init__(f"request {index}: {message}")
-        self.index = index
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """The result of one prompt.
-
-    finish_reason: "stop" (a stop or end-of-sequence token), "length" (max_tokens
-    or the model's maximum length), "abort", or "error" (then `error` says why and
-    token_ids is empty).
-    """
-
-    index: int
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    text: str | None = None
-    error: RequestError | None = None
-
-    def raise_for_error(self) -> Completion:
-        if self.error is not None:
-            raise self.error
-        return self
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """One sampled token of one request; `completion` is set on its last event."""
-
-    index: int
-    token_id: int
-    completion: Completion | None = None
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +49,14 @@ class EngineConfig:
     backend: str
     graphs: bool
     graph_kinds: tuple[str, ...]
+
+
+def _check_limit(name: str, value: object, low: int, high: int | None = None, what: str = "",
+                 why: str = "") -> None:
+    """ValueError naming the Engine argument unless `value` is an int in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}] ({what})"
+        raise ValueError(f"Engine: {name} must be an int {bound}{f', as {why}' if why else ''}, got {value!r}")
 
 
 def _default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -128,16 +102,18 @@ class Engine:
         graph_kinds: tuple[str, ...] = ("decode",),
         seed: int = 0,
     ):
-        max_model_len = max_model_len or model.config.max_position_embeddings
-        if max_model_len > model.config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{model.config.max_position_embeddings}"
-            )
+        if max_model_len is None:
+            max_model_len = model.config.max_position_embeddings
+        _check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
+                     "the model's max_position_embeddings")
+        _check_limit("block_size", block_size, 1)
+        if num_blocks is not None:
+            _check_limit("num_blocks", num_blocks, 2, why="block 0 is the scratch block")
         self.model = model
         self.config = EngineConfig(
             block_size=block_size,
-            num_blocks=num_blocks or _default_num_blocks(model, block_size, max_num_seqs, max_model_len),
+            num_blocks=(num_blocks if num_blocks is not None
+                        else _default_num_blocks(model, block_size, max_num_seqs, max_model_len)),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
@@ -181,110 +157,79 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def _tokenize(self, index: int, prompt: Prompt) -> tuple[int, ...]:
-        if isinstance(prompt, str):
-            if self.model.tokenizer is None:
-                raise RequestError(index, "the prompt is text but the model has no tokenizer.json; pass token ids")
-            return tuple(self.model.tokenizer.encode(prompt).ids)
-        try:
-            ids = tuple(int(t) for t in prompt)
-        except (TypeError, ValueError):
-            raise RequestError(index, f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}") from None
-        return ids
-
-    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams | Mapping[str, Any]) -> Request:
-        """Validate one prompt and its parameters into a scheduler request (RequestError if bad)."""
-        if isinstance(params, Mapping):
-            try:
-                params = SamplingParams(**params)
-            except (TypeError, ValueError) as e:
-                raise RequestError(index, str(e)) from None
-        ids = self._tokenize(index, prompt)
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise RequestError(index, "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(index, f"token ids must be in [0, {vocab}), got {bad[:8]}")
-        if len(ids) >= self.config.max_model_len:
-            raise RequestError(
-                index, f"the prompt has {len(ids)} tokens; the maximum length is {self.config.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        stop = params.stop_token_ids
-        if not params.ignore_eos:
-            stop = stop + self._eos_ids()
-        request = Request(
-            request_id=self._next_id, prompt_token_ids=ids, max_tokens=params.max_tokens, stop_token_ids=stop,
-            sampling_params=(params, request_seed(params, self._rng), index),
-        )
-        try:
-            self.scheduler.add(request)
-        except ValueError as e:
-            raise RequestError(index, str(e)) from None
-        self._next_id += 1
-        return request
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        return tuple(self.model.config.eos_token_ids)
+    @property
+    def limits(self) -> Limits:
+        c = self.config
+        return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
+                      c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer)
 
     # ---- generation ---------------------------------------------------------------
 
     def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None = None,
+        self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
     ) -> list[Completion]:
-        """One completion per prompt, in order. A bad request's completion has `error` set."""
-        completions: dict[int, Completion] = {}
-        for event in self.generate_stream(prompts, params):
-            if event.completion is not None:
-                completions[event.completion.index] = event.completion
-        return [completions[i] for i in range(len(prompts))]
+        """One completion per prompt, in order. A bad request's completion has `error` set.
+
+        Raises RequestError (index None) only if the call itself is malformed; see `mla_func.requests`.
+        """
+        completions = [e.completion for e in self.generate_stream(prompts, params) if e.completion is not None]
+        return sorted(completions, key=lambda c: c.index)
 
     def generate_stream(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None = None,
+        self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
     ) -> Iterator[StreamEvent]:
         """Yield each sampled token as soon as its step ends; a request's last event carries its completion.
 
-        Bad requests come first, as events with token_id -1 and a completion whose `error` is set.
+        Bad requests come first, as events with token_id -1 and a completion whose
+        `error` is set. Closing the stream at any point aborts what is left and
+        frees every block it held.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if params is None or isinstance(params, (SamplingParams, Mapping)):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"params: expected one per prompt ({len(prompts)}), got {len(params)}")
+        calls = split_call(prompts, params)
         if self.scheduler.has_unfinished():
             raise RuntimeError("generate: the engine is already generating (one generate at a time)")
-        live: dict[int, Request] = {}
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+        limits = self.limits
+        checked: list[CheckedRequest] = []
+        errors: list[tuple[int, RequestError]] = []
+        for index, (prompt, p) in enumerate(calls):
             try:
-                request = self._make_request(index, prompt, p)
+                checked.append(check_request(index, prompt, p, limits))
             except RequestError as error:
-                yield StreamEvent(index, -1, Completion(index, (), (), "error", error=error))
-                continue
-            live[request.request_id] = request
-        unfinished = set(live)
+                errors.append((index, error))
+        live: dict[Hashable, tuple[CheckedRequest, int]] = {}  # request id -> (request, seed)
+        outputs: dict[Hashable, list[int]] = {}
+        unfinished: set[Hashable] = set()
         try:
+            for c in checked:
+                new_id = self._next_id
+                self._next_id += 1
+                live[new_id] = (c, request_seed(c.params, self._rng))
+                outputs[new_id] = []
+                self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
+                unfinished.add(new_id)
+            for index, failure in errors:
+                yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
-                sampled = self._run(scheduled, live)
+                sampled = self._run(scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
                 unfinished -= finished.keys()
                 for request_id, token in zip(scheduled.request_ids, sampled):
                     if token is None:
                         continue
+                    outputs[request_id].append(token)
                     done = finished.get(request_id)
-                    yield StreamEvent(live[request_id].sampling_params[2], token,
-                                      self._completion(live[request_id], done) if done else None)
+                    request = live[request_id][0]
+                    yield StreamEvent(request.index, token, self._completion(request, done) if done else None)
         finally:
             # An abandoned stream or an error must not leave requests holding blocks.
             for request_id in unfinished:
                 self.scheduler.finish(request_id)
 
-    def _run(self, scheduled: ScheduledStep, live: Mapping[int, Request]) -> list[int | None]:
+    def _run(
+        self,
+        scheduled: ScheduledStep,
+        live: dict[Hashable, tuple[CheckedRequest, int]],
+        outputs: dict[Hashable, list[int]],
+    ) -> list[int | None]:
         """Run one scheduled step and sample its logits rows; returns a token (or None) per row."""
         batch, mode = self.step.prepare(self.state, scheduled.plan)
         self.state, out = self.step(self.state, batch, mode)
@@ -292,47 +237,52 @@ class Engine:
         with_logits = [i for i, row in enumerate(rows) if row.num_logits]
         if not with_logits:
             return [None] * len(rows)
-        settings = [live[scheduled.request_ids[i]].sampling_params for i in with_logits]
-        if all(p.temperature == 0 for p, _, _ in settings):
+        ids = [scheduled.request_ids[i] for i in with_logits]
+        requests = [live[rid][0] for rid in ids]
+        logits = adjust_logits(out.logits, requests, [outputs[rid] for rid in ids])
+        if all(r.params.greedy for r in requests):
             # Greedy rows need no noise: skip the [N, V] draw (a host-side fact, so no sync).
-            tokens = out.logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).tolist()
         else:
-            device = out.logits.device
+            device, vocab = logits.device, logits.shape[-1]
             tokens = sample(
-                out.logits,
-                temperature=torch.tensor([p.temperature for p, _, _ in settings], device=device),
-                top_k=torch.tensor([p.top_k for p, _, _ in settings], device=device),
-                top_p=torch.tensor([p.top_p for p, _, _ in settings], device=device),
-                seeds=torch.tensor([seed for _, seed, _ in settings], dtype=torch.int64, device=device),
+                logits,
+                # 0 for greedy rows, so the device decides exactly as `SamplingParams.greedy` did.
+                temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
+                                         device=device),
+                top_k=torch.tensor([min(r.params.top_k, vocab) for r in requests], device=device),
+                top_p=torch.tensor([r.params.top_p for r in requests], device=device),
+                seeds=torch.tensor([live[rid][1] for rid in ids], dtype=torch.int64, device=device),
                 positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
-                use_top_k_top_p=any(p.top_k or p.top_p < 1 for p, _, _ in settings),
+                use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in requests),
             ).tolist()
         sampled: list[int | None] = [None] * len(rows)
         for i, token in zip(with_logits, tokens):
             sampled[i] = token
         return sampled
 
-    def _completion(self, request: Request, finished: FinishedRequest) -> Completion:
-        params, _, index = request.sampling_params
+    def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:
         tokenizer = self.model.tokenizer
         text = tokenizer.decode(list(finished.output_token_ids)) if tokenizer is not None else None
-        return Completion(index, finished.prompt_token_ids, finished.output_token_ids,
+        return Completion(request.index, finished.prompt_token_ids, finished.output_token_ids,
                           finished.finish_reason.value, text=text)
 
     # ---- scoring ---------------------------------------------------------------------
 
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def score(self, token_ids: Prompt) -> torch.Tensor:
         """The [T, V] logits of every position of a prompt, through the prefill path.
 
         Runs in chunks of at most max_num_batched_tokens tokens, in blocks borrowed
-        from the cache and returned afterwards.
+        from the cache and returned afterwards. Bad input raises RequestError
+        (checked as a generate prompt is, up to max_model_len tokens).
         """
-        ids = self._make_score_ids(token_ids)
+        ids = check_score_ids(token_ids, self.limits)
         c = self.config
         try:
             blocks = tuple(self.scheduler.allocator.allocate(-(-len(ids) // c.block_size)))
         except OutOfBlocks as e:
-            raise ValueError(f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks ({e})") from None
+            raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks "
+                                     f"({e})") from None
         try:
             rows = []
             for start in range(0, len(ids), c.max_num_batched_tokens):
@@ -344,15 +294,3 @@ class Engine:
             return torch.cat(rows)
         finally:
             self.scheduler.allocator.free(blocks)
-
-    def _make_score_ids(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        ids = tuple(int(t) for t in token_ids)
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError("score: token_ids is empty")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"score: token ids must be in [0, {vocab}), got {bad[:8]}")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"score: {len(ids)} tokens exceed max_model_len {self.config.max_model_len}")
-        return ids

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -35,17 +36,51 @@ _M2 = _i64(0x94D049BB133111EB)
 _U23 = 1 << 23
 
 
+# Below this, a temperature is treated as 0 (greedy): float32 has no headroom to
+# divide logits by it, and the distribution it asks for is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
+
+class _BoundedRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # Python refuses (ValueError) to print an int of more than 4300 digits.
+        return repr(x) if x.bit_length() <= 64 else f"<an int of {x.bit_length()} bits>"
+
+
+def describe(value: object) -> str:
+    """A short repr of any value for an error message: long containers and strings cut, huge ints sized."""
+    return _BoundedRepr().repr(value)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """An int or float that is finite (a huge int is finite too: it is compared, never converted)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return isinstance(x, int) or math.isfinite(x)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples.
 
-    temperature:    0 means greedy (argmax); default 1.0 samples from the model's distribution.
-    top_p:          keep the smallest set of most likely tokens whose probability reaches top_p; 1 = off.
-    top_k:          keep the k most likely tokens; 0 = off.
-    max_tokens:     most tokens to generate.
-    seed:           in [0, 2**63); None means the caller draws one per request (`request_seed`).
-    stop_token_ids: sampling one of these stops the request (it is kept in the output).
-    ignore_eos:     do not stop at the tokenizer's end-of-sequence token.
+    temperature:        0 means greedy (argmax); default 1.0 samples from the model's distribution.
+                        Below MIN_TEMPERATURE (1e-5) it is greedy too.
+    top_p:              keep the smallest set of most likely tokens whose probability reaches top_p; 1 = off.
+    top_k:              keep the k most likely tokens; 0 = off (any k >= the vocabulary is off too).
+    max_tokens:         most tokens to generate.
+    min_tokens:         stop tokens and end-of-sequence cannot be sampled before this many tokens; 0 = off.
+    seed:               in [0, 2**63); None means the caller draws one per request (`request_seed`).
+    stop_token_ids:     sampling one of these stops the request (it is kept in the output).
+    ignore_eos:         do not stop at the tokenizer's end-of-sequence token.
+    repetition_penalty: > 0; a token of the prompt or the output has its logit divided by it where
+                        positive and multiplied where negative (CTRL, as in transformers); 1 = off.
+    presence_penalty:   subtracted once from the logit of every token already in the output; 0 = off.
+    frequency_penalty:  subtracted from a token's logit once per time it is in the output; 0 = off.
+                        (Both additive penalties as in OpenAI's API: negative values encourage repeats.)
     """
 
     temperature: float = 1.0
@@ -55,36 +90,48 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
-    def __post_init__(self):
-        def bad(field_name, why):
-            raise ValueError(f"SamplingParams.{field_name} {why}, got {getattr(self, field_name)!r}")
+    def __post_init__(self) -> None:
+        def bad(field_name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{field_name} {why}, got {describe(getattr(self, field_name))}")
 
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            bad("temperature", "must be a finite number >= 0")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= 1e6:
+            bad("temperature", "must be a finite number >= 0 (and <= 1e6)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an int >= 0 (0 = off)")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an int >= 1")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 1 << 63):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 63):
             bad("seed", "must be None or an int in [0, 2**63)")
         if not isinstance(self.stop_token_ids, tuple) or not all(
-            is_int(x) and x >= 0 for x in self.stop_token_ids
+            _is_int(x) and x >= 0 for x in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a tuple of ints >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a bool")
+        # Bounded so that penalised float32 logits stay finite (|logit| * 1e6 and counts * 1e6 are).
+        if not _is_real(self.repetition_penalty) or not 1e-6 <= self.repetition_penalty <= 1e6:
+            bad("repetition_penalty", "must be a number in [1e-6, 1e6] (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -1e6 <= value <= 1e6:
+                bad(name, "must be a number in [-1e6, 1e6] (0 = off)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an int in [0, max_tokens={describe(self.max_tokens)}]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def request_seed(params: SamplingParams, rng: random.Random) -> int:
@@ -132,7 +179,7 @@ def sample(
     """Sample one token per row; greedy, temperature, top-k and top-p, no host sync.
 
     logits      [N, V] float (any float dtype; computed in float32)
-    temperature [N] float: 0 = greedy (argmax of the raw logits)
+    temperature [N] float: below MIN_TEMPERATURE (0 included) = greedy (argmax of the raw logits)
     top_k       [N] int: 0 (or >= V) = off
     top_p       [N] float in (0, 1]: 1 = off
     seeds       [N] int64, positions [N] int64: the random key of each row
@@ -158,7 +205,7 @@ def sample(
             raise ValueError(f"{name} must be int64, got {t.dtype}")
 
     logits = logits.float()
-    greedy = temperature <= 0  # [N]
+    greedy = temperature < MIN_TEMPERATURE  # [N]
     # Greedy rows are divided by 1 so they stay finite; their draw is discarded below.
     scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]  # [N, V]
 

@@ -191,6 +191,15 @@ def test_sample_checks_shapes():
         ("seed", -3),
         ("stop_token_ids", [2]),
         ("ignore_eos", 1),
+        ("temperature", 2e6),
+        ("temperature", True),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", float("inf")),
+        ("frequency_penalty", "0.5"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),
+        ("min_tokens", 1.0),
     ],
 )
 def test_sampling_params_name_the_bad_field_and_value(field, value):
@@ -204,3 +213,12 @@ def test_request_seed_is_the_given_one_or_a_fresh_draw():
     drawn = {request_seed(SamplingParams(), rng) for _ in range(100)}
     assert len(drawn) == 100 and all(0 <= s < 1 << 63 for s in drawn)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+def test_defaults_change_nothing_and_tiny_temperatures_are_greedy():
+    params = SamplingParams()
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.min_tokens) == \
+        (1.0, 0.0, 0.0, 0)
+    assert not params.penalised and SamplingParams(presence_penalty=-0.5).penalised
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=9.9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
