@@ -24,7 +24,7 @@ from .sampling import SamplingParams, request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .state.block_allocator import OutOfBlocks
 from .step import make_step
-from .stepping import init_state
+from .prepare import init_state, state_bytes_per_block
 
 Prompt = str | Sequence[int]
 
@@ -86,7 +86,7 @@ class EngineConfig:
 
 
 def _default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    bytes_per_block = model.config.num_hidden_layers * block_size * model.config.kv_cache_dim * model.dtype.itemsize
+    bytes_per_block = state_bytes_per_block(model, block_size)
     wanted = 1 + max_num_seqs * -(-max_model_len // block_size)
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)

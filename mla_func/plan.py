@@ -15,7 +15,8 @@ from dataclasses import dataclass
 class SeqPlan:
     """One sequence's part of a step.
 
-    token_ids:   the tokens fed this step (a prefill chunk, or one decode token).
+    token_ids:   the tokens fed this step (a prefill chunk, or the decode segment's
+                 query length of tokens: one to decode, k + 1 to verify k drafts).
     start_pos:   how many tokens of this sequence are already in the cache; the
                  first token of `token_ids` sits at this position.
     block_table: physical KV-cache block ids covering positions
@@ -44,11 +45,14 @@ class SeqPlan:
 class StepPlan:
     """All sequences of one step: prefill rows first, then decode rows.
 
-    Every decode sequence feeds exactly one token and has cached context.
+    Every decode sequence has cached context and feeds exactly `decode_q_len`
+    tokens (the decode segment's query length: 1 to decode, k + 1 to verify k
+    drafted tokens), attended causally.
     """
 
     prefill: tuple[SeqPlan, ...] = ()
     decode: tuple[SeqPlan, ...] = ()
+    decode_q_len: int = 1
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -82,9 +82,9 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     """What `Step.warmup` captures with: a batch of nothing but padded rows."""
     ladder = mf.PaddingPolicy(decode_seqs=(4,), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(4,))
     state = fresh_state(model)
-    for cache in state.kv_cache:
+    for cache in state.leaves():
         cache.normal_()
-    before = [c.clone() for c in state.kv_cache]
+    before = [c.clone() for c in state.leaves()]
     mode = mf.ForwardMode.decide(
         mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (1,)),), decode=(mf.SeqPlan((3,), 2, (2,)),)),
         block_size=4, padding=ladder,
@@ -94,5 +94,5 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     assert bool((batch.slot_mapping == -1).all()) and empty.num_tokens == 20
     logits, new_state = mf.forward(model.params, state, batch, empty)
     assert logits.shape == (6, model.config.vocab_size) and logits.isfinite().all()
-    for old, new in zip(before, new_state.kv_cache):
+    for old, new in zip(before, new_state.leaves()):
         assert torch.equal(old[1:], new[1:])

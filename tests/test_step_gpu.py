@@ -29,7 +29,7 @@ def fresh_state(model):
 
 
 def clone_state(state):
-    return mf.KVCacheState(kv_cache=tuple(c.clone() for c in state.kv_cache))
+    return mf.pytree.tree_map(torch.clone, state)
 
 
 def with_context(model, contexts):
@@ -61,7 +61,7 @@ def compare(model, backend, state, plan):
     g_state, g_out = graph_step(g_state, g_batch, g_mode)
     # Replay once more from the same starting contents, in the buffers the graph writes:
     # the replay path, not only the capture's warm-up.
-    for dst, src in zip(g_state.kv_cache, state.kv_cache):
+    for dst, src in zip(g_state.leaves(), state.leaves()):
         dst.copy_(src)
     again_batch, again_mode = graph_step.prepare(g_state, plan)
     again_state, again_out = graph_step(g_state, again_batch, again_mode)
@@ -71,7 +71,7 @@ def compare(model, backend, state, plan):
         assert g_out.graph and again_out.graph
     for out in (g_out, again_out):
         torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
-    for g_cache, e_cache in zip(again_state.kv_cache, e_state.kv_cache):
+    for g_cache, e_cache in zip(again_state.leaves(), e_state.leaves()):
         torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=1e-6, atol=1e-6)  # block 0 is scratch
     return g_mode
 
@@ -181,10 +181,10 @@ def test_warmup_captures_largest_first_and_later_steps_replay(model):
         mf.ForwardMode.decide(decode_plan([5] * n), block_size=BLOCK_SIZE, backend="triton", padding=LADDER, graphs=True)
         for n in (1, 2, 4, 8)
     ]
-    before = [c.clone() for c in state.kv_cache]
+    before = [c.clone() for c in state.leaves()]
     step.warmup(state, modes)
     assert [key[3] for key in step.captured_keys] == [8, 4, 2, 1]  # largest first
-    for old, new in zip(before, state.kv_cache):
+    for old, new in zip(before, state.leaves()):
         torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)  # padding writes only scratch
     plan = decode_plan([5, 6, 7])
     eager = mf.make_step(model, backend="triton", padding=LADDER, graphs=False)

@@ -19,7 +19,7 @@ from ..forward import forward
 from ..kernels import Ops
 from ..params import Params
 from ..plan import SeqPlan, StepPlan
-from ..stepping import init_state, plan_step
+from ..prepare import init_state, plan_step
 
 
 def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block_size: int, device="cpu"):
