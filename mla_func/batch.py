@@ -19,7 +19,7 @@ from .mode import ForwardMode
 from .plan_checks import BatchError
 from .pytree import register_dataclass
 
-__all__ = ["Batch", "BatchError", "DecodeMetadata", "PrefillMetadata", "check_batch"]
+__all__ = ["Batch", "BatchError", "DecodeMetadata", "GroupMetadata", "PrefillMetadata", "check_batch"]
 
 
 @register_dataclass
@@ -43,6 +43,20 @@ class DecodeMetadata:
 
 @register_dataclass
 @dataclass(frozen=True, slots=True)
+class GroupMetadata:
+    """The addressing of one cache group 1.. for one step (group 0's is the batch's own fields).
+
+    A row writes an entry of the group when its token completes one (position p with
+    (p + 1) % tokens_per_entry == 0); other rows, padding included, have slot -1.
+    """
+
+    slot_mapping: torch.Tensor                 # [T] int64 entry slot, or -1
+    prefill_block_table: torch.Tensor | None   # [Bp, Wg] int32; unused entries point at the scratch block
+    decode_block_table: torch.Tensor | None    # [Bd, Wg] int32
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's inputs. Rows: [prefill tokens | padding | decode rows | padding]."""
 
@@ -52,6 +66,7 @@ class Batch:
     logits_indices: torch.Tensor  # [N] int64 rows whose logits are returned (padded entries: row 0)
     prefill: PrefillMetadata | None = None
     decode: DecodeMetadata | None = None
+    groups: tuple[GroupMetadata, ...] = ()     # cache groups 1.. (none for one group)
 
     def real_rows(self) -> torch.Tensor:
         """[T] bool: True for real rows, False for padding.
@@ -99,3 +114,15 @@ def check_batch(batch: Batch, mode: ForwardMode) -> None:
         n = mode.padded_decode_seqs
         _expect("decode.seq_lens", batch.decode.seq_lens, (n,), torch.int32)
         _expect("decode.block_table", batch.decode.block_table, (n, width), torch.int32)
+    if len(batch.groups) != len(mode.group_widths):
+        raise BatchError(f"groups: mode has {len(mode.group_widths)} cache groups past group 0, batch has "
+                         f"{len(batch.groups)}")
+    for i, (meta, group_width) in enumerate(zip(batch.groups, mode.group_widths), start=1):
+        _expect(f"groups[{i}].slot_mapping", meta.slot_mapping, rows, torch.int64)
+        for name, table, n in (("prefill", meta.prefill_block_table, mode.padded_prefill_seqs),
+                               ("decode", meta.decode_block_table, mode.padded_decode_seqs)):
+            if (table is None) != (n == 0):
+                raise BatchError(f"groups[{i}].{name}_block_table: mode has {n} {name} seqs, batch has "
+                                 f"{'no table' if table is None else 'a table'}")
+            if table is not None:
+                _expect(f"groups[{i}].{name}_block_table", table, (n, group_width), torch.int32)

@@ -12,6 +12,7 @@ import array
 import torch
 
 from .batch import Batch, BatchError, DecodeMetadata, PrefillMetadata, check_batch
+from .batch_groups import build_group_metadata
 from .mode import ForwardMode
 from .plan import SeqPlan, StepPlan
 from .plan_checks import plan_is_valid, raise_for_plan
@@ -141,6 +142,7 @@ def build_batch(
         logits_indices=logits_t,
         prefill=prefill,
         decode=decode,
+        groups=build_group_metadata(plan, mode, device) if mode.group_widths else (),
     )
     check_batch(batch, mode)
     return batch

@@ -176,7 +176,7 @@ class Engine:
         graphs (or off CUDA) it does nothing. Returns how many graphs were captured.
         """
         before = len(self.step.captured_keys)
-        self.step.warmup(self.state, self.step.decode_graph_modes(), progress=progress)
+        self.step.warmup(self.state, self.step.decode_graph_modes(self.state), progress=progress)
         return len(self.step.captured_keys) - before
 
     # ---- requests ---------------------------------------------------------------

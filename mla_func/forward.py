@@ -57,6 +57,9 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
     if mode.block_size and mode.block_size != state.block_size:
         raise ValueError(f"{name}: the batch was planned for blocks of {mode.block_size} tokens, the state's hold "
                          f"{state.block_size}")
+    if mode.cache_groups and mode.cache_groups != state.groups:
+        raise ValueError(f"{name}: the batch was planned for cache groups {mode.cache_groups}, the state has "
+                         f"{state.groups}")
     if ops is None:
         return ops_for(mode.backend)
     if ops.backend != mode.backend:

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .plan import StepPlan
+from .state.layer_cache import CacheGroup
 
 
 class SegmentKind(str, enum.Enum):
@@ -85,6 +86,10 @@ class ForwardMode:
                    not fit the ladders, so it runs eagerly; the step warns once.
     block_size:    the tokens a block of the state's cache group 0 holds; the forward
                    refuses a state of another block size.
+    cache_groups:  the state's cache groups when the mode was decided for them (empty:
+                   decided for group 0's block size alone); the forward checks them.
+    group_widths:  the block-table width of each cache group 1.., derived from
+                   `block_table_width` (they cover the same tokens), so no ladder of their own.
     """
 
     kind: SegmentKind
@@ -103,6 +108,8 @@ class ForwardMode:
     gather_logits: bool = True
     graph_fallback: bool = False
     block_size: int = 0
+    cache_groups: tuple[CacheGroup, ...] = ()
+    group_widths: tuple[int, ...] = ()
 
     @property
     def num_decode_rows(self) -> int:
@@ -131,13 +138,17 @@ class ForwardMode:
             self.gather_logits,
             self.block_table_width,
             self.block_size,
+            self.group_widths,
             self.backend,
         )
 
     @staticmethod
     def _make(kind: SegmentKind, backend: str, block_size: int, real: dict[str, int], padded: dict[str, int],
-              num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool) -> ForwardMode:
-        """The one constructor: derives the logits sizes from the segment sizes."""
+              num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
+              cache_groups: tuple[CacheGroup, ...] = ()) -> ForwardMode:
+        """The one constructor: derives the logits sizes and the other groups' widths from the segment sizes."""
+        tokens = padded["width"] * block_size
+        group_widths = tuple(-(-tokens // g.tokens_per_block) for g in cache_groups[1:])
         padded_decode_rows = padded["decode_seqs"] * decode_q_len
         # Ordinary steps have at most one logits row a sequence (a verify row one per
         # query token); scoring a whole prompt has more and is sized exactly.
@@ -152,19 +163,20 @@ class ForwardMode:
             padded_decode_seqs=padded["decode_seqs"], padded_num_logits=padded_num_logits,
             block_table_width=padded["width"], use_graph=use_graph, decode_q_len=decode_q_len,
             gather_logits=not rows_are_logits, graph_fallback=graph_fallback, block_size=block_size,
+            cache_groups=cache_groups, group_widths=group_widths,
         )
 
     @staticmethod
     def padded_only(kind: SegmentKind, *, backend: str, block_size: int, prefill_tokens: int = 0,
                     prefill_seqs: int = 0, decode_seqs: int = 0, block_table_width: int, decode_q_len: int = 1,
-                    use_graph: bool = True) -> ForwardMode:
+                    use_graph: bool = True, cache_groups: tuple[CacheGroup, ...] = ()) -> ForwardMode:
         """The mode of a step of only padding rows with these padded sizes: the static key real
         steps of those sizes have (graph warm-up captures with it)."""
         zero = {"prefill_tokens": 0, "prefill_seqs": 0, "decode_seqs": 0, "width": 0}
         padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
                   "width": block_table_width}
         return ForwardMode._make(SegmentKind(kind), backend, block_size, zero, padded, 0, decode_q_len, use_graph,
-                                 False)
+                                 False, cache_groups)
 
     def without_real_rows(self) -> ForwardMode:
         """This mode's shapes and static key, with every row padding."""
@@ -179,16 +191,21 @@ class ForwardMode:
         padding: PaddingPolicy | None = None,
         graphs: bool = False,
         graph_kinds: Collection[str] = SEGMENT_KINDS,
+        cache_groups: Sequence[CacheGroup] = (),
     ) -> ForwardMode:
         """The single rule that fixes a step's kind, sizes and graph use.
 
         A step uses a graph only when `graphs` is on, its kind is in `graph_kinds`
         and every size fits its padding ladder; otherwise its sizes are exact and
-        it runs eagerly. The decode query length is the plan's `decode_q_len` (the
+        it runs eagerly. `cache_groups` are the state's (group 0 of `block_size`); the
+        widths of groups 1.. follow group 0's. The decode query length is the plan's `decode_q_len` (the
         batch checks that every decode sequence feeds that many tokens).
         """
         if not plan.prefill and not plan.decode:
             raise ValueError("StepPlan: a step needs at least one sequence")
+        if cache_groups and cache_groups[0].block_size != block_size:
+            raise ValueError(f"cache_groups[0].block_size: expected block_size {block_size}, got "
+                             f"{cache_groups[0].block_size}")
         padding = padding or PaddingPolicy.exact()
         kind = (SegmentKind.MIXED if plan.prefill and plan.decode
                 else SegmentKind.PREFILL if plan.prefill else SegmentKind.DECODE)
@@ -209,4 +226,4 @@ class ForwardMode:
         padded = (dict(real) if not fits or (graphs and not wanted)
                   else {name: size for name, (size, _) in fitted.items()})
         return ForwardMode._make(kind, backend, block_size, real, padded, plan.num_logits, q_len, use_graph,
-                                 graph_fallback=wanted and not fits)
+                                 graph_fallback=wanted and not fits, cache_groups=tuple(cache_groups))

@@ -19,17 +19,20 @@ class SeqPlan:
                  query length of tokens: one to decode, k + 1 to verify k drafts).
     start_pos:   how many tokens of this sequence are already in the cache; the
                  first token of `token_ids` sits at this position.
-    block_table: physical KV-cache block ids covering positions
+    block_table: physical block ids of cache group 0 covering positions
                  [0, start_pos + len(token_ids)), in order.
     num_logits:  how many trailing tokens of `token_ids` produce logits: 1 for a
                  decode token or a prefill chunk that completes its prompt, 0 for
                  a chunk that does not, len(token_ids) to score every token.
+    group_block_tables: the block tables of cache groups 1.. (empty for a model with
+                 one group), each covering the entries of positions [0, seq_len).
     """
 
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
     num_logits: int = 1
+    group_block_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:

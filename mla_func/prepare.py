@@ -72,7 +72,7 @@ def prepare_step(
     """
     mode = ForwardMode.decide(
         plan, block_size=state.block_size, backend=backend or default_backend(state.device), padding=padding,
-        graphs=graphs, graph_kinds=graph_kinds,
+        graphs=graphs, graph_kinds=graph_kinds, cache_groups=state.groups,
     )
     batch = build_batch(
         plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,

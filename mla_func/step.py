@@ -160,19 +160,21 @@ class Step:
         output, new_state = self.fn(self.params, state, batch, mode)
         return new_state, StepOutput(_real_rows(output, mode, clone=False), mode, graph=False)
 
-    def decode_graph_modes(self, block_size: int | None = None) -> tuple[ForwardMode, ...]:
+    def decode_graph_modes(self, state: KVCacheState | None = None) -> tuple[ForwardMode, ...]:
         """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung).
 
-        block_size: of the state they will run on (default: the step's own).
+        state: the state they will run on (its cache groups are part of the key);
+               without it, modes for the step's block size and one cache group.
         """
-        block_size = block_size or self.block_size
+        block_size = state.block_size if state is not None else self.block_size
+        groups = state.groups if state is not None else ()
         if not self.graphs or SegmentKind.DECODE not in self.graph_kinds:
             return ()
         if block_size is None:
             raise ValueError("decode_graph_modes: this step accepts any block size; pass the state's")
         return tuple(
             ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, block_size=block_size,
-                                    decode_seqs=seqs, block_table_width=width)
+                                    decode_seqs=seqs, block_table_width=width, cache_groups=groups)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths
         )

@@ -55,6 +55,11 @@ class CacheGroup:
         """Blocks that hold the entries of a sequence of `num_tokens` tokens."""
         return -(-self.entries(num_tokens) // self.block_size)
 
+    def max_tokens(self, num_blocks: int) -> int:
+        """The longest sequence whose entries `num_blocks` blocks hold (the inverse of `blocks_for`):
+        its tokens past the last entry complete none, so they need no block."""
+        return (num_blocks * self.block_size + 1) * self.tokens_per_entry - 1
+
 
 class LayerCache(Protocol):
     """What every per-layer cache kind provides: its group and its paged tensors."""
