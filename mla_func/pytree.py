@@ -1,6 +1,8 @@
 """Frozen dataclasses as optree pytrees, under mla-func's own registry namespace.
 
-A field declared with `static_field()` is metadata (part of the tree structure,
+Registration is `optree.dataclasses.register_node` (optree >= 0.19.1) on classes
+decorated with the standard `dataclasses.dataclass(frozen=True, slots=True)`. A
+field declared with `static_field()` is metadata (part of the tree structure,
 compared on unflatten); every other field is a child (a tensor, None, or a
 nested pytree). Use `tree_map` / `tree_flatten` from here so the namespace is
 never forgotten.
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optree
+import optree.dataclasses
 
 NAMESPACE = "mla_func"
 T = TypeVar("T")
@@ -20,29 +23,16 @@ T = TypeVar("T")
 
 def static_field(**kwargs: Any) -> Any:
     """A dataclass field that is tree metadata rather than a child."""
-    return dataclasses.field(metadata={"static": True}, **kwargs)
+    return dataclasses.field(metadata={"pytree_node": False}, **kwargs)
 
 
 def register_dataclass(cls: type[T]) -> type[T]:
-    """Register an already-decorated dataclass with optree (children = non-static fields).
+    """Register an already-decorated dataclass with optree (children = the fields not marked static).
 
-    Fields with `init=False` are neither: the constructor makes them afresh on unflatten.
+    A field with `init=False` must be a `static_field(init=False, ...)`: it is neither child nor
+    metadata, and the constructor makes it afresh on unflatten.
     """
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    children = tuple(f.name for f in fields if not f.metadata.get("static"))
-    statics = tuple(f.name for f in fields if f.metadata.get("static"))
-
-    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
-        return (
-            tuple(getattr(obj, n) for n in children),
-            tuple(getattr(obj, n) for n in statics),
-            children,
-        )
-
-    def unflatten(meta: tuple[Any, ...], values: tuple[Any, ...]) -> Any:
-        return cls(**dict(zip(children, values)), **dict(zip(statics, meta)))
-
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    optree.dataclasses.register_node(cls, namespace=NAMESPACE)
     return cls
 
 

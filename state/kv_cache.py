@@ -19,7 +19,7 @@ leaves the old state valid, for code that wants to branch or differentiate.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ class KVCacheState:
     layers: tuple[Any, ...]
     groups: tuple[CacheGroup, ...] = static_field()
     scratch: tuple[torch.Tensor, ...] = ()
-    _liveness: _Liveness = field(default_factory=_Liveness, init=False, repr=False, compare=False)
+    _liveness: _Liveness = static_field(default_factory=_Liveness, init=False, repr=False, compare=False)
 
     def check_geometry(self) -> None:
         """Raise ValueError unless every layer's paged tensors match its group's geometry.
