@@ -96,3 +96,21 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     assert logits.shape == (6, model.config.vocab_size) and logits.isfinite().all()
     for old, new in zip(before, new_state.leaves()):
         assert torch.equal(old[1:], new[1:])
+
+
+def test_make_step_memoizes_any_pure_step_function(model):
+    """A function other than the model's forward: each logits row's embedding, scaled; the state passes through."""
+
+    def embed_rows(params, state, batch, mode):
+        rows = batch.input_ids[batch.logits_indices]
+        return mf.ForwardOutput(logits=params["scale"] * params["table"][rows]), state
+
+    table = torch.randn(model.config.vocab_size, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    step = mf.make_step(model, fn=embed_rows, params={"scale": torch.tensor(2.0, dtype=torch.float64), "table": table})
+    state = fresh_state(model)
+    plan = plan_of([3, 2])
+    batch, mode = step.prepare(state, plan)
+    new_state, out = step(state, batch, mode)
+    want = 2.0 * table[[plan.prefill[0].token_ids[-1], plan.prefill[1].token_ids[-1]]]
+    assert torch.equal(out.logits, want) and out.logits.shape == (mode.num_logits, 6)
+    assert new_state is state  # the function returned its state as it was
