@@ -57,7 +57,8 @@ class LayerContext:
 class LayerKind(Protocol):
     """The functions the forward composes for each layer (see the module docstring)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> Any: ...
