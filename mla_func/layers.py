@@ -96,7 +96,9 @@ class MLADecoderLayer:
             inplace=ctx.inplace,
         )
         x, residual = ctx.ops.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
-        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, MLALayerCache(kv=kv, group=cache.group)
+        # In place, the cache value is unchanged: keep it rather than build one per layer per step.
+        new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
+        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache
 
 
 MLA_DECODER = MLADecoderLayer()

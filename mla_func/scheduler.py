@@ -50,7 +50,6 @@ generated reaches `max_model_len` (reason LENGTH); `finish` aborts it.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
