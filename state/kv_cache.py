@@ -74,6 +74,10 @@ class KVCacheState:
             raise ValueError("KVCacheState.layers: expected at least one layer cache, got none")
         if not self.groups:
             raise ValueError("KVCacheState.groups: expected at least one cache group, got none")
+        if self.groups[0].tokens_per_entry != 1:
+            # Every real row writes one group-0 slot: that is how a batch tells real rows from padding.
+            raise ValueError(f"KVCacheState.groups[0].tokens_per_entry: group 0 holds one entry per token, got "
+                             f"{self.groups[0].tokens_per_entry}")
         for i, layer in enumerate(self.layers):
             cache: LayerCache = layer
             if not 0 <= cache.group < len(self.groups):

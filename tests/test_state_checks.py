@@ -92,3 +92,8 @@ def test_bytes_per_block_follows_the_leaves(model):
 
     c = model.config
     assert state_bytes_per_block(model, 16) == c.num_hidden_layers * 16 * c.kv_cache_dim * 8
+
+
+def test_group_zero_holds_one_entry_per_token():
+    with pytest.raises(ValueError, match=r"groups\[0\].tokens_per_entry: group 0 holds one entry per token, got 2"):
+        raw_init_state([MLALayerCache(kv=torch.zeros(4, 2, 8))], groups=[CacheGroup(4, 2, 2)])
