@@ -161,8 +161,13 @@ class EntryLayer:
         return torch.zeros_like(entered), residual, EntryCache(entries, cache.group)
 
 
-def test_padding_is_inert_for_every_leaf_of_two_groups():
-    model = mf.load_model("tiny", dtype=torch.float64, device="cpu", seed=61)
+@pytest.fixture(scope="module")
+def tiny():
+    return mf.load_model("tiny", dtype=torch.float64, device="cpu", seed=61)
+
+
+def test_padding_is_inert_for_every_leaf_of_two_groups(tiny):
+    model = tiny
     groups = (CacheGroup(16, 4), CacheGroup(8, 2, 3))
     kinds = (*mf.layer_kinds(model.config), EntryLayer())
     params = dataclasses.replace(model.params, layers=(*model.params.layers, None))
@@ -175,15 +180,51 @@ def test_padding_is_inert_for_every_leaf_of_two_groups():
     padded = mf.ForwardMode.decide(plan, block_size=4, cache_groups=groups, padding=mf.PaddingPolicy(
         prefill_tokens=(16,), prefill_seqs=(4,), block_table_widths=(5,)))
     assert padded.num_tokens == 16 and padded.group_widths == (4,) and exact.group_widths == (2,)
+    (_, exact_state), (_, padded_state) = _exact_and_padded(params, state, plan, exact, padded, kinds)
+    entries = padded_state.layers[-1].entries
+    # Sequence 0 completes entries 0 and 1 (positions 2, 5) in its block 1; sequence 1 entry 0 in block 3.
+    assert bool(entries[1].abs().sum(-1).gt(0).all()) and bool(entries[3, 0].abs().sum() > 0)
+    assert bool((entries[3, 1] == 0).all()) and bool((entries[2] == 0).all())
+
+
+def _exact_and_padded(params, state, plan, exact, padded, kinds):
+    """Run `plan` at both modes (copy=True); assert equal real logits and equal leaves outside scratch."""
     outs = []
     for mode in (exact, padded):
-        batch = mf.build_batch(plan, mode, device="cpu", num_blocks=16)
+        batch = mf.build_batch(plan, mode, device="cpu", num_blocks=state.num_blocks)
         logits, new = mf.forward(params, state, batch, mode, copy=True, layers=kinds)
         outs.append((logits[: mode.num_logits], new))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(outs[0][1].leaves(), outs[1][1].leaves()):
         torch.testing.assert_close(a[1:], b[1:], rtol=1e-12, atol=1e-12)  # block 0 is scratch
-    entries = outs[1][1].layers[-1].entries
-    # Sequence 0 completes entries 0 and 1 (positions 2, 5) in its block 1; sequence 1 entry 0 in block 3.
-    assert bool(entries[1].abs().sum(-1).gt(0).all()) and bool(entries[3, 0].abs().sum() > 0)
-    assert bool((entries[3, 1] == 0).all()) and bool((entries[2] == 0).all())
+    return outs
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(1, 8), min_size=1, max_size=2), context=st.integers(1, 8),
+       q_len=st.integers(1, 3), ratio=st.integers(2, 3), extra=st.tuples(st.integers(0, 5), st.integers(0, 2),
+                                                                       st.integers(0, 2), st.integers(0, 2)))
+def test_padding_is_inert_for_every_leaf_in_mixed_steps(tiny, lengths, context, q_len, ratio, extra):
+    """Any mixed step of prefill chunks and verify rows, padded any way, leaves every leaf of both groups alone."""
+    model = tiny
+    groups = (CacheGroup(32, 2), CacheGroup(32, 1, ratio))
+    kinds = (*mf.layer_kinds(model.config), EntryLayer())
+    params = dataclasses.replace(model.params, layers=(*model.params.layers, None))
+    state = raw_init_state([k.init_cache(model.config, groups, dtype=model.dtype, device="cpu") for k in kinds],
+                           groups=groups)
+    tables = [tuple(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
+    ctx_plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(range(5, 5 + context)), 0, tables[2], 0, (tables[2],)),))
+    mode = mf.ForwardMode.decide(ctx_plan, block_size=2, cache_groups=groups)
+    _, state = mf.forward(params, state, mf.build_batch(ctx_plan, mode, device="cpu"), mode, layers=kinds)
+    plan = mf.StepPlan(
+        prefill=tuple(mf.SeqPlan(tuple(range(2, 2 + n)), 0, tables[i], 1, (tables[i],)) for i, n in enumerate(lengths)),
+        decode=(mf.SeqPlan(tuple(range(40, 40 + q_len)), context, tables[2], q_len, (tables[2],)),),
+        decode_q_len=q_len,
+    )
+    exact = mf.ForwardMode.decide(plan, block_size=2, cache_groups=groups)
+    tokens, pseqs, dseqs, width = extra
+    padded = mf.ForwardMode.decide(plan, block_size=2, cache_groups=groups, padding=mf.PaddingPolicy(
+        prefill_tokens=(exact.padded_prefill_tokens + tokens,), prefill_seqs=(exact.padded_prefill_seqs + pseqs,),
+        decode_seqs=(1 + dseqs,), block_table_widths=(exact.block_table_width + width,)))
+    assert padded.num_tokens == exact.num_tokens + tokens + dseqs * q_len
+    _exact_and_padded(params, state, plan, exact, padded, kinds)

@@ -85,6 +85,18 @@ def test_decode_graph_equals_eager(model, backend, num_seqs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len", [2, 4])
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+def test_verify_graph_equals_eager(model, backend, q_len, num_seqs):
+    """Decode rows of several query tokens (verify rows) replay as graphs like any decode step."""
+    contexts = [3 + 5 * i for i in range(num_seqs)]
+    plan = mf.StepPlan(decode=tuple(mf.SeqPlan(tuple(7 + i + j for j in range(q_len)), n, blocks(i, PER_SEQ), q_len)
+                                    for i, n in enumerate(contexts)), decode_q_len=q_len)
+    mode = compare(model, backend, with_context(model, contexts), plan)
+    assert mode.use_graph == (num_seqs <= 8) and mode.decode_q_len == q_len
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lengths", [[16], [15], [9, 6], [32], [31, 1, 1], [20, 20, 20, 4], [40, 40]])
 def test_prefill_graph_equals_eager(model, backend, lengths):
     mode = compare(model, backend, fresh_state(model), prefill_plan(lengths))
