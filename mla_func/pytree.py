@@ -1,10 +1,18 @@
 """Frozen dataclasses as optree pytrees, under mla-func's own registry namespace.
 
-Registration is `optree.dataclasses.register_node` (optree >= 0.19.1) on classes
-decorated with the standard `dataclasses.dataclass(frozen=True, slots=True)`. A
-field declared with `static_field()` is metadata (part of the tree structure,
-compared on unflatten); every other field is a child (a tensor, None, or a
-nested pytree). Use `tree_map` / `tree_flatten` from here so the namespace is
+Classes are decorated with the standard `dataclasses.dataclass(frozen=True,
+slots=True)`, then registered here. A field declared with `static_field()` is
+metadata (part of the tree structure, compared on unflatten); every other field
+is a child (a tensor, None, or a nested pytree). Static fields carry optree's own
+marker (`metadata["pytree_node"] = False`, as `optree.dataclasses.field` sets it).
+
+The registration is written here rather than `optree.dataclasses.register_node`
+because that function needs optree 0.19.1, while this one runs on every optree
+from 0.13 (the floor torch's own pytree support accepts, and what older CUDA
+images carry); both make the same children, the same metadata, and rebuild
+`init=False` fields through the constructor. Once optree >= 0.19.1 can be
+required, `register_dataclass` becomes `optree.dataclasses.register_node(cls,
+namespace=NAMESPACE)` with no other change. Use `tree_map` / `tree_flatten` from here so the namespace is
 never forgotten.
 """
 
@@ -12,10 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
-import optree.dataclasses
 
 NAMESPACE = "mla_func"
 T = TypeVar("T")
@@ -32,7 +39,17 @@ def register_dataclass(cls: type[T]) -> type[T]:
     A field with `init=False` must be a `static_field(init=False, ...)`: it is neither child nor
     metadata, and the constructor makes it afresh on unflatten.
     """
-    optree.dataclasses.register_node(cls, namespace=NAMESPACE)
+    fields = [f for f in dataclasses.fields(cast(Any, cls)) if f.init]
+    children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    statics = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        return tuple(getattr(obj, n) for n in children), tuple(getattr(obj, n) for n in statics), children
+
+    def unflatten(meta: tuple[Any, ...], values: tuple[Any, ...]) -> Any:
+        return cls(**dict(zip(children, values)), **dict(zip(statics, meta)))
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
     return cls
 
 
