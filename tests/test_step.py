@@ -114,3 +114,21 @@ def test_make_step_memoizes_any_pure_step_function(model):
     want = 2.0 * table[[plan.prefill[0].token_ids[-1], plan.prefill[1].token_ids[-1]]]
     assert torch.equal(out.logits, want) and out.logits.shape == (mode.num_logits, 6)
     assert new_state is state  # the function returned its state as it was
+
+
+def test_warmup_modes_have_the_keys_real_decode_steps_get(model):
+    """`decode_graph_modes` builds its modes with the constructor `decide` uses: the same static keys."""
+    ladder = mf.PaddingPolicy(decode_seqs=(1, 2, 4), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(8,))
+    step = mf.Step(fn=lambda *a: a, params=model.params, config=model.config, backend="torch", graphs=True,
+                   padding=ladder, block_size=4, graph_kinds=("decode",))
+    state = fresh_state(model)
+    warm = {m.static_key for m in step.decode_graph_modes(state)}
+    assert len(warm) == 3
+    for n in (1, 2, 3, 4):
+        plan = mf.StepPlan(decode=tuple(mf.SeqPlan((5,), 3 + i, blocks(i, 6)) for i in range(n)))
+        _, mode = step.prepare(state, plan)
+        assert mode.use_graph and mode.static_key in warm and not mode.gather_logits
+    # A step that asked for a graph but did not fit is marked so; one of a kind without graphs is not.
+    big = mf.StepPlan(decode=tuple(mf.SeqPlan((5,), 3, blocks(i, 6)) for i in range(5)))
+    assert step.prepare(state, big)[1].graph_fallback
+    assert not step.prepare(state, plan_of([3]))[1].graph_fallback
