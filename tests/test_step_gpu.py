@@ -161,25 +161,23 @@ def test_no_host_sync_inside_a_step(model, backend):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_stale_state_raises_and_capture_errors_reach_the_caller(model, monkeypatch):
-    step = mf.make_step(model, backend="torch", padding=LADDER)
+def test_stale_state_raises_and_capture_errors_reach_the_caller(model):
+    from mla_func.step import model_step_fn
+
+    failing = {"on": True}
+
+    def fn(*args):
+        if failing["on"] and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure")
+        return model_step_fn(*args)
+
+    step = mf.make_step(model, backend="torch", padding=LADDER, fn=fn)
     state = with_context(model, [4])
     batch, mode = step.prepare(state, decode_plan([4]))
-
-    import mla_func.step as step_module
-
-    real_forward = step_module.forward
-
-    def failing_forward(*args, **kwargs):
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("injected capture failure")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="injected capture failure"):
         step(state, batch, mode)
     assert step.captured_keys == ()  # nothing half-registered
-    monkeypatch.setattr(step_module, "forward", real_forward)
+    failing["on"] = False
     new_state, out = step(state, batch, mode)
     assert out.graph and step.captured_keys == (mode.static_key,)
     with pytest.raises(mf.DonatedStateError):
