@@ -40,7 +40,7 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
     blocks_per_seq = math.ceil((context + 1) / BLOCK_SIZE)
     state = mf.init_state(model.config, num_blocks=1 + batch * blocks_per_seq, block_size=BLOCK_SIZE,
                           dtype=model.dtype, device="cuda")
-    for cache in state.kv_cache:
+    for cache in state.leaves():
         cache.normal_(0.0, 1.0)
     plan = mf.StepPlan(decode=tuple(
         mf.SeqPlan(((17 * i) % model.config.vocab_size,), context,
@@ -54,7 +54,7 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
 def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> tuple[int, int, float]:
     """(weight bytes, KV bytes, mean distinct experts a layer) of one step, from its actual routing."""
     ops, chosen = record_expert_choice(ops_for(mode.backend))
-    handle = mf.KVCacheState(kv_cache=state.kv_cache)
+    handle = state.renewed()
     mf.forward(model.params, handle, batch_tensors, mode, ops=ops)
     p = model.params
     weight = nbytes(p.lm_head) + nbytes(p.norm) + mode.num_decode_seqs * p.embed.shape[1] * p.embed.element_size()

@@ -3,23 +3,28 @@
     logits, state = forward(params, state, batch, mode)
 """
 
-from .batch import Batch, BatchError, DecodeMetadata, PrefillMetadata, build_batch, check_batch
+from .batch import Batch, BatchError, DecodeMetadata, PrefillMetadata, check_batch
+from .batch_build import build_batch
 from .checkpoint import CheckpointError, Model, load_model
 from .config import ConfigError, ModelConfig, RopeConfig
 from .engine import Completion, Engine, RequestError, StreamEvent
-from .forward import decode, forward, prefill
-from .mode import ForwardMode, PaddingPolicy
+from .forward import ForwardOutput, decode, forward, forward_outputs, prefill
+from .layers import LayerContext, LayerKind, layer_kinds
+from .mode import ForwardMode, PaddingPolicy, SegmentKind
 from .params import Params
 from .plan import SeqPlan, StepPlan
+from .prepare import init_state, plan_step, prepare_step
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .state.kv_cache import DonatedStateError, KVCacheState
+from .state.layer_cache import CacheGroup, MLALayerCache
 from .step import Step, StepOutput, make_step, padding_ladders
-from .stepping import init_state, plan_step
 
 __all__ = [
-    "Batch", "BatchError", "CheckpointError", "Completion", "Engine", "RequestError", "SamplingParams", "StreamEvent", "ConfigError", "DecodeMetadata", "DonatedStateError",
-    "ForwardMode", "KVCacheState", "Model", "ModelConfig", "PRESETS", "PaddingPolicy", "Params",
-    "PrefillMetadata", "RopeConfig", "SeqPlan", "Step", "StepOutput", "StepPlan", "build_batch", "check_batch", "decode",
-    "forward", "init_state", "load_model", "make_step", "padding_ladders", "plan_step", "prefill",
+    "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DecodeMetadata",
+    "DonatedStateError", "Engine", "ForwardMode", "ForwardOutput", "KVCacheState", "LayerContext", "LayerKind",
+    "MLALayerCache", "Model", "ModelConfig", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
+    "RequestError", "RopeConfig", "SamplingParams", "SegmentKind", "SeqPlan", "Step", "StepOutput", "StepPlan",
+    "StreamEvent", "build_batch", "check_batch", "decode", "forward", "forward_outputs", "init_state",
+    "layer_kinds", "load_model", "make_step", "padding_ladders", "plan_step", "prefill", "prepare_step",
 ]

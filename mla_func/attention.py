@@ -8,9 +8,11 @@ Both compute the same function (tests check `absorbed == decompressed`).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
-from .batch import Batch
+from .batch import Batch, BatchError
 from .config import ModelConfig
 from .kernels import Ops
 from .mode import ForwardMode
@@ -43,12 +45,15 @@ def decode_attention(
     seq_lens: torch.Tensor,
     config: ModelConfig,
     ops: Ops,
+    q_len: int = 1,
 ) -> torch.Tensor:
-    """Absorbed attention of one token per sequence, through the value up-projection.
+    """Absorbed attention of `q_len` causal query tokens per sequence, through the value up-projection.
 
-    q [B, H, C + R] absorbed query (q_nope @ W_UK, then the rotated q_pe),
-    block_table [B, W], seq_lens [B] -> [B, H, Dv]
+    q [B * q_len, H, C + R] absorbed query (q_nope @ W_UK, then the rotated q_pe), the rows
+    of sequence b in position order; block_table [B, W], seq_lens [B] -> [B * q_len, H, Dv]
     """
+    # The one-token call keeps the op's minimal signature, which every backend takes.
+    extra = {} if q_len == 1 else {"q_len": q_len}
     out, _ = ops.mla_decode(
         q,
         kv_cache,
@@ -57,8 +62,19 @@ def decode_attention(
         softmax_scale=config.softmax_scale,
         kv_lora_rank=config.kv_lora_rank,
         w_uv=p.w_uv,
+        **extra,
     )
     return out
+
+
+_M = TypeVar("_M")
+
+
+def _segment(meta: _M | None, name: str) -> _M:
+    """A segment's metadata, which `check_batch` made present whenever the mode has that segment."""
+    if meta is None:
+        raise BatchError(f"{name} metadata: the mode has a {name} segment, the batch has no metadata for it")
+    return meta
 
 
 def mla_attention(
@@ -89,15 +105,16 @@ def mla_attention(
     latent_args = (kv_cache, batch.slot_mapping, latent, p.kv_a_norm)
     rope_args = (batch.positions, cos, sin)
     options = dict(eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
-    if batch.decode is not None:
+    has_decode = mode.padded_decode_seqs > 0
+    if has_decode:
         kv_cache, q_pe, q_absorbed = ops.write_latent_absorb(
             *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, **options)
     else:
         kv_cache, q_pe = ops.write_latent(*latent_args, q_pe, *rope_args, **options)
 
     outputs = []
-    if batch.prefill is not None:
-        meta = batch.prefill
+    if mode.padded_prefill_seqs > 0:
+        meta = _segment(batch.prefill, "prefill")
         out, _ = ops.prefill_attention(
             q_nope[:split],
             q_pe[:split],
@@ -111,10 +128,9 @@ def mla_attention(
             softmax_scale=config.softmax_scale,
         )
         outputs.append(out)
-    if batch.decode is not None:
-        meta = batch.decode
-        outputs.append(
-            decode_attention(p, q_absorbed, kv_cache, meta.block_table, meta.seq_lens, config, ops)
-        )
+    if has_decode:
+        dmeta = _segment(batch.decode, "decode")
+        outputs.append(decode_attention(p, q_absorbed, kv_cache, dmeta.block_table, dmeta.seq_lens, config, ops,
+                                        mode.decode_q_len))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return ops.linear(out.flatten(1), p.o_proj), kv_cache

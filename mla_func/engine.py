@@ -29,7 +29,7 @@ from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .state.block_allocator import OutOfBlocks
 from .step import make_step
-from .stepping import init_state
+from .prepare import init_state, state_bytes_per_block
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
 
@@ -60,7 +60,7 @@ def _check_limit(name: str, value: object, low: int, high: int | None = None, wh
 
 
 def _default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    bytes_per_block = model.config.num_hidden_layers * block_size * model.config.kv_cache_dim * model.dtype.itemsize
+    bytes_per_block = state_bytes_per_block(model, block_size)
     wanted = 1 + max_num_seqs * -(-max_model_len // block_size)
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
@@ -152,7 +152,7 @@ class Engine:
         graphs (or off CUDA) it does nothing. Returns how many graphs were captured.
         """
         before = len(self.step.captured_keys)
-        self.step.warmup(self.state, self.step.decode_graph_modes(), progress=progress)
+        self.step.warmup(self.state, self.step.decode_graph_modes(self.state), progress=progress)
         return len(self.step.captured_keys) - before
 
     # ---- requests ---------------------------------------------------------------

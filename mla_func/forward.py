@@ -1,72 +1,102 @@
 """The pure forward: logits, state = forward(params, state, batch, mode).
 
-`prefill` and `decode` are the same function restricted to one segment kind;
-`forward` accepts any kind, mixed included, where prefill rows and decode rows
-share every projection and differ only in the attention path each segment takes
-(each with its own metadata).
+The forward composes the layers' own functions (see `layers`): embed, then for
+each layer its kind's `enter` and `body` over that layer's params and cache, then
+the final norm and the logits rows. `prefill` and `decode` are the same function
+restricted to one segment kind; `forward` accepts any kind, mixed included,
+where prefill rows and decode rows share every projection and differ only in the
+attention path each segment takes (each with its own metadata).
+
+`forward_outputs` is the same function returning a `ForwardOutput` pytree: the
+logits, and the last hidden states (after the final norm, one per logits row)
+when asked for, as a drafter that continues from the model's states needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
-from .attention import mla_attention
 from .batch import Batch, check_batch
 from .kernels import Ops, ops_for
-from .mode import ForwardMode
-from .moe import feed_forward
+from .layers import LayerContext, LayerKind, layer_kinds
+from .mode import ForwardMode, SegmentKind
 from .params import Params
+from .pytree import register_dataclass
 from .state.kv_cache import KVCacheState
 
 
-def _run(
-    name: str,
-    params: Params,
-    state: KVCacheState,
-    batch: Batch,
-    mode: ForwardMode,
-    copy: bool,
-    ops: Ops | None,
-) -> tuple[torch.Tensor, KVCacheState]:
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """What a forward returns besides the state.
+
+    logits: [mode.padded_num_logits, V] at least float32; rows past mode.num_logits are padding
+    hidden: [mode.padded_num_logits, D] the normalised last hidden state of each logits row,
+            or None when not asked for
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode,
+           kinds: Sequence[LayerKind], ops: Ops | None) -> Ops:
     state.check_live(name)
     check_batch(batch, mode)
-    config = params.config
-    if state.num_layers != config.num_hidden_layers:
-        raise ValueError(f"{name}: state has {state.num_layers} layers, the model {config.num_hidden_layers}")
+    if not state.num_layers == len(params.layers) == len(kinds):
+        raise ValueError(f"{name}: state has {state.num_layers} layer caches, params {len(params.layers)} layers, "
+                         f"and {len(kinds)} layer kinds are given")
+    embed = params.embed
+    if state.device != embed.device or state.dtype != embed.dtype:
+        raise ValueError(f"{name}: the state is {state.dtype} on {state.device}, the model {embed.dtype} on "
+                         f"{embed.device}: make the state with init_state(model, ...)")
+    if mode.block_size and mode.block_size != state.block_size:
+        raise ValueError(f"{name}: the batch was planned for blocks of {mode.block_size} tokens, the state's hold "
+                         f"{state.block_size}")
+    if mode.cache_groups and mode.cache_groups != state.groups:
+        raise ValueError(f"{name}: the batch was planned for cache groups {mode.cache_groups}, the state has "
+                         f"{state.groups}")
     if ops is None:
-        ops = ops_for(mode.backend)
-    elif ops.backend != mode.backend:
+        return ops_for(mode.backend)
+    if ops.backend != mode.backend:
         raise ValueError(f"{name}: ops are for backend {ops.backend!r}, the mode for {mode.backend!r}")
-    eps = config.rms_norm_eps
-    valid = batch.slot_mapping >= 0                                     # real rows always write a slot
+    return ops
 
-    layers = params.layers
-    hidden = F.embedding(batch.input_ids, params.embed)                 # [T, D]
-    # Each layer's input norm runs with its first projection (one launch at decode sizes).
-    qkv_a = ops.rms_norm_linear(hidden, layers[0].input_norm, eps, layers[0].attn.qkv_a_proj)
+
+def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *, copy: bool,
+         ops: Ops | None, layers: Sequence[LayerKind] | None, return_hidden: bool) -> tuple[ForwardOutput, KVCacheState]:
+    config = params.config
+    kinds = layer_kinds(config) if layers is None else tuple(layers)
+    ops = _check(name, params, state, batch, mode, kinds, ops)
+    ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
+                       rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy)
+    delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
+    residual: torch.Tensor | None = None
     caches = []
-    for i, layer in enumerate(layers):
-        attn_out, cache = mla_attention(
-            layer.attn, qkv_a, state.kv_cache[i], batch, mode, config, ops,
-            params.rope_cos, params.rope_sin, inplace=not copy,
-        )
+    for kind, p, cache in zip(kinds, params.layers, state.layers):
+        entered, residual = kind.enter(p, delta, residual, ctx)
+        delta, residual, cache = kind.body(p, entered, residual, cache, ctx)
         caches.append(cache)
-        x, hidden = ops.rms_norm(attn_out, layer.post_attention_norm, eps, residual=hidden)
-        ffn_out = feed_forward(layer.mlp, x, valid, config, ops)
-        if i + 1 < len(layers):
-            nxt = layers[i + 1]
-            qkv_a, hidden = ops.rms_norm_linear(ffn_out, nxt.input_norm, eps, nxt.attn.qkv_a_proj, residual=hidden)
-    x, hidden = ops.rms_norm(ffn_out, params.norm, eps, residual=hidden)
-    # A decode step's rows are its logits rows in order (padding rows give padding logits).
-    if mode.kind != "decode" or x.shape[0] != mode.padded_num_logits:
+    x, _ = ops.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
+    if mode.gather_logits:
         x = x[batch.logits_indices]
     logits = ops.linear(x, params.lm_head)                              # [N, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    new_state = state.with_caches(tuple(caches))
+    new_state = replace(state, layers=tuple(caches))
     if not copy:
         state.donate(name)
-    return logits, new_state
+    return ForwardOutput(logits, x if return_hidden else None), new_state
+
+
+def forward_outputs(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *, copy: bool = False,
+                    ops: Ops | None = None, layers: Sequence[LayerKind] | None = None,
+                    return_hidden: bool = True) -> tuple[ForwardOutput, KVCacheState]:
+    """`forward`, returning the `ForwardOutput` pytree (logits, and hidden states when `return_hidden`)."""
+    return _run("forward", params, state, batch, mode, copy=copy, ops=ops, layers=layers, return_hidden=return_hidden)
 
 
 def forward(
@@ -77,6 +107,7 @@ def forward(
     *,
     copy: bool = False,
     ops: Ops | None = None,
+    layers: Sequence[LayerKind] | None = None,
 ) -> tuple[torch.Tensor, KVCacheState]:
     """Run one step of any kind.
 
@@ -87,21 +118,29 @@ def forward(
     ops:    the op table to call, by default `ops_for(mode.backend)`; an explicit
             table (e.g. `record_expert_choice`) instruments or replaces ops
             without touching any module.
+    layers: the kind of each layer (see `layers.LayerKind`), by default
+            `layer_kinds(params.config)`; params.layers and state.layers follow it.
     """
-    return _run("forward", params, state, batch, mode, copy, ops)
+    out, new_state = _run("forward", params, state, batch, mode, copy=copy, ops=ops, layers=layers,
+                          return_hidden=False)
+    return out.logits, new_state
+
+
+def _segment(name: str, kind: SegmentKind, params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode,
+             copy: bool, ops: Ops | None) -> tuple[torch.Tensor, KVCacheState]:
+    if mode.kind is not kind:
+        raise ValueError(f"{name}: expected a {kind.value} mode, got kind {mode.kind.value!r}")
+    out, new_state = _run(name, params, state, batch, mode, copy=copy, ops=ops, layers=None, return_hidden=False)
+    return out.logits, new_state
 
 
 def prefill(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *,
-            copy: bool = False, ops: Ops | None = None):
-    """`forward` for a step whose every row is a prefill row (mode.kind == "prefill")."""
-    if mode.kind != "prefill":
-        raise ValueError(f"prefill: expected a prefill mode, got kind {mode.kind!r}")
-    return _run("prefill", params, state, batch, mode, copy, ops)
+            copy: bool = False, ops: Ops | None = None) -> tuple[torch.Tensor, KVCacheState]:
+    """`forward` for a step whose every row is a prefill row (mode.kind is PREFILL)."""
+    return _segment("prefill", SegmentKind.PREFILL, params, state, batch, mode, copy, ops)
 
 
 def decode(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *,
-           copy: bool = False, ops: Ops | None = None):
-    """`forward` for a step whose every row is a decode row (mode.kind == "decode")."""
-    if mode.kind != "decode":
-        raise ValueError(f"decode: expected a decode mode, got kind {mode.kind!r}")
-    return _run("decode", params, state, batch, mode, copy, ops)
+           copy: bool = False, ops: Ops | None = None) -> tuple[torch.Tensor, KVCacheState]:
+    """`forward` for a step whose every row is a decode row (mode.kind is DECODE)."""
+    return _segment("decode", SegmentKind.DECODE, params, state, batch, mode, copy, ops)

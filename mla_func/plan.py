@@ -15,20 +15,24 @@ from dataclasses import dataclass
 class SeqPlan:
     """One sequence's part of a step.
 
-    token_ids:   the tokens fed this step (a prefill chunk, or one decode token).
+    token_ids:   the tokens fed this step (a prefill chunk, or the decode segment's
+                 query length of tokens: one to decode, k + 1 to verify k drafts).
     start_pos:   how many tokens of this sequence are already in the cache; the
                  first token of `token_ids` sits at this position.
-    block_table: physical KV-cache block ids covering positions
+    block_table: physical block ids of cache group 0 covering positions
                  [0, start_pos + len(token_ids)), in order.
     num_logits:  how many trailing tokens of `token_ids` produce logits: 1 for a
                  decode token or a prefill chunk that completes its prompt, 0 for
                  a chunk that does not, len(token_ids) to score every token.
+    group_block_tables: the block tables of cache groups 1.. (empty for a model with
+                 one group), each covering the entries of positions [0, seq_len).
     """
 
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
     num_logits: int = 1
+    group_block_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -44,11 +48,14 @@ class SeqPlan:
 class StepPlan:
     """All sequences of one step: prefill rows first, then decode rows.
 
-    Every decode sequence feeds exactly one token and has cached context.
+    Every decode sequence has cached context and feeds exactly `decode_q_len`
+    tokens (the decode segment's query length: 1 to decode, k + 1 to verify k
+    drafted tokens), attended causally.
     """
 
     prefill: tuple[SeqPlan, ...] = ()
     decode: tuple[SeqPlan, ...] = ()
+    decode_q_len: int = 1
 
     @property
     def num_prefill_tokens(self) -> int:

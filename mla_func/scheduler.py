@@ -39,6 +39,10 @@ tokens per step; with `enable_mixed`, every request in the decode phase at the
 start of a step gets a decode row in that step unless it is preempted in that
 step; without it, no such request waits two steps in a row.
 
+Cache groups: a request holds one block table per cache group of the model
+(`SchedulerConfig.cache_groups`; one for DeepSeek-V2/V3), and every block
+operation covers all groups at once through a `GroupedAllocator`.
+
 A request finishes inside `update` when it samples one of its `stop_token_ids`
 (reason STOP), when it has `max_tokens` generated tokens, or when prompt +
 generated reaches `max_model_len` (reason LENGTH); `finish` aborts it.
@@ -46,163 +50,38 @@ generated reaches `max_model_len` (reason LENGTH); `finish` aborts it.
 
 from __future__ import annotations
 
-import bisect
-import enum
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from mla_func.plan import SeqPlan, StepPlan
-from mla_func.state.block_allocator import BlockAllocator, BlockHash
+from mla_func.scheduler_policy import SeqState, StepBuild, StepPolicy
+from mla_func.scheduler_types import FinishedRequest, FinishReason, Request, ScheduledStep, SchedulerConfig
+from mla_func.state.block_allocator import BlockAllocator
+from mla_func.state.cache_groups import GroupedAllocator
+
+__all__ = ["FinishReason", "FinishedRequest", "Request", "ScheduledStep", "Scheduler", "SchedulerConfig"]
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # sampled one of the request's stop token ids
-    LENGTH = "length"  # max_tokens generated, or max_model_len reached
-    ABORT = "abort"  # finished from outside with `Scheduler.finish`
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Static limits of the scheduler.
-
-    long_prefill_token_threshold: most tokens in one prefill chunk; 0 or None
-    means a chunk is limited only by the step's token budget.
-    max_num_batched_tokens must be >= max_num_seqs, so that after every running
-    request's decode token there is budget left for a prefill chunk.
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    long_prefill_token_threshold: int | None = None
-    enable_mixed: bool = True
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the scratch block), got {self.num_blocks}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}), or running decodes could use the whole budget"
-            )
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 or None, got {self.long_prefill_token_threshold}"
-            )
-
-    @property
-    def max_prefill_chunk(self) -> int:
-        return self.long_prefill_token_threshold or self.max_num_batched_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One generation request. `sampling_params` is carried for the caller, never read.
-
-    stop_token_ids: sampling one of these finishes the request (the caller adds
-    the tokenizer's eos here unless it is to be ignored); the stop token is kept
-    in the output.
-    """
-
-    request_id: Hashable
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    stop_token_ids: tuple[int, ...] = ()
-    sampling_params: Any = None
-
-    def __post_init__(self):
-        if len(self.prompt_token_ids) == 0:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
-        bad = [t for t in self.prompt_token_ids if not isinstance(t, int) or t < 0]
-        if bad:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must be ints >= 0, got {bad[:5]}")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
-    """One step: its plan, and for each row (prefill rows then decode rows) the request id."""
-
-    plan: StepPlan
-    request_ids: tuple[Hashable, ...]
-    preempted: tuple[Hashable, ...] = ()  # requests sent back to waiting while building this step
-    index: int = 0  # counts steps from 0, for messages
-
-    @property
-    def rows(self) -> tuple[SeqPlan, ...]:
-        return self.plan.prefill + self.plan.decode
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRequest:
-    request_id: Hashable
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    num_preemptions: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class _Seq:
-    """A request's mutable progress, owned by the scheduler."""
-
-    request: Request
-    arrival: int
-    max_len: int  # prompt + generated never exceeds this
-    token_ids: list[int]  # prompt + generated
-    num_computed: int = 0  # tokens whose KV is in the cache (a prefix of token_ids)
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)  # of the registered full blocks
-    num_preemptions: int = 0
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - len(self.request.prompt_token_ids)
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed > 0 and len(self.token_ids) - self.num_computed == 1
-
-
-@dataclass(slots=True)
-class _StepBuild:
-    """The rows chosen so far in one call of `schedule`."""
-
-    prefill: list[tuple[_Seq, int]] = field(default_factory=list)
-    decode: list[_Seq] = field(default_factory=list)
-    preempted: list[_Seq] = field(default_factory=list)
-    # The same requests as `preempted`, for the O(1) membership test of the scheduling loops.
-    gone: set[int] = field(default_factory=set)
-
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefill) + len(self.decode)
-
-
-class Scheduler:
-    """Waiting and running queues over one `BlockAllocator`, which it owns."""
+class Scheduler(StepPolicy):
+    """Waiting and running queues over a `GroupedAllocator` (one `BlockAllocator` per cache group), which it owns."""
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = BlockAllocator(
-            config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        self._seqs: dict[Hashable, _Seq] = {}
-        self._waiting: list[_Seq] = []  # sorted by arrival, holds no blocks
-        self._running: list[_Seq] = []  # sorted by arrival, holds blocks
+        self.blocks = GroupedAllocator(config.cache_groups, enable_prefix_caching=config.enable_prefix_caching,
+                                       carry_periods=config.carry_periods)
+        self._seqs: dict[Hashable, SeqState] = {}
+        self._waiting: list[SeqState] = []  # sorted by arrival, holds no blocks
+        self._running: list[SeqState] = []  # sorted by arrival, holds blocks
         self._next_arrival = 0
         self._pending: ScheduledStep | None = None
-        self._pending_seqs: list[_Seq] = []  # per row of the pending step
+        self._pending_seqs: list[SeqState] = []  # per row of the pending step
         self._next_index = 0
         self._last_kind = "decode"  # so an unmixed scheduler starts with a prefill step
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The allocator of cache group 0."""
+        return self.blocks.allocators[0]
 
     # ---- requests in and out -------------------------------------------------
 
@@ -221,12 +100,14 @@ class Scheduler:
         max_len = min(num_prompt + request.max_tokens, cfg.max_model_len)
         # The last sampled token is never fed back, so the cache holds at most max_len - 1 tokens.
         blocks = -(-(max_len - 1) // cfg.block_size)
-        if blocks > self.allocator.num_usable_blocks:
+        if blocks > self.allocator.num_usable_blocks or max_len - 1 > self.blocks.num_usable_tokens():
             raise ValueError(
                 f"request {rid!r}: needs up to {blocks} KV blocks ({max_len - 1} tokens) but the cache has "
                 f"only {self.allocator.num_usable_blocks} usable blocks of {cfg.block_size} tokens"
+                + ("" if len(cfg.cache_groups) == 1 else " (or too few in another cache group)")
             )
-        seq = _Seq(request, self._next_arrival, max_len, list(request.prompt_token_ids))
+        seq = SeqState(request, self._next_arrival, max_len, list(request.prompt_token_ids), self.blocks.empty_tables(),
+                   tuple([] for _ in cfg.cache_groups))
         self._next_arrival += 1
         self._seqs[rid] = seq
         self._waiting.append(seq)
@@ -264,7 +145,7 @@ class Scheduler:
         self._pending = None
         if not self._seqs:
             return None
-        b = _StepBuild()
+        b = StepBuild()
         if self.config.enable_mixed:
             self._schedule_decodes(b)
             self._schedule_prefills(b)
@@ -281,29 +162,26 @@ class Scheduler:
             )
         return self._emit(b)
 
-    def _emit(self, b: _StepBuild) -> ScheduledStep:
-        bs = self.config.block_size
+    def _emit(self, b: StepBuild) -> ScheduledStep:
         prefill = []
         for seq, n in b.prefill:
             start = seq.num_computed
             end = start + n
+            table, others = self._tables(seq, end)
             prefill.append(
                 SeqPlan(
                     token_ids=tuple(seq.token_ids[start:end]),
                     start_pos=start,
-                    block_table=tuple(seq.block_table[: -(-end // bs)]),
+                    block_table=table,
                     num_logits=1 if end == len(seq.token_ids) else 0,
+                    group_block_tables=others,
                 )
             )
-        decode = [
-            SeqPlan(
-                token_ids=(seq.token_ids[-1],),
-                start_pos=seq.num_computed,
-                block_table=tuple(seq.block_table[: -(-len(seq.token_ids) // bs)]),
-                num_logits=1,
-            )
-            for seq in b.decode
-        ]
+        decode = []
+        for seq in b.decode:
+            table, others = self._tables(seq, len(seq.token_ids))
+            decode.append(SeqPlan(token_ids=(seq.token_ids[-1],), start_pos=seq.num_computed, block_table=table,
+                                  num_logits=1, group_block_tables=others))
         rows = [s for s, _ in b.prefill] + b.decode
         step = ScheduledStep(
             plan=StepPlan(prefill=tuple(prefill), decode=tuple(decode)),
@@ -326,11 +204,9 @@ class Scheduler:
         self._pending = None
         for seq in self._pending_seqs:
             if self._is_live(seq):
-                keep = -(-seq.num_computed // self.config.block_size)
-                self.allocator.free(seq.block_table[keep:])
-                del seq.block_table[keep:]
+                self.blocks.truncate(seq.tables, seq.num_computed)
 
-    def _is_live(self, seq: _Seq) -> bool:
+    def _is_live(self, seq: SeqState) -> bool:
         return self._seqs.get(seq.request.request_id) is seq
 
     def _check_outstanding(self, step: ScheduledStep) -> None:
@@ -339,91 +215,6 @@ class Scheduler:
                 f"got step {step.index}, but the outstanding step is "
                 f"{None if self._pending is None else self._pending.index}"
             )
-
-    def _schedule_decodes(self, b: _StepBuild) -> None:
-        bs = self.config.block_size
-        for seq in list(self._running):
-            if id(seq) in b.gone or not seq.is_decoding:
-                continue  # preempted earlier in this loop, or still prefilling
-            need = -(-(seq.num_computed + 1) // bs) - len(seq.block_table)  # `_blocks_needed(seq, 1)`, inlined
-            if need > 0 and not self._make_room(seq, need, b):
-                # Nobody younger is left to preempt; give the blocks back to older requests.
-                self._preempt(seq, b)
-                continue
-            if need > 0:
-                seq.block_table += self.allocator.allocate(need)
-            b.decode.append(seq)
-
-    def _schedule_prefills(self, b: _StepBuild) -> None:
-        cfg = self.config
-        for seq in list(self._running):
-            if id(seq) in b.gone or seq.is_decoding:
-                continue
-            budget = cfg.max_num_batched_tokens - b.num_tokens()
-            if budget == 0:
-                return
-            n = min(len(seq.token_ids) - seq.num_computed, budget, cfg.max_prefill_chunk)
-            self._make_room(seq, self._blocks_needed(seq, n), b)
-            n = min(n, self._tokens_that_fit(seq))
-            if n == 0:
-                continue  # the youngest running request keeps its blocks and retries next step
-            seq.block_table += self.allocator.allocate(self._blocks_needed(seq, n))
-            b.prefill.append((seq, n))
-
-        while self._waiting and len(self._running) < cfg.max_num_seqs:
-            budget = cfg.max_num_batched_tokens - b.num_tokens()
-            if budget == 0:
-                return
-            seq = self._waiting[0]
-            if cfg.enable_prefix_caching:
-                # Leave the last token uncached so this chunk has a token that makes logits.
-                hit = self.allocator.match_prefix(seq.token_ids[:-1])
-                seq.block_table = list(hit.blocks)
-                seq.block_hashes = list(hit.hashes)
-                seq.num_computed = len(hit.blocks) * cfg.block_size
-            n = min(
-                len(seq.token_ids) - seq.num_computed, budget, cfg.max_prefill_chunk, self._tokens_that_fit(seq)
-            )
-            if n == 0:
-                # Admission never preempts; and later arrivals must not overtake the head.
-                self._release(seq)
-                return
-            seq.block_table += self.allocator.allocate(self._blocks_needed(seq, n))
-            self._waiting.pop(0)
-            bisect.insort(self._running, seq, key=lambda s: s.arrival)
-            b.prefill.append((seq, n))
-
-    def _blocks_needed(self, seq: _Seq, n: int) -> int:
-        return max(0, -(-(seq.num_computed + n) // self.config.block_size) - len(seq.block_table))
-
-    def _tokens_that_fit(self, seq: _Seq) -> int:
-        slack = len(seq.block_table) * self.config.block_size - seq.num_computed
-        return slack + self.allocator.num_free_blocks * self.config.block_size
-
-    def _make_room(self, seq: _Seq, need: int, b: _StepBuild) -> bool:
-        """Preempt running requests younger than `seq`, youngest first, until `need` blocks are free."""
-        while self.allocator.num_free_blocks < need:
-            victim = self._running[-1]
-            if victim.arrival <= seq.arrival:
-                return False
-            self._preempt(victim, b)
-        return True
-
-    def _preempt(self, seq: _Seq, b: _StepBuild) -> None:
-        b.decode = [s for s in b.decode if s is not seq]
-        b.prefill = [(s, n) for s, n in b.prefill if s is not seq]
-        b.preempted.append(seq)
-        b.gone.add(id(seq))
-        self._running.remove(seq)
-        self._release(seq)
-        seq.num_preemptions += 1
-        bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
-
-    def _release(self, seq: _Seq) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed = 0
 
     # ---- results -------------------------------------------------------------
 
@@ -462,16 +253,12 @@ class Scheduler:
                 finished.append(self._finish(seq, FinishReason.LENGTH))
         return finished
 
-    def _register_full_blocks(self, seq: _Seq) -> None:
+    def _register_full_blocks(self, seq: SeqState) -> None:
         if not self.config.enable_prefix_caching:
             return
-        bs = self.config.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            seq.block_hashes.append(self.allocator.register(seq.block_table[i], parent, block_tokens))
+        self.blocks.register_full_blocks(seq.tables, seq.hashes, seq.token_ids, seq.num_computed)
 
-    def _finish(self, seq: _Seq, reason: FinishReason) -> FinishedRequest:
+    def _finish(self, seq: SeqState, reason: FinishReason) -> FinishedRequest:
         if seq in self._running:
             self._running.remove(seq)
             self._release(seq)
@@ -490,19 +277,20 @@ class Scheduler:
     # ---- checks --------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if queues, block tables and the allocator disagree."""
-        bs = self.config.block_size
+        """Raise AssertionError if queues, block tables and the allocators disagree."""
+        groups = self.config.cache_groups
         assert len(self._running) <= self.config.max_num_seqs
         assert [s.arrival for s in self._running] == sorted(s.arrival for s in self._running)
         assert [s.arrival for s in self._waiting] == sorted(s.arrival for s in self._waiting)
         assert {id(s) for s in self._running} | {id(s) for s in self._waiting} == {id(s) for s in self._seqs.values()}
         assert not ({id(s) for s in self._running} & {id(s) for s in self._waiting})
-        owners: Counter[int] = Counter()
+        owners: list[Counter[int]] = [Counter() for _ in groups]
         for seq in self._running:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request.request_id!r} repeats a block"
-            if self._pending is None:
-                assert len(seq.block_table) == -(-seq.num_computed // bs), seq.request.request_id
-            owners.update(seq.block_table)
+            for g, table, count in zip(groups, seq.tables, owners):
+                assert len(set(table)) == len(table), f"{seq.request.request_id!r} repeats a block"
+                if self._pending is None:
+                    assert len(table) == g.blocks_for(seq.num_computed), seq.request.request_id
+                count.update(table)
         for seq in self._waiting:
-            assert not seq.block_table and seq.num_computed == 0, seq.request.request_id
-        self.allocator.check_invariants(owners)
+            assert not any(seq.tables) and seq.num_computed == 0, seq.request.request_id
+        self.blocks.check_invariants(owners)

@@ -1,174 +1,180 @@
-"""make_step: the forward, memoized over static shapes, replayed as CUDA graphs.
+"""make_step: a pure step function, memoized over static shapes, replayed as CUDA graphs.
 
+Any pure `fn(params, state, batch, mode) -> (output, state)` can be memoized (the
+model's forward is one; a drafter or a verifier is another): its `output` is a
+pytree whose every leaf is indexed by logits row first ([mode.padded_num_logits, ...]).
 A step's `mode.static_key` fixes the shape of every tensor it touches. The first
-call with a key captures a CUDA graph of the forward over static input buffers;
-later calls copy the batch into those buffers (one pytree map) and replay. A
-step that does not fit the padding ladders (`mode.use_graph` is False) runs the
-same forward eagerly, with one warning. Without CUDA every step is eager.
+call with a key captures a CUDA graph of `fn` over static input buffers; later
+calls copy the batch into those buffers (one pytree map) and replay. A step that
+does not fit the padding ladders (`mode.use_graph` is False) runs the same `fn`
+eagerly, with one warning. Without CUDA every step is eager.
 
-The captured graph writes the cache buffers of the state it was captured with;
-the state is donated into the step and the returned state holds the same buffers.
+The captured graph writes the state buffers it was captured with; the state is
+donated into the step and the returned state holds the same buffers (every leaf
+of the state pytree, whatever the layer kinds).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .batch import Batch, build_batch, check_batch
+from .batch import Batch, check_batch
+from .batch_build import build_batch
 from .checkpoint import Model
-from .forward import forward
+from .config import ModelConfig
+from .forward import ForwardOutput, forward_outputs
 from .kernels import default_backend
-from .mode import SEGMENT_KINDS, ForwardMode, PaddingPolicy
+from .ladders import padding_ladders
+from .mode import SEGMENT_KINDS, ForwardMode, PaddingPolicy, SegmentKind
 from .plan import StepPlan
+from .prepare import prepare_step
 from .pytree import tree_map
 from .state.kv_cache import KVCacheState
 
 logger = logging.getLogger(__name__)
 
-# Up to this many block-table entries a step (max_num_seqs x blocks a sequence,
-# 256 KiB of int32), every step uses the full table width: graphs are then keyed
-# on batch sizes alone, so one warm-up captures every decode graph a run can meet,
-# and copying the wider table costs microseconds.
-_FULL_WIDTH_TABLE_ENTRIES = 1 << 16
+__all__ = ["Step", "StepFn", "StepOutput", "make_step", "padding_ladders"]
+
+StepFn = Callable[[Any, KVCacheState, Batch, ForwardMode], tuple[Any, KVCacheState]]
 
 
-def padding_ladders(
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_blocks_per_seq: int,
-    prefill_token_sizes: Sequence[int] | None = None,
-) -> PaddingPolicy:
-    """The default ladders: decode sequences 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond;
-    prefill tokens and prefill sequences in powers of two (the last rung is the maximum itself);
-    block-table widths one rung, `max_blocks_per_seq`, when a full table has at most 65536
-    entries (max_num_seqs x max_blocks_per_seq), else powers of two as well."""
-
-    def powers_of_two(start: int, top: int) -> tuple[int, ...]:
-        rungs, r = [], start
-        while r < top:
-            rungs.append(r)
-            r *= 2
-        return (*rungs, top)
-
-    decode = [r for r in (1, 2, 4) if r < max_num_seqs]
-    r = 8
-    while r < max_num_seqs:
-        decode.append(r)
-        r += 8 if r < 64 else 16
-    decode.append(max_num_seqs)
-    tokens = tuple(sorted(set(prefill_token_sizes))) if prefill_token_sizes else powers_of_two(16, max_num_batched_tokens)
-    return PaddingPolicy(
-        decode_seqs=tuple(decode),
-        prefill_tokens=tokens,
-        prefill_seqs=powers_of_two(1, max_num_seqs),
-        block_table_widths=(
-            (max_blocks_per_seq,) if max_num_seqs * max_blocks_per_seq <= _FULL_WIDTH_TABLE_ENTRIES
-            else powers_of_two(1, max_blocks_per_seq)
-        ),
-    )
+def model_step_fn(params: Any, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[Any, KVCacheState]:
+    """The model's forward as a step function: (ForwardOutput with logits only, state)."""
+    return forward_outputs(params, state, batch, mode, return_hidden=False)
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """What a step returns besides the state.
 
-    logits: [mode.num_logits, V] the real logits rows, in plan order
-            (prefill sequences' rows, then decode rows); a fresh tensor, never a
-            view of a graph's static output.
+    output: the step function's output pytree, each leaf cut to its [mode.num_logits]
+            real rows, in plan order (prefill sequences' rows, then decode rows);
+            fresh tensors, never views of a graph's static output.
     mode:   the mode the step ran with.
     graph:  whether it replayed a CUDA graph.
     """
 
-    logits: torch.Tensor
+    output: Any
     mode: ForwardMode
     graph: bool
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[mode.num_logits, V] the real logits rows (for a function returning a `ForwardOutput`)."""
+        out: ForwardOutput = self.output
+        return out.logits
 
 
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     batch: Batch                      # static input buffers
-    logits: torch.Tensor              # static output buffer
-    cache_ptrs: tuple[int, ...]       # the cache buffers the graph writes
+    output: Any                       # static output buffers (a pytree)
+    state_ptrs: tuple[int, ...]       # the state buffers the graph writes
+    layers: tuple[Any, ...]           # a state's layer tuple known to hold those buffers
+
+
+def _real_rows(output: Any, mode: ForwardMode, *, clone: bool) -> Any:
+    n = mode.num_logits
+    return tree_map(lambda t: t[:n].clone() if clone else t[:n], output)
+
+
+def _state_ptrs(state: KVCacheState) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in state.leaves())
 
 
 @dataclass
 class Step:
-    """A memoized, graph-captured forward. Build with `make_step`.
+    """A memoized, graph-captured step function. Build with `make_step`.
 
     `prepare(state, plan)` decides the mode with this step's padding ladders and
     builds the batch; `step(state, batch, mode)` runs it and returns
     `(new_state, StepOutput)`, donating `state`.
     """
 
-    model: Model
+    fn: StepFn
+    params: Any
+    config: ModelConfig
     backend: str
     graphs: bool
     padding: PaddingPolicy
+    block_size: int | None
     graph_kinds: tuple[str, ...] = SEGMENT_KINDS
-    _memo: dict[tuple, _Captured] = field(default_factory=dict, repr=False)
-    _pool: object = field(default=None, repr=False)
+    _memo: dict[tuple[object, ...], _Captured] = field(default_factory=dict, repr=False)
+    _pool: Any = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
 
     @property
-    def captured_keys(self) -> tuple[tuple, ...]:
+    def captured_keys(self) -> tuple[tuple[object, ...], ...]:
         return tuple(self._memo)
+
+    def _check_state(self, state: KVCacheState, user: str) -> None:
+        state.check_live(user)
+        if self.block_size is not None and state.block_size != self.block_size:
+            raise ValueError(f"{user}: this step's ladders were made for blocks of {self.block_size} tokens, the "
+                             f"state's hold {state.block_size} (make_step(block_size=...))")
 
     def prepare(self, state: KVCacheState, plan: StepPlan) -> tuple[Batch, ForwardMode]:
         """Decide the mode of `plan` (padded to this step's ladders) and build its batch."""
-        mode = ForwardMode.decide(
-            plan, block_size=state.block_size, backend=self.backend, padding=self.padding, graphs=self.graphs,
-            graph_kinds=self.graph_kinds,
-        )
-        config = self.model.config
-        batch = build_batch(
-            plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
-            vocab_size=config.vocab_size, max_position=config.max_position_embeddings,
-        )
-        return batch, mode
+        self._check_state(state, "step.prepare")
+        return prepare_step(self.config, state, plan, backend=self.backend, padding=self.padding,
+                            graphs=self.graphs, graph_kinds=self.graph_kinds)
 
     def __call__(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
-        state.check_live("step")
+        self._check_state(state, "step")
         check_batch(batch, mode)
         if mode.backend != self.backend:
             raise ValueError(f"step: mode was decided for backend {mode.backend!r}, this step runs {self.backend!r}")
+        if mode.use_graph and not self.graphs:
+            raise ValueError("step: the mode was decided to replay a graph, this step runs without graphs; "
+                             "decide it with step.prepare")
         if not mode.use_graph:
-            if self.graphs and mode.kind in self.graph_kinds:
+            if mode.graph_fallback:
                 self._warn_once("eager", f"step {mode.static_key} does not fit the graph ladders: running it eagerly")
-            logits, new_state = forward(self.model.params, state, batch, mode)
-            return new_state, StepOutput(logits[: mode.num_logits], mode, graph=False)
+            return self._eager(state, batch, mode)
         captured = self._memo.get(mode.static_key)
         if captured is None:
             captured = self._capture(state, batch, mode)
-        elif captured.cache_ptrs != _cache_ptrs(state):
-            self._warn_once("buffers", "step: this state's cache buffers are not the ones the graphs write; running eagerly")
-            logits, new_state = forward(self.model.params, state, batch, mode)
-            return new_state, StepOutput(logits[: mode.num_logits], mode, graph=False)
+        elif state.layers is not captured.layers:
+            # Replays hand back the same layer tuple, so this full check runs only after
+            # an eager step or on a state made elsewhere.
+            if captured.state_ptrs != _state_ptrs(state):
+                self._warn_once("buffers", "step: this state's buffers are not the ones the graphs write; "
+                                "running eagerly")
+                return self._eager(state, batch, mode)
+            captured.layers = state.layers
         tree_map(lambda static, value: static.copy_(value, non_blocking=True), captured.batch, batch)
         captured.graph.replay()
         state.donate("step")
-        new_state = state.with_caches(state.kv_cache)
-        return new_state, StepOutput(captured.logits[: mode.num_logits].clone(), mode, graph=True)
+        return state.renewed(), StepOutput(_real_rows(captured.output, mode, clone=True), mode, graph=True)
 
-    def decode_graph_modes(self) -> tuple[ForwardMode, ...]:
-        """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung)."""
-        if not self.graphs or "decode" not in self.graph_kinds:
+    def _eager(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
+        output, new_state = self.fn(self.params, state, batch, mode)
+        return new_state, StepOutput(_real_rows(output, mode, clone=False), mode, graph=False)
+
+    def decode_graph_modes(self, state: KVCacheState | None = None) -> tuple[ForwardMode, ...]:
+        """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung).
+
+        state: the state they will run on (its cache groups are part of the key);
+               without it, modes for the step's block size and one cache group.
+        """
+        block_size = state.block_size if state is not None else self.block_size
+        groups = state.groups if state is not None else ()
+        if not self.graphs or SegmentKind.DECODE not in self.graph_kinds:
             return ()
+        if block_size is None:
+            raise ValueError("decode_graph_modes: this step accepts any block size; pass the state's")
         return tuple(
-            ForwardMode(
-                kind="decode", backend=self.backend, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,
-                num_logits=0, padded_prefill_tokens=0, padded_prefill_seqs=0, padded_decode_seqs=seqs,
-                padded_num_logits=seqs, block_table_width=width, use_graph=True,
-            )
+            ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, block_size=block_size,
+                                    decode_seqs=seqs, block_table_width=width, cache_groups=groups)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths
         )
@@ -179,41 +185,39 @@ class Step:
         Padding rows write only the scratch block, so `state` stays valid.
         progress: show a progress bar (capturing a large model's graphs takes seconds each).
         """
-        state.check_live("step.warmup")
+        self._check_state(state, "step.warmup")
         todo = [m for m in sorted(modes, key=lambda m: m.num_tokens, reverse=True)
                 if m.use_graph and m.static_key not in self._memo]
         for mode in tqdm(todo, desc="capturing graphs", unit="graph", disable=not progress):
-            empty = dataclasses.replace(mode, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
-            batch = build_batch(StepPlan(), empty, block_size=state.block_size, device=state.device)
+            empty = mode.without_real_rows()
+            batch = build_batch(StepPlan(decode_q_len=mode.decode_q_len), empty, block_size=state.block_size,
+                                device=state.device)
             self._capture(state, batch, empty)
 
     def _capture(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> _Captured:
         key = mode.static_key
-        params = self.model.params
         static_batch = tree_map(torch.clone, batch)
-
-        def handle() -> KVCacheState:
-            # A handle of its own over the same buffers: capture must not donate the caller's state.
-            return KVCacheState(kv_cache=state.kv_cache)
-
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         started = time.perf_counter()
         # Warm-up on a side stream initialises library workspaces outside the graph,
-        # as capture requires; it computes the step for real (same cache writes as replay).
+        # as capture requires; it computes the step for real (same state writes as replay).
+        # Each run gets a handle of its own over the same buffers: capture must not
+        # donate the caller's state.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward(params, handle(), static_batch, mode)
+            self.fn(self.params, state.renewed(), static_batch, mode)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # An error here propagates as it is; the memo is written only after a capture succeeds.
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, _ = forward(params, handle(), static_batch, mode)
+            output, _ = self.fn(self.params, state.renewed(), static_batch, mode)
         torch.cuda.synchronize()
-        captured = _Captured(graph=graph, batch=static_batch, logits=logits, cache_ptrs=_cache_ptrs(state))
+        captured = _Captured(graph=graph, batch=static_batch, output=output, state_ptrs=_state_ptrs(state),
+                             layers=state.layers)
         self._memo[key] = captured
         logger.info(
             "captured %s in %.1f ms, %.1f MiB", key, (time.perf_counter() - started) * 1e3,
@@ -227,13 +231,11 @@ class Step:
             warnings.warn(message, stacklevel=3)
 
 
-def _cache_ptrs(state: KVCacheState) -> tuple[int, ...]:
-    return tuple(c.data_ptr() for c in state.kv_cache)
-
-
 def make_step(
     model: Model,
     *,
+    fn: StepFn | None = None,
+    params: Any = None,
     backend: str | None = None,
     graphs: bool = True,
     graph_kinds: tuple[str, ...] = SEGMENT_KINDS,
@@ -241,10 +243,14 @@ def make_step(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     max_model_len: int | None = None,
-    block_size: int = 16,
+    block_size: int | None = None,
 ) -> Step:
-    """The forward of `model` as a memoized step.
+    """A pure step function over `model`'s device, memoized by the mode's static key.
 
+    fn:       the pure `fn(params, state, batch, mode) -> (output pytree, state)` to memoize
+              (default: the model's forward, whose output is a `ForwardOutput`); every leaf of
+              its output is [mode.padded_num_logits, ...].
+    params:   the pytree `fn` is given (default: the model's params).
     backend:  defaults to "triton" on CUDA, "torch" elsewhere.
     graphs:   capture and replay CUDA graphs (only on CUDA devices; elsewhere eager).
     graph_kinds: the segment kinds ("prefill", "decode", "mixed") that may use graphs;
@@ -253,6 +259,8 @@ def make_step(
               for `max_num_seqs`, `max_num_batched_tokens` and `max_model_len / block_size`
               blocks a sequence (max_model_len defaults to the model's maximum); without
               graphs, exact sizes (padding buys an eager step nothing).
+    block_size: the block size of the states this step runs on, checked at every call;
+              None accepts any (the default ladders then assume blocks of 16 tokens).
     """
     device = model.device
     use_graphs = graphs and device.type == "cuda"
@@ -263,7 +271,8 @@ def make_step(
         padding = padding_ladders(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_blocks_per_seq=-(-max_len // block_size),
+            max_blocks_per_seq=-(-max_len // (block_size or 16)),
         )
-    return Step(model=model, backend=backend or default_backend(device), graphs=use_graphs, padding=padding,
-                graph_kinds=tuple(graph_kinds))
+    return Step(fn=fn or model_step_fn, params=model.params if params is None else params, config=model.config,
+                backend=backend or default_backend(device), graphs=use_graphs, padding=padding,
+                block_size=block_size, graph_kinds=tuple(graph_kinds))

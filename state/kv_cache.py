@@ -1,11 +1,15 @@
-"""The paged latent KV cache as an explicit, immutable-by-contract value.
+"""The model's state: per-layer caches of typed kinds, paged in cache groups, as one pytree.
 
-Each layer caches one `kv_lora_rank + qk_rope_head_dim` vector per token (the
-normalised latent c_kv, then the rotated k_pe), in blocks of `block_size` tokens.
-Block 0 is the scratch block: the allocator never hands it out, padded rows of a
-batch point at it, and nothing reads what lands there.
+Each layer owns one cache value of its kind (see `layer_cache`); the state holds
+them in layer order, the static geometry of each cache group, and the scratch
+buffers kernels are handed. Block 0 of every group is the scratch block: the
+allocator never hands it out, padded rows point at it, nothing reads it.
 
-Functions that write the cache return a new state. Fast paths write the same
+Everything that moves a state moves its pytree leaves: cloning, copying into a
+graph's buffers, checking buffers against a captured graph, making a fresh handle.
+A layer kind with more leaves needs no change here.
+
+Functions that write the state return a new one. Fast paths write the same
 buffers in place, so the state they were given is *donated*: it is marked, and
 using it again raises `DonatedStateError` (the old handle would silently see the
 new contents otherwise). `copy=True` on those functions writes out of place and
@@ -14,13 +18,18 @@ leaves the old state valid, for code that wants to branch or differentiate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from mla_func.pytree import register_dataclass
+from mla_func.pytree import register_dataclass, static_field, tree_leaves
 
-SCRATCH_BLOCK = 0
+from .block_allocator import SCRATCH_BLOCK
+from .layer_cache import CacheGroup, LayerCache, MLALayerCache
+
+__all__ = ["SCRATCH_BLOCK", "CacheGroup", "DonatedStateError", "KVCacheState", "MLALayerCache", "init_state"]
 
 
 class DonatedStateError(RuntimeError):
@@ -39,32 +48,82 @@ class _Liveness:
 @register_dataclass
 @dataclass(frozen=True, slots=True, eq=False)
 class KVCacheState:
-    """Per-layer paged latent caches.
+    """Per-layer caches, the cache groups they live in, and scratch buffers.
 
-    kv_cache: one [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] tensor per layer.
+    layers:  one cache per layer, of that layer's kind (e.g. `MLALayerCache`)
+    scratch: buffers kernels are handed (static shapes), part of the pytree
+    groups:  the geometry of each cache group (static); every paged tensor of a
+             layer in group g is [groups[g].num_blocks, groups[g].block_size, ...]
 
     Flattening and unflattening (e.g. `tree_map`) makes a new, live value: liveness
     belongs to a handle, not to the buffers.
     """
 
-    kv_cache: tuple[torch.Tensor, ...]
-    _liveness: _Liveness = field(default_factory=_Liveness, init=False, repr=False, compare=False)
+    layers: tuple[Any, ...]
+    groups: tuple[CacheGroup, ...] = static_field()
+    scratch: tuple[torch.Tensor, ...] = ()
+    _liveness: _Liveness = static_field(default_factory=_Liveness, init=False, repr=False, compare=False)
+
+    def check_geometry(self) -> None:
+        """Raise ValueError unless every layer's paged tensors match its group's geometry.
+
+        Run where a state is made (`init_state`), not on every step: handles made by
+        tree operations keep the leaves they were made from.
+        """
+        if not self.layers:
+            raise ValueError("KVCacheState.layers: expected at least one layer cache, got none")
+        if not self.groups:
+            raise ValueError("KVCacheState.groups: expected at least one cache group, got none")
+        if self.groups[0].tokens_per_entry != 1:
+            # Every real row writes one group-0 slot: that is how a batch tells real rows from padding.
+            raise ValueError(f"KVCacheState.groups[0].tokens_per_entry: group 0 holds one entry per token, got "
+                             f"{self.groups[0].tokens_per_entry}")
+        for i, layer in enumerate(self.layers):
+            cache: LayerCache = layer
+            if not 0 <= cache.group < len(self.groups):
+                raise ValueError(f"layers[{i}].group: expected in [0, {len(self.groups)}), got {cache.group}")
+            g = self.groups[cache.group]
+            for t in cache.paged():
+                if tuple(t.shape[:2]) != (g.num_blocks, g.block_size):
+                    raise ValueError(
+                        f"layers[{i}]: a paged tensor of group {cache.group} must start with "
+                        f"(num_blocks, block_size) = {(g.num_blocks, g.block_size)}, got {tuple(t.shape)}"
+                    )
 
     @property
     def num_layers(self) -> int:
-        return len(self.kv_cache)
+        return len(self.layers)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache[0].shape[0]
+        """Blocks of cache group 0 (scratch included)."""
+        return self.groups[0].num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.kv_cache[0].shape[1]
+        """Entries a block of cache group 0 holds (tokens, as group 0 has one entry per token)."""
+        return self.groups[0].block_size
 
     @property
     def device(self) -> torch.device:
-        return self.kv_cache[0].device
+        return self.leaves()[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first layer's first paged tensor."""
+        return self.layers[0].paged()[0].dtype
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Every tensor of the state, in pytree order."""
+        return tree_leaves(self)
+
+    def bytes_per_block(self, group: int = 0) -> int:
+        """Bytes one block of `group` takes over all layers (what a block costs the memory budget)."""
+        total = 0
+        for layer in self.layers:
+            if layer.group == group:
+                total += sum(t[0].numel() * t.element_size() for t in layer.paged())
+        return total
 
     @property
     def is_donated(self) -> bool:
@@ -83,27 +142,33 @@ class KVCacheState:
         self.check_live(to)
         self._liveness.donated_to = to
 
-    def with_caches(self, kv_cache: tuple[torch.Tensor, ...]) -> KVCacheState:
-        """A new live state holding `kv_cache`."""
-        return KVCacheState(kv_cache=tuple(kv_cache))
+    def renewed(self) -> KVCacheState:
+        """A new live handle over the same buffers: every field (so every leaf) kept, liveness fresh."""
+        return replace(self)
 
 
 def init_state(
+    layer_caches: Sequence[Any],
+    *,
+    groups: Sequence[CacheGroup],
+    scratch: Sequence[torch.Tensor] = (),
+) -> KVCacheState:
+    """A state of the given layer caches, checked against the geometry of `groups`."""
+    state = KVCacheState(layers=tuple(layer_caches), groups=tuple(groups), scratch=tuple(scratch))
+    state.check_geometry()
+    return state
+
+
+def zeroed_mla_caches(
     num_layers: int,
     kv_cache_dim: int,
+    group: CacheGroup,
     *,
-    num_blocks: int,
-    block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> KVCacheState:
-    """A zeroed cache of `num_blocks` blocks (block 0 is scratch) of `block_size` tokens per layer."""
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks: need at least 2 (block 0 is scratch), got {num_blocks}")
-    if block_size < 1:
-        raise ValueError(f"block_size: must be positive, got {block_size}")
-    return KVCacheState(
-        kv_cache=tuple(
-            torch.zeros(num_blocks, block_size, kv_cache_dim, dtype=dtype, device=device) for _ in range(num_layers)
-        )
+) -> tuple[MLALayerCache, ...]:
+    """One zeroed [num_blocks, block_size, kv_cache_dim] latent cache per layer, in group 0."""
+    return tuple(
+        MLALayerCache(kv=torch.zeros(group.num_blocks, group.block_size, kv_cache_dim, dtype=dtype, device=device))
+        for _ in range(num_layers)
     )

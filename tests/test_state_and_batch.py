@@ -42,10 +42,10 @@ def test_reusing_a_donated_state_raises(model):
 
 def test_copy_keeps_the_old_state_valid_and_unchanged(model):
     state = fresh_state(model)
-    before = [c.clone() for c in state.kv_cache]
+    before = [c.clone() for c in state.leaves()]
     batch, mode = mf.plan_step(model.config, state, one_prefill([3, 4, 5]))
     logits_a, branch_a = mf.forward(model.params, state, batch, mode, copy=True)
-    for old, now in zip(before, state.kv_cache):
+    for old, now in zip(before, state.leaves()):
         assert torch.equal(old, now)
     logits_b, branch_b = mf.forward(model.params, state, batch, mode, copy=True)
     assert torch.equal(logits_a, logits_b)
@@ -161,7 +161,7 @@ def test_padding_changes_nothing_for_real_rows(model, prefill_lens, decode_ctx, 
     logits, padded_state = mf.forward(model.params, state, batch, padded_mode, copy=True)
     n = exact_mode.num_logits
     assert rel_err(logits[:n], exact_logits[:n]) <= 1e-12
-    for exact_cache, padded_cache in zip(exact_state.kv_cache, padded_state.kv_cache):
+    for exact_cache, padded_cache in zip(exact_state.leaves(), padded_state.leaves()):
         # block 0 is scratch; elsewhere only matmul blocking over more rows may differ
         torch.testing.assert_close(padded_cache[1:], exact_cache[1:], rtol=1e-12, atol=1e-12)
 

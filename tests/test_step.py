@@ -82,9 +82,9 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     """What `Step.warmup` captures with: a batch of nothing but padded rows."""
     ladder = mf.PaddingPolicy(decode_seqs=(4,), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(4,))
     state = fresh_state(model)
-    for cache in state.kv_cache:
+    for cache in state.leaves():
         cache.normal_()
-    before = [c.clone() for c in state.kv_cache]
+    before = [c.clone() for c in state.leaves()]
     mode = mf.ForwardMode.decide(
         mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (1,)),), decode=(mf.SeqPlan((3,), 2, (2,)),)),
         block_size=4, padding=ladder,
@@ -94,5 +94,41 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     assert bool((batch.slot_mapping == -1).all()) and empty.num_tokens == 20
     logits, new_state = mf.forward(model.params, state, batch, empty)
     assert logits.shape == (6, model.config.vocab_size) and logits.isfinite().all()
-    for old, new in zip(before, new_state.kv_cache):
+    for old, new in zip(before, new_state.leaves()):
         assert torch.equal(old[1:], new[1:])
+
+
+def test_make_step_memoizes_any_pure_step_function(model):
+    """A function other than the model's forward: each logits row's embedding, scaled; the state passes through."""
+
+    def embed_rows(params, state, batch, mode):
+        rows = batch.input_ids[batch.logits_indices]
+        return mf.ForwardOutput(logits=params["scale"] * params["table"][rows]), state
+
+    table = torch.randn(model.config.vocab_size, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    step = mf.make_step(model, fn=embed_rows, params={"scale": torch.tensor(2.0, dtype=torch.float64), "table": table})
+    state = fresh_state(model)
+    plan = plan_of([3, 2])
+    batch, mode = step.prepare(state, plan)
+    new_state, out = step(state, batch, mode)
+    want = 2.0 * table[[plan.prefill[0].token_ids[-1], plan.prefill[1].token_ids[-1]]]
+    assert torch.equal(out.logits, want) and out.logits.shape == (mode.num_logits, 6)
+    assert new_state is state  # the function returned its state as it was
+
+
+def test_warmup_modes_have_the_keys_real_decode_steps_get(model):
+    """`decode_graph_modes` builds its modes with the constructor `decide` uses: the same static keys."""
+    ladder = mf.PaddingPolicy(decode_seqs=(1, 2, 4), prefill_tokens=(16,), prefill_seqs=(2,), block_table_widths=(8,))
+    step = mf.Step(fn=lambda *a: a, params=model.params, config=model.config, backend="torch", graphs=True,
+                   padding=ladder, block_size=4, graph_kinds=("decode",))
+    state = fresh_state(model)
+    warm = {m.static_key for m in step.decode_graph_modes(state)}
+    assert len(warm) == 3
+    for n in (1, 2, 3, 4):
+        plan = mf.StepPlan(decode=tuple(mf.SeqPlan((5,), 3 + i, blocks(i, 6)) for i in range(n)))
+        _, mode = step.prepare(state, plan)
+        assert mode.use_graph and mode.static_key in warm and not mode.gather_logits
+    # A step that asked for a graph but did not fit is marked so; one of a kind without graphs is not.
+    big = mf.StepPlan(decode=tuple(mf.SeqPlan((5,), 3, blocks(i, 6)) for i in range(5)))
+    assert step.prepare(state, big)[1].graph_fallback
+    assert not step.prepare(state, plan_of([3]))[1].graph_fallback

@@ -29,7 +29,7 @@ def fresh_state(model):
 
 
 def clone_state(state):
-    return mf.KVCacheState(kv_cache=tuple(c.clone() for c in state.kv_cache))
+    return mf.pytree.tree_map(torch.clone, state)
 
 
 def with_context(model, contexts):
@@ -61,7 +61,7 @@ def compare(model, backend, state, plan):
     g_state, g_out = graph_step(g_state, g_batch, g_mode)
     # Replay once more from the same starting contents, in the buffers the graph writes:
     # the replay path, not only the capture's warm-up.
-    for dst, src in zip(g_state.kv_cache, state.kv_cache):
+    for dst, src in zip(g_state.leaves(), state.leaves()):
         dst.copy_(src)
     again_batch, again_mode = graph_step.prepare(g_state, plan)
     again_state, again_out = graph_step(g_state, again_batch, again_mode)
@@ -71,7 +71,7 @@ def compare(model, backend, state, plan):
         assert g_out.graph and again_out.graph
     for out in (g_out, again_out):
         torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
-    for g_cache, e_cache in zip(again_state.kv_cache, e_state.kv_cache):
+    for g_cache, e_cache in zip(again_state.leaves(), e_state.leaves()):
         torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=1e-6, atol=1e-6)  # block 0 is scratch
     return g_mode
 
@@ -82,6 +82,18 @@ def test_decode_graph_equals_eager(model, backend, num_seqs):
     contexts = [3 + 5 * i for i in range(num_seqs)]
     mode = compare(model, backend, with_context(model, contexts), decode_plan(contexts))
     assert mode.use_graph == (num_seqs <= 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len", [2, 4])
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+def test_verify_graph_equals_eager(model, backend, q_len, num_seqs):
+    """Decode rows of several query tokens (verify rows) replay as graphs like any decode step."""
+    contexts = [3 + 5 * i for i in range(num_seqs)]
+    plan = mf.StepPlan(decode=tuple(mf.SeqPlan(tuple(7 + i + j for j in range(q_len)), n, blocks(i, PER_SEQ), q_len)
+                                    for i, n in enumerate(contexts)), decode_q_len=q_len)
+    mode = compare(model, backend, with_context(model, contexts), plan)
+    assert mode.use_graph == (num_seqs <= 8) and mode.decode_q_len == q_len
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,25 +161,23 @@ def test_no_host_sync_inside_a_step(model, backend):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_stale_state_raises_and_capture_errors_reach_the_caller(model, monkeypatch):
-    step = mf.make_step(model, backend="torch", padding=LADDER)
+def test_stale_state_raises_and_capture_errors_reach_the_caller(model):
+    from mla_func.step import model_step_fn
+
+    failing = {"on": True}
+
+    def fn(*args):
+        if failing["on"] and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure")
+        return model_step_fn(*args)
+
+    step = mf.make_step(model, backend="torch", padding=LADDER, fn=fn)
     state = with_context(model, [4])
     batch, mode = step.prepare(state, decode_plan([4]))
-
-    import mla_func.step as step_module
-
-    real_forward = step_module.forward
-
-    def failing_forward(*args, **kwargs):
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("injected capture failure")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="injected capture failure"):
         step(state, batch, mode)
     assert step.captured_keys == ()  # nothing half-registered
-    monkeypatch.setattr(step_module, "forward", real_forward)
+    failing["on"] = False
     new_state, out = step(state, batch, mode)
     assert out.graph and step.captured_keys == (mode.static_key,)
     with pytest.raises(mf.DonatedStateError):
@@ -181,10 +191,10 @@ def test_warmup_captures_largest_first_and_later_steps_replay(model):
         mf.ForwardMode.decide(decode_plan([5] * n), block_size=BLOCK_SIZE, backend="triton", padding=LADDER, graphs=True)
         for n in (1, 2, 4, 8)
     ]
-    before = [c.clone() for c in state.kv_cache]
+    before = [c.clone() for c in state.leaves()]
     step.warmup(state, modes)
     assert [key[3] for key in step.captured_keys] == [8, 4, 2, 1]  # largest first
-    for old, new in zip(before, state.kv_cache):
+    for old, new in zip(before, state.leaves()):
         torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)  # padding writes only scratch
     plan = decode_plan([5, 6, 7])
     eager = mf.make_step(model, backend="triton", padding=LADDER, graphs=False)

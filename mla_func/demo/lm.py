@@ -14,15 +14,19 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..batch import Batch
 from ..config import ModelConfig
 from ..forward import forward
 from ..kernels import Ops
+from ..mode import ForwardMode
 from ..params import Params
 from ..plan import SeqPlan, StepPlan
-from ..stepping import init_state, plan_step
+from ..prepare import init_state, plan_step
+from ..state.kv_cache import KVCacheState
 
 
-def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block_size: int, device="cpu"):
+def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block_size: int,
+                 device: torch.device | str = "cpu") -> tuple[KVCacheState, Batch, ForwardMode, torch.Tensor]:
     """The prefill step of `windows` (B windows of L + 1 tokens) on a fresh cache.
 
     returns (state, batch, mode, targets [B * L] int64); the step's logits rows are

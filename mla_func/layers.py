@@ -1,0 +1,109 @@
+"""Layer kinds: what one kind of layer caches and how it runs, composed by the forward.
+
+A layer kind is a value with three functions:
+
+* `init_cache(config, groups, dtype, device)`: the zeroed cache of one layer of
+  this kind (a frozen pytree such as `MLALayerCache`);
+* `enter(p, delta, residual, ctx)`: the start of the layer, where the previous
+  layer's output `delta` meets the residual stream. It returns what the layer's
+  body reads and the new residual. Being the kind's own function, it decides how
+  the residual is carried: the decoder layer fuses its input norm into its first
+  projection (one launch at decode sizes); a kind with another residual form
+  (hyper-connections) writes its own;
+* `body(p, entered, residual, cache, ctx)`: the rest of the layer; returns
+  (delta, residual, new cache).
+
+The forward runs `enter` then `body` for each layer with that layer's kind, so a
+model made of new kinds needs no change in the forward or the step.
+`LayerContext` carries the per-step facts every layer may read: the batch (its
+`input_ids` included, for hash routing), the mode, the op table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .attention import mla_attention
+from .batch import Batch
+from .config import ModelConfig
+from .kernels import Ops
+from .mode import ForwardMode
+from .moe import feed_forward
+from .params import LayerParams
+from .state.kv_cache import zeroed_mla_caches
+from .state.layer_cache import CacheGroup, MLALayerCache
+
+
+@dataclass(frozen=True, slots=True)
+class LayerContext:
+    """What a layer may read besides its params, its input and its cache.
+
+    valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
+    """
+
+    batch: Batch
+    mode: ForwardMode
+    config: ModelConfig
+    ops: Ops
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    valid: torch.Tensor
+    inplace: bool
+
+
+class LayerKind(Protocol):
+    """The functions the forward composes for each layer (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
+                   device: torch.device | str) -> Any: ...
+
+    def enter(self, p: Any, delta: torch.Tensor, residual: torch.Tensor | None,
+              ctx: LayerContext) -> tuple[Any, torch.Tensor]: ...
+
+    def body(self, p: Any, entered: Any, residual: torch.Tensor, cache: Any,
+             ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MLADecoderLayer:
+    """DeepSeek-V2/V3's layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
+
+    name: str = "mla"
+
+    def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
+                   device: torch.device | str) -> MLALayerCache:
+        return zeroed_mla_caches(1, config.kv_cache_dim, groups[0], dtype=dtype, device=device)[0]
+
+    def enter(self, p: LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
+              ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta [T, D] -> (qkv_a [T, Q + C + R] of norm(residual + delta), residual + delta)."""
+        eps = ctx.config.rms_norm_eps
+        if residual is None:
+            return ctx.ops.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj), delta
+        qkv_a, residual = ctx.ops.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj, residual=residual)
+        return qkv_a, residual
+
+    def body(self, p: LayerParams, entered: torch.Tensor, residual: torch.Tensor, cache: MLALayerCache,
+             ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, MLALayerCache]:
+        attn_out, kv = mla_attention(
+            p.attn, entered, cache.kv, ctx.batch, ctx.mode, ctx.config, ctx.ops, ctx.rope_cos, ctx.rope_sin,
+            inplace=ctx.inplace,
+        )
+        x, residual = ctx.ops.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
+        # In place, the cache value is unchanged: keep it rather than build one per layer per step.
+        new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
+        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache
+
+
+MLA_DECODER = MLADecoderLayer()
+
+
+def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer."""
+    return (MLA_DECODER,) * config.num_hidden_layers

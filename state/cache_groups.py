@@ -1,0 +1,117 @@
+"""Block accounting for several cache groups (host side, plain Python).
+
+A sequence holds one block table per cache group (see `layer_cache.CacheGroup`):
+group g's blocks hold `block_size` entries of `tokens_per_entry` tokens each, so
+covering n tokens takes `blocks_for(n)` of its blocks. `GroupedAllocator` keeps one
+`BlockAllocator` per group and does every operation on all groups at once, all
+or nothing: a step either gets the blocks of every group it needs or none.
+DeepSeek-V2/V3 have exactly one group of one entry per token.
+
+Prefix caching across groups. A block's key is the chained content hash of the
+tokens it covers (`hash_block`), so a cached block stands for its whole token
+prefix, and any state that is a pure function of the tokens of its blocks is
+covered by the key. State that is not stored in full blocks (a compressor's
+carry of the tokens since its last complete entry, a partial entry) is not: a
+prefix hit is therefore cut to a length at which every such piece is empty and
+every group's blocks are full, a multiple of `prefix_alignment`: the least
+common multiple of every group's tokens per block and of the `carry_period`s the
+layer kinds declare (the caller passes them). A hit of that length restores the
+whole state; what lies past it is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from .block_allocator import BlockAllocator, BlockHash, OutOfBlocks
+from .layer_cache import CacheGroup
+
+Tables = tuple[list[int], ...]
+
+
+class GroupedAllocator:
+    """One `BlockAllocator` per cache group, used as one."""
+
+    def __init__(self, groups: Sequence[CacheGroup], *, enable_prefix_caching: bool = True,
+                 carry_periods: Sequence[int] = ()):
+        if not groups:
+            raise ValueError("groups: expected at least one cache group, got none")
+        if groups[0].tokens_per_entry != 1:
+            raise ValueError(f"groups[0].tokens_per_entry: group 0 holds one entry per token, got "
+                             f"{groups[0].tokens_per_entry}")
+        self.groups = tuple(groups)
+        # Each allocator counts tokens per block, the unit its content hashes cover.
+        self.allocators = tuple(BlockAllocator(g.num_blocks, g.tokens_per_block,
+                                               enable_prefix_caching=enable_prefix_caching) for g in groups)
+        self.prefix_alignment = math.lcm(*(g.tokens_per_block for g in groups), *carry_periods)
+
+    def empty_tables(self) -> Tables:
+        return tuple([] for _ in self.groups)
+
+    def blocks_needed(self, tables: Tables, num_tokens: int) -> tuple[int, ...]:
+        """Blocks each group must add to `tables` to cover `num_tokens` tokens."""
+        return tuple(max(0, g.blocks_for(num_tokens) - len(t)) for g, t in zip(self.groups, tables))
+
+    def can_allocate(self, needs: Sequence[int]) -> bool:
+        return all(n <= a.num_free_blocks for n, a in zip(needs, self.allocators))
+
+    def allocate(self, tables: Tables, needs: Sequence[int]) -> None:
+        """Append `needs[g]` fresh blocks to each group's table; all groups or none."""
+        if not self.can_allocate(needs):
+            free = [a.num_free_blocks for a in self.allocators]
+            raise OutOfBlocks(f"asked for {list(needs)} blocks per cache group, only {free} are available")
+        for table, n, allocator in zip(tables, needs, self.allocators):
+            table += allocator.allocate(n)
+
+    def free(self, tables: Tables) -> None:
+        """Drop one reference to every block of every group's table."""
+        for table, allocator in zip(tables, self.allocators):
+            allocator.free(table)
+
+    def truncate(self, tables: Tables, num_tokens: int) -> None:
+        """Free the blocks past those covering `num_tokens` tokens, in every group."""
+        for g, table, allocator in zip(self.groups, tables, self.allocators):
+            keep = g.blocks_for(num_tokens)
+            allocator.free(table[keep:])
+            del table[keep:]
+
+    def tokens_that_fit(self, tables: Tables) -> int:
+        """Tokens a sequence can cover with its blocks plus every free one (the scarcest group decides)."""
+        return min(g.max_tokens(len(t) + a.num_free_blocks) for g, t, a in zip(self.groups, tables, self.allocators))
+
+    def num_usable_tokens(self) -> int:
+        """Tokens one sequence could cover with every usable block."""
+        return min(g.max_tokens(a.num_usable_blocks) for g, a in zip(self.groups, self.allocators))
+
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[Tables, tuple[list[BlockHash], ...], int]:
+        """The longest cached prefix of `token_ids` every group holds, cut to `prefix_alignment`.
+
+        Returns (tables, hashes, num_tokens): per group the cached blocks (owned by the
+        caller now) and their hashes, covering the first num_tokens tokens.
+        """
+        hits = [a.match_prefix(token_ids) for a in self.allocators]
+        covered = min(len(h.blocks) * g.tokens_per_block for g, h in zip(self.groups, hits))
+        num_tokens = covered - covered % self.prefix_alignment
+        tables: list[list[int]] = []
+        hashes: list[list[BlockHash]] = []
+        for g, hit, allocator in zip(self.groups, hits, self.allocators):
+            keep = num_tokens // g.tokens_per_block
+            allocator.free(hit.blocks[keep:])
+            tables.append(list(hit.blocks[:keep]))
+            hashes.append(list(hit.hashes[:keep]))
+        return tuple(tables), tuple(hashes), num_tokens
+
+    def register_full_blocks(self, tables: Tables, hashes: tuple[list[BlockHash], ...], token_ids: Sequence[int],
+                             num_computed: int) -> None:
+        """Register every block, in every group, that `num_computed` tokens have filled."""
+        for g, table, known, allocator in zip(self.groups, tables, hashes, self.allocators):
+            per = g.tokens_per_block
+            for i in range(len(known), num_computed // per):
+                parent = known[-1] if known else None
+                known.append(allocator.register(table[i], parent, token_ids[i * per : (i + 1) * per]))
+
+    def check_invariants(self, owners: Sequence[Mapping[int, int]] | None = None) -> None:
+        """Each group's allocator invariants, and its owners' counts when given (one mapping per group)."""
+        for g, allocator in enumerate(self.allocators):
+            allocator.check_invariants(None if owners is None else owners[g])
