@@ -128,12 +128,14 @@ class Engine:
         graph_kinds: tuple[str, ...] = ("decode",),
         seed: int = 0,
     ):
-        max_model_len = max_model_len or model.config.max_position_embeddings
+        max_model_len = max_model_len or model.max_positions
         if max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{model.config.max_position_embeddings}"
             )
+        if max_model_len > model.max_positions:  # RoPE tables are built as long as the engine needs
+            model = model.with_max_positions(max_model_len)
         self.model = model
         self.config = EngineConfig(
             block_size=block_size,

@@ -132,7 +132,7 @@ class Step:
         config = self.model.config
         batch = build_batch(
             plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
-            vocab_size=config.vocab_size, max_position=config.max_position_embeddings,
+            vocab_size=config.vocab_size, max_position=self.model.max_positions,
         )
         return batch, mode
 
@@ -259,7 +259,7 @@ def make_step(
     if padding is None and not use_graphs:
         padding = PaddingPolicy.exact()
     elif padding is None:
-        max_len = max_model_len or model.config.max_position_embeddings
+        max_len = max_model_len or model.max_positions
         padding = padding_ladders(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
