@@ -8,8 +8,9 @@ import re
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ class _Located:
     """Where one tensor lives: its shard's file name and open handle, and its header entry."""
 
     file: str
-    handle: BinaryIO
+    handle: FileIO
     entry: TensorEntry
 
 

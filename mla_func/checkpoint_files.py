@@ -21,8 +21,9 @@ import json
 import os
 import stat
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 # A DeepSeek-V3 shard index (about 90,000 tensors) is under 10 MiB.
 MAX_JSON_BYTES = 64 << 20
@@ -43,7 +44,7 @@ def _file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path, label: str | None = None) -> BinaryIO:
+def open_regular(path: Path, label: str | None = None) -> FileIO:
     """Open `path` for reading only if it is a regular file (checked on the open descriptor).
 
     O_NONBLOCK keeps a FIFO swapped in after a check from blocking the open;
@@ -61,7 +62,7 @@ def open_regular(path: Path, label: str | None = None) -> BinaryIO:
     return open(fd, "rb", buffering=0)
 
 
-def read_exactly(f: BinaryIO, offset: int, size: int, label: str) -> bytearray:
+def read_exactly(f: FileIO, offset: int, size: int, label: str) -> bytearray:
     """`size` bytes at `offset`; a short file is an error, never a short result."""
     buf = bytearray(size)
     view = memoryview(buf)
@@ -153,7 +154,7 @@ class CheckpointFolder:
             raise CheckpointError(f"{where}{shown}: {_file_kind(mode)}, not a regular file; refusing to read it")
         return target
 
-    def open(self, name: str, *, named_by: str = "") -> BinaryIO:
+    def open(self, name: str, *, named_by: str = "") -> FileIO:
         return open_regular(self.resolve(name, named_by=named_by), self.label(name))
 
     def read_json(self, name: str, *, error: type[ValueError] = CheckpointError) -> Any:

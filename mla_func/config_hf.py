@@ -93,7 +93,7 @@ def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
     factor = params.get("factor")
     if factor is None:
         maximum = raw.get("max_position_embeddings")
-        if not is_int(original) or original < 1 or not is_int(maximum):
+        if not (isinstance(original, int) and is_int(original) and original >= 1 and isinstance(maximum, int)):
             raise refuse("rope_parameters.factor", None,
                          "YaRN needs it, or integer max_position_embeddings and original_max_position_embeddings")
         factor = maximum / original

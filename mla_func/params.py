@@ -11,7 +11,6 @@ then up rows) and `w2` [E + S, D, I]: the E routed experts, then the shared MLP
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,7 +152,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
         m = p + "mlp."
         if c.is_moe_layer(i):
-            e, inter = c.n_routed_experts, c.moe_intermediate_size
+            e, inter = c.n_routed_experts or 0, c.moe_intermediate_size  # is_moe_layer: not None
             shapes[m + "gate.weight"] = (e, d)
             if c.topk_method == "noaux_tc":
                 shapes[m + "gate.e_score_correction_bias"] = (e,)
@@ -250,7 +249,7 @@ def params_from_hf(
         )
         m = p + "mlp."
         if c.is_moe_layer(i):
-            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts)]
+            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts or 0)]
             if c.n_shared_experts:
                 experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
             block: MLPParams | MoEParams = MoEParams(

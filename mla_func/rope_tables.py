@@ -45,8 +45,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope.kind == "default":
         return 1.0 / pos_freqs, 1.0
 
+    original = rope.original_max_position_embeddings
+    if original is None:  # RopeConfig refuses YaRN without it; this narrows the type
+        raise ValueError("YaRN needs rope_parameters.original_max_position_embeddings")
+
     def correction_dim(num_rotations: float) -> float:
-        original = rope.original_max_position_embeddings
         return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)

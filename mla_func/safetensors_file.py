@@ -16,7 +16,8 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from io import FileIO
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _entry(label: str, name: str, info: Any, data_start: int, data_size: int) ->
     return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=data_start + begin, end=data_start + end)
 
 
-def read_header(f: BinaryIO, label: str) -> dict[str, TensorEntry]:
+def read_header(f: FileIO, label: str) -> dict[str, TensorEntry]:
     """Every tensor entry of the open file `f`, checked (see the module docstring)."""
     size = os.fstat(f.fileno()).st_size
     if size < 8:
@@ -122,7 +123,7 @@ def load_dtype(label: str, entry: TensorEntry, model_dtype: torch.dtype) -> torc
     return dtype
 
 
-def read_tensor(f: BinaryIO, label: str, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+def read_tensor(f: FileIO, label: str, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
     """The tensor of `entry` as `dtype` (from `load_dtype`), on the CPU. shape: entry.shape."""
     if sys.byteorder != "little":
         raise CheckpointError(f"{label}: safetensors data is little-endian; this machine is not")

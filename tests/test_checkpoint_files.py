@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import mla_func as mf
 from checkpoint_tools import edit_tensors, outside, recording_opens, time_limit
