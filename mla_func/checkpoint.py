@@ -171,11 +171,14 @@ def _shard_names(folder: CheckpointFolder) -> tuple[list[str], dict[str, str]]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{label}: field 'weight_map' must be a non-empty object of tensor name -> file name")
+        named_by: dict[str, str] = {}  # each file, checked once (an index lists ~90,000 tensors), by its first tensor
         for name, file in weight_map.items():
             if not isinstance(file, str) or not file.endswith(".safetensors"):
                 raise CheckpointError(f"{label}: weight_map[{name!r}] = {file!r}: expected a *.safetensors file name")
+            named_by.setdefault(file, name)
+        for file, name in named_by.items():
             folder.resolve(file, named_by=f"{label}: weight_map[{name!r}]")
-        return sorted(set(weight_map.values())), weight_map
+        return sorted(named_by), weight_map
     files = [name for name in folder.names() if name.endswith(".safetensors")]
     if files:
         return files, {}

@@ -111,7 +111,7 @@ class CheckpointFolder:
             raise CheckpointError(f"{path}: not a folder")
         allowed = [root]
         if root.parent.name == "snapshots":  # a hub cache repository: <repo>/snapshots/<rev> -> <repo>/blobs
-            allowed.append(root.parent.parent / "blobs")
+            allowed.append((root.parent.parent / "blobs").resolve())
         return CheckpointFolder(root=root, allowed=tuple(allowed))
 
     def label(self, name: str) -> str:
