@@ -37,6 +37,18 @@ class RopeConfig:
     def __post_init__(self) -> None:
         _validate_rope(self)
 
+    @property
+    def attention_scale(self) -> float:
+        """What cos and sin are multiplied by: 1, or YaRN's attention factor."""
+        if self.kind == "default":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            denominator = yarn_mscale(self.factor, self.mscale_all_dim)
+            return yarn_mscale(self.factor, self.mscale) / denominator if denominator else math.inf
+        return yarn_mscale(self.factor)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -169,6 +181,14 @@ def _check_bool(name: str, value: Any) -> None:
         raise refuse(name, value, "must be true or false")
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _rope_fields(r: RopeConfig) -> dict[str, Any]:
+    return {"factor": r.factor, "mscale": r.mscale, "mscale_all_dim": r.mscale_all_dim,
+            "attention_factor": r.attention_factor}
+
+
 def _validate_rope(r: RopeConfig) -> None:
     if r.kind not in ("default", "yarn"):
         raise refuse("rope_parameters.rope_type", r.kind, "expected 'default' or 'yarn'")
@@ -187,6 +207,12 @@ def _validate_rope(r: RopeConfig) -> None:
             raise refuse(f"rope_parameters.{name}", value, "must be null or a finite number")
     _check_positive("rope_parameters.attention_factor", r.attention_factor, optional=True)
     _check_bool("rope_parameters.truncate", r.truncate)
+    if r.kind == "yarn" and r.factor < 1:
+        raise refuse("rope_parameters.factor", r.factor, "YaRN stretches positions: must be >= 1")
+    # Finite fields can still combine into an infinite or negative scale, and NaN tables.
+    if r.kind == "yarn" and not 0 < r.attention_scale <= _FLOAT32_MAX:
+        raise refuse("rope_parameters", _rope_fields(r), f"give a YaRN attention factor of {r.attention_scale}, "
+                     "not a positive float32 (check factor, mscale, mscale_all_dim, attention_factor)")
 
 
 def _validate(c: ModelConfig) -> None:
@@ -205,6 +231,9 @@ def _validate(c: ModelConfig) -> None:
         raise refuse("rope_parameters", c.rope, "must be a RopeConfig")
     if not isinstance(c.eos_token_ids, tuple) or not all(is_int(t) and 0 <= t < c.vocab_size for t in c.eos_token_ids):
         raise refuse("eos_token_id", c.eos_token_ids, f"must be token ids in [0, vocab_size={c.vocab_size})")
+    if not (math.isfinite(c.softmax_scale) and c.softmax_scale > 0):
+        raise refuse("rope_parameters.mscale_all_dim", c.rope.mscale_all_dim,
+                     f"makes the softmax scale {c.softmax_scale}, not a finite positive number")
     _check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     _check_int("moe_layer_freq", c.moe_layer_freq, 1)
     _check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)

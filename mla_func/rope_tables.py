@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .config import ModelConfig, yarn_mscale
+from .config import ModelConfig
 
 
 # Positions the RoPE tables cover when no max_model_len is given: every DeepSeek
@@ -62,13 +62,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     extrapolation_weight = 1 - ramp
     inv_freq = (1.0 / (rope.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
 
-    if rope.attention_factor is not None:
-        attention_factor = float(rope.attention_factor)
-    elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
-    else:
-        attention_factor = yarn_mscale(rope.factor)
-    return inv_freq, attention_factor
+    return inv_freq, rope.attention_scale
 
 
 def rope_tables(

@@ -12,6 +12,7 @@ time limit, without opening any file outside the folder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -53,14 +54,18 @@ def originals(tmp_path_factory):
 
 def load_or_refuse(folder: Path) -> str:
     """'loaded' or 'refused'; any other exception, a hang or a file opened outside `folder` fails."""
+    model = None
     with warnings.catch_warnings(), time_limit(15), recording_opens() as opened:
         warnings.simplefilter("ignore")  # unknown config fields warn by design
         try:
-            mf.load_model(folder, device="cpu")
-            outcome = "loaded"
+            model = mf.load_model(folder, device="cpu")
         except (mf.CheckpointError, mf.ConfigError):
-            outcome = "refused"
+            pass  # a refusal is an allowed outcome; any other exception fails the test
     assert outside(opened, folder) == [], f"opened outside {folder}"
+    if model is not None:  # what loads must be usable: finite RoPE tables and softmax scale
+        assert model.params.rope_cos.isfinite().all() and model.params.rope_sin.isfinite().all()
+        assert math.isfinite(model.config.softmax_scale) and model.config.softmax_scale > 0
+    outcome = "refused" if model is None else "loaded"
     event(outcome)
     return outcome
 

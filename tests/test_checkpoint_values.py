@@ -189,3 +189,17 @@ def test_model_config_from_file_names_the_file_and_field(checkpoint):
     edit_config(checkpoint, rope_theta=float("nan"), rope_parameters=None)
     with pytest.raises(mf.ConfigError, match=r"ckpt/config.json: config field 'rope_parameters.rope_theta' = nan"):
         mf.ModelConfig.from_file(checkpoint / "config.json")
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [({"mscale": 1e308, "mscale_all_dim": 1.0}, "rope_parameters"),
+     ({"mscale": 1.0, "mscale_all_dim": -10 / math.log(4.0)}, "rope_parameters"),
+     ({"factor": 1e-300}, "rope_parameters.factor"),
+     ({"mscale_all_dim": 1e200}, "rope_parameters.mscale_all_dim")],
+)
+def test_yarn_fields_that_combine_into_a_non_finite_scale_are_refused(checkpoint, extra, field):
+    yarn = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64) | extra
+    edit_config(checkpoint, rope_parameters=yarn)
+    with pytest.raises(mf.ConfigError, match=rf"config field '{field}'"):
+        load(checkpoint)
