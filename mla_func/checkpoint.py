@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from .config import ModelConfig
-from .params import Params, hf_tensor_shapes, params_from_hf
+from .checkpoint_files import CheckpointError, CheckpointFolder
+from .config import ConfigError, ModelConfig
+from .config_hf import config_from_json
+from .params import Params, hf_tensor_count, hf_tensor_shapes, params_from_hf
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
+from .safetensors_file import TensorEntry, load_dtype, read_header, read_tensor
 
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded: missing, unexpected or mis-shaped tensors, or an unsafe format."""
+__all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,15 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.params.embed.dtype
+
+    @property
+    def max_positions(self) -> int:
+        """Positions its RoPE tables cover: the longest sequence it can run."""
+        return self.params.max_positions
+
+    def with_max_positions(self, max_positions: int) -> Model:
+        """This model with RoPE tables for `max_positions` positions (ValueError past max_position_embeddings)."""
+        return dataclasses.replace(self, params=self.params.with_max_positions(max_positions))
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -57,8 +68,16 @@ def load_model(
     device: torch.device | str | None = None,
     seed: int = 0,
     progress: bool | None = None,
+    max_model_len: int | None = None,
 ) -> Model:
     """Load a checkpoint folder (config.json + *.safetensors) or a preset name.
+
+    Every file of a folder is resolved, opened and checked by `CheckpointFolder`
+    (names stay inside the folder, only regular files, symlinks only into the
+    folder or a hub cache's blobs); every header, tensor name, shape and dtype is
+    checked before a tensor is read, and every weight must be finite. Errors are
+    `CheckpointError` (files, tensors) or `ConfigError` (config.json), naming
+    the file and the tensor or field.
 
     A shipped preset ("demo") is a checkpoint folder inside the package; a shape
     preset ("tiny", "v2-lite") gets random weights. A folder path of the same
@@ -70,6 +89,9 @@ def load_model(
             (done directly on `device`).
     progress: a progress bar over layers; by default shown for models of over a
             billion parameters.
+    max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
+            default max_position_embeddings, capped at `DEFAULT_MAX_POSITIONS`
+            (an engine with a longer max_model_len extends them).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
@@ -81,16 +103,17 @@ def load_model(
                 f"preset {name!r} ships as the folder {folder}, which has no config.json: "
                 "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
             )
-        return _load_folder(folder, dtype=dtype, device=device, progress=progress)
+        return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
     if name in PRESETS and not Path(name).exists():
         config = PRESETS[name]()
-        return _random_model(config, dtype=dtype, device=device, seed=seed, progress=_show_progress(config, progress))
+        return _random_model(config, dtype=dtype, device=device, seed=seed, progress=_show_progress(config, progress),
+                             max_model_len=max_model_len)
     path = Path(path_or_preset)
     if not path.is_dir():
         raise CheckpointError(
             f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
-    return _load_folder(path, dtype=dtype, device=device, progress=progress)
+    return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
 
 
 def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
@@ -99,98 +122,159 @@ def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
     return sum(math.prod(shape) for shape in hf_tensor_shapes(config).values()) > 1e9
 
 
-def _load_folder(path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None) -> Model:
-    config_file = path / "config.json"
-    if not config_file.is_file():
+_INDEX = "model.safetensors.index.json"
+_MAX_LISTED = 20  # names shown of a longer list in an error
+
+
+def _listing(names: list[str]) -> str:
+    shown = repr(names[:_MAX_LISTED])
+    return shown if len(names) <= _MAX_LISTED else f"{shown[:-1]}, ... and {len(names) - _MAX_LISTED} more]"
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """Where one tensor lives: its shard's file name and open handle, and its header entry."""
+
+    file: str
+    handle: FileIO
+    entry: TensorEntry
+
+
+def _load_folder(
+    path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None
+) -> Model:
+    """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy)."""
+    folder = CheckpointFolder.at(path)
+    if not folder.has("config.json"):
         raise CheckpointError(f"{path}: no config.json")
-    config = ModelConfig.from_file(config_file)
-    files = _safetensors_files(path)
-    available: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                available[key] = file
-    expected = hf_tensor_shapes(config)
-    _check_tensor_names(path, config, expected, available)
+    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
+    with ExitStack() as stack:
+        located = _locate_tensors(folder, stack)
+        expected = _expected_tensors(folder, config, located)
+        _check_tensor_names(folder, config, expected, located)
+        dtypes = {name: load_dtype(folder.label(located[name].file), located[name].entry, dtype) for name in expected}
 
-    handles: dict[Path, Any] = {}
+        def fetch(name: str) -> torch.Tensor:
+            where = located[name]
+            return read_tensor(where.handle, folder.label(where.file), where.entry, dtypes[name])
 
-    def fetch(name: str) -> torch.Tensor:
-        file = available[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt", device="cpu")
-        return handles[file].get_tensor(name)
-
-    params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress))
-    return Model(config=config, params=params, tokenizer=_load_tokenizer(path))
+        params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress),
+                                max_model_len=max_model_len)
+    return Model(config=config, params=params, tokenizer=_load_tokenizer(folder))
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{path}: shards named in {index.name} are missing: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
+def _shard_names(folder: CheckpointFolder) -> tuple[list[str], dict[str, str]]:
+    """The shard file names, and the index's weight map ({} without an index)."""
+    if folder.has(_INDEX):
+        label = folder.label(_INDEX)
+        index = folder.read_json(_INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{label}: field 'weight_map' must be a non-empty object of tensor name -> file name")
+        named_by: dict[str, str] = {}  # each file, checked once (an index lists ~90,000 tensors), by its first tensor
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not file.endswith(".safetensors"):
+                raise CheckpointError(f"{label}: weight_map[{name!r}] = {file!r}: expected a *.safetensors file name")
+            named_by.setdefault(file, name)
+        for file, name in named_by.items():
+            folder.resolve(file, named_by=f"{label}: weight_map[{name!r}]")
+        return sorted(named_by), weight_map
+    files = [name for name in folder.names() if name.endswith(".safetensors")]
     if files:
-        return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        return files, {}
+    pickles = [name for name in folder.names() if Path(name).suffix in _PICKLE_SUFFIXES]
     if pickles:
         raise CheckpointError(
-            f"{path}: refusing pickle checkpoint files {pickles}: loading them can run arbitrary code. "
+            f"{folder.root}: refusing pickle checkpoint files {pickles}: loading them can run arbitrary code. "
             "Convert them to safetensors first."
         )
-    raise CheckpointError(f"{path}: no *.safetensors files")
+    raise CheckpointError(f"{folder.root}: no *.safetensors files")
+
+
+def _locate_tensors(folder: CheckpointFolder, stack: ExitStack) -> dict[str, _Located]:
+    """Every tensor of every shard, its header checked; shards stay open on `stack`."""
+    files, weight_map = _shard_names(folder)
+    located: dict[str, _Located] = {}
+    for file in files:
+        handle = stack.enter_context(folder.open(file))
+        for name, entry in read_header(handle, folder.label(file)).items():
+            if name in located:
+                raise CheckpointError(
+                    f"{folder.root}: tensor {name!r} is in two shards, {located[name].file} and {file}"
+                )
+            located[name] = _Located(file, handle, entry)
+    index_label = folder.label(_INDEX)
+    for name, file in weight_map.items():
+        if name not in located:
+            raise CheckpointError(f"{index_label}: weight_map[{name!r}] = {file!r}, which does not hold it")
+        if located[name].file != file:
+            raise CheckpointError(
+                f"{index_label}: weight_map[{name!r}] = {file!r}, but the tensor is in {located[name].file}"
+            )
+    return located
+
+
+def _expected_tensors(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> dict[str, tuple[int, ...]]:
+    # Counted first: listing the names of a config that claims 10**9 layers would never end.
+    count = hf_tensor_count(config)
+    if count > len(located) + _MAX_LISTED:
+        raise CheckpointError(
+            f"{folder.label('config.json')} describes {count} tensors, the safetensors files hold {len(located)}: "
+            "check num_hidden_layers, n_routed_experts and first_k_dense_replace"
+        )
+    return hf_tensor_shapes(config)
 
 
 def _check_tensor_names(
-    path: Path,
+    folder: CheckpointFolder,
     config: ModelConfig,
     expected: Mapping[str, tuple[int, ...]],
-    available: Mapping[str, Path],
+    located: Mapping[str, _Located],
 ) -> None:
     problems: list[str] = []
-    missing = sorted(set(expected) - set(available))
+    missing = sorted(set(expected) - set(located))
     if missing:
-        problems.append(f"missing tensors: {missing}")
+        problems.append(f"missing tensors: {_listing(missing)}")
     unexpected = []
-    for name in sorted(set(available) - set(expected)):
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
+    for name in sorted(set(located) - set(expected)):
+        layer = re.match(r"model\.layers\.(\d{1,9})\.", name)
         if layer and int(layer.group(1)) >= config.num_hidden_layers:
             continue
         if _SKIPPED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         unexpected.append(name)
     if unexpected:
-        problems.append(f"unexpected tensors: {unexpected}")
-    handles: dict[Path, Any] = {}
-    misshaped = []
-    for name in sorted(set(expected) & set(available)):
-        file = available[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        shape = tuple(handles[file].get_slice(name).get_shape())
-        if shape != expected[name]:
-            misshaped.append(f"{name}: expected {expected[name]}, got {shape}")
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    misshaped = [
+        f"{name}: expected {expected[name]}, got {located[name].entry.shape}"
+        for name in sorted(set(expected) & set(located))
+        if located[name].entry.shape != expected[name]
+    ]
     if misshaped:
-        problems.append(f"mis-shaped tensors: {misshaped}")
+        problems.append(f"mis-shaped tensors: {_listing(misshaped)}")
     if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match config.json; " + "; ".join(problems))
+        raise CheckpointError(f"{folder.root}: checkpoint does not match config.json; " + "; ".join(problems))
 
 
-def _load_tokenizer(path: Path) -> Any:
-    file = path / "tokenizer.json"
-    if not file.is_file():
+# tokenizer.json of DeepSeek-V3 is 8 MB.
+_MAX_TOKENIZER_BYTES = 256 << 20
+
+
+def _load_tokenizer(folder: CheckpointFolder) -> Any:
+    if not folder.has("tokenizer.json"):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(file))
+    text = folder.read_text("tokenizer.json", _MAX_TOKENIZER_BYTES)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises plain Exception for a malformed file
+        raise CheckpointError(f"{folder.label('tokenizer.json')}: not a tokenizers file: {e}") from e
 
 
-def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int, progress: bool) -> Model:
+def _random_model(
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int, progress: bool, max_model_len: int | None
+) -> Model:
     """Random weights with the shapes of `config`, made on `device`, through the checkpoint path."""
     shapes = hf_tensor_shapes(config)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -206,4 +290,5 @@ def _random_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.devi
         std = shape[1] ** -0.5
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
-    return Model(config=config, params=params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress))
+    params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
+    return Model(config=config, params=params)

@@ -103,12 +103,14 @@ class Engine:
         seed: int = 0,
     ):
         if max_model_len is None:
-            max_model_len = model.config.max_position_embeddings
+            max_model_len = model.max_positions
         _check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
                      "the model's max_position_embeddings")
         _check_limit("block_size", block_size, 1)
         if num_blocks is not None:
             _check_limit("num_blocks", num_blocks, 2, why="block 0 is the scratch block")
+        if max_model_len > model.max_positions:  # RoPE tables are built as long as the engine needs
+            model = model.with_max_positions(max_model_len)
         self.model = model
         self.config = EngineConfig(
             block_size=block_size,

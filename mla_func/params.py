@@ -10,15 +10,17 @@ then up rows) and `w2` [E + S, D, I]: the E routed experts, then the shared MLP
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from .config import ModelConfig, yarn_mscale
+from .checkpoint_files import CheckpointError
+from .config import ModelConfig
 from .pytree import register_dataclass, static_field
+from .rope_tables import rope_positions, rope_tables
 
 
 @register_dataclass
@@ -87,61 +89,40 @@ class LayerParams:
 class Params:
     """All weights of a model, plus the RoPE tables derived from its config.
 
-    `config` is tree metadata, so pure functions need only `params`.
+    `config` is tree metadata, so pure functions need only `params`. The tables
+    cover `max_positions` positions (see `rope_positions`): a sequence may not
+    grow past them.
     """
 
     embed: torch.Tensor                   # [V, D]
     layers: tuple[LayerParams, ...]
     norm: torch.Tensor                    # [D]
     lm_head: torch.Tensor                 # [V, D] (the embedding itself when tied)
-    rope_cos: torch.Tensor                # [max_position_embeddings, R / 2] float32
-    rope_sin: torch.Tensor                # [max_position_embeddings, R / 2] float32
+    rope_cos: torch.Tensor                # [P, R / 2] float32, P = max_positions
+    rope_sin: torch.Tensor                # [P, R / 2] float32
     config: ModelConfig = static_field()
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the RoPE tables cover: no sequence may be longer."""
+        return self.rope_cos.shape[0]
 
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [R / 2] (float32) and the attention factor scaling cos/sin.
-
-    YaRN blends interpolated and extrapolated frequencies with a linear ramp
-    between the correction dims of beta_fast and beta_slow.
-    """
-    rope, dim = config.rope, config.qk_rope_head_dim
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if rope.kind == "default":
-        return 1.0 / pos_freqs, 1.0
-
-    def correction_dim(num_rotations: float) -> float:
-        original = rope.original_max_position_embeddings
-        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation_weight = 1 - ramp
-    inv_freq = (1.0 / (rope.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
-
-    if rope.attention_factor is not None:
-        attention_factor = float(rope.attention_factor)
-    elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
-    else:
-        attention_factor = yarn_mscale(rope.factor)
-    return inv_freq, attention_factor
+    def with_max_positions(self, max_positions: int) -> Params:
+        """These params with RoPE tables covering `max_positions` positions (<= max_position_embeddings)."""
+        if max_positions == self.max_positions:
+            return self
+        cos, sin = rope_tables(self.config, self.rope_cos.device, rope_positions(self.config, max_positions))
+        return dataclasses.replace(self, rope_cos=cos, rope_sin=sin)
 
 
-def rope_tables(config: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_position_embeddings, R / 2] float32, attention factor applied."""
-    inv_freq, attention_factor = rope_inv_freq(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
-    return (
-        (freqs.cos() * attention_factor).to(device),
-        (freqs.sin() * attention_factor).to(device),
-    )
+def hf_tensor_count(config: ModelConfig) -> int:
+    """len(hf_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
+    c = config
+    attention = 4 + (1 if c.q_lora_rank is None else 3)
+    moe_layers = 0 if c.n_routed_experts is None else max(0, c.num_hidden_layers - c.first_k_dense_replace)
+    dense_layers = c.num_hidden_layers - moe_layers
+    per_moe = 1 + (c.topk_method == "noaux_tc") + 3 * (c.n_routed_experts or 0) + 3 * bool(c.n_shared_experts)
+    return 2 + (not c.tie_word_embeddings) + c.num_hidden_layers * (2 + attention) + dense_layers * 3 + moe_layers * per_moe
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -171,7 +152,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
         m = p + "mlp."
         if c.is_moe_layer(i):
-            e, inter = c.n_routed_experts, c.moe_intermediate_size
+            e, inter = c.n_routed_experts or 0, c.moe_intermediate_size  # is_moe_layer: not None
             shapes[m + "gate.weight"] = (e, d)
             if c.topk_method == "noaux_tc":
                 shapes[m + "gate.e_score_correction_bias"] = (e,)
@@ -225,16 +206,23 @@ def params_from_hf(
     dtype: torch.dtype,
     device: torch.device | str,
     progress: bool = False,
+    max_model_len: int | None = None,
 ) -> Params:
     """Build the params pytree from tensors named as in a Hugging Face checkpoint.
 
     `fetch(name)` returns one tensor (already checked against `hf_tensor_shapes`);
     it is called once per name, layer by layer, so a large model never holds two
     copies of more than one layer's experts. `progress` shows a bar over layers.
+    The RoPE tables cover `rope_positions(config, max_model_len)` positions.
+    Raises CheckpointError naming a tensor that holds NaN or inf once converted.
     """
 
     def get(name: str, keep_float32: bool = False) -> torch.Tensor:
-        return fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)
+        tensor = fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)
+        # One host sync a tensor, at load time: a NaN weight would otherwise give token 0 forever.
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"tensor {name!r} holds NaN or inf values (as {tensor.dtype})")
+        return tensor
 
     def mlp(prefix: str) -> MLPParams:
         gate_up = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], dim=0)
@@ -261,7 +249,7 @@ def params_from_hf(
         )
         m = p + "mlp."
         if c.is_moe_layer(i):
-            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts)]
+            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts or 0)]
             if c.n_shared_experts:
                 experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
             block: MLPParams | MoEParams = MoEParams(
@@ -285,7 +273,7 @@ def params_from_hf(
             )
         )
     embed = get("model.embed_tokens.weight")
-    cos, sin = rope_tables(c, device)
+    cos, sin = rope_tables(c, device, rope_positions(c, max_model_len))
     return Params(
         embed=embed,
         layers=tuple(layers),

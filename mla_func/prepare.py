@@ -65,10 +65,13 @@ def prepare_step(
     padding: PaddingPolicy | None = None,
     graphs: bool = False,
     graph_kinds: Collection[str] = SEGMENT_KINDS,
+    max_position: int | None = None,
 ) -> tuple[Batch, ForwardMode]:
     """Decide the mode of `plan` and build its batch, checking it against the model and the state.
 
     backend defaults to "triton" on CUDA and "torch" elsewhere.
+    max_position: positions must stay below it: the RoPE tables' length (`Model.max_positions`);
+                  defaults to the config's max_position_embeddings.
     """
     mode = ForwardMode.decide(
         plan, block_size=state.block_size, backend=backend or default_backend(state.device), padding=padding,
@@ -76,7 +79,8 @@ def prepare_step(
     )
     batch = build_batch(
         plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
-        vocab_size=config.vocab_size, max_position=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+        max_position=config.max_position_embeddings if max_position is None else max_position,
     )
     return batch, mode
 
@@ -89,9 +93,15 @@ def plan_step(
     backend: str | None = None,
     padding: PaddingPolicy | None = None,
     graphs: bool = False,
+    max_position: int | None = None,
 ) -> tuple[Batch, ForwardMode]:
-    """`prepare_step` for a plain (unmemoized) step: exact sizes unless `padding` is given."""
-    return prepare_step(config, state, plan, backend=backend, padding=padding, graphs=graphs)
+    """`prepare_step` for a plain (unmemoized) step: exact sizes unless `padding` is given.
+
+    max_position: the RoPE tables' length (`model.max_positions`) when the model was loaded
+                  with a `max_model_len` below the config's max_position_embeddings.
+    """
+    return prepare_step(config, state, plan, backend=backend, padding=padding, graphs=graphs,
+                        max_position=max_position)
 
 
 def state_bytes_per_block(model: Model, block_size: int) -> int:

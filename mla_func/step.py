@@ -108,6 +108,7 @@ class Step:
     padding: PaddingPolicy
     block_size: int | None
     graph_kinds: tuple[str, ...] = SEGMENT_KINDS
+    max_position: int | None = None  # the RoPE tables' length; None: the config's max_position_embeddings
     _memo: dict[tuple[object, ...], _Captured] = field(default_factory=dict, repr=False)
     _pool: Any = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
@@ -126,7 +127,7 @@ class Step:
         """Decide the mode of `plan` (padded to this step's ladders) and build its batch."""
         self._check_state(state, "step.prepare")
         return prepare_step(self.config, state, plan, backend=self.backend, padding=self.padding,
-                            graphs=self.graphs, graph_kinds=self.graph_kinds)
+                            graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position)
 
     def __call__(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
         self._check_state(state, "step")
@@ -267,7 +268,7 @@ def make_step(
     if padding is None and not use_graphs:
         padding = PaddingPolicy.exact()
     elif padding is None:
-        max_len = max_model_len or model.config.max_position_embeddings
+        max_len = max_model_len or model.max_positions
         padding = padding_ladders(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -275,4 +276,4 @@ def make_step(
         )
     return Step(fn=fn or model_step_fn, params=model.params if params is None else params, config=model.config,
                 backend=backend or default_backend(device), graphs=use_graphs, padding=padding,
-                block_size=block_size, graph_kinds=tuple(graph_kinds))
+                block_size=block_size, max_position=model.max_positions, graph_kinds=tuple(graph_kinds))

@@ -97,3 +97,16 @@ def test_bytes_per_block_follows_the_leaves(model):
 def test_group_zero_holds_one_entry_per_token():
     with pytest.raises(ValueError, match=r"groups\[0\].tokens_per_entry: group 0 holds one entry per token, got 2"):
         raw_init_state([MLALayerCache(kv=torch.zeros(4, 2, 8))], groups=[CacheGroup(4, 2, 2)])
+
+
+def test_plan_step_checks_positions_against_the_rope_tables():
+    """A model loaded with a shorter max_model_len has shorter RoPE tables; plan_step refuses past them."""
+    model = mf.load_model("tiny", max_model_len=32)
+    assert model.max_positions == 32 < model.config.max_position_embeddings
+    state = mf.init_state(model.config, num_blocks=16, block_size=4, dtype=model.dtype, device=model.device)
+    plan = mf.StepPlan(prefill=(mf.SeqPlan(token_ids=(1, 2, 3), start_pos=30, block_table=tuple(range(1, 10))),))
+    with pytest.raises(mf.BatchError, match="positions reach 32, the model's maximum is 31"):
+        mf.plan_step(model.config, state, plan, max_position=model.max_positions)
+    step = mf.make_step(model, graphs=False)
+    with pytest.raises(mf.BatchError, match="positions reach 32"):
+        step.prepare(state, plan)
