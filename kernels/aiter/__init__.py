@@ -1,4 +1,4 @@
-"""AMD AITER kernels on ROCm: MLA decode and fused MoE; every other op (routing too) is the reference.
+"""AMD AITER kernels on ROCm: MLA decode (one query a sequence) and fused MoE; every other op is the reference.
 
 AITER's MLA decode reads the cache as [num_pages, page_size, 1, C + R] through a
 CSR page list (kv_indptr, kv_indices) rather than a block table. The wrapper
@@ -74,14 +74,22 @@ def mla_decode(
     softmax_scale: float,
     kv_lora_rank: int,
     w_uv: torch.Tensor | None = None,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of `reference.attention.mla_decode`, run by AITER's MLA decode kernel.
+    """Contract of `reference.attention.mla_decode`, run by AITER's MLA decode kernel for q_len = 1.
 
     q [B, H, C + R]; kv_cache [num_blocks, bs, C + R]; block_table [B, W] int32;
     seq_lens [B] int32; w_uv [H, Dv, C] or None -> out [B, H, C] (or [B, H, Dv] with
     w_uv, one batched GEMM after the kernel) in q's dtype, lse [B, H] float32.
     Head counts and dtypes are those AITER's kernels support (16 or 128 heads, bf16).
+
+    Several causal query tokens per sequence (q_len > 1, q [B * q_len, H, C + R]) run
+    the torch reference, `reference.attention.mla_decode`: AITER's causal rule for
+    several queries of one sequence differs between releases and is not relied on.
     """
+    if q_len != 1:
+        return ref_attention.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale,
+                                        kv_lora_rank=kv_lora_rank, w_uv=w_uv, q_len=q_len)
     aiter_mla, _ = _import_aiter()
     num_seqs, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape

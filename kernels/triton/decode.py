@@ -77,6 +77,14 @@ _VALUE_BLOCK_V = 32
 _MERGE_SPLITS = 16
 
 
+def _tiling(num_heads: int, q_len: int, config: DecodeConfig) -> tuple[int, int]:
+    """(rows of a split program, heads of a program): with several queries a row is a (head, query) pair."""
+    if q_len == 1:
+        return config.block_h, config.block_h
+    rows = max(config.block_h, next_pow2(q_len))
+    return rows, min(num_heads, rows // q_len)
+
+
 def mla_decode_num_splits(
     num_seqs: int,
     num_heads: int,
@@ -84,11 +92,14 @@ def mla_decode_num_splits(
     block_size: int,
     device: torch.device | str,
     config: DecodeConfig | None = None,
+    *,
+    q_len: int = 1,
 ) -> int:
     """Splits per sequence: depends only on static shapes and the device's multiprocessor count."""
     device = torch.device(device)
-    config = config or decode_config(num_heads, device)
-    programs = max(1, num_seqs) * triton.cdiv(num_heads, config.block_h)
+    config = config or decode_config(num_heads * q_len, device)
+    _, heads_per_program = _tiling(num_heads, q_len, config)
+    programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
     wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
     by_length = triton.cdiv(block_table_width * block_size, _MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
@@ -101,16 +112,19 @@ def mla_decode_workspace(
     block_table_width: int,
     block_size: int,
     device: torch.device | str,
+    *,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `mla_decode(..., workspace=...)`, to allocate once per static shape.
 
-    returns (partial_out [B, H, S, C] float32, partial_lse [B, H, S] float32),
-    S = mla_decode_num_splits(B, H, W, bs, device).
+    returns (partial_out [B * q_len, H, S, C] float32, partial_lse [B * q_len, H, S] float32),
+    S = mla_decode_num_splits(B, H, W, bs, device, q_len=q_len).
     """
-    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device)
+    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device, q_len=q_len)
+    rows = num_seqs * q_len
     return (
-        torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
-        torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device),
+        torch.empty((rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
+        torch.empty((rows, num_heads, splits), dtype=torch.float32, device=device),
     )
 
 
@@ -130,7 +144,11 @@ def _split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    Q_LEN: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
 ):
+    # With Q_LEN > 1 the BLOCK_H rows of a program are (head, query) pairs, head
+    # major: HEADS_PER_PROGRAM heads times the Q_LEN causal queries of sequence b,
+    # which share every key tile. Q_LEN == 1 keeps rows = heads.
     b = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,13 +162,25 @@ def _split_kernel(
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
-    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
+    if Q_LEN == 1:
+        heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < num_heads
+    else:
+        pair = tl.arange(0, BLOCK_H)
+        query = pair % Q_LEN
+        heads = head_group * HEADS_PER_PROGRAM + pair // Q_LEN
+        head_mask = (pair < HEADS_PER_PROGRAM * Q_LEN) & (heads < num_heads)
+        rows = b.to(tl.int64) * Q_LEN + query
+        # Query j stands at position seq_len - Q_LEN + j and sees the keys up to it.
+        key_end = seq_len - (Q_LEN - 1 - query)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+    if Q_LEN == 1:
+        q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+    else:
+        q_row = q_ptr + rows[:, None] * s_qb + heads[:, None] * s_qh
     q_nope = tl.load(q_row + offs_c[None, :] * s_qd,
                      mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK), other=0.0)
     q_pe = tl.load(q_row + (KV_LORA_RANK + offs_r[None, :]) * s_qd,
@@ -160,8 +190,10 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    # Every iteration holds at least one visible key (start < end), so m_i is
-    # finite after the first and exp2(m_i - m_new) never sees -inf - -inf.
+    # With one query, every iteration holds at least one visible key (start < end),
+    # so m_i is finite after the first and exp2(m_i - m_new) never sees -inf - -inf.
+    # With several, an early query may see none of a tile (or of a whole split),
+    # so its shift falls back to 0 while its maximum is still -inf.
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         key_mask = pos < end
@@ -180,11 +212,18 @@ def _split_kernel(
 
         scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        if Q_LEN == 1:
+            scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+        else:
+            visible = key_mask[None, :] & (pos[None, :] < key_end[:, None])
+            scores = tl.where(visible, scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - shift)
+            p = tl.exp2(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
@@ -193,10 +232,16 @@ def _split_kernel(
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
+    if Q_LEN == 1:
+        po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
+    else:
+        po_row = po_ptr + rows[:, None] * s_pob + heads[:, None] * s_poh + split * s_pos
     tl.store(po_row + offs_c[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
              mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK))
-    tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+    if Q_LEN == 1:
+        tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+    else:
+        tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "s_plh"])
@@ -308,24 +353,34 @@ def mla_decode(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     w_uv: torch.Tensor | None = None,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode: one query token per sequence attends over its latent cache.
+    """Absorbed MLA decode: `q_len` query tokens per sequence attend causally over its latent cache.
 
-    q:           [B, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32
+    The contract of `reference.attention.mla_decode`: query j of sequence b stands
+    at position seq_lens[b] - q_len + j and sees keys [0, seq_lens[b] - q_len + j].
+
+    q:           [B * q_len, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32;
+                 the rows of sequence b are b * q_len .. b * q_len + q_len - 1
     kv_cache:    [num_blocks, bs, C + R], same dtype as q
     block_table: [B, W] int32
-    seq_lens:    [B] int32; keys [0, seq_lens[b]) are attended, 0 marks a padded row
-    workspace:   (partial_out [B, H, S, C] fp32, partial_lse [B, H, S] fp32) from
-                 `mla_decode_workspace`, so that a captured graph allocates only its
+    seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
+    workspace:   (partial_out [B * q_len, H, S, C] fp32, partial_lse [B * q_len, H, S] fp32)
+                 from `mla_decode_workspace`, so that a captured graph allocates only its
                  outputs; None allocates it here. Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
     config:      overrides the tile sizes (benchmark sweeps).
     w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
-    returns      out [B, H, C] in q's dtype, or with w_uv out [B, H, Dv] = (out rounded
-                 to q's dtype) @ w_uv[h]^T; lse [B, H] float32 (natural log);
-                 a padded row gives out 0, lse -inf.
+    returns      out [B * q_len, H, C] in q's dtype, or with w_uv out [B * q_len, H, Dv] =
+                 (out rounded to q's dtype) @ w_uv[h]^T; lse [B * q_len, H] float32 (natural
+                 log); the rows of a padded sequence give out 0, lse -inf.
     """
-    num_seqs, num_heads, dim = q.shape
+    if q_len < 1:
+        raise ValueError(f"q_len: expected at least 1, got {q_len}")
+    num_rows, num_heads, dim = q.shape
+    if num_rows % q_len:
+        raise ValueError(f"q: expected a multiple of q_len={q_len} rows, got {num_rows}")
+    num_seqs = num_rows // q_len
     rope_dim = dim - kv_lora_rank
     _, block_size, _ = kv_cache.shape
     check_shape("kv_cache", kv_cache, (None, None, dim))
@@ -342,16 +397,18 @@ def mla_decode(
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
         check_dtype("w_uv", w_uv, (q.dtype,))
         check_same_device(q=q, w_uv=w_uv)
-    fused_value = w_uv is not None and num_seqs <= _FUSED_VALUE_MAX_SEQS
+    fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
-    config = config or decode_config(num_heads, device)
+    config = config or decode_config(num_heads * q_len, device)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
-    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config)
+    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
+                                                 q_len=q_len)
+    block_rows, heads_per_program = _tiling(num_heads, q_len, config)
 
-    out = torch.empty((num_seqs, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
-    lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=device)
+    out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
+    lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_seqs == 0:
         return (out if w_uv is None else torch.einsum("bhc,hvc->bhv", out, w_uv)), lse
     if splits == 1 and not fused_value:
@@ -360,16 +417,16 @@ def mla_decode(
         partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
     elif workspace is not None:
         partial_out, partial_lse = workspace
-        check_shape("workspace[0]", partial_out, (num_seqs, num_heads, splits, kv_lora_rank))
-        check_shape("workspace[1]", partial_lse, (num_seqs, num_heads, splits))
+        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, kv_lora_rank))
+        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
         check_dtype("workspace[0]", partial_out, (torch.float32,))
         check_dtype("workspace[1]", partial_lse, (torch.float32,))
         check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
     else:
-        partial_out = torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device)
+        partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
 
-    grid = (num_seqs, triton.cdiv(num_heads, config.block_h), splits)
+    grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
     _split_kernel[grid](
         q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
@@ -378,15 +435,16 @@ def mla_decode(
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        BLOCK_H=block_rows, BLOCK_N=config.block_n,
         PAGE_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if fused_value:
         value_dim = w_uv.shape[1]
-        out = torch.empty((num_seqs, num_heads, value_dim), dtype=q.dtype, device=device)
-        _reduce_value_kernel[(num_seqs * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
+        out = torch.empty((num_rows, num_heads, value_dim), dtype=q.dtype, device=device)
+        _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
             partial_out, partial_lse, w_uv, out, lse,
             num_heads, splits, value_dim,
             *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
@@ -397,7 +455,7 @@ def mla_decode(
         )
         return out, lse
     if splits > 1:
-        _reduce_kernel[(num_seqs * num_heads,)](
+        _reduce_kernel[(num_rows * num_heads,)](
             partial_out, partial_lse, out, lse,
             num_heads, splits,
             *partial_out.stride(), *partial_lse.stride(),
