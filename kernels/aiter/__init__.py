@@ -16,17 +16,13 @@ reference wherever aiter imports.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..checks import check_dtype, check_shape
 from ..reference import attention as ref_attention
-from ..reference import cache as ref_cache
-from ..reference import latent as ref_latent
-from ..reference import linear as ref_linear
-from ..reference import norm as ref_norm
-from ..reference import rope as ref_rope
-from ..reference import routing as ref_routing
-from ..registry import Ops
+from ..registry import REFERENCE, Ops
 
 
 def _import_aiter():
@@ -139,21 +135,11 @@ def fused_moe(
 
 
 def ops() -> Ops:
-    """The AITER op table; raises RuntimeError if `import aiter` fails."""
+    """The AITER op table: its MLA decode and fused MoE, the reference for every other op."""
     _import_aiter()
-    return Ops(
+    return dataclasses.replace(
+        REFERENCE,
         backend="aiter",
-        linear=ref_linear.linear,
-        rms_norm_linear=ref_linear.rms_norm_linear,
-        write_kv=ref_cache.write_kv,
-        write_latent=ref_latent.write_latent,
-        write_latent_absorb=ref_latent.write_latent_absorb,
-        absorb_query=ref_attention.absorb_query,
-        mla_decode=mla_decode,
-        prefill_attention=ref_attention.prefill_attention,
-        merge_attn_states=ref_attention.merge_attn_states,
-        route=ref_routing.route,
-        fused_moe=fused_moe,
-        rms_norm=ref_norm.rms_norm,
-        rope=ref_rope.rope,
+        mla=dataclasses.replace(REFERENCE.mla, mla_decode=mla_decode),
+        moe=dataclasses.replace(REFERENCE.moe, fused_moe=fused_moe),
     )

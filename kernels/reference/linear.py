@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     if out_dtype is None or out_dtype == x.dtype == weight.dtype:
         return F.linear(x, weight)
     return F.linear(x.to(out_dtype), weight.to(out_dtype))
+
+
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm_linear(

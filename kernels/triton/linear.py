@@ -12,6 +12,8 @@ whose tensor-core tiles then win.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -188,6 +190,13 @@ def _norm_linear_kernel(
                                       HAS_RESIDUAL, BLOCK_T)
     tl.store(y_ptr + rows[:, None] * s_yt + cols[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty),
              mask=(rows < num_rows)[:, None] & col_mask[None, :])
+
+
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm_linear(
