@@ -1,10 +1,10 @@
 """Absorbed MLA decode over the paged latent cache: split-KV flash decoding.
 
-Stage 1 gives every (sequence, head group, split) program one contiguous slice of
-the sequence's keys and writes a normalised partial output and its LSE; stage 2
-merges the splits by LSE. Given the value up-projection W_UV, small batches
-merge and project in one stage-2 kernel; larger ones project with one batched
-GEMM. The number of splits is a function of static shapes
+Stage 1 (here) gives every (sequence, head group, split) program one contiguous
+slice of the sequence's keys and writes a normalised partial output and its LSE;
+stage 2 (`decode_merge`) merges the splits by LSE. Given the value up-projection
+W_UV, small batches merge and project in one stage-2 kernel; larger ones project
+with one batched GEMM. The number of splits is a function of static shapes
 and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
 any lengths and no step waits on the host.
@@ -21,9 +21,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
-
-_LOG2E = 1.4426950408889634
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
+from .decode_merge import merge_splits, merge_splits_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +70,6 @@ def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
 # cheapest way to read it (no extra launch, the slice loaded before the wait for
 # stage 1); with many sequences the batched GEMM reads it once instead.
 _FUSED_VALUE_MAX_SEQS = 8
-_VALUE_BLOCK_V = 32
-# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile
-# (16 covers batch 1 up to 2K keys of table in one step).
-_MERGE_SPLITS = 16
 
 
 def _tiling(num_heads: int, q_len: int, config: DecodeConfig) -> tuple[int, int]:
@@ -231,7 +226,7 @@ def _split_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     if Q_LEN == 1:
         po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
     else:
@@ -242,103 +237,6 @@ def _split_kernel(
         tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
     else:
         tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits", "s_plh"])
-def _reduce_kernel(
-    po_ptr, pl_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits,
-    s_pob, s_poh, s_pos, s_pod,
-    s_plb, s_plh, s_pls,
-    s_ob, s_oh, s_lb, s_lh,
-    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr, GDC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    b = (pid // num_heads).to(tl.int64)
-    h = pid % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
-    split_mask = offs_s < num_splits
-    lse_s = tl.load(pl_ptr + b * s_plb + h * s_plh + offs_s * s_pls, mask=split_mask, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m)
-    total = tl.sum(w, axis=0)
-    w = w * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
-    offs_c = tl.arange(0, BLOCK_C)
-    for c0 in range(0, KV_LORA_RANK, BLOCK_C):
-        c = c0 + offs_c
-        c_mask = c < KV_LORA_RANK
-        parts = tl.load(po_ptr + b * s_pob + h * s_poh + offs_s[:, None] * s_pos + c[None, :] * s_pod,
-                        mask=split_mask[:, None] & c_mask[None, :], other=0.0)
-        out = tl.sum(parts * w[:, None], axis=0)
-        tl.store(out_ptr + b * s_ob + h * s_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
-    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-    tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
-
-
-# The split count follows the batch size (see above).
-@triton.jit(do_not_specialize=["num_splits", "s_plh"])
-def _reduce_value_kernel(
-    po_ptr, pl_ptr, w_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits, value_dim,
-    s_pob, s_poh, s_pos, s_pod,
-    s_plb, s_plh, s_pls,
-    s_wh, s_wv, s_wc,
-    s_ob, s_oh, s_ov, s_lb, s_lh,
-    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
-    GDC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = (pid // num_heads).to(tl.int64)
-    h = pid % num_heads
-    offs_c = tl.arange(0, BLOCK_C)
-    c_mask = offs_c < KV_LORA_RANK
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_mask = vs < value_dim
-    # W_UV depends on no earlier kernel: its slice is in flight before the wait.
-    w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + offs_c[None, :] * s_wc,
-                mask=v_mask[:, None] & c_mask[None, :], other=0.0)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    pl_row = pl_ptr + b * s_plb + h * s_plh
-    po_row = po_ptr + b * s_pob + h * s_poh
-    # One pass over the splits, BLOCK_S at a time, rescaling the running sums to
-    # the largest LSE so far: a chunk's LSEs and partial outputs load together
-    # (every split wrote both, empty ones out 0 and lse -inf), so at batch 1,
-    # where one chunk holds every split, stage 2 waits on memory once.
-    m_run = tl.full([], float("-inf"), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        s_mask = ss < num_splits
-        lse_s = tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf"))
-        parts = tl.load(po_row + ss[:, None] * s_pos + offs_c[None, :] * s_pod,
-                        mask=s_mask[:, None] & c_mask[None, :], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(lse_s, axis=0))
-        # While every split so far is empty, shift by 0 so weights are 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m_run - shift)
-        wt = tl.exp(lse_s - shift)
-        total = total * rescale + tl.sum(wt, axis=0)
-        latent = latent * rescale + tl.sum(parts * wt[:, None], axis=0)
-        m_run = m_new
-    m_all = tl.where(m_run == float("-inf"), 0.0, m_run)
-    total_all = total
-    latent = latent * tl.where(total_all > 0.0, 1.0 / tl.where(total_all > 0.0, total_all, 1.0), 0.0)
-    # Rounded to the output dtype first, as the merged latent is before an unfused projection.
-    latent = latent.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.sum(w.to(tl.float32) * latent[None, :], axis=1)
-    tl.store(out_ptr + b * s_ob + h * s_oh + vs * s_ov, out.to(out_ptr.dtype.element_ty), mask=v_mask)
-    if tl.program_id(1) == 0:
-        lse = tl.where(total_all > 0.0, m_all + tl.log(tl.where(total_all > 0.0, total_all, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
 
 
 def mla_decode(
@@ -430,7 +328,7 @@ def mla_decode(
     use_pdl = pdl(device)
     _split_kernel[grid](
         q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
-        num_heads, splits, softmax_scale * _LOG2E, seq_lens.stride(0),
+        num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
         *q.stride(), *kv_cache.stride(), *block_table.stride(),
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
@@ -441,29 +339,12 @@ def mla_decode(
         Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
-    if fused_value:
-        value_dim = w_uv.shape[1]
-        out = torch.empty((num_rows, num_heads, value_dim), dtype=q.dtype, device=device)
-        _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
-            partial_out, partial_lse, w_uv, out, lse,
-            num_heads, splits, value_dim,
-            *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
-            *out.stride(), *lse.stride(),
-            KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
-            BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=_VALUE_BLOCK_V, GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+    if fused_value and w_uv is not None:
+        out = torch.empty((num_rows, num_heads, w_uv.shape[1]), dtype=q.dtype, device=device)
+        merge_splits_value(partial_out, partial_lse, w_uv, out, lse, use_pdl)
         return out, lse
     if splits > 1:
-        _reduce_kernel[(num_rows * num_heads,)](
-            partial_out, partial_lse, out, lse,
-            num_heads, splits,
-            *partial_out.stride(), *partial_lse.stride(),
-            *out.stride()[:2], *lse.stride(),
-            KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
-            BLOCK_S=next_pow2(splits), GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+        merge_splits(partial_out, partial_lse, out, lse, use_pdl)
     if w_uv is not None:
         out = torch.einsum("bhc,hvc->bhv", out, w_uv)
     return out, lse
