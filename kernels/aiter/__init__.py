@@ -17,6 +17,7 @@ reference wherever aiter imports.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from ..reference import attention as ref_attention
 from ..registry import REFERENCE, Ops
 
 
-def _import_aiter():
+def _import_aiter() -> tuple[Any, Any]:
     try:
         import aiter  # noqa: F401
         from aiter import fused_moe as aiter_fused_moe

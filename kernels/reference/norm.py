@@ -10,7 +10,8 @@ import torch
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
 @overload
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

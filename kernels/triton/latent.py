@@ -135,7 +135,9 @@ def _write_latent_absorb_kernel(
                     NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False)
 
 
-def _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin) -> None:
+def _check_latent_args(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+                       kv_a_norm: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> None:
     num_tokens, _, rope_dim = q_pe.shape
     kv_lora_rank = kv_a_norm.shape[0]
     half = rope_dim // 2

@@ -239,7 +239,9 @@ def fused_moe(
     return _tiled_moe(x, w13, w2, topk_weights, topk_ids, config, out_dtype)
 
 
-def _tiled_moe(x, w13, w2, topk_weights, topk_ids, config: MoeConfig, out_dtype: torch.dtype) -> torch.Tensor:
+def _tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               config: MoeConfig,
+               out_dtype: torch.dtype) -> torch.Tensor:
     """The tiled path: (align,) gate/up, down and combine launches."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape

@@ -106,7 +106,8 @@ def _pair_kernel(
             tl.atomic_add(out_row + ds[None, :], part, mask=first[:, None] & d_mask[None, :], sem="relaxed")
 
 
-def pair_moe(x, w13, w2, topk_weights, topk_ids, config: PairConfig) -> torch.Tensor:
+def pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             config: PairConfig) -> torch.Tensor:
     """The per-pair path: one launch into a zeroed float32 [T, D]."""
     num_tokens, hidden = x.shape
     num_pairs = topk_ids.numel()

@@ -47,7 +47,8 @@ def _rms_norm_kernel(
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
 @overload
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

@@ -297,8 +297,8 @@ def prefill_attention(
     check_dtype("positions", positions, (torch.int64,))
     check_same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, positions=positions, w_uk=w_uk, w_uv=w_uv)
-    for name, value in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
-        _check_head_dim(name, value)
+    for name, size in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
+        _check_head_dim(name, size)
     device = q_nope.device
     config = config or prefill_config(device, q_nope.dtype)
 

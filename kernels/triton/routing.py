@@ -249,7 +249,8 @@ def route(
     topk_ids = torch.empty((num_tokens, top_k + num_shared), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
-    groups = 1 if topk_method == "greedy" else n_group
+    # check_route_args made sure the group-limited methods have n_group >= 1.
+    groups = n_group if topk_method != "greedy" and n_group else 1
     config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
     _launch(x, gate, bias, valid, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
             num_shared=num_shared, scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
@@ -257,8 +258,10 @@ def route(
     return topk_weights, topk_ids
 
 
-def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *, groups, top_k, num_shared,
-            scoring_func, topk_method, topk_group, norm_topk_prob, routed_scaling_factor) -> None:
+def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, valid: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: RouteConfig, *, groups: int, top_k: int,
+            num_shared: int, scoring_func: str, topk_method: str, topk_group: int | None, norm_topk_prob: bool,
+            routed_scaling_factor: float) -> None:
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     device = x.device
