@@ -31,7 +31,7 @@ def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: O
     """
     q, latent = qkv_a.split([qkv_a.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
     if p.q_b_proj is not None:
-        q = ops.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
+        q = ops.dense.linear(ops.dense.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
     return q.view(qkv_a.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
 
@@ -49,7 +49,7 @@ def decode_attention(
     q [B, H, C + R] absorbed query (q_nope @ W_UK, then the rotated q_pe),
     block_table [B, W], seq_lens [B] -> [B, H, Dv]
     """
-    out, _ = ops.mla_decode(
+    out, _ = ops.mla.mla_decode(
         q,
         kv_cache,
         block_table,
@@ -77,7 +77,7 @@ def mla_attention(
     """One layer's attention over all rows of a step.
 
     qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
-    `project`; the forward makes it with the norm, `ops.rms_norm_linear`);
+    `project`; the forward makes it with the norm, `ops.dense.rms_norm_linear`);
     kv_cache [num_blocks, bs, C + R]
     returns (output [T, D], the layer's cache with this step's latents written)
     """
@@ -90,15 +90,15 @@ def mla_attention(
     rope_args = (batch.positions, cos, sin)
     options = dict(eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
     if batch.decode is not None:
-        kv_cache, q_pe, q_absorbed = ops.write_latent_absorb(
+        kv_cache, q_pe, q_absorbed = ops.mla.write_latent_absorb(
             *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, **options)
     else:
-        kv_cache, q_pe = ops.write_latent(*latent_args, q_pe, *rope_args, **options)
+        kv_cache, q_pe = ops.mla.write_latent(*latent_args, q_pe, *rope_args, **options)
 
     outputs = []
     if batch.prefill is not None:
         meta = batch.prefill
-        out, _ = ops.prefill_attention(
+        out, _ = ops.mla.prefill_attention(
             q_nope[:split],
             q_pe[:split],
             kv_cache,
@@ -117,4 +117,4 @@ def mla_attention(
             decode_attention(p, q_absorbed, kv_cache, meta.block_table, meta.seq_lens, config, ops)
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-    return ops.linear(out.flatten(1), p.o_proj), kv_cache
+    return ops.dense.linear(out.flatten(1), p.o_proj), kv_cache

@@ -44,7 +44,7 @@ def _run(
     layers = params.layers
     hidden = F.embedding(batch.input_ids, params.embed)                 # [T, D]
     # Each layer's input norm runs with its first projection (one launch at decode sizes).
-    qkv_a = ops.rms_norm_linear(hidden, layers[0].input_norm, eps, layers[0].attn.qkv_a_proj)
+    qkv_a = ops.dense.rms_norm_linear(hidden, layers[0].input_norm, eps, layers[0].attn.qkv_a_proj)
     caches = []
     for i, layer in enumerate(layers):
         attn_out, cache = mla_attention(
@@ -52,16 +52,16 @@ def _run(
             params.rope_cos, params.rope_sin, inplace=not copy,
         )
         caches.append(cache)
-        x, hidden = ops.rms_norm(attn_out, layer.post_attention_norm, eps, residual=hidden)
+        x, hidden = ops.dense.rms_norm(attn_out, layer.post_attention_norm, eps, residual=hidden)
         ffn_out = feed_forward(layer.mlp, x, valid, config, ops)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
-            qkv_a, hidden = ops.rms_norm_linear(ffn_out, nxt.input_norm, eps, nxt.attn.qkv_a_proj, residual=hidden)
-    x, hidden = ops.rms_norm(ffn_out, params.norm, eps, residual=hidden)
+            qkv_a, hidden = ops.dense.rms_norm_linear(ffn_out, nxt.input_norm, eps, nxt.attn.qkv_a_proj, residual=hidden)
+    x, hidden = ops.dense.rms_norm(ffn_out, params.norm, eps, residual=hidden)
     # A decode step's rows are its logits rows in order (padding rows give padding logits).
     if mode.kind != "decode" or x.shape[0] != mode.padded_num_logits:
         x = x[batch.logits_indices]
-    logits = ops.linear(x, params.lm_head)                              # [N, V]
+    logits = ops.dense.linear(x, params.lm_head)                              # [N, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     new_state = state.with_caches(tuple(caches))
     if not copy:
