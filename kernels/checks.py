@@ -26,8 +26,10 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors on different devices: {devices}")
 
 
+# The routing rules by name: the one definition that the config checks and the ops read.
 SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+GROUP_LIMITED_METHODS = ("group_limited_greedy", "noaux_tc")
+TOPK_METHODS = ("greedy", *GROUP_LIMITED_METHODS)
 
 
 def check_route_args(num_experts: int, *, top_k: int, scoring_func: str, topk_method: str,

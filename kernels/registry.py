@@ -1,29 +1,12 @@
 """The op registry: one contract per op, one implementation per backend, chosen explicitly.
 
 The model calls ops only through an `Ops` table obtained from `ops_for(backend)`.
-Each backend's table names an implementation for every op; where a backend has
-no kernel of its own for an op, its table says so by naming the reference, so
-nothing falls back silently.
-
-Contracts (shapes in the docstrings of the reference implementations):
-
-    linear(x, weight, *, out_dtype=None) -> y
-    rms_norm_linear(x, norm_weight, eps, weight, residual=None) -> y | (y, residual_out)
-    write_kv(kv_cache, slot_mapping, kv, *, inplace=True) -> kv_cache
-    write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin, *, eps, interleaved,
-                 inplace=True) -> (kv_cache, q_pe)
-    write_latent_absorb(kv_cache, slot_mapping, latent, kv_a_norm, q_nope, q_pe, w_uk, positions, cos, sin, *,
-                        eps, interleaved, absorb_from, inplace=True) -> (kv_cache, q_pe, q)
-    absorb_query(q_nope, q_pe, w_uk) -> q
-    mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, w_uv=None, q_len=1) -> (out, lse)
-    prefill_attention(q_nope, q_pe, kv_cache, block_table, cu_seqlens_q, seq_lens, positions,
-                      w_uk, w_uv, *, softmax_scale) -> (out, lse)
-    merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
-    route(x, gate, e_score_correction_bias, valid, *, top_k, scoring_func, topk_method, n_group,
-          topk_group, norm_topk_prob, routed_scaling_factor, num_shared=0) -> (topk_weights, topk_ids)
-    fused_moe(x, w13, w2, topk_weights, topk_ids, *, out_dtype=None) -> y
-    rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
-    rope(q_pe, k_pe, positions, cos, sin, *, interleaved) -> (q_pe, k_pe)
+Ops are grouped by the layer kind that needs them: `dense` (norms, projections,
+rope, the LSE merge: every layer kind), `mla` (the latent cache and MLA
+attention), `moe` (routing and experts); a new layer kind adds a group. Each
+op's contract is its `Protocol` in `contracts`. Every backend's table derives
+from the reference table with `dataclasses.replace`, naming only the ops it
+replaces, so an op a backend has no kernel for is visibly the reference.
 """
 
 from __future__ import annotations
@@ -35,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import contracts as c
 from .reference import attention as ref_attention
 from .reference import cache as ref_cache
 from .reference import latent as ref_latent
@@ -48,42 +32,69 @@ BACKENDS = ("torch", "triton", "aiter")
 
 
 @dataclass(frozen=True, slots=True)
+class DenseOps:
+    """Ops every layer kind uses: projections, norms, rope, merging partial attention by LSE."""
+
+    linear: c.Linear
+    rms_norm: c.RmsNorm
+    rms_norm_linear: c.RmsNormLinear
+    rope: c.Rope
+    merge_attn_states: c.MergeAttnStates
+
+
+@dataclass(frozen=True, slots=True)
+class MLAOps:
+    """Multi-head Latent Attention: the paged latent cache and the two attention paths."""
+
+    write_kv: c.WriteKv
+    write_latent: c.WriteLatent
+    write_latent_absorb: c.WriteLatentAbsorb
+    absorb_query: c.AbsorbQuery
+    mla_decode: c.MlaDecode
+    prefill_attention: c.PrefillAttention
+
+
+@dataclass(frozen=True, slots=True)
+class MoEOps:
+    """Mixture of experts: routing and the fused expert sum."""
+
+    route: c.Route
+    fused_moe: c.FusedMoe
+
+
+@dataclass(frozen=True, slots=True)
 class Ops:
-    """Every op the model calls, bound to one backend's implementations."""
+    """Every op the model calls, bound to one backend's implementations, by layer kind."""
 
     backend: str
-    linear: Callable
-    rms_norm_linear: Callable
-    write_kv: Callable
-    write_latent: Callable
-    write_latent_absorb: Callable
-    absorb_query: Callable
-    mla_decode: Callable
-    prefill_attention: Callable
-    merge_attn_states: Callable
-    route: Callable
-    fused_moe: Callable
-    rms_norm: Callable
-    rope: Callable
+    dense: DenseOps
+    mla: MLAOps
+    moe: MoEOps
 
 
-def _torch_ops() -> Ops:
-    return Ops(
-        backend="torch",
+REFERENCE = Ops(
+    backend="torch",
+    dense=DenseOps(
         linear=ref_linear.linear,
+        rms_norm=ref_norm.rms_norm,
         rms_norm_linear=ref_linear.rms_norm_linear,
+        rope=ref_rope.rope,
+        merge_attn_states=ref_attention.merge_attn_states,
+    ),
+    mla=MLAOps(
         write_kv=ref_cache.write_kv,
         write_latent=ref_latent.write_latent,
         write_latent_absorb=ref_latent.write_latent_absorb,
         absorb_query=ref_attention.absorb_query,
         mla_decode=ref_attention.mla_decode,
         prefill_attention=ref_attention.prefill_attention,
-        merge_attn_states=ref_attention.merge_attn_states,
-        route=ref_routing.route,
-        fused_moe=ref_moe.fused_moe,
-        rms_norm=ref_norm.rms_norm,
-        rope=ref_rope.rope,
-    )
+    ),
+    moe=MoEOps(route=ref_routing.route, fused_moe=ref_moe.fused_moe),
+)
+
+
+def _torch_ops() -> Ops:
+    return REFERENCE
 
 
 def _triton_ops() -> Ops:
@@ -122,11 +133,17 @@ def record_expert_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
     experts, which every token takes, are not in the record.
     """
     chosen: list[torch.Tensor] = []
-    route = ops.route
+    route = ops.moe.route
 
-    def recording_route(*args, top_k, **kwargs):
-        topk_weights, topk_ids = route(*args, top_k=top_k, **kwargs)
+    def recording_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
+                        valid: torch.Tensor, /, *, top_k: int, scoring_func: str, topk_method: str,
+                        n_group: int | None, topk_group: int | None, norm_topk_prob: bool,
+                        routed_scaling_factor: float, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        topk_weights, topk_ids = route(
+            x, gate, e_score_correction_bias, valid, top_k=top_k, scoring_func=scoring_func,
+            topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+            routed_scaling_factor=routed_scaling_factor, num_shared=num_shared)
         chosen.append(topk_ids[:, :top_k])
         return topk_weights, topk_ids
 
-    return dataclasses.replace(ops, route=recording_route), chosen
+    return dataclasses.replace(ops, moe=dataclasses.replace(ops.moe, route=recording_route)), chosen

@@ -33,7 +33,7 @@ def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: O
     """
     q, latent = qkv_a.split([qkv_a.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
     if p.q_b_proj is not None:
-        q = ops.linear(ops.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
+        q = ops.dense.linear(ops.dense.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
     return q.view(qkv_a.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
 
@@ -52,9 +52,7 @@ def decode_attention(
     q [B * q_len, H, C + R] absorbed query (q_nope @ W_UK, then the rotated q_pe), the rows
     of sequence b in position order; block_table [B, W], seq_lens [B] -> [B * q_len, H, Dv]
     """
-    # The one-token call keeps the op's minimal signature, which every backend takes.
-    extra = {} if q_len == 1 else {"q_len": q_len}
-    out, _ = ops.mla_decode(
+    out, _ = ops.mla.mla_decode(
         q,
         kv_cache,
         block_table,
@@ -62,7 +60,7 @@ def decode_attention(
         softmax_scale=config.softmax_scale,
         kv_lora_rank=config.kv_lora_rank,
         w_uv=p.w_uv,
-        **extra,
+        q_len=q_len,
     )
     return out
 
@@ -93,7 +91,7 @@ def mla_attention(
     """One layer's attention over all rows of a step.
 
     qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
-    `project`; the forward makes it with the norm, `ops.rms_norm_linear`);
+    `project`; the forward makes it with the norm, `ops.dense.rms_norm_linear`);
     kv_cache [num_blocks, bs, C + R]
     returns (output [T, D], the layer's cache with this step's latents written)
     """
@@ -107,15 +105,15 @@ def mla_attention(
     options = dict(eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
     has_decode = mode.padded_decode_seqs > 0
     if has_decode:
-        kv_cache, q_pe, q_absorbed = ops.write_latent_absorb(
+        kv_cache, q_pe, q_absorbed = ops.mla.write_latent_absorb(
             *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, **options)
     else:
-        kv_cache, q_pe = ops.write_latent(*latent_args, q_pe, *rope_args, **options)
+        kv_cache, q_pe = ops.mla.write_latent(*latent_args, q_pe, *rope_args, **options)
 
     outputs = []
     if mode.padded_prefill_seqs > 0:
         meta = _segment(batch.prefill, "prefill")
-        out, _ = ops.prefill_attention(
+        out, _ = ops.mla.prefill_attention(
             q_nope[:split],
             q_pe[:split],
             kv_cache,
@@ -133,4 +131,4 @@ def mla_attention(
         outputs.append(decode_attention(p, q_absorbed, kv_cache, dmeta.block_table, dmeta.seq_lens, config, ops,
                                         mode.decode_q_len))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-    return ops.linear(out.flatten(1), p.o_proj), kv_cache
+    return ops.dense.linear(out.flatten(1), p.o_proj), kv_cache

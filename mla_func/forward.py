@@ -81,10 +81,10 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
         entered, residual = kind.enter(p, delta, residual, ctx)
         delta, residual, cache = kind.body(p, entered, residual, cache, ctx)
         caches.append(cache)
-    x, _ = ops.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
+    x, _ = ops.dense.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
     if mode.gather_logits:
         x = x[batch.logits_indices]
-    logits = ops.linear(x, params.lm_head)                              # [N, V]
+    logits = ops.dense.linear(x, params.lm_head)                              # [N, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     new_state = replace(state, layers=tuple(caches))
     if not copy:

@@ -85,8 +85,8 @@ class MLADecoderLayer:
         """delta [T, D] -> (qkv_a [T, Q + C + R] of norm(residual + delta), residual + delta)."""
         eps = ctx.config.rms_norm_eps
         if residual is None:
-            return ctx.ops.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj), delta
-        qkv_a, residual = ctx.ops.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj, residual=residual)
+            return ctx.ops.dense.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj), delta
+        qkv_a, residual = ctx.ops.dense.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj, residual=residual)
         return qkv_a, residual
 
     def body(self, p: LayerParams, entered: torch.Tensor, residual: torch.Tensor, cache: MLALayerCache,
@@ -95,7 +95,7 @@ class MLADecoderLayer:
             p.attn, entered, cache.kv, ctx.batch, ctx.mode, ctx.config, ctx.ops, ctx.rope_cos, ctx.rope_sin,
             inplace=ctx.inplace,
         )
-        x, residual = ctx.ops.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
+        x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
         return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache

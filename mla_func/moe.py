@@ -12,8 +12,8 @@ from .params import MLPParams, MoEParams
 
 def mlp(p: MLPParams, x: torch.Tensor, ops: Ops) -> torch.Tensor:
     """x [T, D] -> down(silu(gate(x)) * up(x)) [T, D]."""
-    gate, up = ops.linear(x, p.gate_up).chunk(2, dim=-1)
-    return ops.linear(F.silu(gate) * up, p.down)
+    gate, up = ops.dense.linear(x, p.gate_up).chunk(2, dim=-1)
+    return ops.dense.linear(F.silu(gate) * up, p.down)
 
 
 # Up to this many tokens a step runs its shared experts inside the fused MoE call,
@@ -40,7 +40,7 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
     bias-corrected scores; the bias only steers the choice, weights use raw scores.
     """
     c = config
-    return ops.route(
+    return ops.moe.route(
         x, p.gate, p.e_score_correction_bias, valid,
         top_k=c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
         n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
@@ -70,9 +70,9 @@ def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     if p.num_shared and x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS:
         topk_weights, topk_ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
-        return ops.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids, out_dtype=out_dtype)
+        return ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids, out_dtype=out_dtype)
     topk_weights, topk_ids = route(p, x, valid, config, ops)
-    out = ops.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], topk_weights, topk_ids,
+    out = ops.moe.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], topk_weights, topk_ids,
                         out_dtype=out_dtype)
     if p.num_shared:
         out = out + shared_experts(p, x)

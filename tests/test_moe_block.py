@@ -48,9 +48,9 @@ def test_fused_and_dense_shared_experts_agree(pair):
     x = torch.randn(5, config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     valid = torch.ones(5, dtype=torch.bool)
     weights, ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
-    fused = ops.fused_moe(x, p.w13, p.w2, weights, ids)
+    fused = ops.moe.fused_moe(x, p.w13, p.w2, weights, ids)
     weights, ids = route(p, x, valid, config, ops)
-    dense = ops.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], weights, ids) + shared_experts(p, x)
+    dense = ops.moe.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], weights, ids) + shared_experts(p, x)
     assert rel_err(fused, dense) < 1e-12
 
 

@@ -1,4 +1,4 @@
-"""AMD AITER kernels on ROCm: MLA decode and fused MoE; every other op (routing too) is the reference.
+"""AMD AITER kernels on ROCm: MLA decode (one query a sequence) and fused MoE; every other op is the reference.
 
 AITER's MLA decode reads the cache as [num_pages, page_size, 1, C + R] through a
 CSR page list (kv_indptr, kv_indices) rather than a block table. The wrapper
@@ -16,20 +16,17 @@ reference wherever aiter imports.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from ..checks import check_dtype, check_shape
 from ..reference import attention as ref_attention
-from ..reference import cache as ref_cache
-from ..reference import latent as ref_latent
-from ..reference import linear as ref_linear
-from ..reference import norm as ref_norm
-from ..reference import rope as ref_rope
-from ..reference import routing as ref_routing
-from ..registry import Ops
+from ..registry import REFERENCE, Ops
 
 
-def _import_aiter():
+def _import_aiter() -> tuple[Any, Any]:
     try:
         import aiter  # noqa: F401
         from aiter import fused_moe as aiter_fused_moe
@@ -74,14 +71,22 @@ def mla_decode(
     softmax_scale: float,
     kv_lora_rank: int,
     w_uv: torch.Tensor | None = None,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of `reference.attention.mla_decode`, run by AITER's MLA decode kernel.
+    """Contract of `reference.attention.mla_decode`, run by AITER's MLA decode kernel for q_len = 1.
 
     q [B, H, C + R]; kv_cache [num_blocks, bs, C + R]; block_table [B, W] int32;
     seq_lens [B] int32; w_uv [H, Dv, C] or None -> out [B, H, C] (or [B, H, Dv] with
     w_uv, one batched GEMM after the kernel) in q's dtype, lse [B, H] float32.
     Head counts and dtypes are those AITER's kernels support (16 or 128 heads, bf16).
+
+    Several causal query tokens per sequence (q_len > 1, q [B * q_len, H, C + R]) run
+    the torch reference, `reference.attention.mla_decode`: AITER's causal rule for
+    several queries of one sequence differs between releases and is not relied on.
     """
+    if q_len != 1:
+        return ref_attention.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale,
+                                        kv_lora_rank=kv_lora_rank, w_uv=w_uv, q_len=q_len)
     aiter_mla, _ = _import_aiter()
     num_seqs, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
@@ -131,21 +136,11 @@ def fused_moe(
 
 
 def ops() -> Ops:
-    """The AITER op table; raises RuntimeError if `import aiter` fails."""
+    """The AITER op table: its MLA decode and fused MoE, the reference for every other op."""
     _import_aiter()
-    return Ops(
+    return dataclasses.replace(
+        REFERENCE,
         backend="aiter",
-        linear=ref_linear.linear,
-        rms_norm_linear=ref_linear.rms_norm_linear,
-        write_kv=ref_cache.write_kv,
-        write_latent=ref_latent.write_latent,
-        write_latent_absorb=ref_latent.write_latent_absorb,
-        absorb_query=ref_attention.absorb_query,
-        mla_decode=mla_decode,
-        prefill_attention=ref_attention.prefill_attention,
-        merge_attn_states=ref_attention.merge_attn_states,
-        route=ref_routing.route,
-        fused_moe=fused_moe,
-        rms_norm=ref_norm.rms_norm,
-        rope=ref_rope.rope,
+        mla=dataclasses.replace(REFERENCE.mla, mla_decode=mla_decode),
+        moe=dataclasses.replace(REFERENCE.moe, fused_moe=fused_moe),
     )

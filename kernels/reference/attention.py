@@ -4,9 +4,9 @@ Shapes use: T tokens, B sequences, H heads, W block-table width, bs block size,
 S = W * bs gathered context positions, C = kv_lora_rank, R = qk_rope_head_dim,
 Dn = qk_nope_head_dim, Dv = v_head_dim.
 
-These references favour clarity and static shapes over memory: they gather each
-sequence's whole block table and mask, so they capture in a CUDA graph and run
-under torch.func, but cost O(T * B * S) memory in prefill.
+These references favour clarity and static shapes: they gather each sequence's
+whole block table and mask, so they capture in a CUDA graph and run under
+torch.func; prefill memory stays linear in the step's tokens (see prefill_attention).
 """
 
 from __future__ import annotations
@@ -109,10 +109,12 @@ def prefill_attention(
     *,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decompressed MLA prefill: new tokens attend causally over their sequence's cache.
+    """MLA prefill: new tokens attend causally over their own sequence's cache.
 
     The cache already holds this step's latent vectors, so "context + own keys" is
-    one read of positions [0, seq_lens[b]).
+    one read of positions [0, seq_lens[b]). Computed in latent space (the query
+    through W_UK, the attended latent through W_UV), which equals attention over
+    the decompressed keys and values.
 
     q_nope:       [T, H, Dn]      q_pe: [T, H, R] (rotated)
     kv_cache:     [num_blocks, bs, C + R]
@@ -123,6 +125,10 @@ def prefill_attention(
     positions:    [T] int64, token t sees key positions j <= positions[t]
     w_uk:         [H, Dn, C]      w_uv: [H, Dv, C] (kv_b_proj split per head)
     returns       out [T, H, Dv] in q's dtype, lse [T, H] float32; padded rows give 0 / -inf.
+
+    Memory is O(T * S * (C + R + H)): each token meets only its own sequence's
+    keys (one sequence is read in place, several are gathered per token), never
+    the [T, B, S] cross product.
     """
     num_tokens, num_heads, nope_dim = q_nope.shape
     num_seqs = block_table.shape[0]
@@ -136,28 +142,46 @@ def prefill_attention(
     check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
     check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
     acc = _acc_dtype(q_nope.dtype)
+    if num_seqs == 0:
+        out = torch.zeros((num_tokens, num_heads, w_uv.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
+        return out, torch.full((num_tokens, num_heads), float("-inf"), device=q_nope.device)
 
     kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
-    context_len = kv.shape[1]
-    latent, k_pe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
-    k_nope = torch.einsum("bsc,hdc->bshd", latent, w_uk.to(acc))        # decompress keys
-    value = torch.einsum("bsc,hvc->bshv", latent, w_uv.to(acc))         # and values
-
-    scores = torch.einsum("thd,bshd->thbs", q_nope.to(acc), k_nope)
-    scores = scores + torch.einsum("thr,bsr->thbs", q_pe.to(acc), k_pe)
-    scores = scores * softmax_scale                                     # [T, H, B, S]
-
+    # The scale goes on the query ([T, H, C+R]) rather than on the scores ([T, H, S]).
+    q = torch.cat([torch.einsum("thd,hdc->thc", q_nope.to(acc), w_uk.to(acc)), q_pe.to(acc)], dim=-1)
+    q = q * softmax_scale
     seq_of_token = token_to_seq(cu_seqlens_q, num_tokens)              # [T], B = padding
-    key_pos = torch.arange(context_len, device=q_nope.device)
-    seq_ids = torch.arange(num_seqs, device=q_nope.device)
+    own = seq_of_token.clamp(max=num_seqs - 1).long()
+    if num_seqs == 1:
+        keys = kv[0]                                                    # [S, C+R]
+        scores = torch.einsum("thd,sd->ths", q, keys)
+    else:
+        keys = kv[own]                                                  # [T, S, C+R]
+        scores = torch.einsum("thd,tsd->ths", q, keys)
+
+    key_pos = torch.arange(kv.shape[1], device=q.device)
     visible = (
-        (seq_ids[None, :, None] == seq_of_token[:, None, None])
-        & (key_pos[None, None, :] <= positions[:, None, None])
-        & (key_pos[None, None, :] < seq_lens[None, :, None])
-    )                                                                   # [T, B, S]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs, lse = _softmax_with_lse(scores.flatten(2))                   # over all (b, s)
-    out = torch.einsum("thk,khv->thv", probs, value.flatten(0, 1))
+        (key_pos[None, :] <= positions[:, None])
+        & (key_pos[None, :] < seq_lens[own][:, None])
+        & (seq_of_token < num_seqs)[:, None]
+    )                                                                   # [T, S]
+    # A row with no key (padding) attends to everything instead, so that the
+    # softmax stays finite (and its gradient too); its result is replaced below.
+    has_key = visible.any(dim=-1)                                       # [T]
+    mask = torch.where(visible | ~has_key[:, None], 0.0, float("-inf")).to(acc)
+    # In place: the scores are fresh and unsaved, and a second [T, H, S] buffer
+    # costs more (page faults) than the addition itself.
+    scores.add_(mask[:, None, :])
+    probs = torch.softmax(scores, dim=-1)                               # [T, H, S]
+    # lse = s - log p at any key; at the arg-max key p >= 1 / S, so the log is safe.
+    lse = scores.amax(dim=-1) - torch.log(probs.amax(dim=-1))
+    if num_seqs == 1:
+        latent = torch.einsum("ths,sc->thc", probs, keys[:, :kv_lora_rank])
+    else:
+        latent = torch.einsum("ths,tsc->thc", probs, keys[..., :kv_lora_rank])
+    out = torch.einsum("thc,hvc->thv", latent, w_uv.to(acc))
+    out = torch.where(has_key[:, None, None], out, torch.zeros((), dtype=acc, device=out.device))
+    lse = torch.where(has_key[:, None], lse, float("-inf"))
     return out.to(q_nope.dtype), lse.float()
 
 

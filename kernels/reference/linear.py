@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     return F.linear(x.to(out_dtype), weight.to(out_dtype))
 
 
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: None = None
+                    ) -> torch.Tensor: ...
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -31,8 +41,7 @@ def rms_norm_linear(
     x, residual [T, K]; norm_weight [K]; weight [N, K]
     returns y [T, N]; with `residual`, (y, x + residual) as `rms_norm` returns the sum.
     """
-    normed = rms_norm(x, norm_weight, eps, residual)
     if residual is None:
-        return linear(normed, weight)
-    normed, residual_out = normed
+        return linear(rms_norm(x, norm_weight, eps), weight)
+    normed, residual_out = rms_norm(x, norm_weight, eps, residual)
     return linear(normed, weight), residual_out

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
+
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_route_args, check_shape
+from ..checks import GROUP_LIMITED_METHODS, check_route_args, check_shape
 
 
 def route(
@@ -56,7 +56,8 @@ def route(
     logits = F.linear(x.to(acc), gate if gate.dtype == acc else gate.to(acc))  # [T, E]
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
-    if topk_method in ("group_limited_greedy", "noaux_tc"):
+    # check_route_args made sure the group-limited methods have both group sizes.
+    if topk_method in GROUP_LIMITED_METHODS and n_group and topk_group:
         choice = _limit_groups(choice, n_group, topk_group, top2=topk_method == "noaux_tc")
     topk_ids = choice.topk(top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)

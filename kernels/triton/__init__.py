@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..registry import Ops
+import dataclasses
+
+from ..registry import REFERENCE, Ops
 from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
@@ -36,20 +38,14 @@ __all__ = [
 
 
 def ops() -> Ops:
-    """The Triton op table."""
-    return Ops(
+    """The Triton op table: a kernel for every op."""
+    return dataclasses.replace(
+        REFERENCE,
         backend="triton",
-        linear=linear,
-        rms_norm_linear=rms_norm_linear,
-        write_kv=write_kv,
-        write_latent=write_latent,
-        write_latent_absorb=write_latent_absorb,
-        absorb_query=absorb_query,
-        mla_decode=mla_decode,
-        prefill_attention=prefill_attention,
-        merge_attn_states=merge_attn_states,
-        route=route,
-        fused_moe=fused_moe,
-        rms_norm=rms_norm,
-        rope=rope,
+        dense=dataclasses.replace(REFERENCE.dense, linear=linear, rms_norm=rms_norm,
+                                  rms_norm_linear=rms_norm_linear, rope=rope, merge_attn_states=merge_attn_states),
+        mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
+                                write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
+                                mla_decode=mla_decode, prefill_attention=prefill_attention),
+        moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
     )

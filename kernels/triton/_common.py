@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import triton.language as tl
 
 from ..checks import check_dtype
+
+# Attention kernels run their softmax in base 2 (exp2 and log2 are the hardware's):
+# the host scales scores by LOG2E, and a kernel turns a base-2 LSE back into the
+# natural log the contracts speak by multiplying with LN2.
+LN2 = tl.constexpr(math.log(2.0))
+LOG2E = 1.0 / math.log(2.0)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

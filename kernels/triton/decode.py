@@ -1,10 +1,10 @@
 """Absorbed MLA decode over the paged latent cache: split-KV flash decoding.
 
-Stage 1 gives every (sequence, head group, split) program one contiguous slice of
-the sequence's keys and writes a normalised partial output and its LSE; stage 2
-merges the splits by LSE. Given the value up-projection W_UV, small batches
-merge and project in one stage-2 kernel; larger ones project with one batched
-GEMM. The number of splits is a function of static shapes
+Stage 1 (here) gives every (sequence, head group, split) program one contiguous
+slice of the sequence's keys and writes a normalised partial output and its LSE;
+stage 2 (`decode_merge`) merges the splits by LSE. Given the value up-projection
+W_UV, small batches merge and project in one stage-2 kernel; larger ones project
+with one batched GEMM. The number of splits is a function of static shapes
 and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
 any lengths and no step waits on the host.
@@ -21,9 +21,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
-
-_LOG2E = 1.4426950408889634
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
+from .decode_merge import merge_splits, merge_splits_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +70,14 @@ def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
 # cheapest way to read it (no extra launch, the slice loaded before the wait for
 # stage 1); with many sequences the batched GEMM reads it once instead.
 _FUSED_VALUE_MAX_SEQS = 8
-_VALUE_BLOCK_V = 32
-# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile
-# (16 covers batch 1 up to 2K keys of table in one step).
-_MERGE_SPLITS = 16
+
+
+def _tiling(num_heads: int, q_len: int, config: DecodeConfig) -> tuple[int, int]:
+    """(rows of a split program, heads of a program): with several queries a row is a (head, query) pair."""
+    if q_len == 1:
+        return config.block_h, config.block_h
+    rows = max(config.block_h, next_pow2(q_len))
+    return rows, min(num_heads, rows // q_len)
 
 
 def mla_decode_num_splits(
@@ -84,11 +87,14 @@ def mla_decode_num_splits(
     block_size: int,
     device: torch.device | str,
     config: DecodeConfig | None = None,
+    *,
+    q_len: int = 1,
 ) -> int:
     """Splits per sequence: depends only on static shapes and the device's multiprocessor count."""
     device = torch.device(device)
-    config = config or decode_config(num_heads, device)
-    programs = max(1, num_seqs) * triton.cdiv(num_heads, config.block_h)
+    config = config or decode_config(num_heads * q_len, device)
+    _, heads_per_program = _tiling(num_heads, q_len, config)
+    programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
     wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
     by_length = triton.cdiv(block_table_width * block_size, _MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
@@ -101,16 +107,19 @@ def mla_decode_workspace(
     block_table_width: int,
     block_size: int,
     device: torch.device | str,
+    *,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `mla_decode(..., workspace=...)`, to allocate once per static shape.
 
-    returns (partial_out [B, H, S, C] float32, partial_lse [B, H, S] float32),
-    S = mla_decode_num_splits(B, H, W, bs, device).
+    returns (partial_out [B * q_len, H, S, C] float32, partial_lse [B * q_len, H, S] float32),
+    S = mla_decode_num_splits(B, H, W, bs, device, q_len=q_len).
     """
-    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device)
+    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device, q_len=q_len)
+    rows = num_seqs * q_len
     return (
-        torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
-        torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device),
+        torch.empty((rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
+        torch.empty((rows, num_heads, splits), dtype=torch.float32, device=device),
     )
 
 
@@ -130,7 +139,11 @@ def _split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    Q_LEN: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
 ):
+    # With Q_LEN > 1 the BLOCK_H rows of a program are (head, query) pairs, head
+    # major: HEADS_PER_PROGRAM heads times the Q_LEN causal queries of sequence b,
+    # which share every key tile. Q_LEN == 1 keeps rows = heads.
     b = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,13 +157,25 @@ def _split_kernel(
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
-    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
+    if Q_LEN == 1:
+        heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < num_heads
+    else:
+        pair = tl.arange(0, BLOCK_H)
+        query = pair % Q_LEN
+        heads = head_group * HEADS_PER_PROGRAM + pair // Q_LEN
+        head_mask = (pair < HEADS_PER_PROGRAM * Q_LEN) & (heads < num_heads)
+        rows = b.to(tl.int64) * Q_LEN + query
+        # Query j stands at position seq_len - Q_LEN + j and sees the keys up to it.
+        key_end = seq_len - (Q_LEN - 1 - query)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+    if Q_LEN == 1:
+        q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+    else:
+        q_row = q_ptr + rows[:, None] * s_qb + heads[:, None] * s_qh
     q_nope = tl.load(q_row + offs_c[None, :] * s_qd,
                      mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK), other=0.0)
     q_pe = tl.load(q_row + (KV_LORA_RANK + offs_r[None, :]) * s_qd,
@@ -160,8 +185,10 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    # Every iteration holds at least one visible key (start < end), so m_i is
-    # finite after the first and exp2(m_i - m_new) never sees -inf - -inf.
+    # With one query, every iteration holds at least one visible key (start < end),
+    # so m_i is finite after the first and exp2(m_i - m_new) never sees -inf - -inf.
+    # With several, an early query may see none of a tile (or of a whole split),
+    # so its shift falls back to 0 while its maximum is still -inf.
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         key_mask = pos < end
@@ -180,11 +207,18 @@ def _split_kernel(
 
         scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        if Q_LEN == 1:
+            scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+        else:
+            visible = key_mask[None, :] & (pos[None, :] < key_end[:, None])
+            scores = tl.where(visible, scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - shift)
+            p = tl.exp2(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
@@ -192,108 +226,17 @@ def _split_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    if Q_LEN == 1:
+        po_row = po_ptr + b.to(tl.int64) * s_pob + heads[:, None] * s_poh + split * s_pos
+    else:
+        po_row = po_ptr + rows[:, None] * s_pob + heads[:, None] * s_poh + split * s_pos
     tl.store(po_row + offs_c[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
              mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK))
-    tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits", "s_plh"])
-def _reduce_kernel(
-    po_ptr, pl_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits,
-    s_pob, s_poh, s_pos, s_pod,
-    s_plb, s_plh, s_pls,
-    s_ob, s_oh, s_lb, s_lh,
-    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr, GDC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    b = (pid // num_heads).to(tl.int64)
-    h = pid % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
-    split_mask = offs_s < num_splits
-    lse_s = tl.load(pl_ptr + b * s_plb + h * s_plh + offs_s * s_pls, mask=split_mask, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m)
-    total = tl.sum(w, axis=0)
-    w = w * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
-    offs_c = tl.arange(0, BLOCK_C)
-    for c0 in range(0, KV_LORA_RANK, BLOCK_C):
-        c = c0 + offs_c
-        c_mask = c < KV_LORA_RANK
-        parts = tl.load(po_ptr + b * s_pob + h * s_poh + offs_s[:, None] * s_pos + c[None, :] * s_pod,
-                        mask=split_mask[:, None] & c_mask[None, :], other=0.0)
-        out = tl.sum(parts * w[:, None], axis=0)
-        tl.store(out_ptr + b * s_ob + h * s_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
-    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-    tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
-
-
-# The split count follows the batch size (see above).
-@triton.jit(do_not_specialize=["num_splits", "s_plh"])
-def _reduce_value_kernel(
-    po_ptr, pl_ptr, w_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits, value_dim,
-    s_pob, s_poh, s_pos, s_pod,
-    s_plb, s_plh, s_pls,
-    s_wh, s_wv, s_wc,
-    s_ob, s_oh, s_ov, s_lb, s_lh,
-    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
-    GDC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = (pid // num_heads).to(tl.int64)
-    h = pid % num_heads
-    offs_c = tl.arange(0, BLOCK_C)
-    c_mask = offs_c < KV_LORA_RANK
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_mask = vs < value_dim
-    # W_UV depends on no earlier kernel: its slice is in flight before the wait.
-    w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + offs_c[None, :] * s_wc,
-                mask=v_mask[:, None] & c_mask[None, :], other=0.0)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    pl_row = pl_ptr + b * s_plb + h * s_plh
-    po_row = po_ptr + b * s_pob + h * s_poh
-    # One pass over the splits, BLOCK_S at a time, rescaling the running sums to
-    # the largest LSE so far: a chunk's LSEs and partial outputs load together
-    # (every split wrote both, empty ones out 0 and lse -inf), so at batch 1,
-    # where one chunk holds every split, stage 2 waits on memory once.
-    m_run = tl.full([], float("-inf"), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        s_mask = ss < num_splits
-        lse_s = tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf"))
-        parts = tl.load(po_row + ss[:, None] * s_pos + offs_c[None, :] * s_pod,
-                        mask=s_mask[:, None] & c_mask[None, :], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(lse_s, axis=0))
-        # While every split so far is empty, shift by 0 so weights are 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m_run - shift)
-        wt = tl.exp(lse_s - shift)
-        total = total * rescale + tl.sum(wt, axis=0)
-        latent = latent * rescale + tl.sum(parts * wt[:, None], axis=0)
-        m_run = m_new
-    m_all = tl.where(m_run == float("-inf"), 0.0, m_run)
-    total_all = total
-    latent = latent * tl.where(total_all > 0.0, 1.0 / tl.where(total_all > 0.0, total_all, 1.0), 0.0)
-    # Rounded to the output dtype first, as the merged latent is before an unfused projection.
-    latent = latent.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.sum(w.to(tl.float32) * latent[None, :], axis=1)
-    tl.store(out_ptr + b * s_ob + h * s_oh + vs * s_ov, out.to(out_ptr.dtype.element_ty), mask=v_mask)
-    if tl.program_id(1) == 0:
-        lse = tl.where(total_all > 0.0, m_all + tl.log(tl.where(total_all > 0.0, total_all, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+    if Q_LEN == 1:
+        tl.store(pl_ptr + b.to(tl.int64) * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+    else:
+        tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
 def mla_decode(
@@ -308,24 +251,34 @@ def mla_decode(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     w_uv: torch.Tensor | None = None,
+    q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode: one query token per sequence attends over its latent cache.
+    """Absorbed MLA decode: `q_len` query tokens per sequence attend causally over its latent cache.
 
-    q:           [B, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32
+    The contract of `reference.attention.mla_decode`: query j of sequence b stands
+    at position seq_lens[b] - q_len + j and sees keys [0, seq_lens[b] - q_len + j].
+
+    q:           [B * q_len, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32;
+                 the rows of sequence b are b * q_len .. b * q_len + q_len - 1
     kv_cache:    [num_blocks, bs, C + R], same dtype as q
     block_table: [B, W] int32
-    seq_lens:    [B] int32; keys [0, seq_lens[b]) are attended, 0 marks a padded row
-    workspace:   (partial_out [B, H, S, C] fp32, partial_lse [B, H, S] fp32) from
-                 `mla_decode_workspace`, so that a captured graph allocates only its
+    seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
+    workspace:   (partial_out [B * q_len, H, S, C] fp32, partial_lse [B * q_len, H, S] fp32)
+                 from `mla_decode_workspace`, so that a captured graph allocates only its
                  outputs; None allocates it here. Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
     config:      overrides the tile sizes (benchmark sweeps).
     w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
-    returns      out [B, H, C] in q's dtype, or with w_uv out [B, H, Dv] = (out rounded
-                 to q's dtype) @ w_uv[h]^T; lse [B, H] float32 (natural log);
-                 a padded row gives out 0, lse -inf.
+    returns      out [B * q_len, H, C] in q's dtype, or with w_uv out [B * q_len, H, Dv] =
+                 (out rounded to q's dtype) @ w_uv[h]^T; lse [B * q_len, H] float32 (natural
+                 log); the rows of a padded sequence give out 0, lse -inf.
     """
-    num_seqs, num_heads, dim = q.shape
+    if q_len < 1:
+        raise ValueError(f"q_len: expected at least 1, got {q_len}")
+    num_rows, num_heads, dim = q.shape
+    if num_rows % q_len:
+        raise ValueError(f"q: expected a multiple of q_len={q_len} rows, got {num_rows}")
+    num_seqs = num_rows // q_len
     rope_dim = dim - kv_lora_rank
     _, block_size, _ = kv_cache.shape
     check_shape("kv_cache", kv_cache, (None, None, dim))
@@ -342,16 +295,18 @@ def mla_decode(
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
         check_dtype("w_uv", w_uv, (q.dtype,))
         check_same_device(q=q, w_uv=w_uv)
-    fused_value = w_uv is not None and num_seqs <= _FUSED_VALUE_MAX_SEQS
+    fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
-    config = config or decode_config(num_heads, device)
+    config = config or decode_config(num_heads * q_len, device)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
-    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config)
+    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
+                                                 q_len=q_len)
+    block_rows, heads_per_program = _tiling(num_heads, q_len, config)
 
-    out = torch.empty((num_seqs, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
-    lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=device)
+    out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
+    lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_seqs == 0:
         return (out if w_uv is None else torch.einsum("bhc,hvc->bhv", out, w_uv)), lse
     if splits == 1 and not fused_value:
@@ -360,52 +315,36 @@ def mla_decode(
         partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
     elif workspace is not None:
         partial_out, partial_lse = workspace
-        check_shape("workspace[0]", partial_out, (num_seqs, num_heads, splits, kv_lora_rank))
-        check_shape("workspace[1]", partial_lse, (num_seqs, num_heads, splits))
+        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, kv_lora_rank))
+        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
         check_dtype("workspace[0]", partial_out, (torch.float32,))
         check_dtype("workspace[1]", partial_lse, (torch.float32,))
         check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
     else:
-        partial_out = torch.empty((num_seqs, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device)
+        partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
 
-    grid = (num_seqs, triton.cdiv(num_heads, config.block_h), splits)
+    grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
     _split_kernel[grid](
         q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
-        num_heads, splits, softmax_scale * _LOG2E, seq_lens.stride(0),
+        num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
         *q.stride(), *kv_cache.stride(), *block_table.stride(),
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        BLOCK_H=block_rows, BLOCK_N=config.block_n,
         PAGE_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
-    if fused_value:
-        value_dim = w_uv.shape[1]
-        out = torch.empty((num_seqs, num_heads, value_dim), dtype=q.dtype, device=device)
-        _reduce_value_kernel[(num_seqs * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
-            partial_out, partial_lse, w_uv, out, lse,
-            num_heads, splits, value_dim,
-            *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
-            *out.stride(), *lse.stride(),
-            KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
-            BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=_VALUE_BLOCK_V, GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+    if fused_value and w_uv is not None:
+        out = torch.empty((num_rows, num_heads, w_uv.shape[1]), dtype=q.dtype, device=device)
+        merge_splits_value(partial_out, partial_lse, w_uv, out, lse, use_pdl)
         return out, lse
     if splits > 1:
-        _reduce_kernel[(num_seqs * num_heads,)](
-            partial_out, partial_lse, out, lse,
-            num_heads, splits,
-            *partial_out.stride(), *partial_lse.stride(),
-            *out.stride()[:2], *lse.stride(),
-            KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
-            BLOCK_S=next_pow2(splits), GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+        merge_splits(partial_out, partial_lse, out, lse, use_pdl)
     if w_uv is not None:
         out = torch.einsum("bhc,hvc->bhv", out, w_uv)
     return out, lse

@@ -64,14 +64,15 @@ def _latent_row(
 
 
 @triton.jit
-def _write_latent_kernel(
-    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+def _latent_token(
+    t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_heads, block_size, eps,
     s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """The per-token program of both latent kernels: wait for the previous kernel, look up
+    token t's rope angles, do `_latent_row`; returns the angles (cos, sin, first, second)."""
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -81,6 +82,22 @@ def _write_latent_kernel(
                 num_heads, block_size, eps,
                 s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
                 KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H)
+    return cos, sin, first, second
+
+
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    num_heads, block_size, eps,
+    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    _latent_token(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                  num_heads, block_size, eps,
+                  s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+                  KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, GDC)
 
 
 # Token counts follow the step: plain arguments, not one compile per count.
@@ -99,15 +116,11 @@ def _write_latent_absorb_kernel(
     pid = tl.program_id(0)
     if pid < num_tokens:
         t = pid.to(tl.int64)
-        if GDC:
-            gdc_wait()
-            gdc_launch_dependents()
-        pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
-        cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
-        _latent_row(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
-                    num_heads, block_size, eps,
-                    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
-                    KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H)
+        cos, sin, first, second = _latent_token(
+            t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+            num_heads, block_size, eps,
+            s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+            KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, GDC)
         if t >= absorb_from:
             # A decode row: its rotated q_pe is also the absorbed query's tail.
             rotate_heads(q_ptr + t * s_qt, qa_ptr + (t - absorb_from) * s_at + KV_LORA_RANK * s_ad, num_heads,
@@ -122,7 +135,9 @@ def _write_latent_absorb_kernel(
                     NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False)
 
 
-def _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin) -> None:
+def _check_latent_args(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+                       kv_a_norm: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> None:
     num_tokens, _, rope_dim = q_pe.shape
     kv_lora_rank = kv_a_norm.shape[0]
     half = rope_dim // 2

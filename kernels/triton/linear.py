@@ -12,6 +12,8 @@ whose tensor-core tiles then win.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -190,6 +192,14 @@ def _norm_linear_kernel(
              mask=(rows < num_rows)[:, None] & col_mask[None, :])
 
 
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: None = None
+                    ) -> torch.Tensor: ...
+@overload
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -205,10 +215,10 @@ def rms_norm_linear(
     """
     num_rows, k_in = x.shape
     if num_rows > LINEAR_MAX_ROWS or num_rows == 0:
-        normed = rms_norm(x, norm_weight, eps, residual)
         if residual is None:
-            return linear(normed, weight)
-        return linear(normed[0], weight), normed[1]
+            return linear(rms_norm(x, norm_weight, eps), weight)
+        normed, residual_out = rms_norm(x, norm_weight, eps, residual)
+        return linear(normed, weight), residual_out
     n_out = weight.shape[0]
     check_shape("norm_weight", norm_weight, (k_in,))
     check_shape("weight", weight, (n_out, k_in))

@@ -4,23 +4,17 @@ Two paths, both with static grids sized from T * k and E, and nothing read back
 to the host, so either can be captured in a graph.
 
 Per pair (at most PAIR_MAX_PAIRS (token, slot) pairs: decode at batch 1 or 2),
-one launch: `_pair_kernel` programs each take one pair and a slice of its
-expert's intermediate columns, and add their slice's share of the down
-projection into the token's float32 output row (atomics into a zeroed row).
+one launch: `moe_pairs`.
 
-Tiled (more pairs), six launches (three for at most 64 pairs):
+Tiled (more pairs), here: six launches (three for at most 64 pairs):
 
-1. `moe_align` (three small launches; folded into the next kernel for few pairs):
-   counting sort of the (token, slot) pairs by expert, each expert's run padded
-   to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted order belong to
-   one expert. Unused rows hold the sentinel
-   T * k; unused blocks get expert -1 and are skipped by the GEMMs.
+1. `moe_align.moe_align` (three small launches; folded into the next kernel
+   for few pairs): the pairs sorted by expert in runs of BLOCK_M rows.
 2. `_gate_up_kernel`: act = silu(x @ W_gate^T) * (x @ W_up^T) per sorted row.
 3. `_down_kernel`: act @ W_down^T, scaled by the pair's router weight, into a
    float32 row per (token, slot) pair.
 4. `_combine_kernel`: sums each token's k pair rows, skipping ids of -1.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -32,7 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl
-from .fill import zeros
+from .moe_align import block_routing, moe_align, moe_sorted_size
+from .moe_pairs import PAIR_MAX_PAIRS, PairConfig, pair_config, pair_moe
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,38 +49,8 @@ _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
-@dataclass(frozen=True, slots=True)
-class PairConfig:
-    """The per-pair path: one program per (token, slot) pair and BLOCK_I intermediate columns."""
-
-    block_i: int   # intermediate columns per program
-    block_k: int   # gate/up reduction step over the hidden dimension
-    block_d: int   # down-projection output step over the hidden dimension
-    num_warps: int
-    num_stages: int
-
-
-# Chosen on an H100 from 66 settings, V2-Lite shapes with its two shared experts
-# (8 pairs a token), timed as graph replays over 8 routings: 53.2 us at one token
-# against 55.7 us for the tiled path (gate/up, down, combine) in the same run;
-# CUDA-core dot products without `tl.dot` (no pipelined loads) took 59-102 us.
-_GPU_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=4, num_stages=3)
-_INTERPRETER_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
-
-# Up to this many (token, slot) pairs the per-pair path runs: one launch instead
-# of three, and no 16-row tiles of which one row is live. It reads an expert's
-# weights once per pair, so once tokens share experts the tiled path reads less:
-# in the sweep above 2 tokens took 92.7 us against 96.2 (tiled), 4 tokens 168
-# against 168.
-PAIR_MAX_PAIRS = 32
-
 # Up to this many (token, slot) pairs the GEMM programs sort them themselves.
 _INLINE_ALIGN_MAX_PAIRS = 64
-
-
-def pair_config(device: torch.device) -> PairConfig:
-    """The per-pair path's launch configuration on `device`."""
-    return _GPU_PAIRS if device.type == "cuda" else _INTERPRETER_PAIRS
 
 
 def tiled_config(num_pairs: int, num_experts: int, device: torch.device,
@@ -107,113 +72,6 @@ def moe_config(num_pairs: int, num_experts: int, device: torch.device,
     return tiled_config(num_pairs, num_experts, device, dtype)
 
 
-def moe_sorted_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted, padded order: each non-empty expert (at most min(E, T*k)) pads < BLOCK_M rows."""
-    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-
-
-# Sizes that follow the step's token count are plain (unspecialised) arguments:
-# as constexprs or specialised ints, every new token count of an eager step
-# would compile the kernel again.
-@triton.jit(do_not_specialize=["num_pairs", "num_rows", "num_tiles"])
-def _align_count_kernel(
-    ids_ptr, tile_counts_ptr, sorted_ptr,
-    num_pairs, num_rows, num_tiles, s_ids_t, s_ids_k,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr, BLOCK_FILL: tl.constexpr,
-):
-    """Per tile of pairs: how many pairs each expert has; and the sentinel in every sorted row."""
-    tile = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    pairs = tile * TILE_P + tl.arange(0, TILE_P)
-    ids = tl.load(ids_ptr + (pairs // TOP_K) * s_ids_t + (pairs % TOP_K) * s_ids_k, mask=pairs < num_pairs, other=-1)
-    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(tile_counts_ptr + tile * BLOCK_E + experts, counts)
-    offs_f = tl.arange(0, BLOCK_FILL)
-    for r0 in range(tile * BLOCK_FILL, num_rows, num_tiles * BLOCK_FILL):
-        rows = r0 + offs_f
-        tl.store(sorted_ptr + rows, tl.full([BLOCK_FILL], 0, tl.int32) + num_pairs, mask=rows < num_rows)
-
-
-@triton.jit(do_not_specialize=["num_tiles", "num_blocks"])
-def _align_offsets_kernel(
-    tile_counts_ptr, tile_offsets_ptr, block_expert_ptr,
-    num_tiles, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr,
-):
-    """One program: each expert's padded run, where each tile's pairs start in it, each block's expert."""
-    experts = tl.arange(0, BLOCK_E)
-    offs_t = tl.arange(0, BLOCK_T)
-    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for t0 in range(0, num_tiles, BLOCK_T):
-        tiles = t0 + offs_t
-        counts = tl.load(tile_counts_ptr + tiles[:, None] * BLOCK_E + experts[None, :],
-                         mask=(tiles < num_tiles)[:, None], other=0)
-        totals += tl.sum(counts, axis=0)
-    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
-    run_end = tl.cumsum(padded, axis=0)
-    run_start = run_end - padded
-    # Tiles in order, so that within an expert pairs keep their original order.
-    carry = run_start
-    for t0 in range(0, num_tiles, BLOCK_T):
-        tiles = t0 + offs_t
-        in_range = (tiles < num_tiles)[:, None]
-        counts = tl.load(tile_counts_ptr + tiles[:, None] * BLOCK_E + experts[None, :], mask=in_range, other=0)
-        before = tl.cumsum(counts, axis=0) - counts
-        tl.store(tile_offsets_ptr + tiles[:, None] * BLOCK_E + experts[None, :], carry[None, :] + before,
-                 mask=in_range)
-        carry += tl.sum(counts, axis=0)
-    offs_b = tl.arange(0, BLOCK_FILL)
-    for b0 in range(0, num_blocks, BLOCK_FILL):
-        blocks = b0 + offs_b
-        first_row = blocks * BLOCK_M
-        inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
-        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
-        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < num_blocks)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _align_scatter_kernel(
-    ids_ptr, tile_offsets_ptr, sorted_ptr,
-    num_pairs, s_ids_t, s_ids_k,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr,
-):
-    """Per tile of pairs: each pair's row = its tile's start in its expert's run + its rank in the tile."""
-    tile = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    pairs = tile * TILE_P + tl.arange(0, TILE_P)
-    ids = tl.load(ids_ptr + (pairs // TOP_K) * s_ids_t + (pairs % TOP_K) * s_ids_k, mask=pairs < num_pairs, other=-1)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    start = tl.load(tile_offsets_ptr + tile * BLOCK_E + experts)
-    dest = tl.sum(onehot * start[None, :], axis=1) + rank
-    tl.store(sorted_ptr + dest, pairs, mask=(pairs < num_pairs) & (ids >= 0))
-
-
-@triton.jit
-def _block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
-                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The counting sort of `moe_align`, for one block of rows and all pairs in one tile."""
-    experts = tl.arange(0, BLOCK_E)
-    all_pairs = tl.arange(0, BLOCK_P)
-    ids = tl.load(ids_ptr + (all_pairs // TOP_K) * s_ids_t + (all_pairs % TOP_K) * s_ids_k,
-                  mask=all_pairs < num_pairs, other=-1)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    padded = tl.cdiv(tl.sum(onehot, axis=0), BLOCK_M) * BLOCK_M
-    run_end = tl.cumsum(padded, axis=0)
-    run_start = run_end - padded
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    dest = tl.where(ids >= 0, tl.sum(onehot * run_start[None, :], axis=1) + rank, -1)
-    first_row = block * BLOCK_M
-    inside = (first_row >= run_start) & (first_row < run_end) & (experts < num_experts)
-    expert = tl.where(tl.sum(inside.to(tl.int32), axis=0) > 0, tl.sum(tl.where(inside, experts, 0), axis=0), -1)
-    rows = first_row + tl.arange(0, BLOCK_M)
-    match = dest[None, :] == rows[:, None]
-    pairs = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, all_pairs[None, :], 0), axis=1),
-                     num_pairs)
-    return expert, pairs
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
@@ -232,7 +90,7 @@ def _gate_up_kernel(
         # Few pairs (decode): every program sorts them itself, which saves the
         # align launch; the first column of programs publishes the result for
         # the down kernel.
-        expert, pairs = _block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
+        expert, pairs = block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
                                        TOP_K, BLOCK_M, BLOCK_E, BLOCK_P)
         if tl.program_id(1) == 0:
             tl.store(sorted_ptr + rows, pairs.to(tl.int32))
@@ -306,63 +164,6 @@ def _down_kernel(
 
 
 @triton.jit
-def _pair_kernel(
-    x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
-    hidden, inter,
-    s_xt, s_xd, s_ge, s_gn, s_gd, s_de, s_dd, s_di, s_ids_t, s_ids_k, s_tw_t, s_tw_k, s_ot,
-    TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
-):
-    """One (token, slot) pair, BLOCK_I of its expert's intermediate columns, gate/up and down.
-
-    The down projection of a column slice is a partial sum over the intermediate
-    dimension, so each program adds weight * w2[:, slice] @ act[slice] into the
-    token's float32 output row with atomics. The pair's row sits in row 0 of
-    16-row tiles (rows 1-15 are zero) so that the weight loads feed `tl.dot`,
-    whose loads Triton pipelines; the weights, not the multiplies, bound it.
-    """
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    slot = pair % TOP_K
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k)
-    if expert >= 0:
-        router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k)
-        first = tl.arange(0, 16) == 0
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_mask = offs_i < inter
-        w_gate = w13_ptr + expert.to(tl.int64) * s_ge + offs_i[None, :] * s_gn
-        w_up = w_gate + inter * s_gn
-        x_row = x_ptr + token * s_xt
-        offs_k = tl.arange(0, BLOCK_K)
-        acc_gate = tl.zeros([16, BLOCK_I], dtype=tl.float32)
-        acc_up = tl.zeros([16, BLOCK_I], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + offs_k
-            k_mask = ks < hidden
-            xa = tl.load(x_row + ks[None, :] * s_xd + tl.zeros([16, 1], dtype=tl.int64),
-                         mask=first[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & i_mask[None, :]
-            gate = tl.load(w_gate + ks[:, None] * s_gd, mask=w_mask, other=0.0)
-            up = tl.load(w_up + ks[:, None] * s_gd, mask=w_mask, other=0.0)
-            acc_gate = tl.dot(xa, gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(xa, up, acc_up, input_precision=DOT_PRECISION)
-        # act is rounded to x's dtype, as the tiled path stores it.
-        act = (acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up).to(x_ptr.dtype.element_ty)
-        w_down = w2_ptr + expert.to(tl.int64) * s_de + offs_i[:, None] * s_di
-        offs_d = tl.arange(0, BLOCK_D)
-        out_row = out_ptr + token * s_ot + tl.zeros([16, 1], dtype=tl.int64)
-        for d0 in range(0, hidden, BLOCK_D):
-            ds = d0 + offs_d
-            d_mask = ds < hidden
-            w = tl.load(w_down + ds[None, :] * s_dd, mask=i_mask[:, None] & d_mask[None, :], other=0.0)
-            part = tl.dot(act, w, input_precision=DOT_PRECISION) * router
-            tl.atomic_add(out_row + ds[None, :], part, mask=first[:, None] & d_mask[None, :], sem="relaxed")
-
-
-@triton.jit
 def _combine_kernel(
     pair_out_ptr, ids_ptr, out_ptr,
     hidden, s_pr, s_ids_t, s_ids_k, s_ot,
@@ -381,56 +182,6 @@ def _combine_kernel(
         chosen = col_mask & (tl.zeros([BLOCK_D], dtype=expert.dtype) + expert >= 0)
         total += tl.load(pair_out_ptr + (token * TOP_K + j) * s_pr + cols, mask=chosen, other=0.0)
     tl.store(out_ptr + token * s_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, tile_pairs: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of `block_m`.
-
-    topk_ids:   [T, k] int32/int64 in [-1, E)
-    tile_pairs: pairs a counting program takes (a power of two; by default as many
-                as keep its [pairs, experts] one-hot tile at 16K elements)
-    returns     sorted_pairs [R] int32: pair index t * k + j in expert order, T * k in
-                padding rows; block_expert [R / block_m] int32: the expert of each
-                block of rows, -1 for unused blocks. R = moe_sorted_size(T * k, E, block_m).
-    Within one expert, pairs keep their original order.
-
-    Three launches, two of them over tiles of pairs: per-tile expert counts, one
-    program that turns them into run and tile offsets, then the scatter. A single
-    program sorting every pair took 0.18 ms at 256 tokens and grew with T.
-    """
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    num_rows = moe_sorted_size(num_pairs, num_experts, block_m)
-    num_blocks = num_rows // block_m
-    device = topk_ids.device
-    sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    block_e = max(2, next_pow2(num_experts))
-    tile = tile_pairs or max(16, 16384 // block_e)
-    if tile != next_pow2(tile):
-        raise ValueError(f"tile_pairs: expected a power of two, got {tile}")
-    num_tiles = max(1, triton.cdiv(num_pairs, tile))
-    tile_counts = torch.empty((num_tiles, block_e), dtype=torch.int32, device=device)
-    tile_offsets = torch.empty_like(tile_counts)
-    _align_count_kernel[(num_tiles,)](
-        topk_ids, tile_counts, sorted_pairs,
-        num_pairs, num_rows, num_tiles, *topk_ids.stride(),
-        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, BLOCK_FILL=256, num_warps=4,
-    )
-    _align_offsets_kernel[(1,)](
-        tile_counts, tile_offsets, block_expert,
-        num_tiles, num_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_T=max(2, 4096 // block_e), BLOCK_FILL=max(2, 16384 // block_e), num_warps=4,
-    )
-    _align_scatter_kernel[(num_tiles,)](
-        topk_ids, tile_offsets, sorted_pairs,
-        num_pairs, *topk_ids.stride(),
-        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, num_warps=4,
-    )
-    return sorted_pairs, block_expert
 
 
 def fused_moe(
@@ -483,31 +234,14 @@ def fused_moe(
         return torch.zeros((num_tokens, hidden), dtype=out_dtype, device=device)
     config = config or moe_config(num_pairs, num_experts, device, x.dtype)
     if isinstance(config, PairConfig):
-        out = _pair_moe(x, w13, w2, topk_weights, topk_ids, config)
+        out = pair_moe(x, w13, w2, topk_weights, topk_ids, config)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
     return _tiled_moe(x, w13, w2, topk_weights, topk_ids, config, out_dtype)
 
 
-def _pair_moe(x, w13, w2, topk_weights, topk_ids, config: PairConfig) -> torch.Tensor:
-    """The per-pair path: one launch into a zeroed float32 [T, D]."""
-    num_tokens, hidden = x.shape
-    num_pairs = topk_ids.numel()
-    inter = w13.shape[1] // 2
-    out = zeros((num_tokens, hidden), torch.float32, x.device)
-    use_pdl = pdl(x.device)
-    _pair_kernel[(num_pairs, triton.cdiv(inter, config.block_i))](
-        x, w13, w2, topk_ids, topk_weights, out,
-        hidden, inter,
-        *x.stride(), *w13.stride(), *w2.stride(), *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
-        TOP_K=topk_ids.shape[1], BLOCK_I=config.block_i,
-        BLOCK_K=min(config.block_k, next_pow2(hidden)), BLOCK_D=min(config.block_d, next_pow2(hidden)),
-        DOT_PRECISION=dot_precision(x.dtype), GDC=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
-    )
-    return out
-
-
-def _tiled_moe(x, w13, w2, topk_weights, topk_ids, config: MoeConfig, out_dtype: torch.dtype) -> torch.Tensor:
+def _tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               config: MoeConfig,
+               out_dtype: torch.dtype) -> torch.Tensor:
     """The tiled path: (align,) gate/up, down and combine launches."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape

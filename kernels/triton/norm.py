@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,13 @@ def _rms_norm_kernel(
     # res_ptr is x_ptr when there is no residual: the dtype of what is normalised.
     normed = (xf * inv_rms).to(res_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * stride_yt + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

@@ -22,9 +22,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, dot_precision, next_pow2
-
-_LOG2E = 1.4426950408889634
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +160,7 @@ def _prefill_kernel(
         has_keys = l_i > 0.0
         l_safe = tl.where(has_keys, l_i, 1.0)
         out = acc / l_safe[:, None]
-        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     else:
         # Programs past the real tiles cover the padded rows from cu_seqlens_q[B] on.
         pad_start = tl.load(cu_q_ptr + num_seqs * s_cu)
@@ -235,7 +233,7 @@ def flash_prefill(
     _prefill_kernel[grid](
         q_nope, q_pe, k_nope, k_pe, value,
         cu_seqlens_q, seq_lens, positions, out, lse,
-        num_tokens, num_seqs, softmax_scale * _LOG2E,
+        num_tokens, num_seqs, softmax_scale * LOG2E,
         cu_seqlens_q.stride(0), seq_lens.stride(0), positions.stride(0),
         *q_nope.stride(), *q_pe.stride(),
         *k_nope.stride(), *k_pe.stride(), *value.stride(),
@@ -299,8 +297,8 @@ def prefill_attention(
     check_dtype("positions", positions, (torch.int64,))
     check_same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, positions=positions, w_uk=w_uk, w_uv=w_uv)
-    for name, value in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
-        _check_head_dim(name, value)
+    for name, size in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
+        _check_head_dim(name, size)
     device = q_nope.device
     config = config or prefill_config(device, q_nope.dtype)
 

@@ -4,17 +4,8 @@ Each program routes BLOCK_T tokens over all E experts, one row of the tile per
 token, so a token's whole choice happens in registers:
 
 1. logits = x @ gate^T in float32 (where they come from: below);
-2. softmax or sigmoid scores; the correction bias is added for the choice only;
-3. group limiting: a group scores its best (group_limited_greedy) or best two
-   (noaux_tc) choice values, and all but the topk_group best groups drop to -inf;
-4. top-k by k rounds of a max with its index (ties go to the lowest expert id);
-   the weights are the raw scores of the picked experts, then normalised,
-   scaled and masked by `valid`; shared experts, when asked for, follow in
-   slots k .. k + S - 1 with weight 1.
-
-Columns of the tile are laid out by group: group g's experts sit at columns
-[g * GROUP_BLOCK, g * GROUP_BLOCK + E / n_group), so the tile reshapes to
-[BLOCK_T, groups, GROUP_BLOCK] and all groups are scored by one reduction.
+2. the choice from the logits (`routing_select`): scores, group limiting,
+   top-k, weights, shared experts.
 
 Logits. For decode-sized batches (up to `_KERNEL_LOGITS_MAX_TOKENS` tokens) the
 kernel computes them itself, loading x in its own dtype and widening it to
@@ -44,6 +35,7 @@ from ..checks import check_dtype, check_route_args, check_same_device, check_sha
 from ._common import check_float, next_pow2, pdl
 from .fill import zeros
 from .linear import linear
+from .routing_select import expert_of, route_tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +93,6 @@ def _block_e(num_experts: int, n_group: int) -> int:
 
 
 @triton.jit
-def _expert_of(cols, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr):
-    """Expert id of each tile column, and whether the column holds an expert at all."""
-    group = cols // GROUP_BLOCK
-    member = cols % GROUP_BLOCK
-    return group * GROUP_SIZE + member, (member < GROUP_SIZE) & (group < N_GROUP)
-
-
-@triton.jit
 def _gate_tile(gate_ptr, experts, col_mask, d0, d_hi, s_ge, s_gd, BLOCK_D: tl.constexpr):
     """[BLOCK_C, BLOCK_D] slice gate[experts, d0:d0 + BLOCK_D] (zero past d_hi)."""
     ds = d0 + tl.arange(0, BLOCK_D)
@@ -135,109 +119,6 @@ def _partial_logits(x_ptr, gate_ptr, first_gate, rows, row_mask, experts, col_ma
         g = _gate_tile(gate_ptr, experts, col_mask, d0, d_hi, s_ge, s_gd, BLOCK_D)
         acc += tl.sum(xt.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], axis=2)
     return acc
-
-
-@triton.jit
-def _scores(logits, col_mask, SIGMOID: tl.constexpr):
-    """Softmax or sigmoid of [BLOCK_T, BLOCK_E] logits; columns without an expert score 0."""
-    if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-    else:
-        masked = tl.where(col_mask[None, :], logits, float("-inf"))
-        e = tl.exp(masked - tl.max(masked, axis=1)[:, None])
-        scores = e / tl.sum(e, axis=1)[:, None]
-    return tl.where(col_mask[None, :], scores, 0.0)
-
-
-@triton.jit
-def _limit_groups(choice, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_BLOCK: tl.constexpr):
-    """choice [BLOCK_T, BLOCK_E] with every expert outside the TOPK_GROUP best groups at -inf.
-
-    A group scores its best choice value, with TOP2 the sum of its best two.
-    Columns without an expert are -inf already, so they never count.
-    """
-    grouped = tl.reshape(choice, [BLOCK_T, BLOCK_G, GROUP_BLOCK])
-    if TOP2:
-        best, first = tl.max(grouped, axis=2, return_indices=True, return_indices_tie_break_left=True)
-        # Only the best one's column is dropped, so a tie for best counts twice.
-        members = tl.arange(0, GROUP_BLOCK)
-        second = tl.max(tl.where(members[None, None, :] == first[:, :, None], float("-inf"), grouped), axis=2)
-        group_scores = best + second
-    else:
-        group_scores = tl.max(grouped, axis=2)                                      # [BLOCK_T, BLOCK_G]
-    # A group's rank is the number of groups ahead of it (ties go to the lower
-    # group): one reduction picks all TOPK_GROUP groups at once.
-    groups = tl.arange(0, BLOCK_G)
-    mine = group_scores[:, :, None]
-    other = group_scores[:, None, :]
-    ahead = (other > mine) | ((other == mine) & (groups[None, None, :] < groups[None, :, None]))
-    keep = tl.sum(ahead.to(tl.int32), axis=2) < TOPK_GROUP
-    grouped = tl.where(keep[:, :, None], grouped, float("-inf"))
-    return tl.reshape(grouped, [BLOCK_T, BLOCK_G * GROUP_BLOCK])
-
-
-@triton.jit
-def _top_k(choice, scores, cols, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The TOP_K best columns of each row of choice, and their raw scores: [BLOCK_T, BLOCK_K] each.
-
-    Slots past TOP_K hold column -1 and weight 0.
-    """
-    slots = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    picked = tl.full([BLOCK_T, BLOCK_K], -1, dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best, col = tl.max(choice, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        weights = tl.where(slots[None, :] == j, best[:, None], weights)
-        picked = tl.where(slots[None, :] == j, col[:, None], picked)
-        choice = tl.where(cols[None, :] == col[:, None], float("-inf"), choice)
-    if HAS_BIAS:
-        # The best choices include the bias, which only steers: gather the raw
-        # scores of all picked columns in one reduction.
-        hit = cols[None, None, :] == picked[:, :, None]                             # [BLOCK_T, BLOCK_K, BLOCK_E]
-        weights = tl.sum(tl.where(hit, scores[:, None, :], 0.0), axis=2)
-    return weights, picked
-
-
-@triton.jit
-def _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
-                s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
-                TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Steps 2-4 of the module docstring for one tile of logits; writes the tile's weights and ids.
-
-    Slots [TOP_K, TOP_K + NUM_SHARED) take the shared experts, ids E.., weight 1.
-    """
-    experts, _ = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
-    scores = _scores(logits, col_mask, SIGMOID)
-    choice = scores
-    if HAS_BIAS:
-        choice += tl.load(bias_ptr + experts * s_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    choice = tl.where(col_mask[None, :], choice, float("-inf"))
-    if GROUPED:
-        choice = _limit_groups(choice, TOPK_GROUP, TOP2, BLOCK_T, BLOCK_G, GROUP_BLOCK)
-    weights, picked = _top_k(choice, scores, cols, TOP_K, HAS_BIAS, BLOCK_T, BLOCK_K)
-    if NORM:
-        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
-    weights = weights * scaling
-    ids, _ = _expert_of(picked, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
-
-    valid = tl.load(valid_ptr + rows * s_v, mask=row_mask, other=0) != 0
-    weights = tl.where(valid[:, None], weights, 0.0)
-    ids = tl.where(valid[:, None], ids, -1)
-    slots = tl.arange(0, BLOCK_K)
-    out_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
-    rows64 = rows[:, None].to(tl.int64)
-    tl.store(w_ptr + rows64 * s_wt + slots[None, :] * s_wk, weights, mask=out_mask)
-    tl.store(ids_ptr + rows64 * s_it + slots[None, :] * s_ik, ids.to(tl.int64), mask=out_mask)
-    for j in tl.static_range(NUM_SHARED):
-        shared_id = tl.where(valid, N_GROUP * GROUP_SIZE + j, -1).to(tl.int64)
-        tl.store(w_ptr + rows.to(tl.int64) * s_wt + (TOP_K + j) * s_wk, tl.where(valid, 1.0, 0.0), mask=row_mask)
-        tl.store(ids_ptr + rows.to(tl.int64) * s_it + (TOP_K + j) * s_ik, shared_id, mask=row_mask)
 
 
 @triton.jit
@@ -278,7 +159,7 @@ def _route_kernel(
         d_lo = tl.program_id(1) * d_per_split
         d_hi = tl.minimum(d_lo + d_per_split, hidden)
         my_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        my_experts, my_mask = _expert_of(my_cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+        my_experts, my_mask = expert_of(my_cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
         # The router weight depends on no earlier kernel: its first slice (at decode
         # sizes the whole split) is in flight before the wait.
         first_gate = _gate_tile(gate_ptr, my_experts, my_mask, d_lo, d_hi, s_ge, s_gd, BLOCK_D)
@@ -288,7 +169,7 @@ def _route_kernel(
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
     cols = tl.arange(0, BLOCK_E)
-    experts, col_mask = _expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
+    experts, col_mask = expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
     last = True
     if KERNEL_LOGITS:
         part = _partial_logits(x_ptr, gate_ptr, first_gate, rows, row_mask, my_experts, my_mask, d_lo, d_hi,
@@ -314,7 +195,7 @@ def _route_kernel(
         logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + experts[None, :] * s_le,
                          mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     if last:
-        _route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
+        route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
                     s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
                     TOP_K, SIGMOID, HAS_BIAS, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
                     NORM, NUM_SHARED, BLOCK_T, BLOCK_K, BLOCK_G)
@@ -368,7 +249,8 @@ def route(
     topk_ids = torch.empty((num_tokens, top_k + num_shared), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
-    groups = 1 if topk_method == "greedy" else n_group
+    # check_route_args made sure the group-limited methods have n_group >= 1.
+    groups = n_group if topk_method != "greedy" and n_group else 1
     config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
     _launch(x, gate, bias, valid, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
             num_shared=num_shared, scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
@@ -376,8 +258,10 @@ def route(
     return topk_weights, topk_ids
 
 
-def _launch(x, gate, bias, valid, topk_weights, topk_ids, config: RouteConfig, *, groups, top_k, num_shared,
-            scoring_func, topk_method, topk_group, norm_topk_prob, routed_scaling_factor) -> None:
+def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, valid: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: RouteConfig, *, groups: int, top_k: int,
+            num_shared: int, scoring_func: str, topk_method: str, topk_group: int | None, norm_topk_prob: bool,
+            routed_scaling_factor: float) -> None:
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     device = x.device

@@ -10,13 +10,43 @@ import torch
 from mla_func.kernels import ops_for
 
 
+def _ops_of(table):
+    groups = [getattr(table, f.name) for f in dataclasses.fields(table) if f.name != "backend"]
+    return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
+
+
 def test_triton_table_names_every_op():
     table = ops_for("triton")
     assert table.backend == "triton"
-    for field in dataclasses.fields(table):
-        assert getattr(table, field.name) is not None
-    assert table.rope.__module__.endswith("triton.rope")
-    assert table.mla_decode.__module__.endswith("triton.decode")
+    reference = _ops_of(ops_for("torch"))
+    for name, op in _ops_of(table).items():
+        assert op is not None
+        assert op is not reference[name], f"triton runs the reference {name}"
+    assert table.dense.rope.__module__.endswith("triton.rope")
+    assert table.mla.mla_decode.__module__.endswith("triton.decode")
+
+
+def test_tables_derive_from_the_reference_by_group():
+    torch_ops = ops_for("torch")
+    assert torch_ops.backend == "torch"
+    assert len(_ops_of(torch_ops)) == 13
+    assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
+
+
+def test_recorded_route_is_the_table_route_plus_a_record():
+    from mla_func.kernels import record_expert_choice
+
+    recording, chosen = record_expert_choice(ops_for("torch"))
+    assert recording.dense is ops_for("torch").dense and recording.mla is ops_for("torch").mla
+    x = torch.randn(5, 8)
+    gate = torch.randn(6, 8)
+    valid = torch.tensor([True, True, True, False, True])
+    kwargs = dict(top_k=2, scoring_func="softmax", topk_method="greedy", n_group=None, topk_group=None,
+                  norm_topk_prob=True, routed_scaling_factor=1.0, num_shared=1)
+    weights, ids = recording.moe.route(x, gate, None, valid, **kwargs)
+    expected_weights, expected_ids = ops_for("torch").moe.route(x, gate, None, valid, **kwargs)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    assert len(chosen) == 1 and torch.equal(chosen[0], expected_ids[:, :2])
 
 
 def test_aiter_table_fails_loudly_without_aiter():
@@ -39,3 +69,23 @@ def test_aiter_page_list_matches_block_table(device):
     indptr, indices = token_page_list(table, lens, 4)
     assert indptr.tolist() == [0, 6, 6]
     assert indices[:6].tolist() == [12, 13, 14, 15, 4, 5]
+
+
+def test_aiter_decode_of_several_queries_is_the_reference(device):
+    # AITER's kernel serves one query a sequence; q_len > 1 is named to run the reference.
+    from kernel_cases import generator, paged_cache, randn
+    from mla_func.kernels import aiter as aiter_kernels
+    from mla_func.kernels.reference import attention as ref_attention
+
+    gen = generator(5, device)
+    lens = [3, 9, 0]
+    kv_cache, block_table = paged_cache(lens, 4, 24, torch.float32, device, gen)
+    q = randn((3 * len(lens), 2, 24), torch.float32, device, gen)
+    w_uv = randn((2, 8, 16), torch.float32, device, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    kwargs = dict(softmax_scale=0.2, kv_lora_rank=16, w_uv=w_uv, q_len=3)
+    out, lse = aiter_kernels.mla_decode(q, kv_cache, block_table, seq_lens, **kwargs)
+    ref_out, ref_lse = ref_attention.mla_decode(q, kv_cache, block_table, seq_lens, **kwargs)
+    assert out.shape == (9, 2, 8)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)

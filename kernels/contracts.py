@@ -1,0 +1,156 @@
+"""One typed contract per op: what every backend's implementation of it must accept and return.
+
+Each contract is a `Protocol` whose `__call__` is the op's signature and whose
+docstring is the op's shape contract; `registry.Ops` fields are typed by them,
+so a table that binds a function of another signature fails type checking.
+Positional arguments are positional-only here, so implementations may name them
+freely; keyword arguments are part of the contract by name.
+
+Shapes use: T rows (tokens), B sequences, H heads, W block-table width, bs
+block size, C = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim,
+Dv = v_head_dim, E experts, k experts a token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, overload
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class Linear(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, /, *, out_dtype: torch.dtype | None = None) -> Tensor:
+        """x [T, K], weight [N, K] -> y = x @ weight^T [T, N] in x's dtype, or computed
+        from both inputs widened to `out_dtype` when that is given."""
+        ...
+
+
+class RmsNorm(Protocol):
+    @overload
+    def __call__(self, x: Tensor, weight: Tensor, eps: float, /, residual: None = None) -> Tensor: ...
+    @overload
+    def __call__(self, x: Tensor, weight: Tensor, eps: float, /, residual: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def __call__(self, x: Tensor, weight: Tensor, eps: float, /, residual: Tensor | None = None
+                 ) -> Tensor | tuple[Tensor, Tensor]:
+        """x, residual [T, D]; weight [D] -> y = weight * x / sqrt(mean(x^2) + eps) [T, D]
+        (statistics in at least float32); with `residual`, (y, x + residual) where y
+        normalises the sum, rounded to residual's dtype."""
+        ...
+
+
+class RmsNormLinear(Protocol):
+    @overload
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /, residual: None = None
+                 ) -> Tensor: ...
+    @overload
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /, residual: Tensor
+                 ) -> tuple[Tensor, Tensor]: ...
+
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /,
+                 residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """linear(rms_norm(x [+ residual]), weight): x, residual [T, K]; norm_weight [K];
+        weight [N, K] -> y [T, N]; with `residual`, (y, x + residual) as `RmsNorm`."""
+        ...
+
+
+class Rope(Protocol):
+    def __call__(self, q_pe: Tensor, k_pe: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 interleaved: bool) -> tuple[Tensor, Tensor]:
+        """Rotate q_pe [T, H, R] and k_pe [T, R] by the angles at positions [T]; cos, sin
+        [max_positions, R / 2]. `interleaved` inputs pair (x0, x1), (x2, x3), ...; the
+        output is always half-split (same permutation for both, dot products unchanged)."""
+        ...
+
+
+class MergeAttnStates(Protocol):
+    def __call__(self, out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, /) -> tuple[Tensor, Tensor]:
+        """Two partial attention results over disjoint key sets: out [T, H, D], lse [T, H]
+        float32 natural-log sums (-inf = empty) -> out [T, H, D] in out_a's dtype, lse [T, H]
+        float32. Both sides empty gives out 0 and lse -inf, never NaN."""
+        ...
+
+
+class WriteKv(Protocol):
+    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, kv: Tensor, /, *, inplace: bool = True) -> Tensor:
+        """kv_cache [num_blocks, bs, D]; slot_mapping [T] (block * bs + offset, -1 = padding,
+        which writes only the scratch block); kv [T, D] -> the cache with the rows written:
+        the same tensor when `inplace`, else a new one (the input left untouched)."""
+        ...
+
+
+class WriteLatent(Protocol):
+    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor, q_pe: Tensor,
+                 positions: Tensor, cos: Tensor, sin: Tensor, /, *, eps: float, interleaved: bool,
+                 inplace: bool = True) -> tuple[Tensor, Tensor]:
+        """`RmsNorm`, `Rope` and `WriteKv` of one step's latents as one op. kv_cache
+        [num_blocks, bs, C + R]; slot_mapping [T]; latent [T, C + R] (c_kv, then k_pe before
+        rotation); kv_a_norm [C]; q_pe [T, H, R] before rotation; positions [T]; cos, sin as
+        `Rope` -> (the cache with [rms_norm(c_kv), rope(k_pe)] written, rotated q_pe [T, H, R])."""
+        ...
+
+
+class WriteLatentAbsorb(Protocol):
+    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor, q_nope: Tensor,
+                 q_pe: Tensor, w_uk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *, eps: float,
+                 interleaved: bool, absorb_from: int, inplace: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """`WriteLatent`, then `AbsorbQuery` of the rows from absorb_from in [0, T] on.
+        q_nope [T, H, Dn]; w_uk [H, Dn, C] -> (kv_cache, rotated q_pe [T, H, R],
+        absorbed q [T - absorb_from, H, C + R])."""
+        ...
+
+
+class AbsorbQuery(Protocol):
+    def __call__(self, q_nope: Tensor, q_pe: Tensor, w_uk: Tensor, /) -> Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, R], w_uk [H, Dn, C] -> q [T, H, C + R]: each head's
+        q_nope through its key up-projection, then q_pe (what `MlaDecode` scores the cache with)."""
+        ...
+
+
+class MlaDecode(Protocol):
+    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, /, *,
+                 softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None,
+                 q_len: int = 1) -> tuple[Tensor, Tensor]:
+        """Absorbed MLA decode of q_len causal query tokens per sequence over the latent cache,
+        which already holds the step's keys. q [B * q_len, H, C + R] (rows of sequence b are
+        b * q_len ..., in position order); kv_cache [num_blocks, bs, C + R]; block_table [B, W]
+        int32; seq_lens [B] int32 KV length after the step (0 = padded sequence); query j sees
+        keys [0, seq_lens[b] - q_len + j]; w_uv [H, Dv, C] or None -> out [B * q_len, H, C]
+        (with w_uv [B * q_len, H, Dv]) in q's dtype, lse [B * q_len, H] float32; a padded
+        sequence's rows give out 0, lse -inf."""
+        ...
+
+
+class PrefillAttention(Protocol):
+    def __call__(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                 seq_lens: Tensor, positions: Tensor, w_uk: Tensor, w_uv: Tensor, /, *,
+                 softmax_scale: float) -> tuple[Tensor, Tensor]:
+        """MLA prefill: new tokens attend causally over their own sequence's cache, which
+        already holds their keys. q_nope [T, H, Dn]; q_pe [T, H, R] rotated; block_table
+        [B, W] int32; cu_seqlens_q [B + 1] int32 (rows from cu[B] on are padding); seq_lens
+        [B] int32; positions [T] (token t sees keys j <= positions[t]); w_uk [H, Dn, C];
+        w_uv [H, Dv, C] -> out [T, H, Dv] in q's dtype, lse [T, H] float32; padded rows 0 / -inf."""
+        ...
+
+
+class Route(Protocol):
+    def __call__(self, x: Tensor, gate: Tensor, e_score_correction_bias: Tensor | None, valid: Tensor, /, *,
+                 top_k: int, scoring_func: str, topk_method: str, n_group: int | None, topk_group: int | None,
+                 norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0) -> tuple[Tensor, Tensor]:
+        """Each token's top_k experts, then num_shared shared experts E .. E + S - 1 of weight 1.
+        x [T, D]; gate [E, D] float32; e_score_correction_bias [E] or None (steers the choice
+        only); valid [T] bool -> topk_weights [T, k + S] float32, topk_ids [T, k + S] int64;
+        padded rows get id -1 and weight 0. Methods and scoring: `checks.TOPK_METHODS`,
+        `checks.SCORING_FUNCS`."""
+        ...
+
+
+class FusedMoe(Protocol):
+    def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
+        """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+        x [T, D]; w13 [E, 2I, D] (gate rows, then up); w2 [E, D, I]; topk_weights [T, k]
+        float32; topk_ids [T, k] (-1 takes no expert) -> [T, D] in out_dtype (x's by default)."""
+        ...

@@ -1,0 +1,154 @@
+"""Stage 2 of split-KV MLA decode: merging each row's split partials by LSE, optionally through W_UV.
+
+Every split program of stage 1 (`decode`) wrote a normalised partial output and
+its LSE, empty splits out 0 and lse -inf. A row's splits merge into out and lse;
+with the value up-projection W_UV the merged latent goes through it in the same
+kernel (small batches, where that is the cheapest read of W_UV).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import next_pow2
+
+_VALUE_BLOCK_V = 32
+# Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile
+# (16 covers batch 1 up to 2K keys of table in one step).
+_MERGE_SPLITS = 16
+
+
+# The split count follows the batch size, and eager (mixed) steps meet every batch
+# size: as a constexpr or a specialised int it would compile a kernel per count mid-run.
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
+def _reduce_kernel(
+    po_ptr, pl_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    s_ob, s_oh, s_lb, s_lh,
+    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    b = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    split_mask = offs_s < num_splits
+    lse_s = tl.load(pl_ptr + b * s_plb + h * s_plh + offs_s * s_pls, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    # Empty splits carry lse -inf; an all-empty row shifts by 0 so weights are 0, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m)
+    total = tl.sum(w, axis=0)
+    w = w * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+    offs_c = tl.arange(0, BLOCK_C)
+    for c0 in range(0, KV_LORA_RANK, BLOCK_C):
+        c = c0 + offs_c
+        c_mask = c < KV_LORA_RANK
+        parts = tl.load(po_ptr + b * s_pob + h * s_poh + offs_s[:, None] * s_pos + c[None, :] * s_pod,
+                        mask=split_mask[:, None] & c_mask[None, :], other=0.0)
+        out = tl.sum(parts * w[:, None], axis=0)
+        tl.store(out_ptr + b * s_ob + h * s_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+
+
+# The split count follows the batch size (see _reduce_kernel).
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
+def _reduce_value_kernel(
+    po_ptr, pl_ptr, w_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits, value_dim,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    s_wh, s_wv, s_wc,
+    s_ob, s_oh, s_ov, s_lb, s_lh,
+    KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    c_mask = offs_c < KV_LORA_RANK
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vs < value_dim
+    # W_UV depends on no earlier kernel: its slice is in flight before the wait.
+    w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + offs_c[None, :] * s_wc,
+                mask=v_mask[:, None] & c_mask[None, :], other=0.0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    pl_row = pl_ptr + b * s_plb + h * s_plh
+    po_row = po_ptr + b * s_pob + h * s_poh
+    # One pass over the splits, BLOCK_S at a time, rescaling the running sums to
+    # the largest LSE so far: a chunk's LSEs and partial outputs load together
+    # (every split wrote both, empty ones out 0 and lse -inf), so at batch 1,
+    # where one chunk holds every split, stage 2 waits on memory once.
+    m_run = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    latent = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        s_mask = ss < num_splits
+        lse_s = tl.load(pl_row + ss * s_pls, mask=s_mask, other=float("-inf"))
+        parts = tl.load(po_row + ss[:, None] * s_pos + offs_c[None, :] * s_pod,
+                        mask=s_mask[:, None] & c_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(lse_s, axis=0))
+        # While every split so far is empty, shift by 0 so weights are 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m_run - shift)
+        wt = tl.exp(lse_s - shift)
+        total = total * rescale + tl.sum(wt, axis=0)
+        latent = latent * rescale + tl.sum(parts * wt[:, None], axis=0)
+        m_run = m_new
+    m_all = tl.where(m_run == float("-inf"), 0.0, m_run)
+    total_all = total
+    latent = latent * tl.where(total_all > 0.0, 1.0 / tl.where(total_all > 0.0, total_all, 1.0), 0.0)
+    # Rounded to the output dtype first, as the merged latent is before an unfused projection.
+    latent = latent.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.sum(w.to(tl.float32) * latent[None, :], axis=1)
+    tl.store(out_ptr + b * s_ob + h * s_oh + vs * s_ov, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+    if tl.program_id(1) == 0:
+        lse = tl.where(total_all > 0.0, m_all + tl.log(tl.where(total_all > 0.0, total_all, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 use_pdl: bool) -> None:
+    """partial_out [N, H, S, C], partial_lse [N, H, S] float32 -> out [N, H, C], lse [N, H] (written)."""
+    num_rows, num_heads, splits, kv_lora_rank = partial_out.shape
+    _reduce_kernel[(num_rows * num_heads,)](
+        partial_out, partial_lse, out, lse,
+        num_heads, splits,
+        *partial_out.stride(), *partial_lse.stride(),
+        *out.stride()[:2], *lse.stride(),
+        KV_LORA_RANK=kv_lora_rank, BLOCK_C=min(512, next_pow2(kv_lora_rank)),
+        BLOCK_S=next_pow2(splits), GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
+    )
+
+
+def merge_splits_value(partial_out: torch.Tensor, partial_lse: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, use_pdl: bool) -> None:
+    """partial_out [N, H, S, C], partial_lse [N, H, S], w_uv [H, Dv, C] -> out [N, H, Dv], lse [N, H] (written).
+
+    out = (the merged latent rounded to out's dtype) @ w_uv[h]^T.
+    """
+    num_rows, num_heads, splits, kv_lora_rank = partial_out.shape
+    value_dim = w_uv.shape[1]
+    _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
+        partial_out, partial_lse, w_uv, out, lse,
+        num_heads, splits, value_dim,
+        *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
+        *out.stride(), *lse.stride(),
+        KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
+        BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=_VALUE_BLOCK_V, GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
+    )
