@@ -17,13 +17,16 @@ from reference_models import rel_err
 
 BLOCK_SIZE = 4
 CPU_BACKENDS = ["torch", "triton"]
+# Triton runs on the GPU where there is one (under the interpreter elsewhere).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _compare(model, backend, device, q_len, contexts, seed, tol):
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     state = mf.init_state(model, num_blocks=64, block_size=BLOCK_SIZE, device=device)
-    tables = [blocks(i, 8) for i in range(len(contexts))]
+    width = -(-(max(contexts) + q_len) // BLOCK_SIZE)
+    tables = [blocks(i, width) for i in range(len(contexts))]
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in contexts]
     context = mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(p), 0, t, 0) for p, t in zip(prompts, tables)))
     _, state = mf.forward(model.params, state, *mf.plan_step(model.config, state, context, backend=backend))
@@ -50,8 +53,9 @@ def _compare(model, backend, device, q_len, contexts, seed, tol):
 @pytest.mark.parametrize("q_len", [2, 3, 4])
 def test_verify_rows_equal_prefill_with_context(backend, q_len):
     dtype = torch.float64 if backend == "torch" else torch.float32
-    model = mf.load_model("tiny", dtype=dtype, device="cpu", seed=31)
-    _compare(model, backend, "cpu", q_len, contexts=[5, 1, 9], seed=q_len,
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    model = mf.load_model("tiny", dtype=dtype, device=device, seed=31)
+    _compare(model, backend, device, q_len, contexts=[5, 1, 9], seed=q_len,
              tol=1e-10 if dtype == torch.float64 else 2e-4)
 
 
