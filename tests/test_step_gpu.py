@@ -57,7 +57,9 @@ def compare(model, backend, state, plan):
     g_state, e_state = clone_state(state), clone_state(state)
     g_batch, g_mode = graph_step.prepare(g_state, plan)
     e_batch, e_mode = eager_step.prepare(e_state, plan)
-    assert dataclasses.replace(g_mode, use_graph=False) == e_mode
+    # The graph step falls back to eager exactly when the step is above its ladders.
+    assert g_mode.graph_fallback is (not g_mode.use_graph) and not e_mode.graph_fallback
+    assert dataclasses.replace(g_mode, use_graph=False, graph_fallback=False) == e_mode
     g_state, g_out = graph_step(g_state, g_batch, g_mode)
     # Replay once more from the same starting contents, in the buffers the graph writes:
     # the replay path, not only the capture's warm-up.
