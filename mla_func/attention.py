@@ -33,6 +33,8 @@ def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: O
     """
     q, latent = qkv_a.split([qkv_a.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
     if p.q_b_proj is not None:
+        if p.q_a_norm is None:
+            raise ValueError("project: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
         q = ops.dense.linear(ops.dense.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)
     return q.view(qkv_a.shape[0], config.num_attention_heads, config.qk_head_dim), latent
 
@@ -102,13 +104,14 @@ def mla_attention(
     # decode rows get their absorbed query from the same op.
     latent_args = (kv_cache, batch.slot_mapping, latent, p.kv_a_norm)
     rope_args = (batch.positions, cos, sin)
-    options = dict(eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
     has_decode = mode.padded_decode_seqs > 0
     if has_decode:
         kv_cache, q_pe, q_absorbed = ops.mla.write_latent_absorb(
-            *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, **options)
+            *latent_args, q_nope, q_pe, p.w_uk, *rope_args, absorb_from=split, eps=LATENT_NORM_EPS,
+            interleaved=config.rope_interleave, inplace=inplace)
     else:
-        kv_cache, q_pe = ops.mla.write_latent(*latent_args, q_pe, *rope_args, **options)
+        kv_cache, q_pe = ops.mla.write_latent(*latent_args, q_pe, *rope_args, eps=LATENT_NORM_EPS,
+                                              interleaved=config.rope_interleave, inplace=inplace)
 
     outputs = []
     if mode.padded_prefill_seqs > 0:

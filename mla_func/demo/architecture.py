@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -10,7 +12,7 @@ from ..config import ModelConfig
 from ..params import Params, hf_tensor_shapes, params_from_hf
 
 
-def demo_model_config(vocab_size: int, **overrides) -> ModelConfig:
+def demo_model_config(vocab_size: int, **overrides: Any) -> ModelConfig:
     """The demo architecture: DeepSeek-V3 in miniature.
 
     MLA with a low-rank query (q_lora_rank) and a 64-dim latent cache; one dense
@@ -19,7 +21,7 @@ def demo_model_config(vocab_size: int, **overrides) -> ModelConfig:
     expert. Token ids 0 and 1 are <|bos|> and <|eos|>. Embeddings are tied, which
     halves the largest matrix of so small a model.
     """
-    fields = dict(
+    config = ModelConfig(
         model_type="deepseek_v3",
         vocab_size=vocab_size,
         hidden_size=192,
@@ -47,8 +49,7 @@ def demo_model_config(vocab_size: int, **overrides) -> ModelConfig:
         tie_word_embeddings=True,
         eos_token_ids=(1,),
     )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return dataclasses.replace(config, **overrides)
 
 
 def init_params(config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Params:

@@ -44,6 +44,8 @@ def params_to_hf(params: Params) -> dict[str, torch.Tensor]:
             out[a + "q_proj.weight"] = q_a
         else:
             out[a + "q_a_proj.weight"] = q_a
+            if attn.q_a_norm is None:
+                raise ValueError("export: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
             out[a + "q_a_layernorm.weight"] = attn.q_a_norm
             out[a + "q_b_proj.weight"] = attn.q_b_proj
         out[a + "kv_a_proj_with_mqa.weight"] = kv_a

@@ -21,22 +21,21 @@ class LeafLayout:
     def __init__(self, params: Params) -> None:
         leaves, self.spec = tree_flatten(params)
         constant_ids = {id(params.rope_cos), id(params.rope_sin)}
-        bias_ids = [
-            id(layer.mlp.e_score_correction_bias)
+        # MoE layer order.
+        self.biases: list[torch.Tensor] = [
+            layer.mlp.e_score_correction_bias
             for layer in params.layers
             if isinstance(layer.mlp, MoEParams) and layer.mlp.e_score_correction_bias is not None
         ]
+        bias_ids = [id(b) for b in self.biases]
         self.trainable: list[torch.Tensor] = []
-        self.biases: list[torch.Tensor] = [None] * len(bias_ids)   # MoE layer order
         self.constants: dict[int, torch.Tensor] = {}
         # slot per leaf position: ("t", k) trainable k, ("b", k) bias k, ("c", position) constant
         self.slots: list[tuple[str, int]] = []
         seen: dict[int, int] = {}
         for pos, leaf in enumerate(leaves):
             if id(leaf) in bias_ids:
-                k = bias_ids.index(id(leaf))
-                self.biases[k] = leaf
-                self.slots.append(("b", k))
+                self.slots.append(("b", bias_ids.index(id(leaf))))
             elif id(leaf) in constant_ids or not leaf.is_floating_point():
                 self.constants[pos] = leaf
                 self.slots.append(("c", pos))

@@ -114,8 +114,11 @@ def train(params: Params, windows: Sequence[Sequence[int]], cfg: TrainConfig, *,
     trainable = [p.detach().clone() for p in layout.trainable]
     biases = list(layout.biases)
     num_experts = params.config.n_routed_experts
+    if num_experts is None:
+        raise ValueError("train: the demo trainer updates MoE correction biases; the config has no routed experts")
 
-    def loss_fn(trainable, biases, windows):
+    def loss_fn(trainable: list[torch.Tensor], biases: list[torch.Tensor],
+                windows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         # DeepSeek-V3's bias update needs each step's per-expert load, which the
         # forward reports through an instrumented op table.
         ops, chosen = record_expert_choice(ops_for("torch"))
