@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 # The routing op validates the same names; one definition serves the config and the kernels.
-from .kernels.checks import SCORING_FUNCS, TOPK_METHODS
+from .kernels.checks import GROUP_LIMITED_METHODS, SCORING_FUNCS, TOPK_METHODS
 
 
 class ConfigError(ValueError):
@@ -258,7 +258,7 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
         raise refuse("topk_method", c.topk_method, f"expected one of {TOPK_METHODS}")
     _check_int("n_group", c.n_group, 1, optional=True)
     _check_int("topk_group", c.topk_group, 1, optional=True)
-    if c.topk_method in ("group_limited_greedy", "noaux_tc"):
+    if c.topk_method in GROUP_LIMITED_METHODS:
         if c.n_group is None or experts % c.n_group:
             raise refuse("n_group", c.n_group, f"must divide n_routed_experts={experts} for {c.topk_method}")
         if c.topk_group is None or not 1 <= c.topk_group <= c.n_group:
