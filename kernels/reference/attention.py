@@ -31,8 +31,9 @@ def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
 def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim that gives probabilities 0 and LSE -inf for a fully masked row."""
     lse = torch.logsumexp(scores, dim=-1)
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse
+    # One op for "infinities to 0, NaN kept"; the difference is fresh, so exp runs in place.
+    finite_lse = lse.nan_to_num(nan=float("nan"), posinf=0.0, neginf=0.0)
+    return (scores - finite_lse.unsqueeze(-1)).exp_(), lse
 
 
 def mla_decode(
@@ -79,8 +80,9 @@ def mla_decode(
     scores = torch.einsum("bqhd,bsd->bqhs", qb, kv) * softmax_scale
     key_pos = torch.arange(kv.shape[1], device=q.device)
     query_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]   # [B, q]
-    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (seq_lens[:, None, None] > 0)  # [B, q, S]
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    # A padded sequence (seq_lens 0) has query positions below 0, so it sees no key either.
+    hidden = key_pos[None, None, :] > query_pos[:, :, None]              # [B, q, S]
+    scores = scores.masked_fill(hidden[:, :, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
     out = torch.einsum("bqhs,bsc->bqhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
     out, lse = out.flatten(0, 1), lse.flatten(0, 1)
