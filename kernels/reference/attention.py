@@ -77,18 +77,21 @@ def mla_decode(
     acc = _acc_dtype(q.dtype)
     kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
     qb = q.to(acc).reshape(num_seqs, q_len, num_heads, dim)
-    scores = torch.einsum("bqhd,bsd->bqhs", qb, kv) * softmax_scale
+    # The contractions are bmm calls, the einsum each computes in its comment: einsum's
+    # equation parsing costs more than the product itself at decode sizes.
+    scores = torch.bmm(qb.flatten(1, 2), kv.transpose(1, 2)).view(num_seqs, q_len, num_heads, -1)  # bqhd,bsd->bqhs
+    scores = scores * softmax_scale
     key_pos = torch.arange(kv.shape[1], device=q.device)
     query_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]   # [B, q]
     # A padded sequence (seq_lens 0) has query positions below 0, so it sees no key either.
     hidden = key_pos[None, None, :] > query_pos[:, :, None]              # [B, q, S]
     scores = scores.masked_fill(hidden[:, :, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
-    out = torch.einsum("bqhs,bsc->bqhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
-    out, lse = out.flatten(0, 1), lse.flatten(0, 1)
+    out = torch.bmm(probs.flatten(1, 2), kv[..., :kv_lora_rank]).to(q.dtype)      # bqhs,bsc->b(qh)c
+    out, lse = out.view(num_rows, num_heads, kv_lora_rank), lse.flatten(0, 1)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # bhc,hvc->bhv
     return out, lse.float()
 
 
@@ -221,4 +224,5 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -
     num_heads, qk_nope_head_dim, _ = w_uk.shape
     check_shape("q_nope", q_nope, (None, num_heads, qk_nope_head_dim))
     check_shape("q_pe", q_pe, (q_nope.shape[0], num_heads, None))
-    return torch.cat([torch.einsum("bhd,hdc->bhc", q_nope, w_uk), q_pe], dim=-1)
+    # bhd,hdc->bhc as a bmm (einsum's parsing outweighs the product at decode sizes)
+    return torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)
