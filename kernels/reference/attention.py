@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_shape
+from ..checks import as_dtype, check_shape
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,8 +75,8 @@ def mla_decode(
     check_shape("block_table", block_table, (num_seqs, None))
     check_shape("seq_lens", seq_lens, (num_seqs,))
     acc = _acc_dtype(q.dtype)
-    kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
-    qb = q.to(acc).reshape(num_seqs, q_len, num_heads, dim)
+    kv = as_dtype(gather_pages(kv_cache, block_table), acc)            # [B, S, C+R]
+    qb = as_dtype(q, acc).reshape(num_seqs, q_len, num_heads, dim)
     # The contractions are bmm calls, the einsum each computes in its comment: einsum's
     # equation parsing costs more than the product itself at decode sizes.
     scores = torch.bmm(qb.flatten(1, 2), kv.transpose(1, 2)).view(num_seqs, q_len, num_heads, -1)  # bqhd,bsd->bqhs
@@ -87,7 +87,7 @@ def mla_decode(
     hidden = key_pos[None, None, :] > query_pos[:, :, None]              # [B, q, S]
     scores = scores.masked_fill(hidden[:, :, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
-    out = torch.bmm(probs.flatten(1, 2), kv[..., :kv_lora_rank]).to(q.dtype)      # bqhs,bsc->b(qh)c
+    out = as_dtype(torch.bmm(probs.flatten(1, 2), kv[..., :kv_lora_rank]), q.dtype)  # bqhs,bsc->b(qh)c
     out, lse = out.view(num_rows, num_heads, kv_lora_rank), lse.flatten(0, 1)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_shape
+from ..checks import as_dtype, check_shape
 
 
 def fused_moe(
@@ -48,4 +48,4 @@ def fused_moe(
     act = F.silu(gate) * up                                             # [T, E, I]
     expert_out = torch.bmm(act.transpose(0, 1), w2.transpose(1, 2)).transpose(0, 1)  # tei,edi->ted
     out_dtype = out_dtype or x.dtype
-    return torch.bmm(combine.to(out_dtype)[:, None, :], expert_out.to(out_dtype))[:, 0]  # ted,te->td
+    return torch.bmm(as_dtype(combine, out_dtype)[:, None, :], as_dtype(expert_out, out_dtype))[:, 0]  # ted,te->td

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import as_dtype
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
@@ -11,9 +13,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     else:
         x1, x2 = x.chunk(2, dim=-1)
     acc = torch.promote_types(x.dtype, torch.float32)
-    x1, x2 = x1.to(acc), x2.to(acc)
-    cos, sin = cos.to(acc), sin.to(acc)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x1, x2 = as_dtype(x1, acc), as_dtype(x2, acc)
+    cos, sin = as_dtype(cos, acc), as_dtype(sin, acc)
+    return as_dtype(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), x.dtype)
 
 
 def rope(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import GROUP_LIMITED_METHODS, check_route_args, check_shape
+from ..checks import GROUP_LIMITED_METHODS, as_dtype, check_route_args, check_shape
 
 
 def route(
@@ -53,7 +53,7 @@ def route(
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                      n_group=n_group, topk_group=topk_group, num_shared=num_shared)
     acc = torch.promote_types(x.dtype, torch.float32)
-    logits = F.linear(x.to(acc), gate if gate.dtype == acc else gate.to(acc))  # [T, E]
+    logits = F.linear(as_dtype(x, acc), as_dtype(gate, acc))  # [T, E]
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     # check_route_args made sure the group-limited methods have both group sizes.
