@@ -82,7 +82,10 @@ def mla_decode(
     scores = torch.bmm(qb.flatten(1, 2), kv.transpose(1, 2)).view(num_seqs, q_len, num_heads, -1)  # bqhd,bsd->bqhs
     scores = scores * softmax_scale
     key_pos = torch.arange(kv.shape[1], device=q.device)
-    query_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]   # [B, q]
+    # Query j stands at seq_lens - q_len + j: [B, 1], widened to [B, q] only for several queries.
+    query_pos = seq_lens[:, None] - q_len
+    if q_len > 1:
+        query_pos = query_pos + torch.arange(q_len, device=q.device)[None, :]
     # A padded sequence (seq_lens 0) has query positions below 0, so it sees no key either.
     hidden = key_pos[None, None, :] > query_pos[:, :, None]              # [B, q, S]
     scores = scores.masked_fill(hidden[:, :, None, :], float("-inf"))

@@ -35,7 +35,12 @@ def rope(
     and keys get the same permutation, so their dot products are unchanged.
     """
     c, s = cos[positions], sin[positions]                               # [T, R/2]
-    return (
-        _rotate(q_pe, c.unsqueeze(1), s.unsqueeze(1), interleaved),
-        _rotate(k_pe, c, s, interleaved),
-    )
+    if q_pe.dtype != k_pe.dtype:
+        return (
+            _rotate(q_pe, c.unsqueeze(1), s.unsqueeze(1), interleaved),
+            _rotate(k_pe, c, s, interleaved),
+        )
+    # The key as one more head: one rotation instead of two (the same products, element by element).
+    num_heads = q_pe.shape[1]
+    rotated = _rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), c.unsqueeze(1), s.unsqueeze(1), interleaved)
+    return rotated[:, :num_heads], rotated[:, num_heads]
