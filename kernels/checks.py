@@ -9,10 +9,22 @@ import torch
 
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
     """Raise ValueError unless `tensor` has `expected` shape (None matches any size)."""
-    got = tuple(tensor.shape)
-    if len(got) != len(expected) or any(e is not None and e != g for e, g in zip(expected, got)):
-        shown = tuple("*" if e is None else e for e in expected)
-        raise ValueError(f"{name}: expected shape {shown}, got {got}")
+    got = tensor.shape
+    # A plain loop: every op call runs this several times, and a generator costs more than the check.
+    if len(got) == len(expected):
+        for e, g in zip(expected, got):
+            if e is not None and e != g:
+                break
+        else:
+            return
+    shown = tuple("*" if e is None else e for e in expected)
+    raise ValueError(f"{name}: expected shape {shown}, got {tuple(got)}")
+
+
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, skipping the call when it already has that dtype (the same tensor either way):
+    the reference ops widen to float32 several times per op, a no-op in a float32 model."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def check_dtype(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:

@@ -1,13 +1,12 @@
 """Engine: continuous batching of generation requests over the memoized step.
 
-The engine owns the KV state, the scheduler and the step. Each iteration asks
-the scheduler for a plan, runs it through `make_step`, samples the rows that
-produce logits on the device with each request's own key (seed, position), and
-feeds the tokens back. A request with bad input fails alone: its completion
-carries the error, and every other request of the batch runs to its end.
-Every request is checked (`mla_func.requests`) before any is queued; each
-row's penalties and min_tokens (`mla_func.penalties`) are applied to its
-logits on the device before sampling.
+The engine owns the KV state, the scheduler and the step. Each iteration asks the scheduler
+for a plan, runs it through `make_step`, samples the rows that produce logits on the device
+with each request's own key (seed, position), and feeds the tokens back. A request with bad
+input fails alone: its completion carries the error, and every other request of the batch
+runs to its end. Every request is checked (`mla_func.requests`) before any is queued; each
+row's penalties and min_tokens (`mla_func.penalties`) are applied to its logits on the
+device before sampling.
 """
 
 from __future__ import annotations
@@ -74,15 +73,14 @@ def _default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_mo
 class Engine:
     """Scheduler + sampler + state around one model.
 
-    Defaults: block_size 16; num_blocks from free memory (85% of free GPU memory
-    less 2 GiB on CUDA, an eighth of RAM on CPU), at most what max_num_seqs
-    full-length sequences need; max_num_seqs 64; max_num_batched_tokens 2048;
-    long_prefill_token_threshold 512; mixed batches and prefix caching on;
-    max_model_len the model's maximum; backend "triton" on CUDA, "torch"
-    elsewhere; CUDA graphs on where CUDA is, for decode steps only
-    (`graph_kinds`): decode steps are launch-bound and few shapes recur, while
-    prefill and mixed steps are compute-bound and would each need a graph for
-    every combination of padded sizes they meet.
+    Defaults: block_size 16; num_blocks from free memory (85% of free GPU memory less 2 GiB
+    on CUDA, an eighth of RAM on CPU), at most what max_num_seqs full-length sequences need;
+    max_num_seqs 64; max_num_batched_tokens 2048; long_prefill_token_threshold 512; mixed
+    batches and prefix caching on; max_model_len the model's maximum; backend "triton" on
+    CUDA, "torch" elsewhere; CUDA graphs on where CUDA is, for decode steps only
+    (`graph_kinds`): decode steps are launch-bound and few shapes recur, while prefill and
+    mixed steps are compute-bound and would each need a graph for every combination of
+    padded sizes they meet.
     """
 
     def __init__(
@@ -211,7 +209,8 @@ class Engine:
             for index, failure in errors:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
-                sampled = self._run(scheduled, live, outputs)
+                with self._inference():
+                    sampled = self._run(scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
                 unfinished -= finished.keys()
                 for request_id, token in zip(scheduled.request_ids, sampled):
@@ -225,6 +224,10 @@ class Engine:
             # An abandoned stream or an error must not leave requests holding blocks.
             for request_id in unfinished:
                 self.scheduler.finish(request_id)
+
+    def _inference(self) -> torch.inference_mode:
+        # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
+        return torch.inference_mode(not self.step.graphs)
 
     def _run(
         self,
@@ -258,10 +261,8 @@ class Engine:
                 positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
                 use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in requests),
             ).tolist()
-        sampled: list[int | None] = [None] * len(rows)
-        for i, token in zip(with_logits, tokens):
-            sampled[i] = token
-        return sampled
+        by_row = dict(zip(with_logits, tokens))
+        return [by_row.get(i) for i in range(len(rows))]
 
     def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:
         tokenizer = self.model.tokenizer
@@ -290,8 +291,9 @@ class Engine:
             for start in range(0, len(ids), c.max_num_batched_tokens):
                 chunk = ids[start : start + c.max_num_batched_tokens]
                 plan = StepPlan(prefill=(SeqPlan(chunk, start, blocks, num_logits=len(chunk)),))
-                batch, mode = self.step.prepare(self.state, plan)
-                self.state, out = self.step(self.state, batch, mode)
+                with self._inference():
+                    batch, mode = self.step.prepare(self.state, plan)
+                    self.state, out = self.step(self.state, batch, mode)
                 rows.append(out.logits)
             return torch.cat(rows)
         finally:

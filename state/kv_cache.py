@@ -106,7 +106,8 @@ class KVCacheState:
 
     @property
     def device(self) -> torch.device:
-        return self.leaves()[0].device
+        """The device of the first layer's first paged tensor (as `dtype`: no pytree walk, read every step)."""
+        return self.layers[0].paged()[0].device
 
     @property
     def dtype(self) -> torch.dtype:

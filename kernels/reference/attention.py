@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_shape
+from ..checks import as_dtype, check_shape
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,8 +31,9 @@ def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
 def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim that gives probabilities 0 and LSE -inf for a fully masked row."""
     lse = torch.logsumexp(scores, dim=-1)
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse
+    # One op for "infinities to 0, NaN kept"; the difference is fresh, so exp runs in place.
+    finite_lse = lse.nan_to_num(nan=float("nan"), posinf=0.0, neginf=0.0)
+    return (scores - finite_lse.unsqueeze(-1)).exp_(), lse
 
 
 def mla_decode(
@@ -74,19 +75,26 @@ def mla_decode(
     check_shape("block_table", block_table, (num_seqs, None))
     check_shape("seq_lens", seq_lens, (num_seqs,))
     acc = _acc_dtype(q.dtype)
-    kv = gather_pages(kv_cache, block_table).to(acc)                    # [B, S, C+R]
-    qb = q.to(acc).reshape(num_seqs, q_len, num_heads, dim)
-    scores = torch.einsum("bqhd,bsd->bqhs", qb, kv) * softmax_scale
+    kv = as_dtype(gather_pages(kv_cache, block_table), acc)            # [B, S, C+R]
+    qb = as_dtype(q, acc).reshape(num_seqs, q_len, num_heads, dim)
+    # The contractions are bmm calls, the einsum each computes in its comment: einsum's
+    # equation parsing costs more than the product itself at decode sizes.
+    scores = torch.bmm(qb.flatten(1, 2), kv.transpose(1, 2)).view(num_seqs, q_len, num_heads, -1)  # bqhd,bsd->bqhs
+    scores = scores * softmax_scale
     key_pos = torch.arange(kv.shape[1], device=q.device)
-    query_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]   # [B, q]
-    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (seq_lens[:, None, None] > 0)  # [B, q, S]
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    # Query j stands at seq_lens - q_len + j: [B, 1], widened to [B, q] only for several queries.
+    query_pos = seq_lens[:, None] - q_len
+    if q_len > 1:
+        query_pos = query_pos + torch.arange(q_len, device=q.device)[None, :]
+    # A padded sequence (seq_lens 0) has query positions below 0, so it sees no key either.
+    hidden = key_pos[None, None, :] > query_pos[:, :, None]              # [B, q, S]
+    scores = scores.masked_fill(hidden[:, :, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)
-    out = torch.einsum("bqhs,bsc->bqhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
-    out, lse = out.flatten(0, 1), lse.flatten(0, 1)
+    out = as_dtype(torch.bmm(probs.flatten(1, 2), kv[..., :kv_lora_rank]), q.dtype)  # bqhs,bsc->b(qh)c
+    out, lse = out.view(num_rows, num_heads, kv_lora_rank), lse.flatten(0, 1)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # bhc,hvc->bhv
     return out, lse.float()
 
 
@@ -219,4 +227,5 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -
     num_heads, qk_nope_head_dim, _ = w_uk.shape
     check_shape("q_nope", q_nope, (None, num_heads, qk_nope_head_dim))
     check_shape("q_pe", q_pe, (q_nope.shape[0], num_heads, None))
-    return torch.cat([torch.einsum("bhd,hdc->bhc", q_nope, w_uk), q_pe], dim=-1)
+    # bhd,hdc->bhc as a bmm (einsum's parsing outweighs the product at decode sizes)
+    return torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_shape
+from ..checks import as_dtype, check_shape
 
 
 def write_kv(
@@ -32,6 +32,6 @@ def write_kv(
     flat = kv_cache.view(num_blocks * block_size, dim)
     slots = slot_mapping.clamp(min=0)
     if inplace:
-        flat.index_copy_(0, slots, kv.to(kv_cache.dtype))
+        flat.index_copy_(0, slots, as_dtype(kv, kv_cache.dtype))
         return kv_cache
     return flat.index_copy(0, slots, kv.to(kv_cache.dtype)).view(num_blocks, block_size, dim)

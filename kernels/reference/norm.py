@@ -6,6 +6,8 @@ from typing import overload
 
 import torch
 
+from ..checks import as_dtype
+
 
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
@@ -29,9 +31,9 @@ def rms_norm(
     """
     if residual is not None:
         wide = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), torch.float32)
-        x = (x.to(wide) + residual.to(wide)).to(residual.dtype)
+        x = as_dtype(as_dtype(x, wide) + as_dtype(residual, wide), residual.dtype)
     acc = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(acc)
+    xf = as_dtype(x, acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * normed.to(x.dtype)
+    y = weight * as_dtype(normed, x.dtype)
     return y if residual is None else (y, x)

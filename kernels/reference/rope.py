@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import as_dtype
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
@@ -11,9 +13,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     else:
         x1, x2 = x.chunk(2, dim=-1)
     acc = torch.promote_types(x.dtype, torch.float32)
-    x1, x2 = x1.to(acc), x2.to(acc)
-    cos, sin = cos.to(acc), sin.to(acc)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x1, x2 = as_dtype(x1, acc), as_dtype(x2, acc)
+    cos, sin = as_dtype(cos, acc), as_dtype(sin, acc)
+    return as_dtype(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), x.dtype)
 
 
 def rope(
@@ -33,7 +35,12 @@ def rope(
     and keys get the same permutation, so their dot products are unchanged.
     """
     c, s = cos[positions], sin[positions]                               # [T, R/2]
-    return (
-        _rotate(q_pe, c.unsqueeze(1), s.unsqueeze(1), interleaved),
-        _rotate(k_pe, c, s, interleaved),
-    )
+    if q_pe.dtype != k_pe.dtype:
+        return (
+            _rotate(q_pe, c.unsqueeze(1), s.unsqueeze(1), interleaved),
+            _rotate(k_pe, c, s, interleaved),
+        )
+    # The key as one more head: one rotation instead of two (the same products, element by element).
+    num_heads = q_pe.shape[1]
+    rotated = _rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), c.unsqueeze(1), s.unsqueeze(1), interleaved)
+    return rotated[:, :num_heads], rotated[:, num_heads]

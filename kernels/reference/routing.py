@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import GROUP_LIMITED_METHODS, check_route_args, check_shape
+from ..checks import GROUP_LIMITED_METHODS, as_dtype, check_route_args, check_shape
 
 
 def route(
@@ -53,7 +53,7 @@ def route(
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                      n_group=n_group, topk_group=topk_group, num_shared=num_shared)
     acc = torch.promote_types(x.dtype, torch.float32)
-    logits = F.linear(x.to(acc), gate if gate.dtype == acc else gate.to(acc))  # [T, E]
+    logits = F.linear(as_dtype(x, acc), as_dtype(gate, acc))  # [T, E]
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     # check_route_args made sure the group-limited methods have both group sizes.
@@ -69,8 +69,9 @@ def route(
         shared_ids = torch.arange(num_experts, num_experts + num_shared, device=x.device)
         topk_ids = torch.cat([topk_ids, shared_ids.expand(num_tokens, num_shared)], dim=1)
         topk_weights = torch.cat([topk_weights, topk_weights.new_ones(num_tokens, num_shared)], dim=1)
-    topk_weights = topk_weights.masked_fill(~valid.unsqueeze(-1), 0.0)
-    topk_ids = topk_ids.masked_fill(~valid.unsqueeze(-1), -1)
+    padded = ~valid.unsqueeze(-1)                                       # [T, 1]
+    topk_weights = topk_weights.masked_fill(padded, 0.0)
+    topk_ids = topk_ids.masked_fill(padded, -1)
     return topk_weights, topk_ids
 
 
@@ -82,5 +83,5 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, *, top2: 
     grouped = choice.view(choice.shape[0], n_group, -1)                                   # [T, G, E / G]
     group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if top2 else grouped.amax(dim=-1)  # [T, G]
     group_ids = group_scores.topk(topk_group, dim=-1).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_ids, True)
-    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter(1, group_ids, False)
+    return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(1)
