@@ -109,7 +109,9 @@ def test_fuzzed_config_json(originals, edits, whole):
         for name, value in edits:
             target, key = config, name
             if name.startswith("rope_parameters."):
-                target, key = config["rope_parameters"], name.split(".", 1)[1]
+                target, key = config.get("rope_parameters"), name.split(".", 1)[1]
+                if not isinstance(target, dict):
+                    continue  # an earlier edit removed or replaced the whole rope_parameters
             if value == "<delete>":
                 target.pop(key, None)
             else:
