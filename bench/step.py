@@ -6,8 +6,10 @@ Each row: one decode step of `batch` sequences with `context` cached tokens each
 (random bf16 weights, KV cache filled with random latents). The roofline is the
 bytes a step must read — every weight it touches (the experts actually selected
 in that step included) plus the KV cache — over the device-to-device copy
-bandwidth measured in the same run. Prints a table and writes JSON under
-bench/results/.
+bandwidth measured in the same run. Each row also times the batch-invariant step
+(`make_step(batch_invariant=True)`, the engine's default) on the same shapes;
+"invariant cost" is its time over the default step's, less 1. Prints a table and
+writes JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ def main() -> None:
     parser.add_argument("--hf-repeats", type=int, default=2,
                         help="warm transformers generates a batch, timed after the cold one")
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--no-invariant", dest="invariant", action="store_false",
+                        help="skip the batch-invariant graph step run beside each row")
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -159,6 +164,16 @@ def main() -> None:
         for batch in args.batches:
             # A fresh step a row: each row has a state of its own, and a graph replays
             # only over the cache buffers it was captured with.
+            invariant_ms = None
+            if args.invariant:
+                # The batch-invariant step first, on a state of its own (freed before the rest).
+                bi_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
+                                       max_model_len=max_len, block_size=BLOCK_SIZE, batch_invariant=True)
+                state, batch_tensors, mode = decode_setup(model, batch, context, bi_step)
+                invariant_ms, state = time_steps(bi_step, state, batch_tensors, mode, args.iters)
+                del state, batch_tensors, bi_step
+                gc.collect()
+                torch.cuda.empty_cache()
             graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
                                       max_model_len=max_len, block_size=BLOCK_SIZE)
             eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
@@ -166,7 +181,10 @@ def main() -> None:
             weight_bytes, kv_bytes, experts = touched_bytes(model, state, batch_tensors, mode, context)
             roofline_ms = (weight_bytes + kv_bytes) / copy_bw * 1e3
             graph_ms, state = time_steps(graph_step, state, batch_tensors, mode, args.iters)
-            eager_ms, state = time_steps(eager_step, state, batch_tensors, dataclasses.replace(mode, use_graph=False), args.iters)
+            eager_ms = math.nan
+            if args.eager:
+                eager_ms, state = time_steps(eager_step, state, batch_tensors,
+                                             dataclasses.replace(mode, use_graph=False), args.iters)
             rows.append(dict(
                 batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
                 graph_tok_s=batch / graph_ms * 1e3, eager_tok_s=batch / eager_ms * 1e3,
@@ -174,6 +192,9 @@ def main() -> None:
                 graph_speedup=eager_ms / graph_ms, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
                 experts_per_layer=experts, padded_batch=mode.padded_decode_seqs,
             ))
+            if invariant_ms is not None:
+                rows[-1].update(invariant_ms=invariant_ms, invariant_cost=invariant_ms / graph_ms - 1,
+                                invariant_pct_roofline=100 * roofline_ms / invariant_ms)
             print(rows[-1], flush=True)
             del state, batch_tensors, graph_step, eager_step
             gc.collect()
@@ -200,7 +221,8 @@ def main() -> None:
     path = common.write_json(result, args.out, "step")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
-        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("eager_ms", "eager ms"),
+        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("invariant_ms", "invariant ms"),
+        ("invariant_cost", "invariant cost"), ("eager_ms", "eager ms"),
         ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("graph_speedup", "graph x"),
         ("graph_tok_s", "tok/s"), ("hf_tok_s", "hf tok/s"), ("vs_hf", "x hf"), ("vs_hf_cold", "x hf cold"),
         ("roofline_vs_hf", "roofline x hf"), ("experts_per_layer", "experts/layer"),

@@ -4,7 +4,9 @@
                                [--output-len 256] [--hf-prompts 256] [--commit SHA]
 
 Random bf16 weights; prompts of uniform random length; greedy decoding with no
-early stop, so every request generates exactly --output-len tokens. Prints a
+early stop, so every request generates exactly --output-len tokens. mla-func runs
+twice, batch-invariant (the engine's default) and not; "invariant cost" is the
+default mode's output tokens/s over the batch-invariant one's, less 1. Prints a
 table and writes JSON under bench/results/.
 """
 
@@ -72,17 +74,27 @@ def main() -> None:
     args = parser.parse_args()
 
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
-    ours = run_throughput(
-        model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
-        output_len=args.output_len, backend=args.backend, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-    )
-    print("mla-func:", ours, flush=True)
+    # Both modes on the same requests, one after the other in this process: the
+    # batch-invariant cost is their ratio.
+    runs = {}
+    for invariant in (False, True):
+        runs[invariant] = run_throughput(
+            model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
+            output_len=args.output_len, backend=args.backend, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            batch_invariant=invariant,
+        )
+        print(f"mla-func (batch_invariant={invariant}):", runs[invariant], flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
     config = model.config
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    rows = [dict(engine="mla-func", **ours)]
+    ours = runs[True]
+    rows = [dict(engine="mla-func batch-invariant", **runs[True],
+                 invariant_cost=runs[False]["output_tok_s"] / runs[True]["output_tok_s"] - 1),
+            dict(engine="mla-func", **runs[False])]
     if args.hf_prompts:
         prompts = random_requests(config.vocab_size, args.num_prompts, (args.min_input_len, args.max_input_len), 0)
         hf = transformers_throughput(config, prompts[: args.hf_prompts], args.output_len, args.hf_batch)
@@ -101,6 +113,7 @@ def main() -> None:
         ("engine", "engine"), ("num_prompts", "requests"), ("prompt_tokens", "prompt tok"),
         ("output_tokens", "output tok"), ("seconds", "s"), ("output_tok_s", "output tok/s"),
         ("total_tok_s", "total tok/s"), ("vs_transformers", "x transformers"),
+        ("invariant_cost", "invariant cost"),
     ])
 
 

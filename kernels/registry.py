@@ -64,12 +64,18 @@ class MoEOps:
 
 @dataclass(frozen=True, slots=True)
 class Ops:
-    """Every op the model calls, bound to one backend's implementations, by layer kind."""
+    """Every op the model calls, bound to one backend's implementations, by layer kind.
+
+    batch_invariant: every op gives each output row bits that depend on that row's
+    inputs only (not on the number or content of the other rows); see
+    `reference.invariant` and `triton.invariant` for how each backend does it.
+    """
 
     backend: str
     dense: DenseOps
     mla: MLAOps
     moe: MoEOps
+    batch_invariant: bool = False
 
 
 REFERENCE = Ops(
@@ -93,31 +99,42 @@ REFERENCE = Ops(
 )
 
 
-def _torch_ops() -> Ops:
-    return REFERENCE
+def _torch_ops(batch_invariant: bool) -> Ops:
+    if not batch_invariant:
+        return REFERENCE
+    from .reference import invariant as ref_invariant
+
+    return ref_invariant.invariant_ops(REFERENCE)
 
 
-def _triton_ops() -> Ops:
+def _triton_ops(batch_invariant: bool) -> Ops:
     from . import triton as triton_kernels
 
-    return triton_kernels.ops()
+    if not batch_invariant:
+        return triton_kernels.ops()
+    from .triton import invariant as triton_invariant
+
+    return triton_invariant.invariant_ops(triton_kernels.ops())
 
 
-def _aiter_ops() -> Ops:
+def _aiter_ops(batch_invariant: bool) -> Ops:
     from . import aiter as aiter_kernels
 
+    if batch_invariant:
+        raise ValueError("backend 'aiter' has no batch-invariant op table; use backend='triton' or "
+                         "batch_invariant=False")
     return aiter_kernels.ops()
 
 
-_TABLES: dict[str, Callable[[], Ops]] = {"torch": _torch_ops, "triton": _triton_ops, "aiter": _aiter_ops}
+_TABLES: dict[str, Callable[[bool], Ops]] = {"torch": _torch_ops, "triton": _triton_ops, "aiter": _aiter_ops}
 
 
 @functools.cache
-def ops_for(backend: str) -> Ops:
-    """The op table of `backend` ("torch", "triton" or "aiter")."""
+def ops_for(backend: str, batch_invariant: bool = False) -> Ops:
+    """The op table of `backend` ("torch", "triton" or "aiter"), batch-invariant if asked."""
     if backend not in _TABLES:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return _TABLES[backend]()
+    return _TABLES[backend](batch_invariant)
 
 
 def default_backend(device: torch.device | str) -> str:

@@ -4,6 +4,12 @@ Prefill rows decompress the cached latents into per-head keys and values and
 attend causally; decode rows absorb the key up-projection into the query and
 attend over the latent cache directly, then apply the value up-projection.
 Both compute the same function (tests check `absorbed == decompressed`).
+
+A batch-invariant step (`mode.batch_invariant`) sends every row, prefill rows
+included, through the absorbed path, each row a query of its own over its own
+sequence's keys (`rows.row_metadata`): the two paths agree only to rounding, and a
+token must get the same bits whether a prefill chunk or a decode step computes
+it, and wherever a chunk boundary falls.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from .config import ModelConfig
 from .kernels import Ops
 from .mode import ForwardMode
 from .params import AttentionParams
+from .rows import RowMetadata
 
 # DeepSeek's q_a and kv_a norms are built with RMSNorm's default epsilon, not
 # the config's rms_norm_eps.
@@ -89,16 +96,22 @@ def mla_attention(
     sin: torch.Tensor,
     *,
     inplace: bool,
+    rows: RowMetadata | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention over all rows of a step.
 
     qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
     `project`; the forward makes it with the norm, `ops.dense.rms_norm_linear`);
     kv_cache [num_blocks, bs, C + R]
+    rows: the step's `row_metadata`, which a batch-invariant mode needs
     returns (output [T, D], the layer's cache with this step's latents written)
     """
     q, latent = project(p, qkv_a, config, ops)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
+    if mode.batch_invariant:
+        if rows is None:
+            raise ValueError("mla_attention: a batch-invariant mode needs the step's row metadata (rows=)")
+        return _row_attention(p, q_nope, q_pe, latent, kv_cache, batch, rows, config, ops, cos, sin, inplace)
     split = mode.padded_prefill_tokens
     # The write comes first so that prefill reads its own keys from the cache like any context;
     # decode rows get their absorbed query from the same op.
@@ -134,4 +147,16 @@ def mla_attention(
         outputs.append(decode_attention(p, q_absorbed, kv_cache, dmeta.block_table, dmeta.seq_lens, config, ops,
                                         mode.decode_q_len))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return ops.dense.linear(out.flatten(1), p.o_proj), kv_cache
+
+
+def _row_attention(p: AttentionParams, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                   kv_cache: torch.Tensor, batch: Batch, rows: RowMetadata, config: ModelConfig, ops: Ops,
+                   cos: torch.Tensor, sin: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row through the absorbed path as a query of its own: q_nope [T, H, Dn], q_pe [T, H, R],
+    latent [T, C + R] -> (output [T, D], the cache with the step's latents written)."""
+    kv_cache, _, q_absorbed = ops.mla.write_latent_absorb(
+        kv_cache, batch.slot_mapping, latent, p.kv_a_norm, q_nope, q_pe, p.w_uk, batch.positions, cos, sin,
+        absorb_from=0, eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, inplace=inplace)
+    out = decode_attention(p, q_absorbed, kv_cache, rows.block_table, rows.key_lens, config, ops)
     return ops.dense.linear(out.flatten(1), p.o_proj), kv_cache

@@ -75,11 +75,13 @@ def run_throughput(
     warmup: bool = True,
     progress: bool = True,
     say: Callable[[str], None] = lambda message: None,
+    batch_invariant: bool = True,
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
     Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s.
-    `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar.
+    `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
+    `batch_invariant` is the engine's (default on, as the engine's).
     The warm-up captures every decode graph, then a short run on other random
     prompts of the same lengths compiles kernels, so timing excludes both; its prompts
     share no prefix with the measured ones, so no measured prefill is skipped by
@@ -89,7 +91,7 @@ def run_throughput(
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = Engine(model, backend=backend, graphs=graphs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                    max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
+                    batch_invariant=batch_invariant, max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
     if warmup:
         graphs_to_capture = sum(m.use_graph for m in engine.step.decode_graph_modes())
         if graphs_to_capture:

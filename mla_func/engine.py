@@ -48,6 +48,7 @@ class EngineConfig:
     backend: str
     graphs: bool
     graph_kinds: tuple[str, ...]
+    batch_invariant: bool
 
 
 def _check_limit(name: str, value: object, low: int, high: int | None = None, what: str = "",
@@ -80,7 +81,8 @@ class Engine:
     CUDA, "torch" elsewhere; CUDA graphs on where CUDA is, for decode steps only
     (`graph_kinds`): decode steps are launch-bound and few shapes recur, while prefill and
     mixed steps are compute-bound and would each need a graph for every combination of
-    padded sizes they meet.
+    padded sizes they meet; batch-invariant steps (`batch_invariant=True`): a request's logits,
+    and so its tokens, do not depend on what else is running (see README "Batch invariance").
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Engine:
         graphs: bool = True,
         graph_kinds: tuple[str, ...] = ("decode",),
         seed: int = 0,
+        batch_invariant: bool = True,
     ):
         if max_model_len is None:
             max_model_len = model.max_positions
@@ -123,6 +126,7 @@ class Engine:
             backend=backend or default_backend(model.device),
             graphs=graphs,
             graph_kinds=tuple(graph_kinds),
+            batch_invariant=batch_invariant,
         )
         c = self.config
         self.scheduler = Scheduler(SchedulerConfig(
@@ -138,6 +142,7 @@ class Engine:
         self.step = make_step(
             model, backend=c.backend, graphs=c.graphs, graph_kinds=c.graph_kinds, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len, block_size=c.block_size,
+            batch_invariant=c.batch_invariant,
         )
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
                                 dtype=model.dtype, device=model.device)

@@ -26,6 +26,7 @@ from .layers import LayerContext, LayerKind, layer_kinds
 from .mode import ForwardMode, SegmentKind
 from .params import Params
 from .pytree import register_dataclass
+from .rows import row_metadata
 from .state.kv_cache import KVCacheState
 
 
@@ -61,9 +62,13 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
         raise ValueError(f"{name}: the batch was planned for cache groups {mode.cache_groups}, the state has "
                          f"{state.groups}")
     if ops is None:
-        return ops_for(mode.backend)
+        return ops_for(mode.backend, mode.batch_invariant)
     if ops.backend != mode.backend:
         raise ValueError(f"{name}: ops are for backend {ops.backend!r}, the mode for {mode.backend!r}")
+    if ops.batch_invariant != mode.batch_invariant:
+        raise ValueError(f"{name}: ops are {'' if ops.batch_invariant else 'not '}batch-invariant, the mode is "
+                         f"{'' if mode.batch_invariant else 'not '}(give ops_for(backend, batch_invariant="
+                         f"{mode.batch_invariant}) or leave ops unset)")
     return ops
 
 
@@ -73,7 +78,8 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     kinds = layer_kinds(config) if layers is None else tuple(layers)
     ops = _check(name, params, state, batch, mode, kinds, ops)
     ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
-                       rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy)
+                       rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy,
+                       rows=row_metadata(batch, mode) if mode.batch_invariant else None)
     delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
     residual: torch.Tensor | None = None
     caches = []
@@ -115,7 +121,7 @@ def forward(
             mode.num_logits belong to padding) and the new state.
     copy:   write the cache out of place and keep `state` valid; otherwise `state`
             is donated and using it again raises.
-    ops:    the op table to call, by default `ops_for(mode.backend)`; an explicit
+    ops:    the op table to call, by default `ops_for(mode.backend, mode.batch_invariant)`; an explicit
             table (e.g. `record_expert_choice`) instruments or replaces ops
             without touching any module.
     layers: the kind of each layer (see `layers.LayerKind`), by default

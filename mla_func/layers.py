@@ -33,6 +33,7 @@ from .kernels import Ops
 from .mode import ForwardMode
 from .moe import feed_forward
 from .params import LayerParams
+from .rows import RowMetadata
 from .state.kv_cache import zeroed_mla_caches
 from .state.layer_cache import CacheGroup, MLALayerCache
 
@@ -42,6 +43,8 @@ class LayerContext:
     """What a layer may read besides its params, its input and its cache.
 
     valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
+    rows:  every row as its own query (`rows.row_metadata`), made once a step for the
+           layers that attend row by row (the batch-invariant path); None otherwise
     """
 
     batch: Batch
@@ -52,6 +55,7 @@ class LayerContext:
     rope_sin: torch.Tensor
     valid: torch.Tensor
     inplace: bool
+    rows: RowMetadata | None = None
 
 
 class LayerKind(Protocol):
@@ -93,7 +97,7 @@ class MLADecoderLayer:
              ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, MLALayerCache]:
         attn_out, kv = mla_attention(
             p.attn, entered, cache.kv, ctx.batch, ctx.mode, ctx.config, ctx.ops, ctx.rope_cos, ctx.rope_sin,
-            inplace=ctx.inplace,
+            inplace=ctx.inplace, rows=ctx.rows,
         )
         x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.

@@ -90,6 +90,9 @@ class ForwardMode:
                    decided for group 0's block size alone); the forward checks them.
     group_widths:  the block-table width of each cache group 1.., derived from
                    `block_table_width` (they cover the same tokens), so no ladder of their own.
+    batch_invariant: the step runs the backend's batch-invariant op table and sends every
+                   row, prefill rows included, through the absorbed decode path, so that a
+                   row's bits depend on its own sequence only (see `mla_func.attention`).
     """
 
     kind: SegmentKind
@@ -110,6 +113,7 @@ class ForwardMode:
     block_size: int = 0
     cache_groups: tuple[CacheGroup, ...] = ()
     group_widths: tuple[int, ...] = ()
+    batch_invariant: bool = False
 
     @property
     def num_decode_rows(self) -> int:
@@ -140,12 +144,13 @@ class ForwardMode:
             self.block_size,
             self.group_widths,
             self.backend,
+            self.batch_invariant,
         )
 
     @staticmethod
     def _make(kind: SegmentKind, backend: str, block_size: int, real: dict[str, int], padded: dict[str, int],
               num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
-              cache_groups: tuple[CacheGroup, ...] = ()) -> ForwardMode:
+              cache_groups: tuple[CacheGroup, ...] = (), batch_invariant: bool = False) -> ForwardMode:
         """The one constructor: derives the logits sizes and the other groups' widths from the segment sizes."""
         tokens = padded["width"] * block_size
         group_widths = tuple(-(-tokens // g.tokens_per_block) for g in cache_groups[1:])
@@ -163,20 +168,21 @@ class ForwardMode:
             padded_decode_seqs=padded["decode_seqs"], padded_num_logits=padded_num_logits,
             block_table_width=padded["width"], use_graph=use_graph, decode_q_len=decode_q_len,
             gather_logits=not rows_are_logits, graph_fallback=graph_fallback, block_size=block_size,
-            cache_groups=cache_groups, group_widths=group_widths,
+            cache_groups=cache_groups, group_widths=group_widths, batch_invariant=batch_invariant,
         )
 
     @staticmethod
     def padded_only(kind: SegmentKind, *, backend: str, block_size: int, prefill_tokens: int = 0,
                     prefill_seqs: int = 0, decode_seqs: int = 0, block_table_width: int, decode_q_len: int = 1,
-                    use_graph: bool = True, cache_groups: tuple[CacheGroup, ...] = ()) -> ForwardMode:
+                    use_graph: bool = True, cache_groups: tuple[CacheGroup, ...] = (),
+                    batch_invariant: bool = False) -> ForwardMode:
         """The mode of a step of only padding rows with these padded sizes: the static key real
         steps of those sizes have (graph warm-up captures with it)."""
         zero = {"prefill_tokens": 0, "prefill_seqs": 0, "decode_seqs": 0, "width": 0}
         padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
                   "width": block_table_width}
         return ForwardMode._make(SegmentKind(kind), backend, block_size, zero, padded, 0, decode_q_len, use_graph,
-                                 False, cache_groups)
+                                 False, cache_groups, batch_invariant)
 
     def without_real_rows(self) -> ForwardMode:
         """This mode's shapes and static key, with every row padding."""
@@ -192,6 +198,7 @@ class ForwardMode:
         graphs: bool = False,
         graph_kinds: Collection[str] = SEGMENT_KINDS,
         cache_groups: Sequence[CacheGroup] = (),
+        batch_invariant: bool = False,
     ) -> ForwardMode:
         """The single rule that fixes a step's kind, sizes and graph use.
 
@@ -226,4 +233,5 @@ class ForwardMode:
         padded = (dict(real) if not fits or (graphs and not wanted)
                   else {name: size for name, (size, _) in fitted.items()})
         return ForwardMode._make(kind, backend, block_size, real, padded, plan.num_logits, q_len, use_graph,
-                                 graph_fallback=wanted and not fits, cache_groups=tuple(cache_groups))
+                                 graph_fallback=wanted and not fits, cache_groups=tuple(cache_groups),
+                                 batch_invariant=batch_invariant)

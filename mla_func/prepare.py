@@ -66,16 +66,19 @@ def prepare_step(
     graphs: bool = False,
     graph_kinds: Collection[str] = SEGMENT_KINDS,
     max_position: int | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[Batch, ForwardMode]:
     """Decide the mode of `plan` and build its batch, checking it against the model and the state.
 
     backend defaults to "triton" on CUDA and "torch" elsewhere.
+    batch_invariant: run the step with the backend's batch-invariant ops and attention path
+                  (`ForwardMode.batch_invariant`).
     max_position: positions must stay below it: the RoPE tables' length (`Model.max_positions`);
                   defaults to the config's max_position_embeddings.
     """
     mode = ForwardMode.decide(
         plan, block_size=state.block_size, backend=backend or default_backend(state.device), padding=padding,
-        graphs=graphs, graph_kinds=graph_kinds, cache_groups=state.groups,
+        graphs=graphs, graph_kinds=graph_kinds, cache_groups=state.groups, batch_invariant=batch_invariant,
     )
     batch = build_batch(
         plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
@@ -94,6 +97,7 @@ def plan_step(
     padding: PaddingPolicy | None = None,
     graphs: bool = False,
     max_position: int | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[Batch, ForwardMode]:
     """`prepare_step` for a plain (unmemoized) step: exact sizes unless `padding` is given.
 
@@ -101,7 +105,7 @@ def plan_step(
                   with a `max_model_len` below the config's max_position_embeddings.
     """
     return prepare_step(config, state, plan, backend=backend, padding=padding, graphs=graphs,
-                        max_position=max_position)
+                        max_position=max_position, batch_invariant=batch_invariant)
 
 
 def state_bytes_per_block(model: Model, block_size: int) -> int:

@@ -109,6 +109,7 @@ class Step:
     block_size: int | None
     graph_kinds: tuple[str, ...] = SEGMENT_KINDS
     max_position: int | None = None  # the RoPE tables' length; None: the config's max_position_embeddings
+    batch_invariant: bool = False    # every mode it decides is batch-invariant (`ForwardMode.batch_invariant`)
     _memo: dict[tuple[object, ...], _Captured] = field(default_factory=dict, repr=False)
     _pool: Any = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
@@ -127,7 +128,8 @@ class Step:
         """Decide the mode of `plan` (padded to this step's ladders) and build its batch."""
         self._check_state(state, "step.prepare")
         return prepare_step(self.config, state, plan, backend=self.backend, padding=self.padding,
-                            graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position)
+                            graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position,
+                            batch_invariant=self.batch_invariant)
 
     def __call__(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
         self._check_state(state, "step")
@@ -175,7 +177,8 @@ class Step:
             raise ValueError("decode_graph_modes: this step accepts any block size; pass the state's")
         return tuple(
             ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, block_size=block_size,
-                                    decode_seqs=seqs, block_table_width=width, cache_groups=groups)
+                                    decode_seqs=seqs, block_table_width=width, cache_groups=groups,
+                                    batch_invariant=self.batch_invariant)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths
         )
@@ -245,6 +248,7 @@ def make_step(
     max_num_batched_tokens: int = 8192,
     max_model_len: int | None = None,
     block_size: int | None = None,
+    batch_invariant: bool = False,
 ) -> Step:
     """A pure step function over `model`'s device, memoized by the mode's static key.
 
@@ -262,6 +266,9 @@ def make_step(
               graphs, exact sizes (padding buys an eager step nothing).
     block_size: the block size of the states this step runs on, checked at every call;
               None accepts any (the default ladders then assume blocks of 16 tokens).
+    batch_invariant: decide every step batch-invariant: a row's logits and cache entries
+              depend on its own sequence only, not on its batch-mates, the padding rung,
+              the step kind or where a prompt was cut into chunks (`ForwardMode.batch_invariant`).
     """
     device = model.device
     use_graphs = graphs and device.type == "cuda"
@@ -276,4 +283,5 @@ def make_step(
         )
     return Step(fn=fn or model_step_fn, params=model.params if params is None else params, config=model.config,
                 backend=backend or default_backend(device), graphs=use_graphs, padding=padding,
-                block_size=block_size, max_position=model.max_positions, graph_kinds=tuple(graph_kinds))
+                block_size=block_size, max_position=model.max_positions, graph_kinds=tuple(graph_kinds),
+                batch_invariant=batch_invariant)

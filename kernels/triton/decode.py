@@ -140,6 +140,7 @@ def _split_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
     Q_LEN: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    LENGTH_SPLITS: tl.constexpr = 0, MIN_SPLIT_KEYS: tl.constexpr = 128,
 ):
     # With Q_LEN > 1 the BLOCK_H rows of a program are (head, query) pairs, head
     # major: HEADS_PER_PROGRAM heads times the Q_LEN causal queries of sequence b,
@@ -152,8 +153,17 @@ def _split_kernel(
         gdc_launch_dependents()
 
     seq_len = tl.load(seq_lens_ptr + b * s_sl)
-    # Whole key tiles per split, so only a split's last tile is ragged.
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if LENGTH_SPLITS > 0:
+        # Batch-invariant splits: their size is a function of the row's own length
+        # (the smallest power of two from MIN_SPLIT_KEYS giving at most LENGTH_SPLITS
+        # splits), so split boundaries sit at the same absolute positions whatever
+        # the batch, the grid or the step kind.
+        keys_per_split = tl.full([], MIN_SPLIT_KEYS, tl.int32)
+        while keys_per_split * LENGTH_SPLITS < seq_len:
+            keys_per_split *= 2
+    else:
+        # Whole key tiles per split, so only a split's last tile is ragged.
+        keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 

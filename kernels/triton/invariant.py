@@ -1,0 +1,125 @@
+"""The batch-invariant Triton op table: every op's output row depends on its own inputs only.
+
+What changes against the default table, and why:
+
+* products (`linear`, `rms_norm_linear`, the W_UK absorption, W_UV):
+  `invariant_matmul`, one K order for every row count, instead of the few-row
+  GEMV / cuBLAS pair, whose choice (and cuBLAS's split-K) follows the rows;
+* `mla_decode`: `decode_invariant`, splits sized by each row's own length and
+  merged in order, instead of a split count that follows the batch size;
+* `fused_moe`: always the tiled path in K steps of 64, instead of the per-pair
+  path (float32 atomics) for few tokens and K steps that follow the token count;
+* `route`: one launch configuration (token tile, split of the router logits over D)
+  for every batch size, instead of one chosen by the token count.
+
+Row-local ops keep their kernels: `rms_norm`, `rope` and the latent write run one
+program per row with tiles sized by the model's dimensions. `prefill_attention`
+stays in the table for its contract but the batch-invariant forward does not call
+it: prefill rows take `mla_decode` like decode rows, so a token's bits do not
+depend on the step kind (see `mla_func.attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import overload
+
+import torch
+
+from ..registry import Ops
+from .decode_invariant import mla_decode
+from .invariant_matmul import bmm, linear
+from .latent import write_latent
+from .moe import MoeConfig, fused_moe
+from .norm import rms_norm
+from .routing import route, route_config
+
+# The tiled path in K steps of 64, as every batch-invariant product takes; rows and
+# columns of a tile follow the token count for speed (they do not change a row's
+# arithmetic: checked bit for bit across configurations by the GPU tests).
+_FEW_PAIRS_MOE = MoeConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=3)
+_MANY_PAIRS_MOE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+_INTERPRETER_MOE = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+# Tokens whose router logits one routing program computes: the route kernel's own
+# logits (split over D, partial sums added in split order) with the split fixed by
+# the model's shapes, for every batch size.
+_ROUTE_TILE_TOKENS = 4
+
+
+@overload
+def invariant_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              residual: None = None) -> torch.Tensor: ...
+@overload
+def invariant_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def invariant_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.linear.rms_norm_linear`: the row-wise norm, then the invariant product."""
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight)
+    normed, residual_out = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight), residual_out
+
+
+def invariant_absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """Contract of `reference.attention.absorb_query`: q_nope [B, H, Dn] @ w_uk [H, Dn, C] per head by
+    the invariant `bmm`, then q_pe [B, H, R] -> q [B, H, C + R]."""
+    num_heads, _, kv_lora_rank = w_uk.shape
+    out = torch.empty((q_nope.shape[0], num_heads, kv_lora_rank + q_pe.shape[2]), dtype=q_nope.dtype,
+                      device=q_nope.device)
+    bmm(q_nope.transpose(0, 1), w_uk, out=out[..., :kv_lora_rank].transpose(0, 1))
+    out[..., kv_lora_rank:] = q_pe
+    return out
+
+
+def invariant_write_latent_absorb(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+                                  kv_a_norm: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                                  w_uk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                                  eps: float, interleaved: bool, absorb_from: int,
+                                  inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract of `reference.latent.write_latent_absorb`: the latent write, then the invariant absorption."""
+    if not 0 <= absorb_from <= q_pe.shape[0]:
+        raise ValueError(f"absorb_from: expected in [0, {q_pe.shape[0]}], got {absorb_from}")
+    kv_cache, q_pe = write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin, eps=eps,
+                                  interleaved=interleaved, inplace=inplace)
+    return kv_cache, q_pe, invariant_absorb_query(q_nope[absorb_from:], q_pe[absorb_from:], w_uk)
+
+
+def invariant_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Contract of `reference.moe.fused_moe`: the tiled path with one configuration for every token count."""
+    if x.device.type != "cuda":
+        config = _INTERPRETER_MOE
+    else:
+        pairs_per_expert = topk_ids.numel() / w13.shape[0]
+        config = _FEW_PAIRS_MOE if pairs_per_expert <= 16 else _MANY_PAIRS_MOE
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, out_dtype=out_dtype, config=config)
+
+
+def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
+                    valid: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str, n_group: int | None,
+                    topk_group: int | None, norm_topk_prob: bool, routed_scaling_factor: float,
+                    num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.routing.route`: one launch configuration for every batch size."""
+    # The decode configuration (the kernel's own logits, D split in a fixed order),
+    # whose sizes follow the model's shapes only: a token's sums over D and its
+    # reductions over experts then have one order and one layout.
+    groups = n_group if topk_method != "greedy" and n_group else 1
+    config = route_config(_ROUTE_TILE_TOKENS, gate.shape[0], groups, top_k, gate.shape[1])
+    return route(x, gate, e_score_correction_bias, valid, top_k=top_k, scoring_func=scoring_func,
+                 topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                 routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, config=config)
+
+
+def invariant_ops(base: Ops) -> Ops:
+    """`base` (the Triton table) with every op whose rows could depend on their batch-mates replaced."""
+    return dataclasses.replace(
+        base,
+        batch_invariant=True,
+        dense=dataclasses.replace(base.dense, linear=linear, rms_norm_linear=invariant_rms_norm_linear),
+        mla=dataclasses.replace(base.mla, write_latent_absorb=invariant_write_latent_absorb,
+                                absorb_query=invariant_absorb_query, mla_decode=mla_decode),
+        moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=invariant_fused_moe),
+    )
