@@ -81,8 +81,9 @@ class Engine:
     CUDA, "torch" elsewhere; CUDA graphs on where CUDA is, for decode steps only
     (`graph_kinds`): decode steps are launch-bound and few shapes recur, while prefill and
     mixed steps are compute-bound and would each need a graph for every combination of
-    padded sizes they meet; batch-invariant steps (`batch_invariant=True`): a request's logits,
-    and so its tokens, do not depend on what else is running (see README "Batch invariance").
+    padded sizes they meet. `batch_invariant=True` makes a request's logits, and so its
+    tokens, independent of what else is running, at a cost in speed (off by default; see
+    README "Batch invariance").
     """
 
     def __init__(
@@ -101,7 +102,7 @@ class Engine:
         graphs: bool = True,
         graph_kinds: tuple[str, ...] = ("decode",),
         seed: int = 0,
-        batch_invariant: bool = True,
+        batch_invariant: bool = False,
     ):
         if max_model_len is None:
             max_model_len = model.max_positions
@@ -161,6 +162,12 @@ class Engine:
         return len(self.step.captured_keys) - before
 
     # ---- requests ---------------------------------------------------------------
+
+    @property
+    def requests_started(self) -> int:
+        """Requests this engine has accepted so far: the next one's request id (ids count up from 0
+        in call order, a bad request taking none)."""
+        return self._next_id
 
     @property
     def limits(self) -> Limits:
