@@ -68,7 +68,9 @@ def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
     that would only round its float32 sums.
     """
     out_dtype = torch.promote_types(x.dtype, torch.float32)
-    if p.num_shared and x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS:
+    # A batch-invariant table keeps the shared experts in the fused call at every size: the
+    # dense GEMMs and the separate add would give a token other bits in a larger step.
+    if p.num_shared and (ops.batch_invariant or x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS):
         topk_weights, topk_ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
         return ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids, out_dtype=out_dtype)
     topk_weights, topk_ids = route(p, x, valid, config, ops)

@@ -43,7 +43,7 @@ class InvariantTile:
 # over every multiprocessor in few, large loads (a 2048 x 2048 bf16 weight at one
 # row: 4.4 us, the GEMV 3.0 us; 16 rows: 4.4 us, cuBLAS 5.4 us). Many rows: square
 # tiles that reuse each loaded tile.
-_FEW_ROWS = InvariantTile(block_m=16, block_n=16, block_k=256, num_warps=2, num_stages=6)
+_FEW_ROWS = InvariantTile(block_m=16, block_n=16, block_k=256, num_warps=4, num_stages=4)
 _SOME_ROWS = InvariantTile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
 _MANY_ROWS = InvariantTile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 _INTERPRETER_TILE = InvariantTile(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
