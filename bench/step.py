@@ -7,7 +7,7 @@ Each row: one decode step of `batch` sequences with `context` cached tokens each
 bytes a step must read — every weight it touches (the experts actually selected
 in that step included) plus the KV cache — over the device-to-device copy
 bandwidth measured in the same run. Each row also times the batch-invariant step
-(`make_step(batch_invariant=True)`, the engine's default) on the same shapes;
+(`make_step(batch_invariant=True)`) on the same shapes;
 "invariant cost" is its time over the default step's, less 1. Prints a table and
 writes JSON under bench/results/.
 """

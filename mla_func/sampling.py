@@ -3,7 +3,9 @@
 Randomness is an explicit key, as in JAX: the noise for row i and vocab entry v
 is a counter-based hash of (seeds[i], positions[i], v). A row's token therefore
 depends only on its own logits, sampling settings, seed and position, never on
-its batch-mates, their order, the batch size or how many steps ran before.
+its batch-mates, their order, the batch size or how many steps ran before. (The
+logits themselves are batch-invariant only in batch-invariant steps:
+`Engine(batch_invariant=True)`, README "Batch invariance".)
 
 Seeds: a request with `SamplingParams.seed` set uses it; for one without, the
 caller draws a seed once when the request arrives (`request_seed`) and keeps it

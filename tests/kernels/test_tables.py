@@ -11,7 +11,8 @@ from mla_func.kernels import ops_for
 
 
 def _ops_of(table):
-    groups = [getattr(table, f.name) for f in dataclasses.fields(table) if f.name != "backend"]
+    groups = [getattr(table, f.name) for f in dataclasses.fields(table)
+              if dataclasses.is_dataclass(getattr(table, f.name))]
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
@@ -24,6 +25,17 @@ def test_triton_table_names_every_op():
         assert op is not reference[name], f"triton runs the reference {name}"
     assert table.dense.rope.__module__.endswith("triton.rope")
     assert table.mla.mla_decode.__module__.endswith("triton.decode")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
+    plain, invariant = ops_for(backend), ops_for(backend, batch_invariant=True)
+    assert invariant.batch_invariant and not plain.batch_invariant and invariant.backend == backend
+    changed = {name for name, op in _ops_of(invariant).items() if op is not _ops_of(plain)[name]}
+    assert changed == {"linear", "rms_norm_linear", "write_latent_absorb", "absorb_query", "mla_decode", "route",
+                       "fused_moe"}
+    with pytest.raises(ValueError, match="aiter"):
+        ops_for("aiter", batch_invariant=True)
 
 
 def test_tables_derive_from_the_reference_by_group():
