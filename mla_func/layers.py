@@ -33,6 +33,7 @@ from .kernels import Ops
 from .mode import ForwardMode
 from .moe import feed_forward
 from .params import LayerParams
+from .sparse_attention import DSA_DECODER
 from .state.kv_cache import zeroed_mla_caches
 from .state.layer_cache import CacheGroup, MLALayerCache
 
@@ -105,5 +106,7 @@ MLA_DECODER = MLADecoderLayer()
 
 
 def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
-    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer."""
-    return (MLA_DECODER,) * config.num_hidden_layers
+    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer, every
+    V3.2 layer a sparse-attention one (`sparse_attention.DSADecoderLayer`)."""
+    kind: LayerKind = DSA_DECODER if config.is_sparse else MLA_DECODER
+    return (kind,) * config.num_hidden_layers
