@@ -134,6 +134,10 @@ def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
         raise refuse("quantization_config", method, "quantized checkpoints are not supported; dequantize first")
 
 
+# What transformers names the sparse-attention layer in config.json (its name changed once).
+_DSA_LAYER_NAMES = ("indexed_attention", "deepseek_sparse_attention")
+
+
 def _refuse_unsupported_v32(raw: Mapping[str, Any]) -> None:
     """What DeepSeek-V3.2's config can say that mla-func does not run (or that changes the math unseen)."""
     for name in ("index_n_heads", "index_head_dim", "index_topk"):
@@ -145,9 +149,10 @@ def _refuse_unsupported_v32(raw: Mapping[str, Any]) -> None:
             raise refuse(name, raw[name], f"deepseek_v32 routes with {value!r} only")
     layers = raw.get("num_hidden_layers")
     kinds = raw.get("layer_types")
-    if kinds is not None and (not isinstance(kinds, list) or any(k != "indexed_attention" for k in kinds)
+    if kinds is not None and (not isinstance(kinds, list) or any(k not in _DSA_LAYER_NAMES for k in kinds)
                               or len(kinds) != layers):
-        raise refuse("layer_types", kinds, f"only 'indexed_attention' for each of num_hidden_layers={layers} layers")
+        raise refuse("layer_types", kinds, f"only sparse attention {_DSA_LAYER_NAMES} for each of "
+                     f"num_hidden_layers={layers} layers")
     mlp_kinds, first = raw.get("mlp_layer_types"), _or_default(raw, "first_k_dense_replace", 0)
     if mlp_kinds is not None and is_int(layers) and is_int(first):
         dense = min(first, layers)

@@ -108,3 +108,10 @@ def test_recorded_choice_is_transformers_choice(sparse):
             assert row[len(visible):] == [-1] * (k - len(visible))
             want = {j for j in theirs[layer][pos].tolist() if j <= pos}
             assert set(visible) == want, f"layer {layer}, position {pos}"
+
+
+def test_the_tie_guard_fails_loudly_on_tied_scores(tmp_path):
+    """One indexer head: most scores are ReLU zeros, so the k-th score ties and the guard must fail the test."""
+    model = save_and_load(make_v32("v32", seed=3, index_n_heads=1), tmp_path / "one-head", torch.float32)
+    with pytest.raises(pytest.fail.Exception, match="near-tie at the k-th index score"):
+        check_top_k_margins(model, tokens_of(30, seed=6), BLOCK_SIZE)

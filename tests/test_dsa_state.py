@@ -157,3 +157,10 @@ def test_v32_lite_preset_has_the_issue_shapes():
     assert "v32-lite" in mf.PRESETS and hf_tensor_count(c) == len(hf_tensor_shapes(c))
     assert hf_tensor_shapes(c)["model.layers.3.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
     assert mf.ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+def test_both_names_of_the_sparse_attention_layer_are_read(folder):
+    raw = json.loads((folder / "config.json").read_text())
+    for name in ("indexed_attention", "deepseek_sparse_attention"):
+        config = mf.ModelConfig.from_hf_dict({**raw, "layer_types": [name] * raw["num_hidden_layers"]})
+        assert config.is_sparse and config.index_topk == 8
