@@ -50,7 +50,9 @@ def index_query_key(
                                 interleaved=False)
     q = torch.cat([q_pe, q[..., rope_dim:]], dim=-1)
     key = torch.cat([k_pe, key[:, rope_dim:]], dim=-1)
-    head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype) * (heads * dim) ** -0.5
+    # The input is widened to the weights' dtype first (as the reference does), so every backend's
+    # linear sees one dtype.
+    head_weights = ops.dense.linear(x.to(p.weights_proj.dtype), p.weights_proj) * (heads * dim) ** -0.5
     return q, key, head_weights
 
 
