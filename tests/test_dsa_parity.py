@@ -131,3 +131,25 @@ def test_logits_do_not_depend_on_batch_mates(pair):
         logits, _ = run(model, fresh_state(model), mf.StepPlan(prefill=tuple(seqs)))
         start = sum(len(m) for m in mates[:trial])
         assert rel_err(logits[start:start + len(target)], alone) <= SELF_TOL[dtype]
+
+
+def test_verify_rows_equal_prefill_with_context(pair):
+    """Decode rows of 3 causal query tokens per sequence (speculative verification) = the same tokens prefilled."""
+    _, model, dtype = pair
+    vocab, q_len = model.config.vocab_size, 3
+    contexts = [17, 6, 25]
+    tables = [blocks(i, 12) for i in range(3)]
+    state = fresh_state(model)
+    prompts = [random_tokens(n, vocab, seed=50 + n) for n in contexts]
+    context = mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(p), 0, t, 0) for p, t in zip(prompts, tables)))
+    _, state = mf.forward(model.params, state, *mf.plan_step(model.config, state, context))
+    queries = [tuple(random_tokens(q_len, vocab, seed=60 + i)) for i in range(3)]
+    outs = []
+    for plan in (mf.StepPlan(decode=tuple(mf.SeqPlan(q, n, t, q_len) for q, n, t in zip(queries, contexts, tables)),
+                             decode_q_len=q_len),
+                 mf.StepPlan(prefill=tuple(mf.SeqPlan(q, n, t, q_len) for q, n, t in zip(queries, contexts, tables)))):
+        batch, mode = mf.plan_step(model.config, state, plan)
+        logits, _ = mf.forward(model.params, state, batch, mode, copy=True)
+        outs.append(logits[: mode.num_logits])
+    assert outs[0].shape == outs[1].shape == (9, vocab)
+    assert rel_err(outs[0], outs[1]) <= SELF_TOL[dtype]

@@ -42,7 +42,7 @@ def test_each_layer_caches_latents_and_indexer_keys(model):
     c = model.config
     assert mf.layer_kinds(c) == (DSA_DECODER,) * c.num_hidden_layers
     for cache in state.layers:
-        assert isinstance(cache, mf.state.kv_cache.DSALayerCache)
+        assert isinstance(cache, mf.DSALayerCache)
         assert cache.kv.shape == (40, BLOCK_SIZE, c.kv_cache_dim)
         assert cache.index_k.shape == (40, BLOCK_SIZE, c.index_head_dim)
         assert not cache.kv.any() and not cache.index_k.any()
