@@ -64,7 +64,8 @@ def record_index_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
     layer, in layer order. Row t of an entry lists the key positions (in row t's own
     sequence, ascending; -1 past the end when fewer than k keys are visible) that the
     step's row t attended to; rows follow the batch ([prefill tokens | padding | decode
-    rows | padding]; padded rows list only -1).
+    rows | padding]; padded rows list only -1). The list fills when the op runs, so read it
+    from eager calls (`mf.forward(..., ops=ops)`); a replayed CUDA graph runs no Python.
     """
     chosen: list[torch.Tensor] = []
     top_k = ops.dsa.top_k_indices
