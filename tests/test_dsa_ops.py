@@ -146,3 +146,15 @@ def test_sparse_over_every_key_equals_dense_decode():
     dense, dense_lse = ref_attention.mla_decode(q, cache, table, seq_lens, softmax_scale=0.2, kv_lora_rank=rank)
     torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sparse_lse, dense_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_index_scores_in_row_chunks_equal_one_pass(monkeypatch):
+    from mla_func.kernels.reference import dsa as ref_dsa
+
+    generator = torch.Generator().manual_seed(5)
+    q, weights = torch.randn(11, 3, 8, generator=generator), torch.randn(11, 3, generator=generator)
+    cache, table = paged(10, 8, seed=5), tables(11, 4, 10, 5)
+    key_lens = torch.randint(0, 17, (11,), generator=generator, dtype=torch.int32)
+    whole = ref_dsa.index_scores(q, weights, cache, table, key_lens)
+    monkeypatch.setattr(ref_dsa, "_SCORE_ELEMENTS", 16 * 11 * 3)   # 3 rows a chunk: 4 chunks
+    torch.testing.assert_close(ref_dsa.index_scores(q, weights, cache, table, key_lens), whole, rtol=0, atol=0)

@@ -7,7 +7,7 @@ H heads, C = kv_lora_rank, R = qk_rope_head_dim, Dv = v_head_dim, k selected key
 Every row carries its own block table and key count (`mla_func.rows.RowMetadata`):
 a row at position p sees keys [0, p]; padded rows see none (key_lens 0). These
 references keep static shapes and do no host sync, so they capture in a CUDA
-graph; they read each row's whole table for the scores (memory O(T * L)), and
+graph; they read each row's whole table for the scores (in chunks of rows), and
 only the k selected latent rows for the attention.
 """
 
@@ -19,8 +19,10 @@ from ..checks import as_dtype, check_shape
 from .attention import _acc_dtype, _softmax_with_lse
 from .cache import write_kv
 
-# Rows scored at once: bounds the [rows, Hi, L] float32 logits of a long prefill.
-_SCORE_ROWS = 64
+# Elements of the gathered keys and logits ([rows, L, Di + Hi]) scored at once: rows are taken
+# in chunks of a size fixed by the shapes (static under a graph), so a long context or a long
+# prefill does not gather every row's whole table at once.
+_SCORE_ELEMENTS = 1 << 25
 
 
 def write_index_key(
@@ -61,9 +63,10 @@ def index_scores(
     width, block_size = block_table.shape[1], index_cache.shape[1]
     num_keys = width * block_size
     key_pos = torch.arange(num_keys, device=q.device)
+    chunk = max(1, _SCORE_ELEMENTS // (num_keys * (dim + num_heads)))
     parts = []
-    for start in range(0, num_rows, _SCORE_ROWS):
-        rows = slice(start, min(start + _SCORE_ROWS, num_rows))
+    for start in range(0, num_rows, chunk):
+        rows = slice(start, min(start + chunk, num_rows))
         table = block_table[rows].long()
         keys = as_dtype(index_cache[table].reshape(table.shape[0], num_keys, dim), acc)    # [t, L, Di]
         logits = torch.bmm(as_dtype(q[rows], acc), keys.transpose(1, 2)).relu_()           # thd,tld->thl
