@@ -53,8 +53,9 @@ def test_greedy_equals_transformers_generate(checkpoint, prompts):
         assert list(got) == out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("settings", [dict(long_prefill_token_threshold=7), dict(enable_mixed=False)],
-                         ids=["chunk7", "unmixed"])
+@pytest.mark.parametrize("settings", [dict(long_prefill_token_threshold=7), dict(enable_mixed=False),
+                                      dict(num_blocks=18)],
+                         ids=["chunk7", "unmixed", "preempting"])
 def test_greedy_does_not_depend_on_scheduling(checkpoint, prompts, settings):
     _, _, model = checkpoint
     alone = [tokens(engine(model).generate([p], GREEDY))[0] for p in prompts]
