@@ -8,7 +8,8 @@ freely; keyword arguments are part of the contract by name.
 
 Shapes use: T rows (tokens), B sequences, H heads, W block-table width, bs
 block size, C = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim,
-Dv = v_head_dim, E experts, k experts a token.
+Dv = v_head_dim, E experts, k experts a token (in the DSA ops: k selected keys a row),
+Hi indexer heads, Di = index_head_dim.
 """
 
 from __future__ import annotations
