@@ -8,7 +8,8 @@ freely; keyword arguments are part of the contract by name.
 
 Shapes use: T rows (tokens), B sequences, H heads, W block-table width, bs
 block size, C = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim,
-Dv = v_head_dim, E experts, k experts a token.
+Dv = v_head_dim, E experts, k experts a token (in the DSA ops: k selected keys a row),
+Hi indexer heads, Di = index_head_dim.
 """
 
 from __future__ import annotations
@@ -153,4 +154,44 @@ class FusedMoe(Protocol):
         """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
         x [T, D]; w13 [E, 2I, D] (gate rows, then up); w2 [E, D, I]; topk_weights [T, k]
         float32; topk_ids [T, k] (-1 takes no expert) -> [T, D] in out_dtype (x's by default)."""
+        ...
+
+
+class WriteIndexKey(Protocol):
+    def __call__(self, index_cache: Tensor, slot_mapping: Tensor, index_key: Tensor, /, *,
+                 inplace: bool) -> Tensor:
+        """DSA indexer keys into their paged cache, addressed like the latent cache.
+        index_cache [num_blocks, bs, Di]; slot_mapping [T] int64 (-1: skip the row); index_key
+        [T, Di] -> the cache with the rows written: the same tensor when `inplace`, else a new one."""
+        ...
+
+
+class IndexScores(Protocol):
+    def __call__(self, q: Tensor, head_weights: Tensor, index_cache: Tensor, block_table: Tensor,
+                 key_lens: Tensor, /) -> Tensor:
+        """The lightning indexer's score of every key position of each row's sequence.
+        q [T, Hi, Di]; head_weights [T, Hi] float32 (every scale factor folded in); index_cache
+        [num_blocks, bs, Di]; block_table [T, W] int32 (row t's sequence's); key_lens [T] int32
+        -> scores [T, W * bs] float32: sum_h head_weights[t, h] * relu(q[t, h] . key_j) (dot in
+        float32) for j < key_lens[t], -inf for j >= key_lens[t] (padded rows: key_lens 0)."""
+        ...
+
+
+class TopKIndices(Protocol):
+    def __call__(self, scores: Tensor, key_lens: Tensor, /, *, k: int) -> Tensor:
+        """scores [T, L] float32; key_lens [T] int32 -> indices [T, k] int32: the positions of the k
+        largest scores among j < key_lens[t], ties broken toward the lower position, listed in
+        ascending position order; -1 fills the tail when key_lens[t] < k (every visible position
+        is then listed, in order)."""
+        ...
+
+
+class SparseMlaDecode(Protocol):
+    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, indices: Tensor, /, *,
+                 softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Absorbed MLA of each row over its selected latent rows only (prefill and decode rows alike).
+        q [T, H, C + R] absorbed query; kv_cache [num_blocks, bs, C + R]; block_table [T, W] int32;
+        indices [T, k] int32 key positions in row t's sequence (-1 = none); w_uv [H, Dv, C] or None
+        -> out [T, H, C] in q's dtype (with w_uv: out rounded to q's dtype, then @ w_uv[h]^T,
+        [T, H, Dv]), lse [T, H] float32 natural log; a row with no valid index: out 0, lse -inf."""
         ...

@@ -3,7 +3,8 @@
 The model calls ops only through an `Ops` table obtained from `ops_for(backend)`.
 Ops are grouped by the layer kind that needs them: `dense` (norms, projections,
 rope, the LSE merge: every layer kind), `mla` (the latent cache and MLA
-attention), `moe` (routing and experts); a new layer kind adds a group. Each
+attention), `moe` (routing and experts), `dsa` (DeepSeek Sparse Attention's
+indexer and sparse MLA); a new layer kind adds a group. Each
 op's contract is its `Protocol` in `contracts`. Every backend's table derives
 from the reference table with `dataclasses.replace`, naming only the ops it
 replaces, so an op a backend has no kernel for is visibly the reference.
@@ -21,6 +22,7 @@ import torch
 from . import contracts as c
 from .reference import attention as ref_attention
 from .reference import cache as ref_cache
+from .reference import dsa as ref_dsa
 from .reference import latent as ref_latent
 from .reference import linear as ref_linear
 from .reference import moe as ref_moe
@@ -63,6 +65,16 @@ class MoEOps:
 
 
 @dataclass(frozen=True, slots=True)
+class DSAOps:
+    """DeepSeek Sparse Attention: the indexer-key cache, index scores, top-k, sparse MLA over the chosen rows."""
+
+    write_index_key: c.WriteIndexKey
+    index_scores: c.IndexScores
+    top_k_indices: c.TopKIndices
+    sparse_mla_decode: c.SparseMlaDecode
+
+
+@dataclass(frozen=True, slots=True)
 class Ops:
     """Every op the model calls, bound to one backend's implementations, by layer kind.
 
@@ -75,6 +87,7 @@ class Ops:
     dense: DenseOps
     mla: MLAOps
     moe: MoEOps
+    dsa: DSAOps
     batch_invariant: bool = False
 
 
@@ -96,6 +109,12 @@ REFERENCE = Ops(
         prefill_attention=ref_attention.prefill_attention,
     ),
     moe=MoEOps(route=ref_routing.route, fused_moe=ref_moe.fused_moe),
+    dsa=DSAOps(
+        write_index_key=ref_dsa.write_index_key,
+        index_scores=ref_dsa.index_scores,
+        top_k_indices=ref_dsa.top_k_indices,
+        sparse_mla_decode=ref_dsa.sparse_mla_decode,
+    ),
 )
 
 

@@ -17,11 +17,12 @@ from .prepare import init_state, plan_step, prepare_step
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .state.kv_cache import DonatedStateError, KVCacheState
-from .state.layer_cache import CacheGroup, MLALayerCache
+from .state.layer_cache import CacheGroup, DSALayerCache, MLALayerCache
 from .step import Step, StepOutput, make_step, padding_ladders
 
 __all__ = [
-    "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DecodeMetadata",
+    "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DSALayerCache",
+    "DecodeMetadata",
     "DonatedStateError", "Engine", "ForwardMode", "ForwardOutput", "KVCacheState", "LayerContext", "LayerKind",
     "MLALayerCache", "Model", "ModelConfig", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
     "RequestError", "RopeConfig", "SamplingParams", "SegmentKind", "SeqPlan", "Step", "StepOutput", "StepPlan",

@@ -281,7 +281,7 @@ def _random_model(
 
     def fetch(name: str) -> torch.Tensor:
         shape = shapes[name]
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
             return torch.zeros(shape, device=device)
         if len(shape) == 1:  # norm weights
             return torch.ones(shape, device=device)

@@ -1,4 +1,4 @@
-"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3 model, and their validation.
+"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3/V3.2 model, and their validation.
 
 Reading and writing Hugging Face config.json dicts is in `config_hf`.
 """
@@ -54,8 +54,9 @@ class RopeConfig:
 class ModelConfig:
     """Everything the pure forward needs to know about a model's shapes and numerics.
 
-    Names follow DeepSeek's config.json. `n_routed_experts=None` means a dense model.
-    Every field is checked on construction (type and range); a bad one raises
+    Names follow DeepSeek's config.json. `n_routed_experts=None` means a dense model. V3.2's
+    indexer (`index_*`, None for V2/V3): `index_n_heads` heads of `index_head_dim` score every
+    earlier token; each query attends to the `index_topk` best. Every field is checked on construction (type and range); a bad one raises
     `ConfigError` naming it.
     """
 
@@ -88,6 +89,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -110,6 +114,11 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek Sparse Attention (V3.2): every layer has an indexer and attends to its top-k keys."""
+        return self.model_type == "deepseek_v32"
+
     def is_moe_layer(self, layer: int) -> bool:
         return (
             self.n_routed_experts is not None
@@ -119,7 +128,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (model_type deepseek_v2 or deepseek_v3)."""
+        """Read a Hugging Face config.json dict (model_type deepseek_v2, deepseek_v3 or deepseek_v32)."""
         from .config_hf import config_from_hf_dict
 
         return config_from_hf_dict(raw)
@@ -136,6 +145,9 @@ class ModelConfig:
         from .config_hf import config_to_hf_dict
 
         return config_to_hf_dict(self)
+
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -216,8 +228,8 @@ def _validate_rope(r: RopeConfig) -> None:
 
 
 def _validate(c: ModelConfig) -> None:
-    if c.model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise refuse("model_type", c.model_type, "expected 'deepseek_v2' or 'deepseek_v3'")
+    if c.model_type not in MODEL_TYPES:
+        raise refuse("model_type", c.model_type, f"expected one of {MODEL_TYPES}")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings"):
         _check_int(name, getattr(c, name), 1)
@@ -234,6 +246,7 @@ def _validate(c: ModelConfig) -> None:
     if not (math.isfinite(c.softmax_scale) and c.softmax_scale > 0):
         raise refuse("rope_parameters.mscale_all_dim", c.rope.mscale_all_dim,
                      f"makes the softmax scale {c.softmax_scale}, not a finite positive number")
+    _validate_indexer(c)
     _check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     _check_int("moe_layer_freq", c.moe_layer_freq, 1)
     _check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
@@ -267,3 +280,20 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
             raise refuse("topk_group", c.topk_group, "the chosen groups hold fewer experts than num_experts_per_tok")
         if c.topk_method == "noaux_tc" and experts // c.n_group < 2:
             raise refuse("n_group", c.n_group, "noaux_tc scores a group by its top-2 experts: need >= 2 experts a group")
+
+
+def _validate_indexer(c: ModelConfig) -> None:
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        if not c.is_sparse and getattr(c, name) is not None:
+            raise refuse(name, getattr(c, name), "only deepseek_v32 models have an indexer (must be null)")
+        if c.is_sparse:
+            _check_int(name, getattr(c, name), 1)
+    if not c.is_sparse:
+        return
+    if c.index_head_dim is not None and c.index_head_dim < c.qk_rope_head_dim:
+        raise refuse("index_head_dim", c.index_head_dim,
+                     f"the indexer rotates its first qk_rope_head_dim={c.qk_rope_head_dim} dims: must be at least that")
+    if c.q_lora_rank is None:
+        raise refuse("q_lora_rank", None, "the V3.2 indexer's query comes from the low-rank query: must be set")
+    if not c.rope_interleave:
+        raise refuse("rope_interleave", False, "DeepSeek-V3.2 rotates MLA's rope dims in interleaved pairs")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_files import read_json_file
-from .config import ConfigError, ModelConfig, RopeConfig, is_int, is_number, refuse
+from .config import MODEL_TYPES, ConfigError, ModelConfig, RopeConfig, is_int, is_number, refuse
 
 # Fields that carry no meaning for inference (training knobs, bookkeeping, values
 # derived from other fields). Anything neither read nor listed here is reported.
@@ -36,6 +36,7 @@ _READ_FIELDS = frozenset({
     "topk_method", "n_group", "topk_group", "rope_parameters", "rope_scaling", "rope_theta",
     "rope_interleave", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id",
     "hidden_act", "attention_bias", "mlp_bias", "quantization_config", "sliding_window", "use_sliding_window",
+    "index_n_heads", "index_head_dim", "index_topk", "layer_types", "mlp_layer_types",
 })
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -133,14 +134,44 @@ def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
         raise refuse("quantization_config", method, "quantized checkpoints are not supported; dequantize first")
 
 
+# What transformers names the sparse-attention layer in config.json (its name changed once).
+_DSA_LAYER_NAMES = ("indexed_attention", "deepseek_sparse_attention")
+
+
+def _refuse_unsupported_v32(raw: Mapping[str, Any]) -> None:
+    """What DeepSeek-V3.2's config can say that mla-func does not run (or that changes the math unseen)."""
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        if raw.get(name) is None:
+            raise refuse(name, None, "missing (required for deepseek_v32)")
+    # V3.2's router is sigmoid scores with noaux_tc groups whatever these say; only the agreeing value is read.
+    for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(name, value) != value:
+            raise refuse(name, raw[name], f"deepseek_v32 routes with {value!r} only")
+    layers = raw.get("num_hidden_layers")
+    kinds = raw.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or any(k not in _DSA_LAYER_NAMES for k in kinds)
+                              or len(kinds) != layers):
+        raise refuse("layer_types", kinds, f"only sparse attention {_DSA_LAYER_NAMES} for each of "
+                     f"num_hidden_layers={layers} layers")
+    mlp_kinds, first = raw.get("mlp_layer_types"), _or_default(raw, "first_k_dense_replace", 0)
+    if mlp_kinds is not None and is_int(layers) and is_int(first):
+        dense = min(first, layers)
+        if mlp_kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+            raise refuse("mlp_layer_types", mlp_kinds,
+                         f"only dense layers before first_k_dense_replace={dense} and MoE layers after are supported")
+
+
 def config_from_hf_dict(raw: Any) -> ModelConfig:
-    """Read a Hugging Face config.json dict (model_type deepseek_v2 or deepseek_v3)."""
+    """Read a Hugging Face config.json dict (model_type deepseek_v2, deepseek_v3 or deepseek_v32)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise refuse("model_type", model_type, "expected 'deepseek_v2' or 'deepseek_v3'")
+    if model_type not in MODEL_TYPES:
+        raise refuse("model_type", model_type, f"expected one of {MODEL_TYPES}")
     _refuse_unsupported(raw)
+    is_v32 = model_type == "deepseek_v32"
+    if is_v32:
+        _refuse_unsupported_v32(raw)
     for name in _REQUIRED:
         if name not in raw:
             raise refuse(name, None, "missing (required)")
@@ -155,7 +186,7 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
     if unknown:
         warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=3)
 
-    is_v3 = model_type == "deepseek_v3"
+    is_v3 = model_type in ("deepseek_v3", "deepseek_v32")
     return ModelConfig(
         model_type=model_type,
         **{name: raw[name] for name in _REQUIRED},
@@ -167,7 +198,7 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
         first_k_dense_replace=_or_default(raw, "first_k_dense_replace", 0),
         moe_layer_freq=_or_default(raw, "moe_layer_freq", 1),
         routed_scaling_factor=_float(_or_default(raw, "routed_scaling_factor", 1.0)),
-        norm_topk_prob=_or_default(raw, "norm_topk_prob", False),
+        norm_topk_prob=_or_default(raw, "norm_topk_prob", is_v32),
         scoring_func=_or_default(raw, "scoring_func", "sigmoid" if is_v3 else "softmax"),
         topk_method=_or_default(raw, "topk_method", "noaux_tc" if is_v3 else "greedy"),
         n_group=raw.get("n_group"),
@@ -178,15 +209,17 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
         rms_norm_eps=_float(_or_default(raw, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=_or_default(raw, "tie_word_embeddings", False),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        index_n_heads=raw.get("index_n_heads") if is_v32 else None,
+        index_head_dim=raw.get("index_head_dim") if is_v32 else None,
+        index_topk=raw.get("index_topk") if is_v32 else None,
     )
 
 
 def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
     """The config.json dict that `config_from_hf_dict` reads back to an equal config."""
-    out: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if c.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"],
-        "model_type": c.model_type,
-    }
+    architecture = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                    "deepseek_v32": "DeepseekV32ForCausalLM"}[c.model_type]
+    out: dict[str, Any] = {"architectures": [architecture], "model_type": c.model_type}
     for name in (
         *_REQUIRED, "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
         "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor",
@@ -194,6 +227,8 @@ def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
     ):
         out[name] = getattr(c, name)
+    if c.is_sparse:
+        out.update(index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim, index_topk=c.index_topk)
     out["num_key_value_heads"] = c.num_attention_heads
     out["hidden_act"] = "silu"
     rope: dict[str, Any] = {"rope_type": c.rope.kind, "rope_theta": c.rope.theta}

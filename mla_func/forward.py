@@ -79,7 +79,9 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     ops = _check(name, params, state, batch, mode, kinds, ops)
     ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
                        rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy,
-                       rows=row_metadata(batch, mode) if mode.batch_invariant else None)
+                       # Row by row attention (batch-invariant steps, sparse layers) reads every row's own
+                       # block table and key count: made once here for all layers.
+                       rows=row_metadata(batch, mode) if mode.batch_invariant or config.index_topk else None)
     delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
     residual: torch.Tensor | None = None
     caches = []

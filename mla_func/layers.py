@@ -34,6 +34,7 @@ from .mode import ForwardMode
 from .moe import feed_forward
 from .params import LayerParams
 from .rows import RowMetadata
+from .sparse_attention import DSA_DECODER
 from .state.kv_cache import zeroed_mla_caches
 from .state.layer_cache import CacheGroup, MLALayerCache
 
@@ -44,7 +45,7 @@ class LayerContext:
 
     valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
     rows:  every row as its own query (`rows.row_metadata`), made once a step for the
-           layers that attend row by row (the batch-invariant path); None otherwise
+           layers that attend row by row (the batch-invariant path, sparse attention); None otherwise
     """
 
     batch: Batch
@@ -109,5 +110,7 @@ MLA_DECODER = MLADecoderLayer()
 
 
 def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
-    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer."""
-    return (MLA_DECODER,) * config.num_hidden_layers
+    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer, every
+    V3.2 layer a sparse-attention one (`sparse_attention.DSADecoderLayer`)."""
+    kind: LayerKind = DSA_DECODER if config.is_sparse else MLA_DECODER
+    return (kind,) * config.num_hidden_layers

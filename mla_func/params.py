@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint_files import CheckpointError
 from .config import ModelConfig
+from .indexer_params import INDEXER_TENSORS_PER_LAYER, IndexerParams, indexer_params, indexer_tensor_shapes
 from .pytree import register_dataclass, static_field
 from .rope_tables import rope_positions, rope_tables
 
@@ -82,6 +83,7 @@ class LayerParams:
     attn: AttentionParams
     post_attention_norm: torch.Tensor     # [D]
     mlp: MLPParams | MoEParams
+    indexer: IndexerParams | None = None  # DeepSeek-V3.2's sparse-attention indexer
 
 
 @register_dataclass
@@ -118,7 +120,7 @@ class Params:
 def hf_tensor_count(config: ModelConfig) -> int:
     """len(hf_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
     c = config
-    attention = 4 + (1 if c.q_lora_rank is None else 3)
+    attention = 4 + (1 if c.q_lora_rank is None else 3) + (INDEXER_TENSORS_PER_LAYER if c.is_sparse else 0)
     moe_layers = 0 if c.n_routed_experts is None else max(0, c.num_hidden_layers - c.first_k_dense_replace)
     dense_layers = c.num_hidden_layers - moe_layers
     per_moe = 1 + (c.topk_method == "noaux_tc") + 3 * (c.n_routed_experts or 0) + 3 * bool(c.n_shared_experts)
@@ -150,6 +152,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
         shapes[a + "kv_b_proj.weight"] = (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
         shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
+        shapes.update(indexer_tensor_shapes(c, a))
         m = p + "mlp."
         if c.is_moe_layer(i):
             e, inter = c.n_routed_experts or 0, c.moe_intermediate_size  # is_moe_layer: not None
@@ -270,6 +273,7 @@ def params_from_hf(
                 attn=attn,
                 post_attention_norm=get(p + "post_attention_layernorm.weight"),
                 mlp=block,
+                indexer=indexer_params(c, a, get, torch.promote_types(dtype, torch.float32)),
             )
         )
     embed = get("model.embed_tokens.weight")

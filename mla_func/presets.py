@@ -12,6 +12,7 @@ Two kinds of names, kept apart because they are built differently:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -88,9 +89,28 @@ def v2_lite() -> ModelConfig:
     )
 
 
+def v32_lite() -> ModelConfig:
+    """V2-Lite's layers, hidden size, heads and experts with DeepSeek-V3.2's sparse attention: a low-rank
+    query (q_lora_rank 1536, the residual the indexer's query comes from) and V3.2's indexer, 64 heads of
+    128 dims keeping the 2048 best keys. V3.2 routes by sigmoid scores with noaux_tc (one group here)."""
+    return dataclasses.replace(
+        v2_lite(),
+        model_type="deepseek_v32",
+        q_lora_rank=1536,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=1,
+        topk_group=1,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=2048,
+    )
+
+
 PRESETS: Mapping[str, Callable[[], ModelConfig]] = MappingProxyType({
     "tiny": tiny,
     "v2-lite": v2_lite,
+    "v32-lite": v32_lite,
 })
 
 SHIPPED_PRESETS: Mapping[str, Path] = MappingProxyType({

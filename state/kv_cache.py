@@ -27,9 +27,10 @@ import torch
 from mla_func.pytree import register_dataclass, static_field, tree_leaves
 
 from .block_allocator import SCRATCH_BLOCK
-from .layer_cache import CacheGroup, LayerCache, MLALayerCache
+from .layer_cache import CacheGroup, DSALayerCache, LayerCache, MLALayerCache
 
-__all__ = ["SCRATCH_BLOCK", "CacheGroup", "DonatedStateError", "KVCacheState", "MLALayerCache", "init_state"]
+__all__ = ["SCRATCH_BLOCK", "CacheGroup", "DSALayerCache", "DonatedStateError", "KVCacheState", "MLALayerCache",
+           "init_state"]
 
 
 class DonatedStateError(RuntimeError):
@@ -173,3 +174,18 @@ def zeroed_mla_caches(
         MLALayerCache(kv=torch.zeros(group.num_blocks, group.block_size, kv_cache_dim, dtype=dtype, device=device))
         for _ in range(num_layers)
     )
+
+
+def zeroed_dsa_cache(
+    kv_cache_dim: int,
+    index_head_dim: int,
+    group: CacheGroup,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DSALayerCache:
+    """One sparse-attention layer's zeroed caches in group 0: latents [num_blocks, block_size,
+    kv_cache_dim] and indexer keys [num_blocks, block_size, index_head_dim]."""
+    shape = (group.num_blocks, group.block_size)
+    return DSALayerCache(kv=torch.zeros(*shape, kv_cache_dim, dtype=dtype, device=device),
+                         index_k=torch.zeros(*shape, index_head_dim, dtype=dtype, device=device))

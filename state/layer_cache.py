@@ -85,3 +85,24 @@ class MLALayerCache:
 
     def paged(self) -> tuple[torch.Tensor, ...]:
         return (self.kv,)
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class DSALayerCache:
+    """One DeepSeek Sparse Attention layer's paged caches: MLA's latents and the indexer's keys.
+
+    Both hold one vector per token in the same group, so one block table and one slot
+    mapping address both, and prefix caching, chunking and preemption move them together.
+
+    kv:      [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (as `MLALayerCache`)
+    index_k: [num_blocks, block_size, index_head_dim] the indexer's keys (LayerNorm, then
+             the first qk_rope_head_dim dims rotated half-split)
+    """
+
+    kv: torch.Tensor
+    index_k: torch.Tensor
+    group: int = static_field(default=0)
+
+    def paged(self) -> tuple[torch.Tensor, ...]:
+        return (self.kv, self.index_k)
