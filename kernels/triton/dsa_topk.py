@@ -44,8 +44,11 @@ _FILL_BLOCK = 1024
 
 @triton.jit
 def _sortable_key(x):
-    """float32 -> uint32 ordered like the floats (-inf lowest, +inf highest)."""
+    """float32 -> uint32 ordered like the floats (-inf lowest, +inf highest); -0.0 keys as 0.0."""
     bits = x.to(tl.int32, bitcast=True)
+    # -0.0 == 0.0 must tie (broken by position): a zero score times a negative head
+    # weight is -0.0, and zeros are the indexer's commonest score.
+    bits = tl.where(bits == -2147483648, 0, bits)
     # Negative floats flip every bit (larger magnitude sorts lower); positive
     # ones set the sign bit so they sort above every negative one.
     flip = (bits >> 31) | -2147483648
