@@ -23,6 +23,8 @@ next to the indexer's reads of its keys, which are 64x larger per position at
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +35,22 @@ from ._common import pdl
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
-# Scores per step of a pass: 16 per thread at 8 warps.
-_GPU_BLOCK = 4096
-_GPU_WARPS = 8
-# The interpreter's cost is per step, and test rows are short.
-_INTERPRETER_BLOCK = 64
 # Output slots per step of the -1 fill.
 _FILL_BLOCK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TopKConfig:
+    """Scores per step of a pass, and warps of the one program of a row."""
+
+    block: int
+    num_warps: int
+
+
+# 16 scores a thread at 8 warps.
+_GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
+# The interpreter's cost is per step, and test rows are short.
+_INTERPRETER_CONFIG = TopKConfig(block=64, num_warps=4)
 
 
 @triton.jit
@@ -129,6 +140,7 @@ def top_k_indices(
     *,
     k: int,
     out: torch.Tensor | None = None,
+    config: TopKConfig | None = None,
 ) -> torch.Tensor:
     """The positions of each row's k largest scores, in ascending position order.
 
@@ -136,6 +148,7 @@ def top_k_indices(
     key_lens: [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
     k:        positions per row, >= 1
     out:      [T, k] int32 to write into (a captured graph allocates nothing), or None
+    config:   overrides the block size and warps (benchmark sweeps)
     returns   indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
               the lower position, listed in ascending order; when key_lens[t] < k every
               visible position in order, then -1.
@@ -156,13 +169,13 @@ def top_k_indices(
     if num_rows == 0:
         return out
     device = scores.device
-    on_gpu = device.type == "cuda"
+    config = config or (_GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG)
     use_pdl = pdl(device)
     _top_k_kernel[(num_rows,)](
         scores, key_lens, out,
         num_cols, *scores.stride(), key_lens.stride(0), *out.stride(),
-        K=k, BLOCK=_GPU_BLOCK if on_gpu else _INTERPRETER_BLOCK, FILL_BLOCK=_FILL_BLOCK,
+        K=k, BLOCK=config.block, FILL_BLOCK=_FILL_BLOCK,
         BINS=_BINS, RADIX_BITS=_RADIX_BITS, GDC=use_pdl,
-        num_warps=_GPU_WARPS if on_gpu else 4, launch_pdl=use_pdl,
+        num_warps=config.num_warps, launch_pdl=use_pdl,
     )
     return out
