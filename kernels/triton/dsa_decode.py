@@ -33,7 +33,7 @@ from .decode_merge import merge_splits, merge_splits_value
 # heads a program reuses each gathered row 4x more.
 _GPU_CONFIGS = MappingProxyType({
     16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    32: DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
+    32: DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
     64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
 })
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)

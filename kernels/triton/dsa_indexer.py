@@ -3,8 +3,8 @@
 `index_scores` scores every visible position of a row's paged indexer cache:
 scores[t, j] = sum_h head_weights[t, h] * relu(q[t, h] . key_j). A program owns
 one row and one contiguous chunk of its positions; it keeps the row's queries
-[Hi, Di] and head weights in registers and streams key tiles [BLOCK_N, Di]
-through one matmul each ([Hi, Di] x [Di, BLOCK_N] on tensor cores, float32
+[Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di] through
+one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
 accumulation), so every key byte is read once per row and the work is bound by
 the key reads. Positions at or past the row's key count get -inf, written by the
 chunk's programs without reading any key.
@@ -134,8 +134,10 @@ def _index_scores_kernel(
         else:
             k_mask = key_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
         keys = tl.load(row[:, None] + offs_d[None, :] * s_cd, mask=k_mask, other=0.0)
-        logits = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)          # [BLOCK_H, BLOCK_N]
-        score = tl.sum(tl.maximum(logits, 0.0) * weights[:, None], axis=0)         # [BLOCK_N]
+        # Keys as the product's rows: the sum over heads then runs along the
+        # accumulator's columns, inside each warp, not across warps.
+        logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
+        score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
         tl.store(out_row + pos * s_oj, score, mask=key_mask)
     hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
