@@ -8,7 +8,8 @@ ceiling is device-to-device copy bandwidth (bytes read plus written), measured
 in the same run; each row's roofline time is the bytes it must move over that
 bandwidth, and `t/t_copy` is its time over the roofline time.
 
-Rows (bf16, block size 64, C = 512, R = 64, indexer 64 heads x 128 dims):
+Rows (bf16, block size 64, C = 512, R = 64, indexer 64 heads x 128 dims; batch 64,
+and batch 8 at 128K as a decode step of a long-context batch would run them):
 * sparse_mla_decode: B rows attend over their top-k selected latent rows; bytes
   = the selected rows + queries + outputs.
 * index_topk: indexer scores over every cached position, then top-k; bytes = the
@@ -98,16 +99,22 @@ def _index_setup(num_rows, context):
     return num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices
 
 
+def _topk_workspace(num_rows, context, topk_config=None):
+    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config)
+
+
 def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, eager=True):
     num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
     tables = _tables(num_rows, context, num_blocks, 1)
+    topk_workspace = _topk_workspace(num_rows, context, topk_config)
 
     def score(table):
         return dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores,
                                         config=config)
 
     def select():
-        return dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, config=topk_config)
+        return dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace,
+                                      config=topk_config)
 
     score_ms = common.time_graph([lambda: score(tables[0])])
     topk_ms = common.time_graph([select])
@@ -119,6 +126,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
                score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
                chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
+               topk_chunks=dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
                bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
     if eager:
         row["eager_ms"] = common.time_eager(lambda: (score(tables[0]), select()))
@@ -132,10 +140,11 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
     tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
     workspace = dsa_decode.sparse_mla_decode_workspace(num_rows, num_heads, KV_LORA_RANK, TOP_K, q.device)
+    topk_workspace = _topk_workspace(num_rows, context)
 
     def call(table):
         dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores)
-        dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices)
+        dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace)
         return dsa_decode.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=DIM ** -0.5,
                                             kv_lora_rank=KV_LORA_RANK, workspace=workspace)
 
@@ -165,7 +174,7 @@ def sweep(ceilings):
         except Exception as exc:
             r = dict(op="index_topk", error=repr(exc)[:120])
         rows.append(dict(r, config=str(cfg), case="index B64 ctx128K"))
-    for tcfg in [dsa_topk.TopKConfig(b, w) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)]:
+    for tcfg in [dsa_topk.TopKConfig(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]:
         try:
             r = bench_index_topk(64, 128 * 1024, ceilings, topk_config=tcfg, eager=False)
         except Exception as exc:
@@ -211,10 +220,11 @@ def main(argv=None) -> None:
         result["cases"].append(bench_sparse_decode(64, context, 16, ceilings))
         torch.cuda.empty_cache()
     result["cases"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
-    result["cases"].append(bench_index_topk(64, 128 * 1024, ceilings))
-    torch.cuda.empty_cache()
-    for context in (32 * 1024, 128 * 1024):
-        result["cases"].append(bench_dsa_decode(64, context, 16, ceilings))
+    for num_rows in (64, 8):
+        result["cases"].append(bench_index_topk(num_rows, 128 * 1024, ceilings))
+        torch.cuda.empty_cache()
+    for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
+        result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings))
         torch.cuda.empty_cache()
 
     path = common.write_json(result, args.out, "dsa-kernels")

@@ -1,24 +1,31 @@
-"""Top-k selection of the indexer's scores by radix select: no sort, one program per row.
+"""Top-k selection of the indexer's scores by radix select over row chunks: no sort.
 
 A row's k best positions are found without ordering the scores. Each float32
 score maps to a uint32 key whose unsigned order is the float order; the k-th
-largest key is then pinned down one byte at a time, most significant first: a
-pass over the row builds a 256-bin histogram of the next byte among the keys
-that share the bytes fixed so far (the "bucket"), and keeps the byte whose bin
-holds the k-th largest. Every key above the bucket is selected; the bucket's
-keys fill the remaining places, lowest positions first. A pass stops the
-refinement early once the whole bucket is taken (no tie left to break), which
-for continuous scores happens after two or three of the four bytes.
+largest key is then pinned down one byte at a time, most significant first. A
+radix pass builds a 256-bin histogram of the next byte among the keys that share
+the bytes fixed so far (the "bucket") and keeps the byte whose bin holds the
+k-th largest. Every key above the final bucket is selected; the bucket's keys
+fill the remaining places, lowest positions first. Refinement stops early once
+the whole bucket is taken (no tie left to break), which for continuous scores
+happens after two or three of the four bytes.
 
-A last pass emits the selected positions in ascending order: each tile's
-selections get their output slots from an exclusive prefix sum, offset by the
-count of the tiles before it. A row whose key count is at most k selects every
-visible position; -1 fills the slots after the last selection.
+Each row is cut into chunks of whole tiles, and every pass is one launch over
+(row, chunk) programs, so a few rows still fill the GPU. A program writes its
+chunk's histogram to the workspace [T, 4, chunks, 256]; the next pass's programs
+sum their row's chunk histograms and replay the choice of every earlier pass
+(the same arithmetic in every program, so no program waits for another). The
+emit launch replays all passes the same way, which also gives every chunk the
+number of keys above the bucket and of bucket keys in the chunks before it: its
+first output slot. It then writes its chunk's selected positions in ascending
+order through an exclusive prefix sum per tile. A row whose key count is at most
+k never refines: its bucket is every visible key. -1 fills the slots after the
+last selection. Rows that finish early leave later passes at once.
 
-Every pass reads the row of scores from memory (a 128K-key row is 512 KB, which
-stays in L2 across passes), so the cost is a few reads of the scores: small
-next to the indexer's reads of its keys, which are 64x larger per position at
-128 dims of bf16.
+A histogram adds each key with one shared-memory atomic; equal bytes from the
+lanes of one warp would serialise on one counter (ties, zeros, and the narrow
+exponent range of the first byte make that common), so each lane group counts
+into its own copy of the bins (`_SALT` copies) and the copies are summed once a pass.
 """
 
 from __future__ import annotations
@@ -31,26 +38,65 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import pdl
+from ._common import next_pow2, pdl, sm_count
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
+_PASSES = 32 // _RADIX_BITS
+# Copies of the bins, one per group of 4 neighbouring lanes' scores.
+_SALT = 8
 # Output slots per step of the -1 fill.
 _FILL_BLOCK = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class TopKConfig:
-    """Scores per step of a pass, and warps of the one program of a row."""
+    """Scores per step of a program, and its warps."""
 
     block: int
     num_warps: int
 
 
-# 16 scores a thread at 8 warps.
+# 16 scores a thread at 8 warps (four 16-byte loads).
 _GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
 # The interpreter's cost is per step, and test rows are short.
-_INTERPRETER_CONFIG = TopKConfig(block=64, num_warps=4)
+_INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
+
+# Programs aimed for per multiprocessor, and the most chunks of one row (each
+# program of a pass sums all of its row's chunk histograms).
+_PROGRAMS_PER_SM = 2
+_MAX_CHUNKS = 32
+
+
+def top_k_config(device: torch.device) -> TopKConfig:
+    return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
+
+
+def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig,
+              num_chunks: int | None) -> tuple[int, int]:
+    """(chunks per row, scores per chunk, a multiple of the block): static shapes and the device only."""
+    if num_chunks is None:
+        wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
+        num_chunks = max(1, min(wanted, triton.cdiv(num_cols, config.block), _MAX_CHUNKS))
+    chunk_len = triton.cdiv(triton.cdiv(max(1, num_cols), num_chunks), config.block) * config.block
+    return triton.cdiv(max(1, num_cols), chunk_len), chunk_len
+
+
+def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
+                     config: TopKConfig | None = None) -> int:
+    """Chunks per row of `top_k_indices`: depends only on static shapes and the device."""
+    device = torch.device(device)
+    return _chunking(num_rows, num_cols, device, config or top_k_config(device), None)[0]
+
+
+def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
+                    config: TopKConfig | None = None) -> torch.Tensor:
+    """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
+
+    returns [T, 4, P, 256] int32, P = top_k_num_chunks(T, L, device).
+    """
+    chunks = top_k_num_chunks(num_rows, num_cols, device, config)
+    return torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -66,60 +112,126 @@ def _sortable_key(x):
     return (bits ^ flip).to(tl.uint32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["num_cols"])
-def _top_k_kernel(
-    scores_ptr, key_lens_ptr, out_ptr,
-    num_cols, s_st, s_sj, s_kl, s_ot, s_ok,
-    K: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, GDC: tl.constexpr,
+@triton.jit
+def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
+    """Keys of the scores at pos < end (other lanes hold junk that callers mask)."""
+    if ALIGNED:
+        # A bound rounded up to 4 keeps the mask constant over each 16-byte vector
+        # (the row holds a multiple of 4 scores, so the over-read stays inside it).
+        load_end = tl.multiple_of(tl.cdiv(end, 4) * 4, 4)
+    else:
+        load_end = end
+    return _sortable_key(tl.load(row + pos * s_sj, mask=pos < load_end, other=0.0))
+
+
+@triton.jit
+def _row_state(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks,
+               PASSES_DONE: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """A row's selection after its first PASSES_DONE radix passes, replayed from the chunk histograms.
+
+    returns (prefix, hi_mask, want, refining, above [BLOCK_P], ties [BLOCK_P]): the bucket is
+    the keys whose bits under hi_mask equal prefix; `want` of its keys are still to be taken
+    after every key above it; refining says whether another pass is needed; per chunk,
+    `above` counts its keys above the bucket and `ties` its keys in the bucket.
+    """
+    chunks = tl.arange(0, BLOCK_P)
+    bins = tl.arange(0, BINS)
+    chunk_mask = chunks < num_chunks
+    prefix = tl.zeros([], dtype=tl.uint32)
+    hi_mask = tl.zeros([], dtype=tl.uint32)
+    want = tl.minimum(n, K)
+    refining = n > K
+    # Before any pass the bucket is every visible key.
+    ties = tl.minimum(tl.maximum(n - chunks * chunk_len, 0), chunk_len)
+    above = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for p in tl.static_range(PASSES_DONE):
+        if refining:
+            hist = tl.load(ws_row + p * s_wp + chunks[:, None] * s_wc + bins[None, :],
+                           mask=chunk_mask[:, None], other=0)                               # [BLOCK_P, BINS]
+            total = tl.sum(hist, axis=0)
+            # at_least[b]: bucket keys whose next byte is >= b (non-increasing in b);
+            # the k-th largest lies in the highest bin where it reaches `want`.
+            at_least = tl.cumsum(total, axis=0, reverse=True)
+            chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+            in_bin = tl.sum(tl.where(bins == chosen, total, 0), axis=0)
+            want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
+            above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
+            ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
+            shift = 32 - RADIX_BITS * (p + 1)
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
+            hi_mask = hi_mask | (tl.full([], BINS - 1, tl.uint32) << shift)
+            refining = in_bin > want
+    return prefix, hi_mask, want, refining, above, ties
+
+
+@triton.jit
+def _histogram_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr,
+    num_cols, chunk_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt, s_wp, s_wc,
+    K: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, SALT: tl.constexpr, ALIGNED: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
+    chunk = tl.program_id(1)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    ws_row = ws_ptr + t.to(tl.int64) * s_wt
+    prefix, hi_mask, want, refining, above, ties = _row_state(
+        ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, PASS, BLOCK_P, BINS, RADIX_BITS)
+    if refining:
+        row = scores_ptr + t.to(tl.int64) * s_st
+        offs = tl.arange(0, BLOCK)
+        salt = (offs // 4) % SALT
+        start = tl.multiple_of(chunk * chunk_len, BLOCK)
+        end = tl.minimum(start + chunk_len, n)
+        shift = 32 - RADIX_BITS * (PASS + 1)
+        hist = tl.zeros([BINS * SALT], dtype=tl.int32)
+        for j0 in range(start, end, BLOCK):
+            pos = j0 + offs
+            key = _load_keys(row, pos, end, s_sj, ALIGNED)
+            member = (pos < end) & ((key & hi_mask) == prefix)
+            digit = ((key >> shift) & (BINS - 1)).to(tl.int32) * SALT + salt
+            hist += tl.histogram(digit, BINS * SALT, mask=member)
+        counts = tl.sum(tl.reshape(hist, [BINS, SALT]), axis=1)
+        tl.store(ws_row + PASS * s_wp + chunk * s_wc + tl.arange(0, BINS), counts)
+
+
+@triton.jit
+def _emit_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr, out_ptr,
+    num_cols, chunk_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt, s_wp, s_wc, s_ot, s_ok,
+    K: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    prefix, hi_mask, want, refining, above, ties = _row_state(
+        ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, PASSES, BLOCK_P, BINS,
+        RADIX_BITS)
+    bucket_max = prefix | ~hi_mask
+    before = tl.arange(0, BLOCK_P) < chunk
+    ties_seen = tl.sum(tl.where(before, ties, 0), axis=0)
+    taken = tl.sum(tl.where(before, above, 0), axis=0) + tl.minimum(ties_seen, want)
+
     row = scores_ptr + t.to(tl.int64) * s_st
     out_row = out_ptr + t.to(tl.int64) * s_ot
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, BINS)
-
-    # The bucket: keys whose bits under hi_mask equal prefix. `want` of its keys
-    # are still to be taken after every key above it. A row of at most K keys
-    # skips the refinement: its bucket is every key, all of them wanted.
-    prefix = tl.zeros([], dtype=tl.uint32)
-    hi_mask = tl.zeros([], dtype=tl.uint32)
-    want = tl.minimum(n, K)
-    shift = tl.full([], 32 - RADIX_BITS, tl.uint32)
-    byte_mask = tl.full([], BINS - 1, tl.uint32)
-    refining = n > K
-    while refining:
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        for j0 in range(0, n, BLOCK):
-            pos = j0 + offs
-            valid = pos < n
-            key = _sortable_key(tl.load(row + pos * s_sj, mask=valid, other=0.0))
-            member = valid & ((key & hi_mask) == prefix)
-            digit = ((key >> shift) & byte_mask).to(tl.int32)
-            hist += tl.histogram(digit, BINS, mask=member)
-        # at_least[b]: bucket keys whose next byte is >= b (non-increasing in b);
-        # the k-th largest lies in the highest bin where it reaches `want`.
-        at_least = tl.cumsum(hist, axis=0, reverse=True)
-        chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-        in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
-        above = tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
-        want -= above
-        prefix = prefix | (chosen.to(tl.uint32) << shift)
-        hi_mask = hi_mask | (byte_mask << shift)
-        refining = (shift > 0) & (in_bin > want)
-        shift -= RADIX_BITS
-    bucket_max = prefix | ~hi_mask
-
-    taken = tl.zeros([], dtype=tl.int32)
-    ties_seen = tl.zeros([], dtype=tl.int32)
-    for j0 in range(0, n, BLOCK):
+    start = tl.multiple_of(chunk * chunk_len, BLOCK)
+    end = tl.minimum(start + chunk_len, n)
+    for j0 in range(start, end, BLOCK):
         pos = j0 + offs
-        valid = pos < n
-        key = _sortable_key(tl.load(row + pos * s_sj, mask=valid, other=0.0))
+        valid = pos < end
+        key = _load_keys(row, pos, end, s_sj, ALIGNED)
         tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
         tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
         chosen = (valid & (key > bucket_max)) | ((tie != 0) & (tie_rank < want))
@@ -128,10 +240,13 @@ def _top_k_kernel(
         tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
         taken += tl.sum(pick, axis=0)
         ties_seen += tl.sum(tie, axis=0)
-    fill = tl.arange(0, FILL_BLOCK)
-    for s0 in range(0, K, FILL_BLOCK):
-        slot = s0 + fill
-        tl.store(out_row + slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32), mask=(slot >= taken) & (slot < K))
+    if chunk == 0:
+        selected = tl.minimum(n, K)
+        fill = tl.arange(0, FILL_BLOCK)
+        for s0 in range(0, K, FILL_BLOCK):
+            slot = s0 + fill
+            tl.store(out_row + slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32),
+                     mask=(slot >= selected) & (slot < K))
 
 
 def top_k_indices(
@@ -140,42 +255,68 @@ def top_k_indices(
     *,
     k: int,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_chunks: int | None = None,
     config: TopKConfig | None = None,
 ) -> torch.Tensor:
     """The positions of each row's k largest scores, in ascending position order.
 
-    scores:   [T, L] float32 (any strides); only j < key_lens[t] are candidates
-    key_lens: [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
-    k:        positions per row, >= 1
-    out:      [T, k] int32 to write into (a captured graph allocates nothing), or None
-    config:   overrides the block size and warps (benchmark sweeps)
-    returns   indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
-              the lower position, listed in ascending order; when key_lens[t] < k every
-              visible position in order, then -1.
+    scores:     [T, L] float32 (any strides); only j < key_lens[t] are candidates
+    key_lens:   [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
+    k:          positions per row, >= 1
+    out:        [T, k] int32 to write into, or None
+    workspace:  [T, 4, P, 256] int32 from `top_k_workspace` (a captured graph then
+                allocates nothing), or None to allocate it here
+    num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
+    config:     overrides the block size and warps (benchmark sweeps)
+    returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
+                the lower position, listed in ascending order; when key_lens[t] < k every
+                visible position in order, then -1.
     """
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
+    if num_chunks is not None and num_chunks < 1:
+        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
     num_rows, num_cols = scores.shape
     check_shape("key_lens", key_lens, (num_rows,))
     check_dtype("scores", scores, (torch.float32,))
     check_dtype("key_lens", key_lens, (torch.int32,))
     check_same_device(scores=scores, key_lens=key_lens)
+    device = scores.device
+    config = config or top_k_config(device)
+    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
     if out is None:
-        out = torch.empty((num_rows, k), dtype=torch.int32, device=scores.device)
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=device)
     else:
         check_shape("out", out, (num_rows, k))
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
+    if workspace is None:
+        workspace = torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
+    else:
+        check_shape("workspace", workspace, (num_rows, _PASSES, chunks, _BINS))
+        check_dtype("workspace", workspace, (torch.int32,))
+        check_same_device(scores=scores, workspace=workspace)
+        if workspace.stride(3) != 1:
+            raise ValueError(f"workspace: expected unit stride along its bins, got strides {workspace.stride()}")
     if num_rows == 0:
         return out
-    device = scores.device
-    config = config or (_GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG)
+    aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     use_pdl = pdl(device)
-    _top_k_kernel[(num_rows,)](
-        scores, key_lens, out,
-        num_cols, *scores.stride(), key_lens.stride(0), *out.stride(),
-        K=k, BLOCK=config.block, FILL_BLOCK=_FILL_BLOCK,
-        BINS=_BINS, RADIX_BITS=_RADIX_BITS, GDC=use_pdl,
-        num_warps=config.num_warps, launch_pdl=use_pdl,
+    grid = (num_rows, chunks)
+    common = dict(BLOCK=config.block, BLOCK_P=max(2, next_pow2(chunks)), BINS=_BINS, RADIX_BITS=_RADIX_BITS,
+                  ALIGNED=aligned, GDC=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+    for radix_pass in range(_PASSES):
+        _histogram_kernel[grid](
+            scores, key_lens, workspace,
+            num_cols, chunk_len, chunks,
+            *scores.stride(), key_lens.stride(0), *workspace.stride()[:3],
+            K=k, PASS=radix_pass, SALT=_SALT, **common,
+        )
+    _emit_kernel[grid](
+        scores, key_lens, workspace, out,
+        num_cols, chunk_len, chunks,
+        *scores.stride(), key_lens.stride(0), *workspace.stride()[:3], *out.stride(),
+        K=k, PASSES=_PASSES, FILL_BLOCK=_FILL_BLOCK, **common,
     )
     return out

@@ -156,10 +156,10 @@ def _pipeline_inputs(key_lens, num_heads, index_heads, block_size, dtype, device
         key_lens=torch.tensor(key_lens, dtype=torch.int32, device=device))
 
 
-def _pipeline(x, top_k, kv_lora_rank, scale, scores=None, indices=None, workspace=None):
+def _pipeline(x, top_k, kv_lora_rank, scale, scores=None, indices=None, workspace=None, topk_workspace=None):
     scores = dsa_indexer.index_scores(x["index_q"], x["head_weights"], x["index_cache"], x["block_table"],
                                       x["key_lens"], out=scores)
-    indices = dsa_topk.top_k_indices(scores, x["key_lens"], k=top_k, out=indices)
+    indices = dsa_topk.top_k_indices(scores, x["key_lens"], k=top_k, out=indices, workspace=topk_workspace)
     out, lse = tri.sparse_mla_decode(x["q"], x["kv_cache"], x["block_table"], indices, softmax_scale=scale,
                                      kv_lora_rank=kv_lora_rank, workspace=workspace)
     return indices, out, lse
@@ -205,9 +205,11 @@ def test_gpu_graph_replay_equals_eager():
     scores = torch.empty(num_rows, x["block_table"].shape[1] * block_size, device=device)
     indices = torch.empty(num_rows, top_k, dtype=torch.int32, device=device)
     workspace = tri.sparse_mla_decode_workspace(num_rows, 16, 512, top_k, device)
+    topk_workspace = dsa_topk.top_k_workspace(num_rows, scores.shape[1], device)
 
     def step():
-        return _pipeline(x, top_k, 512, 0.07, scores=scores, indices=indices, workspace=workspace)
+        return _pipeline(x, top_k, 512, 0.07, scores=scores, indices=indices, workspace=workspace,
+                         topk_workspace=topk_workspace)
 
     step()
     torch.cuda.synchronize()

@@ -59,6 +59,19 @@ def test_ties_go_to_lower_positions(device):
     assert torch.all(got[:3] >= 0) and torch.all(got[3, 9:] == -1)
 
 
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+def test_chunk_counts_agree(num_chunks, device):
+    # Ties and selections spread over several chunks: each chunk's first slot and
+    # first tie rank come from the chunks before it; chunks past a row's keys are empty.
+    gen = generator(10 + num_chunks, device)
+    ints = torch.randint(0, 3, (4, 260), generator=gen, device=device).float()
+    ints[1] = torch.randn(260, generator=gen, device=device)
+    workspace = tri.top_k_workspace(4, 260, device) if num_chunks == tri.top_k_num_chunks(4, 260, device) else None
+    got = tri.top_k_indices(ints, _lens([260, 255, 40, 0], device), k=50, num_chunks=num_chunks,
+                            workspace=workspace)
+    torch.testing.assert_close(got, oracle_top_k(ints, _lens([260, 255, 40, 0], device), 50), atol=0, rtol=0)
+
+
 def test_all_equal_row_takes_the_first_positions(device):
     scores = torch.full((2, 90), 0.5, device=device)
     got = _check(scores, _lens([90, 40], device), 10)
@@ -130,6 +143,18 @@ def test_rejects_bad_inputs(device):
         tri.top_k_indices(scores, lens.long(), k=4)
     with pytest.raises(ValueError, match="out"):
         tri.top_k_indices(scores, lens, k=4, out=torch.zeros(2, 5, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="workspace"):
+        tri.top_k_indices(scores, lens, k=4, num_chunks=1,
+                          workspace=torch.zeros(2, 4, 2, 256, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="num_chunks"):
+        tri.top_k_indices(scores, lens, k=4, num_chunks=0)
+
+
+def test_chunk_count_is_static(device):
+    a = tri.top_k_num_chunks(64, 128 * 1024, device)
+    assert a == tri.top_k_num_chunks(64, 128 * 1024, device) >= 1
+    assert tri.top_k_num_chunks(1, 10, device) == 1
+    assert tri.top_k_workspace(3, 100, device).shape == (3, 4, tri.top_k_num_chunks(3, 100, device), 256)
 
 
 @pytest.mark.gpu
