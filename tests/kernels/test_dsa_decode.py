@@ -9,6 +9,7 @@ from kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, ra
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.triton import dsa_decode as tri
 from mla_func.kernels.triton import dsa_indexer, dsa_topk
+from test_dsa_topk import oracle_top_k
 
 
 def oracle_sparse_decode(q, kv_cache, block_table, indices, softmax_scale, kv_lora_rank):
@@ -190,7 +191,7 @@ def test_gpu_real_sizes(num_heads):
 def test_gpu_many_rows_split_and_fused_paths():
     device = torch.device("cuda")
     gen = generator(9, device)
-    lens = torch.randint(0, 8192, (64,), generator=gen).tolist()
+    lens = torch.randint(0, 8192, (64,), generator=gen, device=device).tolist()
     _check(lens, 2048, 16, 512, 64, 64, torch.bfloat16, device, seed=10)
     _check(lens[:4], 2048, 128, 512, 64, 64, torch.bfloat16, device, seed=11, value_dim=128)
 
@@ -218,13 +219,16 @@ def test_gpu_graph_replay_equals_eager():
         got_indices, out, lse = step()
     gen = generator(13, device)
     for new_lens in ([1, context, 0, 700, 2048, 2049, 9999, 3] * 2,
-                     torch.randint(0, context + 1, (num_rows,), generator=gen).tolist()):
+                     torch.randint(0, context + 1, (num_rows,), generator=gen, device=device).tolist()):
         x["key_lens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
         x["block_table"].copy_(x["block_table"][torch.randperm(num_rows, device=device)])
         graph.replay()
         graph_indices, graph_out, graph_lse = got_indices.clone(), out.clone(), lse.clone()
         eager_indices, eager_out, eager_lse = _pipeline(x, top_k, 512, 0.07)
         assert torch.equal(graph_indices, eager_indices)
+        eager_scores = dsa_indexer.index_scores(x["index_q"], x["head_weights"], x["index_cache"],
+                                                x["block_table"], x["key_lens"])
+        assert torch.equal(graph_indices, oracle_top_k(eager_scores, x["key_lens"], top_k))
         torch.testing.assert_close(graph_out, eager_out, atol=0, rtol=0)
         torch.testing.assert_close(graph_lse, eager_lse, atol=0, rtol=0)
         expected, expected_lse = oracle_sparse_decode(x["q"], x["kv_cache"], x["block_table"], eager_indices,
