@@ -77,6 +77,15 @@ def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int
             torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device))
 
 
+@triton.jit
+def _locate(idx_row, bt_row, kv_ptr, slot, end, num_positions, s_ik, s_btw, s_kn, s_kb, PAGE_SIZE: tl.constexpr):
+    """Cache row pointers of the index slots `slot` (< end), and which of them are valid keys."""
+    pos = tl.load(idx_row + slot * s_ik, mask=slot < end, other=-1)
+    valid = (pos >= 0) & (pos < num_positions)
+    page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=valid, other=0).to(tl.int64)
+    return kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb, valid
+
+
 # The split count follows the row count, which eager steps vary: as a constexpr
 # or a specialised int it would compile a kernel per count mid-run.
 @triton.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
@@ -121,12 +130,14 @@ def _sparse_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     bt_row = bt_ptr + t64 * s_btt
     idx_row = idx_ptr + t64 * s_it
+    # The latent rows of a tile sit behind two dependent loads (index, then page):
+    # each tile's rows are located one iteration ahead, so the pipelined row loads
+    # depend only on loop-carried values and never wait on that chain.
+    row, key_mask = _locate(idx_row, bt_row, kv_ptr, start + offs_n, end, num_positions,
+                            s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
-        slot = n0 + offs_n
-        pos = tl.load(idx_row + slot * s_ik, mask=slot < end, other=-1)
-        key_mask = (pos >= 0) & (pos < num_positions)
-        page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
-        row = kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb
+        next_row, next_mask = _locate(idx_row, bt_row, kv_ptr, n0 + BLOCK_N + offs_n, end, num_positions,
+                                      s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
         if BLOCK_C == KV_LORA_RANK:
             c_mask = key_mask[:, None]
         else:
@@ -151,6 +162,7 @@ def _sparse_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+        row, key_mask = next_row, next_mask
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
