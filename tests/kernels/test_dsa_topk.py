@@ -159,15 +159,17 @@ def test_chunk_count_is_static(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ties", [False, True])
-def test_gpu_real_sizes(ties):
+@pytest.mark.parametrize("num_rows, num_cols", [(64, 128 * 1024), (1, 128 * 1024), (512, 4096)])
+def test_gpu_real_sizes(ties, num_rows, num_cols):
+    # Decode rows at 128K, one row in the most chunks, prompt-like rows in one chunk each.
     device = torch.device("cuda")
     gen = generator(7 + ties, device)
-    num_rows, num_cols, k = 64, 128 * 1024, 2048
+    k = 2048
     if ties:
         # Sums of a few relu'd heads: many exact zeros and repeated values.
         scores = torch.randint(-2, 6, (num_rows, num_cols), generator=gen, device=device).clamp(min=0).float()
     else:
         scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
     lens = torch.randint(1, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
-    lens[:4] = torch.tensor([0, 1, k, num_cols], dtype=torch.int32)
+    lens[:4] = torch.tensor([num_cols, 0, 1, k], dtype=torch.int32)[:num_rows]
     _check(scores, lens, k)
