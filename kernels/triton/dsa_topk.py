@@ -8,7 +8,7 @@ the bytes fixed so far (the "bucket") and keeps the byte whose bin holds the
 k-th largest. Every key above the final bucket is selected; the bucket's keys
 fill the remaining places, lowest positions first. Refinement stops early once
 the whole bucket is taken (no tie left to break), which for continuous scores
-happens after two or three of the four bytes.
+happens after three of the four bytes.
 
 Each row is cut into chunks of whole tiles, and every pass is one launch over
 (row, chunk) programs, so a few rows still fill the GPU. A program writes its
@@ -22,10 +22,14 @@ order through an exclusive prefix sum per tile. A row whose key count is at most
 k never refines: its bucket is every visible key. -1 fills the slots after the
 last selection. Rows that finish early leave later passes at once.
 
-A histogram adds each key with one shared-memory atomic; equal bytes from the
-lanes of one warp would serialise on one counter (ties, zeros, and the narrow
-exponent range of the first byte make that common), so each lane group counts
-into its own copy of the bins (`_SALT` copies) and the copies are summed once a pass.
+Triton 3.6 lowers a histogram with warp ballots (one per bit of the bin index,
+then, per bin a lane owns, an AND of them and a population count): in the
+compiled pass loop about 100 instructions a thread per score it holds at 256
+bins, 80 at 128, 58 at 32. A pass is then bound by those instructions (on an
+H100, by estimate, about twice the time of reading its scores) whatever the
+digit width, so bytes, needing the fewest passes, cost least. Ballots never
+serialise on the equal digits that ties and zeros produce, as shared-memory
+atomics would.
 """
 
 from __future__ import annotations
@@ -42,9 +46,8 @@ from ._common import next_pow2, pdl, sm_count
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
-_PASSES = 32 // _RADIX_BITS
-# Copies of the bins, one per group of 4 neighbouring lanes' scores.
-_SALT = 8
+# A narrower last digit when the width does not divide 32.
+_PASSES = -(-32 // _RADIX_BITS)
 # Output slots per step of the -1 fill.
 _FILL_BLOCK = 1024
 
@@ -157,9 +160,12 @@ def _row_state(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks,
             want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
             above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
             ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
-            shift = 32 - RADIX_BITS * (p + 1)
+            # Digit p covers bits [shift, shift + width): the last digit is narrower.
+            below = 32 - RADIX_BITS * (p + 1)
+            shift = below * (below > 0)
+            width = 32 - RADIX_BITS * p - shift
             prefix = prefix | (chosen.to(tl.uint32) << shift)
-            hi_mask = hi_mask | (tl.full([], BINS - 1, tl.uint32) << shift)
+            hi_mask = hi_mask | (tl.full([], (1 << width) - 1, tl.uint32) << shift)
             refining = in_bin > want
     return prefix, hi_mask, want, refining, above, ties
 
@@ -170,7 +176,7 @@ def _histogram_kernel(
     num_cols, chunk_len, num_chunks,
     s_st, s_sj, s_kl, s_wt, s_wp, s_wc,
     K: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, SALT: tl.constexpr, ALIGNED: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, ALIGNED: tl.constexpr,
     GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -185,19 +191,19 @@ def _histogram_kernel(
     if refining:
         row = scores_ptr + t.to(tl.int64) * s_st
         offs = tl.arange(0, BLOCK)
-        salt = (offs // 4) % SALT
         start = tl.multiple_of(chunk * chunk_len, BLOCK)
         end = tl.minimum(start + chunk_len, n)
-        shift = 32 - RADIX_BITS * (PASS + 1)
-        hist = tl.zeros([BINS * SALT], dtype=tl.int32)
+        below = 32 - RADIX_BITS * (PASS + 1)
+        shift = below * (below > 0)
+        digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
+        hist = tl.zeros([BINS], dtype=tl.int32)
         for j0 in range(start, end, BLOCK):
             pos = j0 + offs
             key = _load_keys(row, pos, end, s_sj, ALIGNED)
             member = (pos < end) & ((key & hi_mask) == prefix)
-            digit = ((key >> shift) & (BINS - 1)).to(tl.int32) * SALT + salt
-            hist += tl.histogram(digit, BINS * SALT, mask=member)
-        counts = tl.sum(tl.reshape(hist, [BINS, SALT]), axis=1)
-        tl.store(ws_row + PASS * s_wp + chunk * s_wc + tl.arange(0, BINS), counts)
+            digit = ((key >> shift) & digit_mask).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=member)
+        tl.store(ws_row + PASS * s_wp + chunk * s_wc + tl.arange(0, BINS), hist)
 
 
 @triton.jit
@@ -311,7 +317,7 @@ def top_k_indices(
             scores, key_lens, workspace,
             num_cols, chunk_len, chunks,
             *scores.stride(), key_lens.stride(0), *workspace.stride()[:3],
-            K=k, PASS=radix_pass, SALT=_SALT, **common,
+            K=k, PASS=radix_pass, **common,
         )
     _emit_kernel[grid](
         scores, key_lens, workspace, out,
