@@ -66,8 +66,10 @@ _GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
 _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 
 # Programs aimed for per multiprocessor, and the most chunks of one row (each
-# program of a pass sums all of its row's chunk histograms).
-_PROGRAMS_PER_SM = 2
+# program of a pass sums all of its row's chunk histograms). A pass is bound by
+# the histogram's instructions, not by memory: several 8-warp programs a
+# multiprocessor keep its four schedulers busy.
+_PROGRAMS_PER_SM = 4
 _MAX_CHUNKS = 32
 
 
