@@ -72,6 +72,28 @@ def test_chunk_counts_agree(num_chunks, device):
     torch.testing.assert_close(got, oracle_top_k(ints, _lens([260, 255, 40, 0], device), 50), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_and_distributions(seed, device):
+    # Random k, lengths, chunk counts and score distributions (continuous, few
+    # values, zeros of both signs, a wide exponent range) against the oracle.
+    gen = generator(100 + seed, device)
+    num_rows = int(torch.randint(1, 6, (1,), generator=gen, device=device))
+    num_cols = int(torch.randint(1, 300, (1,), generator=gen, device=device))
+    k = int(torch.randint(1, 80, (1,), generator=gen, device=device))
+    kind = seed % 3
+    if kind == 0:
+        scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
+    elif kind == 1:
+        scores = torch.randint(-1, 3, (num_rows, num_cols), generator=gen, device=device).float() * -0.0
+        scores += torch.randint(0, 2, (num_rows, num_cols), generator=gen, device=device).float()
+    else:
+        scores = torch.exp(torch.randn((num_rows, num_cols), generator=gen, device=device) * 20)
+    lens = torch.randint(0, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
+    chunks = int(torch.randint(1, 6, (1,), generator=gen, device=device))
+    got = tri.top_k_indices(scores, lens, k=k, num_chunks=chunks)
+    torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
+
+
 def test_all_equal_row_takes_the_first_positions(device):
     scores = torch.full((2, 90), 0.5, device=device)
     got = _check(scores, _lens([90, 40], device), 10)
