@@ -1,0 +1,248 @@
+"""DeepSeek sparse attention kernels against the device's own copy bandwidth.
+
+    python bench/dsa_kernels.py [--commit SHA] [--out bench/results]
+    python bench/dsa_kernels.py --sweep      # time tile-size candidates instead (no result file)
+
+Prints a table and writes bench/results/dsa-kernels-<gpu>-<date>.json. The
+ceiling is device-to-device copy bandwidth (bytes read plus written), measured
+in the same run; each row's roofline time is the bytes it must move over that
+bandwidth, and `t/t_copy` is its time over the roofline time.
+
+Rows (bf16, block size 64, C = 512, R = 64, indexer 64 heads x 128 dims; batch 64,
+and batch 8 at 128K as a decode step of a long-context batch would run them):
+* sparse_mla_decode: B rows attend over their top-k selected latent rows; bytes
+  = the selected rows + queries + outputs.
+* index_topk: indexer scores over every cached position, then top-k; bytes = the
+  indexer keys read (the figure the target is stated in), the scores' write and
+  reads listed beside it.
+* dsa_decode: the three kernels of one layer's sparse attention; bytes = the
+  selected latent rows + the indexer keys read (+ queries, outputs).
+Timings are CUDA-graph replays of calls on other block tables (so no call finds
+the previous one's rows in L2); eager timings (launches included, L2 flushed)
+sit beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
+from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
+
+KV_LORA_RANK, ROPE_DIM = 512, 64
+DIM = KV_LORA_RANK + ROPE_DIM
+INDEX_HEADS, INDEX_DIM = 64, 128
+BLOCK_SIZE = 64
+TOP_K = 2048
+BF16 = torch.bfloat16
+TABLE_COPIES = 2
+
+
+def _tables(num_rows, context, num_blocks, copies):
+    """`copies` block tables [B, W] of distinct pages each (block 0 left out)."""
+    width = context // BLOCK_SIZE
+    return [(torch.randperm(num_blocks - 1, device="cuda")[: num_rows * width] + 1).to(torch.int32)
+            .view(num_rows, width) for _ in range(copies)]
+
+
+def _selected(num_rows, context):
+    """[B, k] int32: k random positions of [0, context) per row, ascending (as top-k lists them)."""
+    scores = torch.rand(num_rows, context, device="cuda")
+    return scores.topk(TOP_K, dim=1).indices.sort(dim=1).values.to(torch.int32)
+
+
+def _row(op, ms, num_bytes, ceilings, **fields):
+    copy_ms = num_bytes / ceilings["copy"] * 1e3
+    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, GBps=num_bytes / ms / 1e6,
+                pct_copy=100 * copy_ms / ms, roofline_ms=copy_ms, copy_time_ratio=ms / copy_ms, **fields)
+
+
+def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num_splits=None, eager=True):
+    num_blocks = num_rows * (context // BLOCK_SIZE) + 1
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, DIM, device="cuda", dtype=BF16)
+    tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
+    indices = _selected(num_rows, context)
+    q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
+    splits = num_splits or dsa_decode.sparse_mla_decode_num_splits(num_rows, num_heads, TOP_K, q.device, config)
+    workspace = (torch.empty(num_rows, num_heads, splits, KV_LORA_RANK, device="cuda"),
+                 torch.empty(num_rows, num_heads, splits, device="cuda"))
+
+    def call(table):
+        return dsa_decode.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=DIM ** -0.5,
+                                            kv_lora_rank=KV_LORA_RANK, workspace=workspace,
+                                            num_splits=splits, config=config)
+
+    ms = common.time_graph([lambda t=t: call(t) for t in tables])
+    num_bytes = dsa_decode.sparse_decode_bytes(num_rows, num_heads, TOP_K, DIM, KV_LORA_RANK, 2)
+    row = _row("sparse_mla_decode", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=num_heads,
+               top_k=TOP_K, splits=splits, bytes_counted="selected latent rows + queries + outputs")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
+    return row
+
+
+def _index_setup(num_rows, context):
+    num_blocks = num_rows * (context // BLOCK_SIZE) + 1
+    index_cache = torch.randn(num_blocks, BLOCK_SIZE, INDEX_DIM, device="cuda", dtype=BF16)
+    index_q = torch.randn(num_rows, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=BF16)
+    head_weights = torch.randn(num_rows, INDEX_HEADS, device="cuda") * INDEX_HEADS ** -0.5
+    key_lens = torch.full((num_rows,), context, dtype=torch.int32, device="cuda")
+    scores = torch.empty(num_rows, context, device="cuda")
+    indices = torch.empty(num_rows, TOP_K, dtype=torch.int32, device="cuda")
+    return num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices
+
+
+def _topk_workspace(num_rows, context, topk_config=None):
+    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config)
+
+
+def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True):
+    num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
+    tables = _tables(num_rows, context, num_blocks, 1)
+    topk_workspace = None if topk_chunks else _topk_workspace(num_rows, context, topk_config)
+
+    def score(table):
+        return dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores,
+                                        config=config)
+
+    def select():
+        return dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace,
+                                      num_chunks=topk_chunks, config=topk_config)
+
+    score_ms = common.time_graph([lambda: score(tables[0])])
+    topk_ms = common.time_graph([select])
+    ms = common.time_graph([lambda: (score(tables[0]), select())])
+    key_bytes = num_rows * context * INDEX_DIM * 2
+    score_bytes = num_rows * context * 4
+    row = _row("index_topk", ms, key_bytes, ceilings, batch=num_rows, context=context, index_heads=INDEX_HEADS,
+               index_dim=INDEX_DIM, top_k=TOP_K, score_ms=score_ms, topk_us=topk_ms * 1e3,
+               score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
+               score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
+               chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
+               topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
+               bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: (score(tables[0]), select()))
+    return row
+
+
+def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
+    """Indexer scores + top-k + sparse decode: one layer's sparse attention for B decode rows."""
+    num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, DIM, device="cuda", dtype=BF16)
+    tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
+    q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
+    workspace = dsa_decode.sparse_mla_decode_workspace(num_rows, num_heads, KV_LORA_RANK, TOP_K, q.device)
+    topk_workspace = _topk_workspace(num_rows, context)
+
+    def call(table):
+        dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores)
+        dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace)
+        return dsa_decode.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=DIM ** -0.5,
+                                            kv_lora_rank=KV_LORA_RANK, workspace=workspace)
+
+    ms = common.time_graph([lambda t=t: call(t) for t in tables])
+    key_bytes = num_rows * context * INDEX_DIM * 2
+    latent_bytes = dsa_decode.sparse_decode_bytes(num_rows, num_heads, TOP_K, DIM, KV_LORA_RANK, 2)
+    row = _row("dsa_decode", ms, key_bytes + latent_bytes, ceilings, batch=num_rows, context=context,
+               heads=num_heads, top_k=TOP_K, index_key_bytes=key_bytes, latent_bytes=latent_bytes,
+               bytes_counted="indexer keys + selected latent rows + queries + outputs")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
+    return row
+
+
+def sweep(ceilings):
+    rows = []
+    for cfg in [DecodeConfig(16, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)]:
+        for splits in (None, 2, 8):
+            try:
+                r = bench_sparse_decode(64, 32 * 1024, 16, ceilings, config=cfg, num_splits=splits, eager=False)
+            except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+                r = dict(op="sparse_mla_decode", error=repr(exc)[:120])
+            rows.append(dict(r, config=str(cfg), case="sparse B64 H16 k2048"))
+    for cfg in [dsa_indexer.IndexerConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]:
+        try:
+            r = bench_index_topk(64, 128 * 1024, ceilings, config=cfg, eager=False)
+        except Exception as exc:
+            r = dict(op="index_topk", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(cfg), case="index B64 ctx128K"))
+    for tcfg in [dsa_topk.TopKConfig(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]:
+        try:
+            r = bench_index_topk(64, 128 * 1024, ceilings, topk_config=tcfg, eager=False)
+        except Exception as exc:
+            r = dict(op="index_topk", error=repr(exc)[:120])
+        rows.append(dict(r, config=str(tcfg), case="topk B64 ctx128K"))
+    for num_rows, chunk_counts in ((64, (1, 2, 4, 8, 16)), (8, (4, 16, 32))):
+        for chunks in chunk_counts:
+            r = bench_index_topk(num_rows, 128 * 1024, ceilings, topk_chunks=chunks, eager=False)
+            rows.append(dict(r, config=f"{chunks} chunks", case=f"topk B{num_rows} ctx128K"))
+    print("\n== sweep ==")
+    common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("us", "us"),
+                              ("score_ms", "score ms"), ("topk_us", "topk us"), ("pct_copy", "%copy"),
+                              ("copy_time_ratio", "t/t_copy"), ("error", "error")])
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/dsa_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    import triton
+
+    ceilings = {"copy": common.copy_bandwidth()}
+    result = dict(gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(),
+                  commit=common.git_commit(args.commit), torch=torch.__version__, triton=triton.__version__,
+                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                  copy_bandwidth_GBps=ceilings["copy"] / 1e9,
+                  timing="CUDA-graph replay, consecutive calls on other block tables; eager_ms: "
+                         "triton.testing.do_bench median, L2 flushed",
+                  targets="sparse decode (dsa_decode rows): t/t_copy <= 1.3; index_topk: %copy >= 60",
+                  cases=[])
+    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)", flush=True)
+    if args.sweep:
+        sweep(ceilings)
+        return
+
+    for context in (32 * 1024, 128 * 1024):
+        result["cases"].append(bench_sparse_decode(64, context, 16, ceilings))
+        torch.cuda.empty_cache()
+    result["cases"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
+    for num_rows in (64, 8):
+        result["cases"].append(bench_index_topk(num_rows, 128 * 1024, ceilings))
+        torch.cuda.empty_cache()
+    for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
+        result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings))
+        torch.cuda.empty_cache()
+
+    path = common.write_json(result, args.out, "dsa-kernels")
+    rows = []
+    for c in result["cases"]:
+        heads = f" H{c['heads']}" if "heads" in c else f" Hi{c['index_heads']}x{c['index_dim']}"
+        rows.append(dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K{heads} k{c['top_k']}"))
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
+          f"-> {path}")
+    common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
+                              ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("GBps", "GB/s"),
+                              ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
+                              ("topk_us", "topk us")])
+
+
+if __name__ == "__main__":
+    main()

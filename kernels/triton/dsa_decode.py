@@ -1,0 +1,275 @@
+"""Sparse absorbed MLA over selected positions of the paged latent cache: split flash decoding.
+
+Every row (a decode token or a prompt token alike) attends over the k positions
+its indexer selected. Stage 1 gives each (row, head group, split) program one
+contiguous slice of the row's index list: per tile of BLOCK_N indices it looks
+up their pages in the row's block table, gathers the whole 576-wide latent rows
+(each one contiguous, so every row is one coalesced read), and runs the online
+softmax with the scores and the value product on tensor cores; stage 2 merges
+the splits by LSE (`decode_merge`, the kernels of dense decode, W_UV included).
+
+Indices of -1 (and any outside the block table) are masked keys: a tile of them
+reads nothing, and a row with none valid writes out 0 and lse -inf. The split
+count is a function of static shapes and the device only
+(`sparse_mla_decode_num_splits`), so a captured graph stays valid for any indices.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
+from .decode import DecodeConfig
+from .decode_merge import merge_splits, merge_splits_value
+
+# The dense decode's tilings (heads per program, keys per step): at 16 heads the
+# kernel streams latent rows and two stages of loads in flight matter most; at 64
+# heads a program reuses each gathered row 4x more.
+_GPU_CONFIGS = MappingProxyType({
+    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    32: DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+})
+_INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+# Splits fill about two programs per multiprocessor and no more (a partial second
+# wave runs at a fraction of the bandwidth); no split takes fewer than
+# _MIN_KEYS_PER_SPLIT indices, below which partial-result traffic outweighs the gain.
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+# Up to this many rows stage 2 also applies W_UV (as dense decode does).
+_FUSED_VALUE_MAX_ROWS = 8
+
+
+def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+
+
+def sparse_mla_decode_num_splits(num_rows: int, num_heads: int, top_k: int, device: torch.device | str,
+                                 config: DecodeConfig | None = None) -> int:
+    """Splits per row: depends only on static shapes and the device's multiprocessor count."""
+    device = torch.device(device)
+    config = config or sparse_decode_config(num_heads, device)
+    programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
+    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
+    min_keys = _MIN_KEYS_PER_SPLIT if device.type == "cuda" else config.block_n
+    return max(1, min(wanted, triton.cdiv(top_k, min_keys), _MAX_SPLITS))
+
+
+def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int, top_k: int,
+                                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split partials for `sparse_mla_decode(..., workspace=...)`, to allocate once per static shape.
+
+    returns (partial_out [T, H, S, C] float32, partial_lse [T, H, S] float32),
+    S = sparse_mla_decode_num_splits(T, H, k, device).
+    """
+    splits = sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device)
+    return (torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
+            torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _locate(idx_row, bt_row, kv_ptr, slot, end, num_positions, s_ik, s_btw, s_kn, s_kb, PAGE_SIZE: tl.constexpr):
+    """Cache row pointers of the index slots `slot` (< end), and which of them are valid keys."""
+    pos = tl.load(idx_row + slot * s_ik, mask=slot < end, other=-1)
+    valid = (pos >= 0) & (pos < num_positions)
+    page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=valid, other=0).to(tl.int64)
+    return kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb, valid
+
+
+# The split count follows the row count, which eager steps vary: as a constexpr
+# or a specialised int it would compile a kernel per count mid-run.
+@triton.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
+def _sparse_split_kernel(
+    q_ptr, kv_ptr, bt_ptr, idx_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, top_k, num_positions, scale_log2,
+    s_qt, s_qh, s_qd,
+    s_kn, s_kb, s_kd,
+    s_btt, s_btw, s_it, s_ik,
+    s_pot, s_poh, s_pos, s_pod,
+    s_plt, s_plh, s_pls,
+    KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    # Whole tiles of indices per split, so only a split's last tile is ragged.
+    slots_per_split = tl.cdiv(tl.cdiv(top_k, num_splits), BLOCK_N) * BLOCK_N
+    start = split * slots_per_split
+    end = tl.minimum(start + slots_per_split, top_k)
+
+    t64 = t.to(tl.int64)
+    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_row = q_ptr + t64 * s_qt + heads[:, None] * s_qh
+    q_nope = tl.load(q_row + offs_c[None, :] * s_qd,
+                     mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK), other=0.0)
+    q_pe = tl.load(q_row + (KV_LORA_RANK + offs_r[None, :]) * s_qd,
+                   mask=head_mask[:, None] & (offs_r[None, :] < ROPE_DIM), other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    bt_row = bt_ptr + t64 * s_btt
+    idx_row = idx_ptr + t64 * s_it
+    # The latent rows of a tile sit behind two dependent loads (index, then page):
+    # each tile's rows are located one iteration ahead, so the pipelined row loads
+    # depend only on loop-carried values and never wait on that chain.
+    row, key_mask = _locate(idx_row, bt_row, kv_ptr, start + offs_n, end, num_positions,
+                            s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
+    for n0 in range(start, end, BLOCK_N):
+        next_row, next_mask = _locate(idx_row, bt_row, kv_ptr, n0 + BLOCK_N + offs_n, end, num_positions,
+                                      s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
+        if BLOCK_C == KV_LORA_RANK:
+            c_mask = key_mask[:, None]
+        else:
+            c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
+        if BLOCK_R == ROPE_DIM:
+            r_mask = key_mask[:, None]
+        else:
+            r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
+        k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
+        k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+
+        scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
+        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A tile (or a whole split) may hold no valid index: while the maximum is
+        # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        row, key_mask = next_row, next_mask
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    po_row = po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos
+    tl.store(po_row + offs_c[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
+             mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK))
+    tl.store(pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, lse, mask=head_mask)
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    w_uv: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention of each row over the positions `indices` selects.
+
+    q:           [T, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32
+    kv_cache:    [num_blocks, bs, C + R] latent cache, same dtype as q
+    block_table: [T, W] int32, one table per row
+    indices:     [T, k] int32 positions into the row's table; -1 = none (and so is
+                 any position outside [0, W * bs))
+    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
+    workspace:   (partial_out [T, H, S, C] fp32, partial_lse [T, H, S] fp32) from
+                 `sparse_mla_decode_workspace`, so a captured graph allocates only its
+                 outputs; None allocates it here. Unused when S == 1.
+    num_splits:  overrides `sparse_mla_decode_num_splits` (tests); must match the workspace
+    config:      overrides the tile sizes (benchmark sweeps)
+    returns      out [T, H, C] in q's dtype, or with w_uv [T, H, Dv] = (out rounded to q's
+                 dtype) @ w_uv[h]^T; lse [T, H] float32 natural log. A row with no valid
+                 index gives out 0 and lse -inf.
+    """
+    num_rows, num_heads, dim = q.shape
+    _, block_size, _ = kv_cache.shape
+    check_shape("kv_cache", kv_cache, (None, None, dim))
+    check_shape("block_table", block_table, (num_rows, None))
+    check_shape("indices", indices, (num_rows, None))
+    check_float("q", q)
+    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_dtype("indices", indices, (torch.int32,))
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, indices=indices)
+    if not 0 < kv_lora_rank < dim:
+        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    if w_uv is not None:
+        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+        check_dtype("w_uv", w_uv, (q.dtype,))
+        check_same_device(q=q, w_uv=w_uv)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    top_k = indices.shape[1]
+    device = q.device
+    config = config or sparse_decode_config(num_heads, device)
+    splits = num_splits or sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device, config)
+    fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_ROWS
+
+    out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
+    lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return (out if w_uv is None else torch.einsum("thc,hvc->thv", out, w_uv)), lse
+    if splits == 1 and not fused_value:
+        # One split is the whole answer: stage 1 writes the outputs (split stride 0).
+        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    elif workspace is not None:
+        partial_out, partial_lse = workspace
+        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, kv_lora_rank))
+        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
+        check_dtype("workspace[0]", partial_out, (torch.float32,))
+        check_dtype("workspace[1]", partial_lse, (torch.float32,))
+        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
+    else:
+        partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
+
+    use_pdl = pdl(device)
+    grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
+    _sparse_split_kernel[grid](
+        q, kv_cache, block_table, indices, partial_out, partial_lse,
+        num_heads, splits, top_k, block_table.shape[1] * block_size, softmax_scale * LOG2E,
+        *q.stride(), *kv_cache.stride(), *block_table.stride(), *indices.stride(),
+        *partial_out.stride(), *partial_lse.stride(),
+        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
+        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
+    if fused_value and w_uv is not None:
+        out = torch.empty((num_rows, num_heads, w_uv.shape[1]), dtype=q.dtype, device=device)
+        merge_splits_value(partial_out, partial_lse, w_uv, out, lse, use_pdl)
+        return out, lse
+    if splits > 1:
+        merge_splits(partial_out, partial_lse, out, lse, use_pdl)
+    if w_uv is not None:
+        out = torch.einsum("thc,hvc->thv", out, w_uv)
+    return out, lse
+
+
+def sparse_decode_bytes(num_rows: int, num_heads: int, top_k: int, dim: int, kv_lora_rank: int,
+                        itemsize: int) -> int:
+    """Bytes a sparse decode must move: the selected latent rows, the queries and the outputs."""
+    return itemsize * (num_rows * top_k * dim + num_rows * num_heads * (dim + kv_lora_rank))

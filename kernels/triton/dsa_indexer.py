@@ -1,0 +1,208 @@
+"""The lightning indexer of DeepSeek sparse attention: its key cache write and its scores.
+
+`index_scores` scores every visible position of a row's paged indexer cache:
+scores[t, j] = sum_h head_weights[t, h] * relu(q[t, h] . key_j). A program owns
+one row and one contiguous chunk of its positions; it keeps the row's queries
+[Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di] through
+one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
+accumulation), so every key byte is read once per row and the work is bound by
+the key reads. Positions at or past the row's key count get -inf, written by the
+chunk's programs without reading any key.
+
+The chunk count per row depends only on static shapes and the device
+(`index_scores_num_chunks`): enough programs for several waves over the
+multiprocessors, so rows of unequal lengths still balance, and no chunk shorter
+than a few tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
+from .cache import write_kv
+
+
+def write_index_key(
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    index_key: torch.Tensor,
+    *,
+    inplace: bool,
+) -> torch.Tensor:
+    """Write each row's indexer key into the paged indexer cache.
+
+    index_cache:  [num_blocks, bs, Di]
+    slot_mapping: [T] int64 (int32 accepted), slot = block * bs + offset; -1 skips the row
+    index_key:    [T, Di] (any strides; cast to the cache dtype)
+    returns       the cache with the rows written: `index_cache` itself when `inplace`,
+                  else a copy (the input left untouched).
+    """
+    check_shape("slot_mapping", slot_mapping, (None,))
+    check_shape("index_cache", index_cache, (None, None, None))
+    check_shape("index_key", index_key, (slot_mapping.shape[0], index_cache.shape[2]))
+    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
+    check_float("index_cache", index_cache)
+    check_float("index_key", index_key)
+    check_same_device(index_cache=index_cache, slot_mapping=slot_mapping, index_key=index_key)
+    # The latent cache's writer already skips -1 slots and casts to the cache dtype.
+    return write_kv(index_cache, slot_mapping, index_key, inplace=inplace)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerConfig:
+    """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# 64 heads x 128 dims: a [64, 128] fp32 product tile per step is 32 registers a
+# thread at 8 warps, and three 32 KB key tiles in flight hide the gather latency.
+_GPU_CONFIG = IndexerConfig(block_n=128, num_warps=8, num_stages=3)
+_INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
+
+# Programs per multiprocessor aimed for: several waves, so rows of unequal key
+# counts (and a partial last wave) cost little; chunks never shorter than
+# _MIN_KEYS_PER_CHUNK, below which the query reload outweighs the parallelism.
+_WAVES = 8
+_MIN_KEYS_PER_CHUNK = 512
+
+
+def indexer_config(device: torch.device) -> IndexerConfig:
+    return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
+
+
+def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
+                            config: IndexerConfig | None = None) -> int:
+    """Chunks per row: depends only on static shapes and the device's multiprocessor count."""
+    device = torch.device(device)
+    config = config or indexer_config(device)
+    wanted = triton.cdiv(_WAVES * sm_count(device), max(1, num_rows))
+    min_keys = _MIN_KEYS_PER_CHUNK if device.type == "cuda" else config.block_n
+    return max(1, min(wanted, triton.cdiv(num_cols, min_keys)))
+
+
+@triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
+def _index_scores_kernel(
+    q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
+    num_heads, num_cols, keys_per_chunk,
+    s_qt, s_qh, s_qd, s_wt, s_wh,
+    s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    key_len = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    start = chunk * keys_per_chunk
+    end = tl.minimum(start + keys_per_chunk, num_cols)
+    visible_end = tl.minimum(end, key_len)
+
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    t64 = t.to(tl.int64)
+    if BLOCK_D == HEAD_DIM:
+        q_mask = head_mask[:, None]
+    else:
+        q_mask = head_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + t64 * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
+    # Heads past num_heads weigh 0, so their zero scores add nothing.
+    weights = tl.load(w_ptr + t64 * s_wt + heads * s_wh, mask=head_mask, other=0.0)
+    bt_row = bt_ptr + t64 * s_btt
+    out_row = out_ptr + t64 * s_ot
+
+    for n0 in range(start, visible_end, BLOCK_N):
+        pos = n0 + offs_n
+        key_mask = pos < visible_end
+        page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
+        row = cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb
+        if BLOCK_D == HEAD_DIM:
+            k_mask = key_mask[:, None]
+        else:
+            k_mask = key_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        keys = tl.load(row[:, None] + offs_d[None, :] * s_cd, mask=k_mask, other=0.0)
+        # Keys as the product's rows: the sum over heads then runs along the
+        # accumulator's columns, inside each warp, not across warps.
+        logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
+        score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
+        tl.store(out_row + pos * s_oj, score, mask=key_mask)
+    hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
+        pos = n0 + offs_n
+        tl.store(out_row + pos * s_oj, hidden, mask=pos < end)
+
+
+def index_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_lens: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Indexer scores of every position of each row's paged indexer cache.
+
+    q:            [T, Hi, Di] indexer queries (any strides), bf16 / fp16 / fp32
+    head_weights: [T, Hi] float32, every scale factor folded in
+    index_cache:  [num_blocks, bs, Di], same dtype as q
+    block_table:  [T, W] int32, one table per row
+    key_lens:     [T] int32 keys the row sees (clamped to [0, W * bs]); 0 marks a padded row
+    out:          [T, W * bs] float32 to write into (a captured graph allocates nothing), or None
+    config:       overrides the tile sizes (benchmark sweeps)
+    returns       scores [T, W * bs] float32: sum_h head_weights[t, h] * relu(q[t, h] . key_j)
+                  (products and sums in float32) for j < key_lens[t], -inf after.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, _ = index_cache.shape
+    check_shape("head_weights", head_weights, (num_rows, num_heads))
+    check_shape("index_cache", index_cache, (None, None, head_dim))
+    check_shape("block_table", block_table, (num_rows, None))
+    check_shape("key_lens", key_lens, (num_rows,))
+    check_float("q", q)
+    check_dtype("head_weights", head_weights, (torch.float32,))
+    check_dtype("index_cache", index_cache, (q.dtype,))
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_dtype("key_lens", key_lens, (torch.int32,))
+    check_same_device(q=q, head_weights=head_weights, index_cache=index_cache, block_table=block_table,
+                      key_lens=key_lens)
+    num_cols = block_table.shape[1] * block_size
+    if out is None:
+        out = torch.empty((num_rows, num_cols), dtype=torch.float32, device=q.device)
+    else:
+        check_shape("out", out, (num_rows, num_cols))
+        check_dtype("out", out, (torch.float32,))
+        check_same_device(q=q, out=out)
+    if num_rows == 0 or num_cols == 0:
+        return out
+    device = q.device
+    config = config or indexer_config(device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, config)
+    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n) * config.block_n
+    chunks = triton.cdiv(num_cols, keys_per_chunk)
+    use_pdl = pdl(device)
+    _index_scores_kernel[(num_rows, chunks)](
+        q, head_weights, index_cache, block_table, key_lens, out,
+        num_heads, num_cols, keys_per_chunk,
+        *q.stride(), *head_weights.stride(),
+        *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_N=config.block_n, PAGE_SIZE=block_size,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
+    return out

@@ -1,0 +1,330 @@
+"""Top-k selection of the indexer's scores by radix select over row chunks: no sort.
+
+A row's k best positions are found without ordering the scores. Each float32
+score maps to a uint32 key whose unsigned order is the float order; the k-th
+largest key is then pinned down one byte at a time, most significant first. A
+radix pass builds a 256-bin histogram of the next byte among the keys that share
+the bytes fixed so far (the "bucket") and keeps the byte whose bin holds the
+k-th largest. Every key above the final bucket is selected; the bucket's keys
+fill the remaining places, lowest positions first. Refinement stops early once
+the whole bucket is taken (no tie left to break), which for continuous scores
+happens after three of the four bytes.
+
+Each row is cut into chunks of whole tiles, and every pass is one launch over
+(row, chunk) programs, so a few rows still fill the GPU. A program writes its
+chunk's histogram to the workspace [T, 4, chunks, 256]; the next pass's programs
+sum their row's chunk histograms and replay the choice of every earlier pass
+(the same arithmetic in every program, so no program waits for another). The
+emit launch replays all passes the same way, which also gives every chunk the
+number of keys above the bucket and of bucket keys in the chunks before it: its
+first output slot. It then writes its chunk's selected positions in ascending
+order through an exclusive prefix sum per tile. A row whose key count is at most
+k never refines: its bucket is every visible key. -1 fills the slots after the
+last selection. Rows that finish early leave later passes at once.
+
+Triton 3.6 lowers a histogram with warp ballots (one per bit of the bin index,
+then, per bin a lane owns, an AND of them and a population count): in the
+compiled pass loop about 100 instructions a thread per score it holds at 256
+bins, 80 at 128, 58 at 32. A pass is then bound by those instructions (on an
+H100, by estimate, about twice the time of reading its scores) whatever the
+digit width, so bytes, needing the fewest passes, cost least. Ballots never
+serialise on the equal digits that ties and zeros produce, as shared-memory
+atomics would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import next_pow2, pdl, sm_count
+
+_RADIX_BITS = 8
+_BINS = 1 << _RADIX_BITS
+# A narrower last digit when the width does not divide 32.
+_PASSES = -(-32 // _RADIX_BITS)
+# Output slots per step of the -1 fill.
+_FILL_BLOCK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TopKConfig:
+    """Scores per step of a program, and its warps."""
+
+    block: int
+    num_warps: int
+
+
+# 16 scores a thread at 8 warps (four 16-byte loads).
+_GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
+# The interpreter's cost is per step, and test rows are short.
+_INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
+
+# Programs aimed for per multiprocessor, and the most chunks of one row (each
+# program of a pass sums all of its row's chunk histograms). A pass is bound by
+# the histogram's instructions, not by memory: several 8-warp programs a
+# multiprocessor keep its four schedulers busy.
+_PROGRAMS_PER_SM = 4
+_MAX_CHUNKS = 32
+
+
+def top_k_config(device: torch.device) -> TopKConfig:
+    return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
+
+
+def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig,
+              num_chunks: int | None) -> tuple[int, int]:
+    """(chunks per row, scores per chunk, a multiple of the block): static shapes and the device only."""
+    if num_chunks is None:
+        wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
+        num_chunks = max(1, min(wanted, triton.cdiv(num_cols, config.block), _MAX_CHUNKS))
+    chunk_len = triton.cdiv(triton.cdiv(max(1, num_cols), num_chunks), config.block) * config.block
+    return triton.cdiv(max(1, num_cols), chunk_len), chunk_len
+
+
+def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
+                     config: TopKConfig | None = None) -> int:
+    """Chunks per row of `top_k_indices`: depends only on static shapes and the device."""
+    device = torch.device(device)
+    return _chunking(num_rows, num_cols, device, config or top_k_config(device), None)[0]
+
+
+def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
+                    config: TopKConfig | None = None) -> torch.Tensor:
+    """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
+
+    returns [T, 4, P, 256] int32, P = top_k_num_chunks(T, L, device).
+    """
+    chunks = top_k_num_chunks(num_rows, num_cols, device, config)
+    return torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _sortable_key(x):
+    """float32 -> uint32 ordered like the floats (-inf lowest, +inf highest); -0.0 keys as 0.0."""
+    bits = x.to(tl.int32, bitcast=True)
+    # -0.0 == 0.0 must tie (broken by position): a zero score times a negative head
+    # weight is -0.0, and zeros are the indexer's commonest score.
+    bits = tl.where(bits == -2147483648, 0, bits)
+    # Negative floats flip every bit (larger magnitude sorts lower); positive
+    # ones set the sign bit so they sort above every negative one.
+    flip = (bits >> 31) | -2147483648
+    return (bits ^ flip).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
+    """Keys of the scores at pos < end (other lanes hold junk that callers mask)."""
+    if ALIGNED:
+        # A bound rounded up to 4 keeps the mask constant over each 16-byte vector
+        # (the row holds a multiple of 4 scores, so the over-read stays inside it).
+        load_end = tl.multiple_of(tl.cdiv(end, 4) * 4, 4)
+    else:
+        load_end = end
+    return _sortable_key(tl.load(row + pos * s_sj, mask=pos < load_end, other=0.0))
+
+
+@triton.jit
+def _row_state(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks,
+               PASSES_DONE: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """A row's selection after its first PASSES_DONE radix passes, replayed from the chunk histograms.
+
+    returns (prefix, hi_mask, want, refining, above [BLOCK_P], ties [BLOCK_P]): the bucket is
+    the keys whose bits under hi_mask equal prefix; `want` of its keys are still to be taken
+    after every key above it; refining says whether another pass is needed; per chunk,
+    `above` counts its keys above the bucket and `ties` its keys in the bucket.
+    """
+    chunks = tl.arange(0, BLOCK_P)
+    bins = tl.arange(0, BINS)
+    chunk_mask = chunks < num_chunks
+    prefix = tl.zeros([], dtype=tl.uint32)
+    hi_mask = tl.zeros([], dtype=tl.uint32)
+    want = tl.minimum(n, K)
+    refining = n > K
+    # Before any pass the bucket is every visible key.
+    ties = tl.minimum(tl.maximum(n - chunks * chunk_len, 0), chunk_len)
+    above = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for p in tl.static_range(PASSES_DONE):
+        if refining:
+            hist = tl.load(ws_row + p * s_wp + chunks[:, None] * s_wc + bins[None, :],
+                           mask=chunk_mask[:, None], other=0)                               # [BLOCK_P, BINS]
+            total = tl.sum(hist, axis=0)
+            # at_least[b]: bucket keys whose next byte is >= b (non-increasing in b);
+            # the k-th largest lies in the highest bin where it reaches `want`.
+            at_least = tl.cumsum(total, axis=0, reverse=True)
+            chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+            in_bin = tl.sum(tl.where(bins == chosen, total, 0), axis=0)
+            want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
+            above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
+            ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
+            # Digit p covers bits [shift, shift + width): the last digit is narrower.
+            below = 32 - RADIX_BITS * (p + 1)
+            shift = below * (below > 0)
+            width = 32 - RADIX_BITS * p - shift
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
+            hi_mask = hi_mask | (tl.full([], (1 << width) - 1, tl.uint32) << shift)
+            refining = in_bin > want
+    return prefix, hi_mask, want, refining, above, ties
+
+
+@triton.jit
+def _histogram_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr,
+    num_cols, chunk_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt, s_wp, s_wc,
+    K: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, ALIGNED: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    ws_row = ws_ptr + t.to(tl.int64) * s_wt
+    prefix, hi_mask, want, refining, above, ties = _row_state(
+        ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, PASS, BLOCK_P, BINS, RADIX_BITS)
+    if refining:
+        row = scores_ptr + t.to(tl.int64) * s_st
+        offs = tl.arange(0, BLOCK)
+        start = tl.multiple_of(chunk * chunk_len, BLOCK)
+        end = tl.minimum(start + chunk_len, n)
+        below = 32 - RADIX_BITS * (PASS + 1)
+        shift = below * (below > 0)
+        digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        for j0 in range(start, end, BLOCK):
+            pos = j0 + offs
+            key = _load_keys(row, pos, end, s_sj, ALIGNED)
+            member = (pos < end) & ((key & hi_mask) == prefix)
+            digit = ((key >> shift) & digit_mask).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=member)
+        tl.store(ws_row + PASS * s_wp + chunk * s_wc + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _emit_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr, out_ptr,
+    num_cols, chunk_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt, s_wp, s_wc, s_ot, s_ok,
+    K: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    prefix, hi_mask, want, refining, above, ties = _row_state(
+        ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, PASSES, BLOCK_P, BINS,
+        RADIX_BITS)
+    bucket_max = prefix | ~hi_mask
+    before = tl.arange(0, BLOCK_P) < chunk
+    ties_seen = tl.sum(tl.where(before, ties, 0), axis=0)
+    taken = tl.sum(tl.where(before, above, 0), axis=0) + tl.minimum(ties_seen, want)
+
+    row = scores_ptr + t.to(tl.int64) * s_st
+    out_row = out_ptr + t.to(tl.int64) * s_ot
+    offs = tl.arange(0, BLOCK)
+    start = tl.multiple_of(chunk * chunk_len, BLOCK)
+    end = tl.minimum(start + chunk_len, n)
+    for j0 in range(start, end, BLOCK):
+        pos = j0 + offs
+        valid = pos < end
+        key = _load_keys(row, pos, end, s_sj, ALIGNED)
+        tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+        chosen = (valid & (key > bucket_max)) | ((tie != 0) & (tie_rank < want))
+        pick = chosen.to(tl.int32)
+        slot = taken + tl.cumsum(pick, axis=0) - pick
+        tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
+        taken += tl.sum(pick, axis=0)
+        ties_seen += tl.sum(tie, axis=0)
+    if chunk == 0:
+        selected = tl.minimum(n, K)
+        fill = tl.arange(0, FILL_BLOCK)
+        for s0 in range(0, K, FILL_BLOCK):
+            slot = s0 + fill
+            tl.store(out_row + slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32),
+                     mask=(slot >= selected) & (slot < K))
+
+
+def top_k_indices(
+    scores: torch.Tensor,
+    key_lens: torch.Tensor,
+    *,
+    k: int,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_chunks: int | None = None,
+    config: TopKConfig | None = None,
+) -> torch.Tensor:
+    """The positions of each row's k largest scores, in ascending position order.
+
+    scores:     [T, L] float32 (any strides); only j < key_lens[t] are candidates
+    key_lens:   [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
+    k:          positions per row, >= 1
+    out:        [T, k] int32 to write into, or None
+    workspace:  [T, 4, P, 256] int32 from `top_k_workspace` (a captured graph then
+                allocates nothing), or None to allocate it here
+    num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
+    config:     overrides the block size and warps (benchmark sweeps)
+    returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
+                the lower position, listed in ascending order; when key_lens[t] < k every
+                visible position in order, then -1.
+    """
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    if num_chunks is not None and num_chunks < 1:
+        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    num_rows, num_cols = scores.shape
+    check_shape("key_lens", key_lens, (num_rows,))
+    check_dtype("scores", scores, (torch.float32,))
+    check_dtype("key_lens", key_lens, (torch.int32,))
+    check_same_device(scores=scores, key_lens=key_lens)
+    device = scores.device
+    config = config or top_k_config(device)
+    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=device)
+    else:
+        check_shape("out", out, (num_rows, k))
+        check_dtype("out", out, (torch.int32,))
+        check_same_device(scores=scores, out=out)
+    if workspace is None:
+        workspace = torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
+    else:
+        check_shape("workspace", workspace, (num_rows, _PASSES, chunks, _BINS))
+        check_dtype("workspace", workspace, (torch.int32,))
+        check_same_device(scores=scores, workspace=workspace)
+        if workspace.stride(3) != 1:
+            raise ValueError(f"workspace: expected unit stride along its bins, got strides {workspace.stride()}")
+    if num_rows == 0:
+        return out
+    aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
+    use_pdl = pdl(device)
+    grid = (num_rows, chunks)
+    common = dict(BLOCK=config.block, BLOCK_P=max(2, next_pow2(chunks)), BINS=_BINS, RADIX_BITS=_RADIX_BITS,
+                  ALIGNED=aligned, GDC=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+    for radix_pass in range(_PASSES):
+        _histogram_kernel[grid](
+            scores, key_lens, workspace,
+            num_cols, chunk_len, chunks,
+            *scores.stride(), key_lens.stride(0), *workspace.stride()[:3],
+            K=k, PASS=radix_pass, **common,
+        )
+    _emit_kernel[grid](
+        scores, key_lens, workspace, out,
+        num_cols, chunk_len, chunks,
+        *scores.stride(), key_lens.stride(0), *workspace.stride()[:3], *out.stride(),
+        K=k, PASSES=_PASSES, FILL_BLOCK=_FILL_BLOCK, **common,
+    )
+    return out

@@ -1,0 +1,197 @@
+"""Triton radix-select top-k of indexer scores against a plain-torch oracle (a stable sort)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import generator, strided
+from mla_func.kernels.triton import dsa_topk as tri
+
+
+def oracle_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, L] scores, [T] key_lens -> [T, k] int32: the k best visible positions, ascending, -1 after.
+
+    A stable descending sort keeps equal scores in position order, so ties go to
+    the lower position; hidden positions sort after every visible one of equal
+    score (they all sit at higher positions) and are cut off by the count.
+    """
+    num_rows, num_cols = scores.shape
+    out = torch.full((num_rows, k), -1, dtype=torch.int32, device=scores.device)
+    positions = torch.arange(num_cols, device=scores.device)
+    lens = key_lens.long().clamp(0, num_cols)
+    # +0.0 makes -0.0 a plain zero for the sort as well (it compares equal already).
+    visible = torch.where(positions[None, :] < lens[:, None], scores + 0.0, float("-inf"))
+    order = torch.sort(visible, dim=1, descending=True, stable=True).indices[:, :k]
+    for t in range(num_rows):
+        n = min(int(lens[t]), k)
+        out[t, :n] = order[t, :n].sort().values.to(torch.int32)
+    return out
+
+
+def _check(scores, key_lens, k, **kwargs):
+    got = tri.top_k_indices(scores, key_lens, k=k, **kwargs)
+    expected = oracle_top_k(scores, key_lens, k)
+    assert got.dtype == torch.int32 and got.shape == (scores.shape[0], k)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    return got
+
+
+def _lens(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("k", [1, 7, 16, 33])
+def test_random_scores(k, device):
+    gen = generator(k, device)
+    scores = torch.randn((6, 150), generator=gen, device=device)
+    # Longer than k, exactly k, shorter than k, a padded row, all of L, one key.
+    _check(scores, _lens([150, k, max(1, k - 3), 0, 97, 1], device), k)
+
+
+def test_ties_go_to_lower_positions(device):
+    gen = generator(1, device)
+    # Few distinct values: the k-th score is shared by many positions, and the
+    # refinement runs through all four bytes before ties are broken by position.
+    ints = torch.randint(0, 4, (5, 200), generator=gen, device=device).float()
+    lens = _lens([200, 150, 64, 9, 0], device)
+    got = _check(ints, lens, 24)
+    assert torch.all(got[:3] >= 0) and torch.all(got[3, 9:] == -1)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+def test_chunk_counts_agree(num_chunks, device):
+    # Ties and selections spread over several chunks: each chunk's first slot and
+    # first tie rank come from the chunks before it; chunks past a row's keys are empty.
+    gen = generator(10 + num_chunks, device)
+    ints = torch.randint(0, 3, (4, 260), generator=gen, device=device).float()
+    ints[1] = torch.randn(260, generator=gen, device=device)
+    workspace = tri.top_k_workspace(4, 260, device) if num_chunks == tri.top_k_num_chunks(4, 260, device) else None
+    got = tri.top_k_indices(ints, _lens([260, 255, 40, 0], device), k=50, num_chunks=num_chunks,
+                            workspace=workspace)
+    torch.testing.assert_close(got, oracle_top_k(ints, _lens([260, 255, 40, 0], device), 50), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_and_distributions(seed, device):
+    # Random k, lengths, chunk counts and score distributions (continuous, few
+    # values, zeros of both signs, a wide exponent range) against the oracle.
+    gen = generator(100 + seed, device)
+    num_rows = int(torch.randint(1, 6, (1,), generator=gen, device=device))
+    num_cols = int(torch.randint(1, 300, (1,), generator=gen, device=device))
+    k = int(torch.randint(1, 80, (1,), generator=gen, device=device))
+    kind = seed % 3
+    if kind == 0:
+        scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
+    elif kind == 1:
+        scores = torch.randint(-1, 3, (num_rows, num_cols), generator=gen, device=device).float() * -0.0
+        scores += torch.randint(0, 2, (num_rows, num_cols), generator=gen, device=device).float()
+    else:
+        scores = torch.exp(torch.randn((num_rows, num_cols), generator=gen, device=device) * 20)
+    lens = torch.randint(0, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
+    chunks = int(torch.randint(1, 6, (1,), generator=gen, device=device))
+    got = tri.top_k_indices(scores, lens, k=k, num_chunks=chunks)
+    torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
+
+
+def test_all_equal_row_takes_the_first_positions(device):
+    scores = torch.full((2, 90), 0.5, device=device)
+    got = _check(scores, _lens([90, 40], device), 10)
+    assert got[0].tolist() == list(range(10))
+
+
+def test_negative_zero_ties_with_zero(device):
+    # relu(q.k) = 0 times a negative head weight is -0.0: it must tie with 0.0.
+    scores = torch.zeros((3, 70), device=device)
+    scores[:, ::2] = -0.0
+    scores[1, 50:] = 1.0
+    scores[2, 5] = -1.0
+    got = _check(scores, _lens([70, 70, 70], device), 12)
+    assert got[0].tolist() == list(range(12))
+
+
+def test_negative_and_infinite_visible_scores(device):
+    gen = generator(2, device)
+    scores = -torch.rand((3, 80), generator=gen, device=device) * 100
+    scores[0, 10:] = float("-inf")       # visible -inf scores are still candidates, taken in order
+    scores[1, ::3] = float("inf")
+    scores[2, :40] = float("-inf")
+    _check(scores, _lens([15, 80, 60], device), 12)
+
+
+def test_context_shorter_than_k_lists_every_position(device):
+    gen = generator(3, device)
+    scores = torch.randn((3, 64), generator=gen, device=device)
+    got = _check(scores, _lens([5, 0, 64], device), 80)
+    assert got[0, :5].tolist() == list(range(5)) and torch.all(got[0, 5:] == -1)
+    assert torch.all(got[1] == -1)
+    assert got[2, :64].tolist() == list(range(64)) and torch.all(got[2, 64:] == -1)
+
+
+def test_key_lens_past_the_row_are_clamped(device):
+    gen = generator(4, device)
+    scores = torch.randn((2, 40), generator=gen, device=device)
+    got = tri.top_k_indices(scores, _lens([1000, -3], device), k=8)
+    torch.testing.assert_close(got, oracle_top_k(scores, _lens([40, 0], device), 8), atol=0, rtol=0)
+
+
+def test_strided_scores_and_preallocated_out(device):
+    gen = generator(5, device)
+    scores = strided(torch.randn((4, 100), generator=gen, device=device), gen)
+    lens = strided(_lens([100, 3, 77, 0], device), gen)
+    out = torch.full((4, 20), 99, dtype=torch.int32, device=device)
+    got = _check(scores, lens, 20, out=out)
+    assert got.data_ptr() == out.data_ptr()
+
+
+def test_bits_of_close_scores(device):
+    # Scores that differ only in the last mantissa bits force every radix pass.
+    base = torch.full((1, 128), 1.0, device=device)
+    base = base + torch.arange(128, device=device).flip(0)[None, :] * 2.0 ** -23
+    base[0, ::2] = base[0, 1]
+    _check(base, _lens([128], device), 31)
+
+
+def test_rejects_bad_inputs(device):
+    scores = torch.zeros(2, 10, device=device)
+    lens = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="k"):
+        tri.top_k_indices(scores, lens, k=0)
+    with pytest.raises(ValueError, match="scores"):
+        tri.top_k_indices(scores.half(), lens, k=4)
+    with pytest.raises(ValueError, match="key_lens"):
+        tri.top_k_indices(scores, lens[:1], k=4)
+    with pytest.raises(ValueError, match="key_lens"):
+        tri.top_k_indices(scores, lens.long(), k=4)
+    with pytest.raises(ValueError, match="out"):
+        tri.top_k_indices(scores, lens, k=4, out=torch.zeros(2, 5, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="workspace"):
+        tri.top_k_indices(scores, lens, k=4, num_chunks=1,
+                          workspace=torch.zeros(2, 4, 2, 256, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="num_chunks"):
+        tri.top_k_indices(scores, lens, k=4, num_chunks=0)
+
+
+def test_chunk_count_is_static(device):
+    a = tri.top_k_num_chunks(64, 128 * 1024, device)
+    assert a == tri.top_k_num_chunks(64, 128 * 1024, device) >= 1
+    assert tri.top_k_num_chunks(1, 10, device) == 1
+    assert tri.top_k_workspace(3, 100, device).shape == (3, 4, tri.top_k_num_chunks(3, 100, device), 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("num_rows, num_cols", [(64, 128 * 1024), (1, 128 * 1024), (512, 4096)])
+def test_gpu_real_sizes(ties, num_rows, num_cols):
+    # Decode rows at 128K, one row in the most chunks, prompt-like rows in one chunk each.
+    device = torch.device("cuda")
+    gen = generator(7 + ties, device)
+    k = 2048
+    if ties:
+        # Sums of a few relu'd heads: many exact zeros and repeated values.
+        scores = torch.randint(-2, 6, (num_rows, num_cols), generator=gen, device=device).clamp(min=0).float()
+    else:
+        scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
+    lens = torch.randint(1, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
+    lens[:4] = torch.tensor([num_cols, 0, 1, k], dtype=torch.int32)[:num_rows]
+    _check(scores, lens, k)
