@@ -8,6 +8,9 @@ from ..registry import REFERENCE, Ops
 from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
+from .dsa_decode import sparse_mla_decode
+from .dsa_indexer import index_scores, write_index_key
+from .dsa_topk import top_k_indices
 from .latent import write_latent, write_latent_absorb
 from .linear import linear, rms_norm_linear
 from .merge import merge_attn_states
@@ -20,6 +23,7 @@ from .routing import route
 __all__ = [
     "absorb_query",
     "fused_moe",
+    "index_scores",
     "linear",
     "merge_attn_states",
     "mla_decode",
@@ -31,6 +35,9 @@ __all__ = [
     "rms_norm_linear",
     "rope",
     "route",
+    "sparse_mla_decode",
+    "top_k_indices",
+    "write_index_key",
     "write_kv",
     "write_latent",
     "write_latent_absorb",
@@ -48,4 +55,6 @@ def ops() -> Ops:
                                 write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode, prefill_attention=prefill_attention),
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
+        dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
+                                top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
     )

@@ -16,20 +16,13 @@ def _ops_of(table):
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
-# Ops the Triton table runs as the torch reference, by name (no Triton kernel of them yet).
-REFERENCE_ON_TRITON = frozenset({"write_index_key", "index_scores", "top_k_indices", "sparse_mla_decode"})
-
-
 def test_triton_table_names_every_op():
     table = ops_for("triton")
     assert table.backend == "triton"
     reference = _ops_of(ops_for("torch"))
     for name, op in _ops_of(table).items():
         assert op is not None
-        if name in REFERENCE_ON_TRITON:
-            assert op is reference[name], f"triton has a kernel of {name}: take it off REFERENCE_ON_TRITON"
-        else:
-            assert op is not reference[name], f"triton runs the reference {name}"
+        assert op is not reference[name], f"triton runs the reference {name}"
     assert table.dense.rope.__module__.endswith("triton.rope")
     assert table.mla.mla_decode.__module__.endswith("triton.decode")
 
