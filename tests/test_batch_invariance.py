@@ -191,3 +191,23 @@ def test_reference_tiles_cover_every_row():
     w = torch.randn(4, 5)
     torch.testing.assert_close(ref_invariant.linear(x, w), x @ w.t())
     assert ref_invariant.linear(x[:0], w).shape == (0, 4)
+
+
+def test_sparse_attention_model_is_invariant_too(tmp_path):
+    """DeepSeek-V3.2 (indexer, top-k, sparse MLA) in batch-invariant steps: chunking, the step
+    kind and a batch-mate change no bit."""
+    from dsa_models import make_v32
+
+    make_v32("v32", seed=2).save_pretrained(tmp_path)
+    v32 = mf.load_model(tmp_path, device="cpu")
+    prompt = tokens(29, 4)
+    whole, _ = prefill_in_chunks(v32, fresh(v32), Seq(blocks(0, 10)), prompt, 29, batch_invariant=True)
+    chunked, _ = prefill_in_chunks(v32, fresh(v32), Seq(blocks(0, 10)), prompt, 3, batch_invariant=True)
+    assert torch.equal(chunked, whole)
+    seq, other = Seq(blocks(0, 10)), Seq(blocks(1, 10))
+    state = fresh(v32)
+    _, state = prefill_in_chunks(v32, state, seq, prompt[:-1], 28, batch_invariant=True)
+    _, state = prefill_in_chunks(v32, state, other, tokens(17, 5), 17, batch_invariant=True)
+    plan = mf.StepPlan(decode=(decode_plan(other, 3), decode_plan(seq, prompt[-1])))
+    decoded, _ = run(v32, state, plan, batch_invariant=True)
+    assert torch.equal(decoded[1], whole[-1])

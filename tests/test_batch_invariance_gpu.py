@@ -122,3 +122,23 @@ def test_invariant_ops_rows_at_real_sizes():
     assert torch.equal(ops.mla.mla_decode(q, kv, wide, lens, **args)[0], out)
     expected, _ = plain.mla.mla_decode(q, kv, table, lens, **args)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_invariant_sparse_decode_rows_at_real_sizes():
+    """DeepSeek-V3.2's sparse MLA in the invariant table: top-k 2048 of a 32K context, 16 heads."""
+    ops, plain = mf.kernels.ops_for("triton", batch_invariant=True), mf.kernels.ops_for("triton")
+    torch.manual_seed(1)
+    dev, bf16 = "cuda", torch.bfloat16
+    kv = torch.randn(1024, 64, 576, device=dev, dtype=bf16)
+    table = torch.randint(1, 1024, (64, 512), device=dev, dtype=torch.int32)
+    indices = torch.sort(torch.randint(0, 512 * 64, (64, 2048), device=dev, dtype=torch.int32), dim=1).values
+    indices[3, 100:] = -1
+    q = torch.randn(64, 16, 576, device=dev, dtype=bf16)
+    w_uv = torch.randn(16, 128, 512, device=dev, dtype=bf16) * 0.05
+    args = dict(softmax_scale=0.07, kv_lora_rank=512, w_uv=w_uv)
+    out, lse = ops.dsa.sparse_mla_decode(q, kv, table, indices, **args)
+    for sl in (slice(0, 1), slice(3, 4), slice(5, 30)):
+        sub, sub_lse = ops.dsa.sparse_mla_decode(q[sl], kv, table[sl], indices[sl], **args)
+        assert torch.equal(sub, out[sl]) and torch.equal(sub_lse, lse[sl])
+    expected, _ = plain.dsa.sparse_mla_decode(q, kv, table, indices, **args)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)

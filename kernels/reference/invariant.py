@@ -23,6 +23,7 @@ import torch
 from ..checks import as_dtype, check_shape
 from ..registry import Ops
 from . import attention as ref_attention
+from . import dsa as ref_dsa
 from . import latent as ref_latent
 from . import linear as ref_linear
 from . import moe as ref_moe
@@ -164,6 +165,19 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return out, lse.float()
 
 
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *,
+                      softmax_scale: float, kv_lora_rank: int,
+                      w_uv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.dsa.sparse_mla_decode` (a fixed k keys a row) with W_UV on ROW_TILE-row tiles:
+    q [T, H, C + R], indices [T, k] -> out [T, H, C] (with w_uv [T, H, Dv]), lse [T, H]."""
+    out, lse = ref_dsa.sparse_mla_decode(q, kv_cache, block_table, indices, softmax_scale=softmax_scale,
+                                         kv_lora_rank=kv_lora_rank)
+    if w_uv is not None:
+        check_shape("w_uv", w_uv, (q.shape[1], None, kv_lora_rank))
+        out = _by_row_tiles(lambda o: torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out)[0]
+    return out, lse
+
+
 def invariant_ops(base: Ops) -> Ops:
     """`base` (the reference table) with every op whose rows could depend on their batch-mates replaced."""
     return dataclasses.replace(
@@ -173,4 +187,5 @@ def invariant_ops(base: Ops) -> Ops:
         mla=dataclasses.replace(base.mla, write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode),
         moe=dataclasses.replace(base.moe, route=route, fused_moe=fused_moe),
+        dsa=dataclasses.replace(base.dsa, sparse_mla_decode=sparse_mla_decode),
     )

@@ -10,7 +10,9 @@ What changes against the default table, and why:
 * `fused_moe`: always the tiled path in K steps of 64, instead of the per-pair
   path (float32 atomics) for few tokens and K steps that follow the token count;
 * `route`: one launch configuration (token tile, split of the router logits over D)
-  for every batch size, instead of one chosen by the token count.
+  for every batch size, instead of one chosen by the token count;
+* `sparse_mla_decode` (DeepSeek-V3.2): a split count set by top-k alone and W_UV by
+  the invariant `bmm`, instead of splits and a fused projection by the row count.
 
 Row-local ops keep their kernels: `rms_norm`, `rope` and the latent write run one
 program per row with tiles sized by the model's dimensions. `prefill_attention`
@@ -28,6 +30,7 @@ import torch
 
 from ..registry import Ops
 from .decode_invariant import mla_decode
+from .dsa_decode import sparse_mla_decode
 from .invariant_matmul import bmm, linear
 from .latent import write_latent
 from .moe import MoeConfig, fused_moe
@@ -113,6 +116,27 @@ def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias
                  routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, config=config)
 
 
+# Selected keys a split of the sparse decode covers: top-k 2048 takes 4 splits at any batch size.
+_SPARSE_SPLIT_KEYS = 512
+
+
+def invariant_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                indices: torch.Tensor, *, softmax_scale: float, kv_lora_rank: int,
+                                w_uv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.dsa.sparse_mla_decode`: splits by top-k alone, then the invariant W_UV.
+
+    q [T, H, C + R]; indices [T, k] -> out [T, H, C] (with w_uv [H, Dv, C]: [T, H, Dv]), lse [T, H].
+    """
+    splits = max(1, indices.shape[1] // _SPARSE_SPLIT_KEYS)
+    out, lse = sparse_mla_decode(q, kv_cache, block_table, indices, softmax_scale=softmax_scale,
+                                 kv_lora_rank=kv_lora_rank, num_splits=splits)
+    if w_uv is None:
+        return out, lse
+    value = torch.empty((out.shape[0], out.shape[1], w_uv.shape[1]), dtype=out.dtype, device=out.device)
+    bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=value.transpose(0, 1))
+    return value, lse
+
+
 def invariant_ops(base: Ops) -> Ops:
     """`base` (the Triton table) with every op whose rows could depend on their batch-mates replaced."""
     return dataclasses.replace(
@@ -122,4 +146,5 @@ def invariant_ops(base: Ops) -> Ops:
         mla=dataclasses.replace(base.mla, write_latent_absorb=invariant_write_latent_absorb,
                                 absorb_query=invariant_absorb_query, mla_decode=mla_decode),
         moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=invariant_fused_moe),
+        dsa=dataclasses.replace(base.dsa, sparse_mla_decode=invariant_sparse_mla_decode),
     )

@@ -33,7 +33,7 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
     assert invariant.batch_invariant and not plain.batch_invariant and invariant.backend == backend
     changed = {name for name, op in _ops_of(invariant).items() if op is not _ops_of(plain)[name]}
     assert changed == {"linear", "rms_norm_linear", "write_latent_absorb", "absorb_query", "mla_decode", "route",
-                       "fused_moe"}
+                       "fused_moe", "sparse_mla_decode"}
     with pytest.raises(ValueError, match="aiter"):
         ops_for("aiter", batch_invariant=True)
 
