@@ -9,7 +9,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .v4_config import V4Config
 
 # The routing op validates the same names; one definition serves the config and the kernels.
 from .kernels.checks import GROUP_LIMITED_METHODS, SCORING_FUNCS, TOPK_METHODS
@@ -88,6 +91,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `v4_config`
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -216,8 +220,10 @@ def _validate_rope(r: RopeConfig) -> None:
 
 
 def _validate(c: ModelConfig) -> None:
-    if c.model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise refuse("model_type", c.model_type, "expected 'deepseek_v2' or 'deepseek_v3'")
+    if c.model_type not in ("deepseek_v2", "deepseek_v3", "deepseek_v4"):
+        raise refuse("model_type", c.model_type, "expected 'deepseek_v2', 'deepseek_v3' or 'deepseek_v4'")
+    if (c.model_type == "deepseek_v4") != (c.v4 is not None):
+        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings"):
         _check_int(name, getattr(c, name), 1)
@@ -237,6 +243,13 @@ def _validate(c: ModelConfig) -> None:
     _check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     _check_int("moe_layer_freq", c.moe_layer_freq, 1)
     _check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
+    if c.v4 is not None:
+        from .v4_config import validate_v4
+
+        # V4 routes with its own scoring (sqrtsoftplus) and no groups: its MoE fields are checked there.
+        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, hidden=c.hidden_size,
+                    rope_dim=c.qk_rope_head_dim)
+        return
     if c.n_routed_experts is None:
         return
     _validate_moe(c, c.n_routed_experts)

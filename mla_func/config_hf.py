@@ -138,8 +138,12 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        from .v4_config_hf import v4_config_from_hf_dict
+
+        return v4_config_from_hf_dict(raw)
     if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise refuse("model_type", model_type, "expected 'deepseek_v2' or 'deepseek_v3'")
+        raise refuse("model_type", model_type, "expected 'deepseek_v2', 'deepseek_v3' or 'deepseek_v4'")
     _refuse_unsupported(raw)
     for name in _REQUIRED:
         if name not in raw:
@@ -183,6 +187,10 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
 
 def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
     """The config.json dict that `config_from_hf_dict` reads back to an equal config."""
+    if c.v4 is not None:
+        from .v4_config_hf import v4_config_to_hf_dict
+
+        return v4_config_to_hf_dict(c)
     out: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM" if c.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"],
         "model_type": c.model_type,

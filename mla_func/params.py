@@ -117,6 +117,10 @@ class Params:
 
 def hf_tensor_count(config: ModelConfig) -> int:
     """len(hf_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
+    if config.v4 is not None:
+        from .v4_params import v4_tensor_count
+
+        return v4_tensor_count(config)
     c = config
     attention = 4 + (1 if c.q_lora_rank is None else 3)
     moe_layers = 0 if c.n_routed_experts is None else max(0, c.num_hidden_layers - c.first_k_dense_replace)
@@ -127,6 +131,10 @@ def hf_tensor_count(config: ModelConfig) -> int:
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `config` holds, by name, with its shape."""
+    if config.v4 is not None:
+        from .v4_params import v4_tensor_shapes
+
+        return v4_tensor_shapes(config)
     c = config
     d, h = c.hidden_size, c.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {
@@ -216,6 +224,11 @@ def params_from_hf(
     The RoPE tables cover `rope_positions(config, max_model_len)` positions.
     Raises CheckpointError naming a tensor that holds NaN or inf once converted.
     """
+    if config.v4 is not None:
+        from .v4_params_load import v4_params_from_hf
+
+        return v4_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
+                                 max_model_len=max_model_len)
 
     def get(name: str, keep_float32: bool = False) -> torch.Tensor:
         tensor = fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)
