@@ -105,5 +105,19 @@ MLA_DECODER = MLADecoderLayer()
 
 
 def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
-    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer."""
+    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer;
+    DeepSeek-V4's are sliding-window, CSA or HCA layers (`v4_layers`)."""
+    if config.v4 is not None:
+        from .v4_layers import v4_layer_kinds
+
+        return v4_layer_kinds(config)
     return (MLA_DECODER,) * config.num_hidden_layers
+
+
+def cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
+    """Every cache group a model's state needs: the token group, then the groups its layer kinds add."""
+    if config.v4 is not None:
+        from .v4_layers import v4_cache_groups
+
+        return (tokens, *v4_cache_groups(config.v4, tokens))
+    return (tokens,)

@@ -1,0 +1,78 @@
+"""DeepSeek-V4's attention ops, in plain torch: every query row with its own key set.
+
+Rows are single query tokens; each carries the keys it attends to (a sliding
+window, compressed entries, or the indexer's top-k of them) gathered into a
+[n, L, D] tensor with a [n, L] validity mask, so prefill and decode rows, and rows
+of different sequences, go through the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing R channels of x [..., D] by interleaved pairs (x0, x1), (x2, x3), ...
+
+    cos, sin: [..., R / 2] broadcastable to x's leading dims (one angle per pair).
+    The rotated slice keeps its interleaved layout (the output projection reads it
+    as is); `inverse` rotates by the opposite angle (V4 undoes the value's rotation
+    on the attention output). Products in at least float32.
+    """
+    half = cos.shape[-1]
+    nope, pe = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = pe[..., 0::2].to(acc), pe[..., 1::2].to(acc)
+    c, s = cos.to(acc), sin.to(acc)
+    if inverse:
+        s = -s
+    rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, statistics in at least float32 (no weight)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return x * torch.rsqrt(x.to(acc).square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, *,
+                   softmax_scale: float) -> torch.Tensor:
+    """Attention of each row over its own keys (values are the keys), with a per-head sink.
+
+    q [n, H, D]; keys [n, L, D]; valid [n, L] bool; sinks [H] (a logit in every row's
+    softmax that carries no value) -> out [n, H, D] in q's dtype. A row with no valid
+    key gets 0 (the sink takes all the weight), never NaN.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("nhd,nld->nhl", q, keys).to(acc) * softmax_scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink = sinks.to(acc).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("nhl,nld->nhd", probs.to(keys.dtype), keys).to(q.dtype)
+
+
+def pool_entries(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Gated pooling of S source slots into one entry per row and channel.
+
+    kv [n, S, Dc]; gate [n, S, Dc] (position bias already added); valid [n, S] bool
+    -> [n, Dc] = sum_s softmax_s(gate)[s] * kv[s] over valid slots (softmax in float32).
+    """
+    weights = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf")).softmax(dim=1)
+    return (kv * weights.to(kv.dtype)).sum(dim=1)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, *,
+                 softmax_scale: float) -> torch.Tensor:
+    """The lightning indexer's score of each row's candidate entries.
+
+    q [n, Hi, Di]; weights [n, Hi] (head weights, scale folded in); keys [n, L, Di];
+    valid [n, L] -> scores [n, L] float32: sum_h weights[h] * relu(q[h] . key) * softmax_scale,
+    -inf where not valid. Dots in float32 (float64 for a float64 model).
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dots = torch.einsum("nhd,nld->nhl", q.to(acc), keys.to(acc))
+    scores = (torch.relu(dots) * softmax_scale * weights.to(acc).unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(~valid, float("-inf"))

@@ -1,0 +1,133 @@
+"""DeepSeek-V4's attention of one layer: shared-KV heads over a sliding window, compressed entries and a sink.
+
+Every head's query attends to one shared key per token, which is also the value
+(K = V). Each row (a query token at position p) sees
+
+* its window: the keys of positions [p - sliding_window + 1, p] of its sequence;
+* HCA layers: every compressed entry complete at p (entries of `rate` tokens);
+* CSA layers: the `index_topk` complete entries the lightning indexer scores best;
+* a per-head sink: a logit in the softmax that carries no value.
+
+Partial RoPE rotates the trailing `qk_rope_head_dim` channels of queries and
+keys (and compressed entries, at their block's first position); as values carry
+that rotation too, the output's rope slice is rotated back at the query's
+position. Heads are then projected in `o_groups` groups (`o_a_proj`), mixed by
+`o_b_proj`.
+
+The caches are written first (window keys, compressor inputs, completed entries),
+then each segment's rows (prefill, then decode) read their own keys through their
+own block tables (`v4_rows`): prefill and decode rows take the same per-row path,
+each with its segment's metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import Batch
+from .compressor import project_inputs, write_entries
+from .config import ModelConfig
+from .indexer import index_query, select_entries
+from .kernels import Ops
+from .kernels.reference.v4_attention import rope_tail, sink_attention, unit_rms
+from .mode import ForwardMode
+from .state.v4_cache import V4LayerCache
+from .v4_config import CSA, V4Config
+from .v4_params import V4AttentionParams
+from .v4_rows import SegmentRows, entry_counts, slots_of, step_rows, window_positions
+
+
+def _seqs(mode: ForwardMode, segment: SegmentRows) -> int:
+    return mode.padded_prefill_seqs if segment.start == 0 and mode.padded_prefill_tokens else mode.padded_decode_seqs
+
+
+def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache: V4LayerCache, batch: Batch,
+                 mode: ForwardMode, segments: tuple[SegmentRows, ...], layer_type: str, config: ModelConfig,
+                 ops: Ops, *, inplace: bool) -> V4LayerCache:
+    """This step's window keys, compressor inputs and completed entries (and CSA's index keys) written."""
+    v = _v4(config)
+    window = ops.mla.write_kv(cache.window, batch.slot_mapping, kv, inplace=inplace)
+    if p.compressor is None or cache.compressor_inputs is None or cache.entries is None:
+        return V4LayerCache(window=window)
+    rate = v.rate(layer_type)
+    overlap = layer_type == CSA
+    eps = config.rms_norm_eps
+    group_slots = batch.groups[cache.entry_group - 1].slot_mapping
+    inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, project_inputs(p.compressor, x, ops),
+                              inplace=inplace)
+    index_inputs, index_keys = cache.index_inputs, cache.index_keys
+    if p.indexer is not None and index_inputs is not None:
+        index_inputs = ops.mla.write_kv(index_inputs, batch.slot_mapping, project_inputs(p.indexer.compressor, x, ops),
+                                        inplace=inplace)
+    entries = cache.entries
+    for seg in segments:
+        common = dict(rate=rate, num_seqs=_seqs(mode, seg), cos=p.rope_cos, sin=p.rope_sin, eps=eps, ops=ops,
+                      inplace=inplace)
+        slots = group_slots[seg.start:seg.stop]
+        entries = write_entries(p.compressor, inputs, entries, slots, seg.key_lens, seg.block_table, overlap=overlap,
+                                **common)  # type: ignore[arg-type]
+        if p.indexer is not None and index_inputs is not None and index_keys is not None:
+            index_keys = write_entries(p.indexer.compressor, index_inputs, index_keys, slots, seg.key_lens,
+                                       seg.block_table, overlap=True, **common)  # type: ignore[arg-type]
+    return V4LayerCache(window=window, compressor_inputs=inputs, entries=entries, index_inputs=index_inputs,
+                        index_keys=index_keys, group=cache.group, entry_group=cache.entry_group)
+
+
+def segment_keys(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRows, q_residual: torch.Tensor,
+                 x: torch.Tensor, positions: torch.Tensor, layer_type: str, v: V4Config
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys each row of a segment attends to: (keys [n, L, Dh], valid [n, L]).
+
+    Window keys first, then the compressed entries the row sees (all complete ones for
+    HCA, the indexer's top-k for CSA).
+    """
+    window = cache.window
+    win_pos, win_valid = window_positions(seg.key_lens, v.sliding_window)
+    keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
+    if cache.entries is None:
+        return keys, win_valid
+    entries = cache.entries
+    g_table = seg.group_tables[cache.entry_group - 1]
+    count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
+    candidates = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
+    if p.indexer is not None and cache.index_keys is not None:
+        q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
+        candidates = select_entries(q_index, head_weights, cache.index_keys, g_table, candidates, count, v)
+    slots = slots_of(g_table, candidates.clamp(min=0), entries.shape[1])
+    entry_keys = entries.view(-1, entries.shape[-1])[slots]
+    entry_valid = (candidates >= 0) & (candidates < count.unsqueeze(1))
+    return torch.cat([keys, entry_keys], dim=1), torch.cat([win_valid, entry_valid], dim=1)
+
+
+def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, batch: Batch, mode: ForwardMode,
+                 layer_type: str, config: ModelConfig, ops: Ops, *, inplace: bool
+                 ) -> tuple[torch.Tensor, V4LayerCache]:
+    """x [T, D] (the layer's normalised input) -> (output [T, D], the cache with this step written)."""
+    v = _v4(config)
+    t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
+    eps = config.rms_norm_eps
+    positions = batch.positions
+    cos, sin = p.rope_cos[positions], p.rope_sin[positions]                                 # [T, R / 2]
+    q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
+    q = unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
+    q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
+    kv = rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
+    segments = step_rows(batch, mode)
+    cache = write_caches(p, x, kv, cache, batch, mode, segments, layer_type, config, ops, inplace=inplace)
+    outputs = []
+    for seg in segments:
+        rows = slice(seg.start, seg.stop)
+        keys, valid = segment_keys(p, cache, seg, q_residual[rows], x[rows], positions[rows], layer_type, v)
+        outputs.append(sink_attention(q[rows], keys, valid, p.sinks, softmax_scale=dh ** -0.5))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
+    out = rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    groups = v.o_groups
+    o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
+    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
+    return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
+
+
+def _v4(config: ModelConfig) -> V4Config:
+    if config.v4 is None:
+        raise ValueError(f"v4_attention: expected a deepseek_v4 config, got {config.model_type!r}")
+    return config.v4
