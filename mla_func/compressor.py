@@ -58,8 +58,10 @@ def pool_block(p: CompressorParams, inputs: torch.Tensor, key_lens: torch.Tensor
     entry = (key_lens.to(torch.int64) - 1).clamp(min=0) // rate                              # [n]
     offsets = torch.arange(c * rate, device=entry.device, dtype=torch.int64) - (c - 1) * rate
     positions = entry.unsqueeze(1) * rate + offsets                                         # [n, c * rate]
-    valid = (positions >= 0) & (key_lens > 0).unsqueeze(1)
-    slots = slots_of(block_table, positions.clamp(min=0), block_size)
+    # A row that completes no entry reads nothing past its own position (its result is not written).
+    last = (key_lens.to(torch.int64) - 1).unsqueeze(1)
+    valid = (positions >= 0) & (positions <= last)
+    slots = slots_of(block_table, torch.minimum(positions, last).clamp(min=0), block_size)
     src = inputs.view(-1, inputs.shape[-1])[slots]                                          # [n, c * rate, 2cDc]
     kv, gate = src.split([c * width, c * width], dim=-1)
     bias = p.position_bias
