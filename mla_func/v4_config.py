@@ -184,6 +184,8 @@ def v4_from_hf(raw: Mapping[str, Any]) -> tuple[V4Config, RopeConfig, int]:
     rope_dim = head_dim * main_partial if is_number(main_partial) else -1
     if not (rope_dim == int(rope_dim) and int(rope_dim) >= 2 and int(rope_dim) % 2 == 0):
         raise refuse("partial_rotary_factor", main_partial, f"must rotate an even number of head_dim={head_dim} channels")
+    if int(rope_dim) >= head_dim:
+        raise refuse("partial_rotary_factor", main_partial, f"must leave a non-rotated part of head_dim={head_dim}")
     for name in ("layer_types", "mlp_layer_types"):
         if not isinstance(raw[name], list):
             raise refuse(name, raw[name], "must be a list")
