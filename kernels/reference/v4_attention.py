@@ -51,17 +51,21 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("nhl,nld->nhd", probs.to(keys.dtype), keys).to(q.dtype)
+    # Masked keys may be anything a padded row left in the scratch block: 0 * inf must not reach a row.
+    values = keys.masked_fill(~valid.unsqueeze(-1), 0)
+    return torch.einsum("nhl,nld->nhd", probs.to(keys.dtype), values).to(q.dtype)
 
 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Gated pooling of S source slots into one entry per row and channel.
 
     kv [n, S, Dc]; gate [n, S, Dc] (position bias already added); valid [n, S] bool
-    -> [n, Dc] = sum_s softmax_s(gate)[s] * kv[s] over valid slots (softmax in float32).
+    -> [n, Dc] = sum_s softmax_s(gate)[s] * kv[s] over valid slots (softmax in float32); 0 for a
+    row without a valid slot (a padded row), never NaN.
     """
     weights = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf")).softmax(dim=1)
-    return (kv * weights.to(kv.dtype)).sum(dim=1)
+    weights = weights.masked_fill(~valid.unsqueeze(-1), 0.0)
+    return (kv.masked_fill(~valid.unsqueeze(-1), 0) * weights.to(kv.dtype)).sum(dim=1)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, *,
