@@ -56,6 +56,11 @@ def init_state(
     return _init_caches([k.init_cache(config, groups, dtype=dtype, device=device) for k in kinds], groups=groups)
 
 
+def extra_cache_groups(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[CacheGroup, ...]:
+    """The cache groups past group 0 that `init_state` makes for a model (none for DeepSeek-V2/V3)."""
+    return cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))[1:]
+
+
 def prepare_step(
     config: ModelConfig,
     state: KVCacheState,
