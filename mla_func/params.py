@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -95,7 +96,7 @@ class Params:
     """
 
     embed: torch.Tensor                   # [V, D]
-    layers: tuple[LayerParams, ...]
+    layers: tuple[Any, ...]               # one params pytree per layer, of its kind (`LayerParams` for MLA layers)
     norm: torch.Tensor                    # [D]
     lm_head: torch.Tensor                 # [V, D] (the embedding itself when tied)
     rope_cos: torch.Tensor                # [P, R / 2] float32, P = max_positions
