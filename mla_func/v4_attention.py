@@ -16,7 +16,7 @@ position. Heads are then projected in `o_groups` groups (`o_a_proj`), mixed by
 
 The caches are written first (window keys, compressor inputs, completed entries),
 then each segment's rows (prefill, then decode) read their own keys through their
-own block tables (`v4_rows`): prefill and decode rows take the same per-row path,
+own block tables (`batch.rows`, built once per step): prefill and decode rows take the same per-row path,
 each with its segment's metadata.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import Batch
+from .batch import Batch, SegmentRows
 from .compressor import project_inputs, write_entries
 from .config import ModelConfig
 from .indexer import index_query, select_entries
@@ -34,7 +34,8 @@ from .mode import ForwardMode
 from .state.v4_cache import V4LayerCache
 from .v4_config import CSA, V4Config
 from .v4_params import V4AttentionParams
-from .v4_rows import SegmentRows, entry_counts, slots_of, step_rows, window_positions
+from .segment_rows import step_rows
+from .v4_rows import entry_counts, slots_of, window_positions
 
 
 def _seqs(mode: ForwardMode, segment: SegmentRows) -> int:
@@ -50,7 +51,6 @@ def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache:
     if p.compressor is None or cache.compressor_inputs is None or cache.entries is None:
         return V4LayerCache(window=window)
     rate = v.rate(layer_type)
-    overlap = layer_type == CSA
     eps = config.rms_norm_eps
     group_slots = batch.groups[cache.entry_group - 1].slot_mapping
     inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, project_inputs(p.compressor, x, ops),
@@ -61,14 +61,14 @@ def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache:
                                         inplace=inplace)
     entries = cache.entries
     for seg in segments:
-        common = dict(rate=rate, num_seqs=_seqs(mode, seg), cos=p.rope_cos, sin=p.rope_sin, eps=eps, ops=ops,
-                      inplace=inplace)
-        slots = group_slots[seg.start:seg.stop]
-        entries = write_entries(p.compressor, inputs, entries, slots, seg.key_lens, seg.block_table, overlap=overlap,
-                                **common)  # type: ignore[arg-type]
+        slots, seqs = group_slots[seg.start:seg.stop], _seqs(mode, seg)
+        entries = write_entries(p.compressor, inputs, entries, slots, seg.key_lens, seg.block_table, rate=rate,
+                                overlap=layer_type == CSA, num_seqs=seqs, cos=p.rope_cos, sin=p.rope_sin, eps=eps,
+                                ops=ops, inplace=inplace)
         if p.indexer is not None and index_inputs is not None and index_keys is not None:
             index_keys = write_entries(p.indexer.compressor, index_inputs, index_keys, slots, seg.key_lens,
-                                       seg.block_table, overlap=True, **common)  # type: ignore[arg-type]
+                                       seg.block_table, rate=rate, overlap=True, num_seqs=seqs, cos=p.rope_cos,
+                                       sin=p.rope_sin, eps=eps, ops=ops, inplace=inplace)
     return V4LayerCache(window=window, compressor_inputs=inputs, entries=entries, index_inputs=index_inputs,
                         index_keys=index_keys, group=cache.group, entry_group=cache.entry_group)
 
@@ -112,7 +112,9 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     q = unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
     q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
     kv = rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
-    segments = step_rows(batch, mode)
+    # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
+    # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
+    segments = batch.rows if mode.group_widths else step_rows(batch, mode)
     cache = write_caches(p, x, kv, cache, batch, mode, segments, layer_type, config, ops, inplace=inplace)
     outputs = []
     for seg in segments:

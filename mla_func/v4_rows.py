@@ -1,62 +1,14 @@
-"""Per-row facts of a V4 step: each segment's rows with their own block tables, in every cache group.
+"""What a V4 layer reads of each row's keys: its window, its complete entries, their cache slots.
 
-A V4 attention layer treats every query row alone: the keys it sees are the last
-`sliding_window` tokens of its sequence, the compressed entries complete at its
-position, and (CSA) the indexer's top-k of those. What a row needs is its
-position, its key count and its sequence's block table in each cache group;
-`row_metadata` gives them for group 0, and the same function over the groups'
-tables gives them for the others. The window start and the number of complete
-entries follow from the key count (`window_positions`, `entry_counts`).
-
-Each segment (prefill rows, then decode rows) gets its own `SegmentRows`, built
-from that segment's own metadata only; nothing here syncs with the host.
+A V4 attention layer treats every query row alone (see `batch.SegmentRows`, built
+once per step): the keys it sees are the last `sliding_window` tokens of its
+sequence and the compressed entries complete at its position. Both follow from
+the row's key count, elementwise, on the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
-
-from .batch import Batch
-from .mode import ForwardMode
-from .rows import row_metadata
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentRows:
-    """The rows [start, stop) of one segment.
-
-    key_lens:     [n] int32, tokens the row sees (its position + 1; 0 for padding)
-    block_table:  [n, W] int32, group 0 (per token)
-    group_tables: per cache group 1.., [n, Wg] int32
-    """
-
-    start: int
-    stop: int
-    key_lens: torch.Tensor
-    block_table: torch.Tensor
-    group_tables: tuple[torch.Tensor, ...]
-
-
-def step_rows(batch: Batch, mode: ForwardMode) -> tuple[SegmentRows, ...]:
-    """The step's segments with rows: prefill rows [0, padded_prefill_tokens), then decode rows."""
-    base = row_metadata(batch, mode)
-    group_tables = []
-    for meta, width in zip(batch.groups, mode.group_widths):
-        prefill = batch.prefill if batch.prefill is None or meta.prefill_block_table is None \
-            else replace(batch.prefill, block_table=meta.prefill_block_table)
-        decode = batch.decode if batch.decode is None or meta.decode_block_table is None \
-            else replace(batch.decode, block_table=meta.decode_block_table)
-        rows = row_metadata(replace(batch, prefill=prefill, decode=decode), replace(mode, block_table_width=width))
-        group_tables.append(rows.block_table)
-    split, total = mode.padded_prefill_tokens, mode.num_tokens
-    segments = []
-    for start, stop in ((0, split), (split, total)):
-        if stop > start:
-            segments.append(SegmentRows(start, stop, base.key_lens[start:stop], base.block_table[start:stop],
-                                        tuple(t[start:stop] for t in group_tables)))
-    return tuple(segments)
 
 
 def window_positions(key_lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ prompt (0) and a prompt mid-chunk (6 cached).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -132,3 +134,15 @@ def test_padded_rows_change_no_real_cache_entry(model, prefill_tokens, prefill_s
             # Real rows' values may round differently at another padded size, never by more than that.
             torch.testing.assert_close(padded[1:], exact[1:], rtol=1e-5, atol=1e-5)
             assert not bool(padded[first_unused[group]:].any()), "a row wrote into blocks no sequence holds"
+
+
+def test_the_batch_carries_each_segments_rows_and_check_batch_holds_it_to_the_mode(model):
+    state = new_state(model)
+    batch, mode = mf.plan_step(model.config, state, _mixed_plan(state.groups, _fresh(4)))
+    assert [(r.start, r.stop) for r in batch.rows] == [(0, 16), (16, 18)]
+    decode_rows = batch.rows[1]
+    assert decode_rows.key_lens.tolist() == [HISTORY[0] + 1, HISTORY[1] + 1]
+    # HCA entries (group 2, 16 tokens each): none complete at 14 tokens, so only the scratch block; one at 23.
+    assert decode_rows.group_tables[1].tolist() == [[0, 0], [Seq(1, state.groups).tables()[2][0], 0]]
+    with pytest.raises(mf.BatchError, match="rows"):
+        mf.check_batch(dataclasses.replace(batch, rows=batch.rows[:1]), mode)

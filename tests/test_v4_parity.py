@@ -100,3 +100,22 @@ def test_prefill_then_32_decode_steps_match_the_full_forward(v4):
     got = torch.cat(rows)
     assert got.shape == want.shape == (32, 97)
     assert relative_error(got, want) <= 1e-4
+
+
+def test_a_model_of_sliding_window_layers_only_matches_transformers(tmp_path):
+    """No compressed layer, so no cache group past 0: every row's keys are its window alone."""
+    reference = save_reference(tmp_path, seed=5, num_hidden_layers=2, layer_types=["sliding_attention"] * 2,
+                               mlp_layer_types=["moe", "hash_moe"])
+    model = mf.load_model(tmp_path, device="cpu")
+    tokens = _prompt(6, 20)
+    state = new_state(model)
+    assert len(state.groups) == 1
+    seq = Seq(0, state.groups)
+    prefill, state = _prefill(model, state, seq, tokens[:11], 11)
+    rows = [prefill]
+    for position in range(11, 20):
+        batch, mode = mf.plan_step(model.config, state, mf.StepPlan(decode=(seq.plan(tokens[position:position + 1],
+                                                                                   position, 1),)))
+        logits, state = mf.forward(model.params, state, batch, mode)
+        rows.append(logits)
+    assert relative_error(torch.cat(rows), reference_logits(reference, tokens)) <= 1e-4
