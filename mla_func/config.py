@@ -1,4 +1,4 @@
-"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3 model, and their validation.
+"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3 model (V4's own fields in `v4_config`), and their validation.
 
 Reading and writing Hugging Face config.json dicts is in `config_hf`.
 """
@@ -247,8 +247,7 @@ def _validate(c: ModelConfig) -> None:
         from .v4_config import validate_v4
 
         # V4 routes with its own scoring (sqrtsoftplus) and no groups: its MoE fields are checked there.
-        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, hidden=c.hidden_size,
-                    rope_dim=c.qk_rope_head_dim)
+        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim)
         return
     if c.n_routed_experts is None:
         return

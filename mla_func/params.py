@@ -112,6 +112,10 @@ class Params:
         """These params with RoPE tables covering `max_positions` positions (<= max_position_embeddings)."""
         if max_positions == self.max_positions:
             return self
+        if self.config.v4 is not None:
+            from .v4_params_load import v4_with_max_positions
+
+            return v4_with_max_positions(self, rope_positions(self.config, max_positions))
         cos, sin = rope_tables(self.config, self.rope_cos.device, rope_positions(self.config, max_positions))
         return dataclasses.replace(self, rope_cos=cos, rope_sin=sin)
 

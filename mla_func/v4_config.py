@@ -75,7 +75,7 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, hidden: int, rope_dim: int) -> None:
+def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int) -> None:
     """Check every V4 field's type and range against the shared fields; ConfigError names the field."""
     for name, types, allowed in (("layer_types", v.layer_types, ATTENTION_TYPES),
                                  ("mlp_layer_types", v.mlp_layer_types, MLP_TYPES)):
@@ -97,7 +97,6 @@ def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, hidden: int, ro
                      f"must leave a non-rotated part of head_dim={v.head_dim} (rotated: {rope_dim})")
     if CSA in v.layer_types and v.index_head_dim < rope_dim:
         raise refuse("index_head_dim", v.index_head_dim, f"the indexer rotates {rope_dim} channels: must be >= that")
-    del hidden
 
 
 def _rope(name: str, raw: Any, theta_default: float) -> tuple[RopeConfig, float]:

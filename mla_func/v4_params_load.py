@@ -29,6 +29,18 @@ def v4_rope_tables(config: ModelConfig, device: torch.device | str, num_position
     return main, compress
 
 
+def v4_with_max_positions(params: Params, num_positions: int) -> Params:
+    """`params` with every RoPE table (the model's and each layer's) covering `num_positions` positions."""
+    (cos, sin), (comp_cos, comp_sin) = v4_rope_tables(params.config, params.rope_cos.device, num_positions)
+    layers = []
+    for layer in params.layers:
+        compressed = layer.attn.compressor is not None
+        attn = dataclasses.replace(layer.attn, rope_cos=comp_cos if compressed else cos,
+                                   rope_sin=comp_sin if compressed else sin)
+        layers.append(dataclasses.replace(layer, attn=attn))
+    return dataclasses.replace(params, layers=tuple(layers), rope_cos=cos, rope_sin=sin)
+
+
 def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.dtype, device: torch.device | str,
                       progress: bool = False, max_model_len: int | None = None) -> Params:
     """The params pytree of a V4 checkpoint; `fetch(name)` returns one tensor checked against its shape.

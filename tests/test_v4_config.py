@@ -109,3 +109,12 @@ def test_hash_tables_must_name_experts(folder, tmp_path):
     edit_config(broken, compress_rates={"compressed_sparse_attention": 4, "sliding": 2})
     with pytest.raises(mf.ConfigError, match="compress_rates"):
         mf.load_model(broken, device="cpu")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "n_shared_experts": 0},
+                                       {"layer_types": ["sliding_attention"] * 4}])
+def test_the_tensor_count_is_the_length_of_the_tensor_list(folder, overrides):
+    from mla_func.params import hf_tensor_count, hf_tensor_shapes
+
+    config = mf.ModelConfig.from_hf_dict({**_raw(folder), **overrides})
+    assert hf_tensor_count(config) == len(hf_tensor_shapes(config))

@@ -104,3 +104,18 @@ def test_generate_command_runs_a_v4_checkpoint(reference, tmp_path, capsys):
     for _ in range(6):
         ids.append(int(reference_logits(hf, ids)[-1].argmax()))
     assert [int(t) for t in printed[:6]] == ids[5:]
+
+
+def test_an_engine_longer_than_the_loaded_rope_tables_extends_every_layers(reference, tmp_path):
+    hf, _ = reference
+    hf.save_pretrained(tmp_path)
+    short = mf.load_model(tmp_path, device="cpu", max_model_len=24)
+    assert short.max_positions == 24 and short.params.layers[1].attn.rope_cos.shape[0] == 24
+    engine = _engine(short, max_model_len=80)
+    assert {layer.attn.rope_cos.shape[0] for layer in engine.model.params.layers} == {80}
+    prompt = list(range(2, 42))
+    ids = list(prompt)
+    for _ in range(6):
+        ids.append(int(reference_logits(hf, ids)[-1].argmax()))
+    got = _tokens(engine.generate([prompt], mf.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    assert got == [ids[len(prompt):]]
