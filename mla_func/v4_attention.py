@@ -8,6 +8,9 @@ Every head's query attends to one shared key per token, which is also the value
 * CSA layers: the `index_topk` complete entries the lightning indexer scores best;
 * a per-head sink: a logit in the softmax that carries no value.
 
+Each is a scope of its own, attended separately; their partial results meet in the
+one LSE merge (`merge_attn_states`), the sink as a scope of one logit and a zero value.
+
 Partial RoPE rotates the trailing `qk_rope_head_dim` channels of queries and
 keys (and compressed entries, at their block's first position); as values carry
 that rotation too, the output's rope slice is rotated back at the query's
@@ -16,8 +19,8 @@ position. Heads are then projected in `o_groups` groups (`o_a_proj`), mixed by
 
 The caches are written first (window keys, compressor inputs, completed entries),
 then each segment's rows (prefill, then decode) read their own keys through their
-own block tables (`batch.rows`, built once per step): prefill and decode rows take the same per-row path,
-each with its segment's metadata.
+own block tables (`batch.rows`, built once per step): prefill and decode rows take
+the same per-row path, each with its own segment's metadata.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .compressor import project_inputs, write_entries
 from .config import ModelConfig
 from .indexer import index_query, select_entries
 from .kernels import Ops
-from .kernels.reference.v4_attention import rope_tail, sink_attention, unit_rms
+from .kernels.reference.v4_attention import rope_tail, scope_attention, unit_rms
 from .mode import ForwardMode
 from .state.v4_cache import V4LayerCache
 from .v4_config import CSA, V4Config
@@ -73,30 +76,34 @@ def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache:
                         index_keys=index_keys, group=cache.group, entry_group=cache.entry_group)
 
 
-def segment_keys(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRows, q_residual: torch.Tensor,
-                 x: torch.Tensor, positions: torch.Tensor, layer_type: str, v: V4Config
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys each row of a segment attends to: (keys [n, L, Dh], valid [n, L]).
+def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRows, q: torch.Tensor,
+                      q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
+                      v: V4Config, ops: Ops) -> torch.Tensor:
+    """The attention output [n, H, Dh] of a segment's rows (q [n, H, Dh], rotated).
 
-    Window keys first, then the compressed entries the row sees (all complete ones for
-    HCA, the indexer's top-k for CSA).
+    Scopes: the row's window, then its compressed entries (all complete ones for HCA,
+    the indexer's top-k for CSA), merged by their log-sum-exp, then the sink: a scope
+    of one logit per head and a zero value.
     """
+    scale = v.head_dim ** -0.5
     window = cache.window
     win_pos, win_valid = window_positions(seg.key_lens, v.sliding_window)
-    keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
-    if cache.entries is None:
-        return keys, win_valid
-    entries = cache.entries
-    g_table = seg.group_tables[cache.entry_group - 1]
-    count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
-    candidates = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
-    if p.indexer is not None and cache.index_keys is not None:
-        q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
-        candidates = select_entries(q_index, head_weights, cache.index_keys, g_table, candidates, count, v)
-    slots = slots_of(g_table, candidates.clamp(min=0), entries.shape[1])
-    entry_keys = entries.view(-1, entries.shape[-1])[slots]
-    entry_valid = (candidates >= 0) & (candidates < count.unsqueeze(1))
-    return torch.cat([keys, entry_keys], dim=1), torch.cat([win_valid, entry_valid], dim=1)
+    win_keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
+    out, lse = scope_attention(q, win_keys, win_valid, softmax_scale=scale)
+    if cache.entries is not None:
+        entries = cache.entries
+        g_table = seg.group_tables[cache.entry_group - 1]
+        count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
+        candidates = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
+        if p.indexer is not None and cache.index_keys is not None:
+            q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
+            candidates = select_entries(q_index, head_weights, cache.index_keys, g_table, candidates, count, v)
+        entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, candidates, entries.shape[1])]
+        entry_out, entry_lse = scope_attention(q, entry_keys, candidates < count.unsqueeze(1), softmax_scale=scale)
+        out, lse = ops.dense.merge_attn_states(out, lse, entry_out, entry_lse)
+    sink_lse = p.sinks.float().expand(q.shape[0], -1)
+    out, _ = ops.dense.merge_attn_states(out, lse, torch.zeros_like(out), sink_lse)
+    return out
 
 
 def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, batch: Batch, mode: ForwardMode,
@@ -119,8 +126,8 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     outputs = []
     for seg in segments:
         rows = slice(seg.start, seg.stop)
-        keys, valid = segment_keys(p, cache, seg, q_residual[rows], x[rows], positions[rows], layer_type, v)
-        outputs.append(sink_attention(q[rows], keys, valid, p.sinks, softmax_scale=dh ** -0.5))
+        outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
+                                         layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
     out = rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
     groups = v.o_groups

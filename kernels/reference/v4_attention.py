@@ -1,9 +1,10 @@
-"""DeepSeek-V4's attention ops, in plain torch: every query row with its own key set.
+"""DeepSeek-V4's attention ops, in plain torch: every query row with its own key sets.
 
-Rows are single query tokens; each carries the keys it attends to (a sliding
-window, compressed entries, or the indexer's top-k of them) gathered into a
-[n, L, D] tensor with a [n, L] validity mask, so prefill and decode rows, and rows
-of different sequences, go through the same function.
+Rows are single query tokens; each carries the keys of one scope it attends to (its
+sliding window, or its compressed entries: all complete ones, or the indexer's
+top-k of them) gathered into a [n, L, D] tensor with a [n, L] validity mask, so
+prefill and decode rows, and rows of different sequences, go through the same
+function. Scopes meet, with the sink, in the one LSE merge (`merge_attn_states`).
 """
 
 from __future__ import annotations
@@ -36,24 +37,24 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.to(acc).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, *,
-                   softmax_scale: float) -> torch.Tensor:
-    """Attention of each row over its own keys (values are the keys), with a per-head sink.
+def scope_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, *, softmax_scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each row over one scope of its own keys (values are the keys).
 
-    q [n, H, D]; keys [n, L, D]; valid [n, L] bool; sinks [H] (a logit in every row's
-    softmax that carries no value) -> out [n, H, D] in q's dtype. A row with no valid
-    key gets 0 (the sink takes all the weight), never NaN.
+    q [n, H, D]; keys [n, L, D]; valid [n, L] bool
+    returns (out [n, H, D] in q's dtype, lse [n, H] float32 natural log). A row with no valid
+    key in the scope gets out 0 and lse -inf (so a merge ignores it), never NaN.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("nhd,nld->nhl", q, keys).to(acc) * softmax_scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink = sinks.to(acc).view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    lse = torch.logsumexp(scores, dim=-1)                                         # [n, H]
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite.unsqueeze(-1))
     # Masked keys may be anything a padded row left in the scratch block: 0 * inf must not reach a row.
     values = keys.masked_fill(~valid.unsqueeze(-1), 0)
-    return torch.einsum("nhl,nld->nhd", probs.to(keys.dtype), values).to(q.dtype)
+    out = torch.einsum("nhl,nld->nhd", probs.to(keys.dtype), values).to(q.dtype)
+    return out, lse.float()
 
 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
