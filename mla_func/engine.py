@@ -280,21 +280,21 @@ class Engine:
         (checked as a generate prompt is, up to max_model_len tokens).
         """
         ids = check_score_ids(token_ids, self.limits)
-        c = self.config
+        c, blocks, tables = self.config, self.scheduler.blocks, self.scheduler.blocks.empty_tables()  # all groups'
         try:
-            blocks = tuple(self.scheduler.allocator.allocate(-(-len(ids) // c.block_size)))
+            blocks.allocate(tables, blocks.blocks_needed(tables, len(ids)))
         except OutOfBlocks as e:
             raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks "
                                      f"({e})") from None
         try:
-            rows = []
+            rows, seq_tables = [], [tuple(t) for t in tables]
             for start in range(0, len(ids), c.max_num_batched_tokens):
                 chunk = ids[start : start + c.max_num_batched_tokens]
-                plan = StepPlan(prefill=(SeqPlan(chunk, start, blocks, num_logits=len(chunk)),))
+                plan = StepPlan(prefill=(SeqPlan(chunk, start, seq_tables[0], len(chunk), tuple(seq_tables[1:])),))
                 with self._inference():
                     batch, mode = self.step.prepare(self.state, plan)
                     self.state, out = self.step(self.state, batch, mode)
                 rows.append(out.logits)
             return torch.cat(rows)
         finally:
-            self.scheduler.allocator.free(blocks)
+            blocks.free(tables)

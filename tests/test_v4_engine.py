@@ -119,3 +119,12 @@ def test_an_engine_longer_than_the_loaded_rope_tables_extends_every_layers(refer
         ids.append(int(reference_logits(hf, ids)[-1].argmax()))
     got = _tokens(engine.generate([prompt], mf.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
     assert got == [ids[len(prompt):]]
+
+
+def test_score_returns_every_position_of_a_v4_prompt(reference, prompts):
+    hf, model = reference
+    engine = _engine(model)
+    free = [a.num_free_blocks for a in engine.scheduler.blocks.allocators]
+    got = engine.score(prompts[3])
+    assert float((got - reference_logits(hf, prompts[3])).abs().max()) <= 1e-4 * float(got.abs().max())
+    assert [a.num_free_blocks for a in engine.scheduler.blocks.allocators] == free
