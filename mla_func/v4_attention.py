@@ -34,10 +34,10 @@ from .indexer import index_query, select_entries
 from .kernels import Ops
 from .kernels.reference.v4_attention import rope_tail, scope_attention, unit_rms
 from .mode import ForwardMode
+from .segment_rows import step_rows
 from .state.v4_cache import V4LayerCache
 from .v4_config import CSA, V4Config
 from .v4_params import V4AttentionParams
-from .segment_rows import step_rows
 from .v4_rows import entry_counts, slots_of, window_positions
 
 

@@ -121,4 +121,4 @@ def v4_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:
     return tuple(V4DecoderLayer(t, head=i == len(types) - 1) for i, t in enumerate(types))
 
 
-__all__ = ["HCA", "V4DecoderLayer", "V4Entered", "compressed_types", "v4_cache_groups", "v4_layer_kinds"]
+__all__ = ["V4DecoderLayer", "V4Entered", "compressed_types", "v4_cache_groups", "v4_layer_kinds"]

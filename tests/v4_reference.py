@@ -33,7 +33,7 @@ CONFIG = dict(
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    vocab, experts = model.config.vocab_size, model.config.n_routed_experts
+    experts = model.config.n_routed_experts
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if "inv_freq" in name:
@@ -48,7 +48,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
             else:  # norm weights and mHC scales
                 tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
-    del vocab
 
 
 def make_reference(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> DeepseekV4ForCausalLM:
