@@ -146,3 +146,41 @@ def test_the_batch_carries_each_segments_rows_and_check_batch_holds_it_to_the_mo
     assert decode_rows.group_tables[1].tolist() == [[0, 0], [Seq(1, state.groups).tables()[2][0], 0]]
     with pytest.raises(mf.BatchError, match="rows"):
         mf.check_batch(dataclasses.replace(batch, rows=batch.rows[:1]), mode)
+
+
+def _step(model, state, prefill=(), decode=()):
+    batch, mode = mf.plan_step(model.config, state, mf.StepPlan(prefill=tuple(prefill), decode=tuple(decode)))
+    logits, state = mf.forward(model.params, state, batch, mode)
+    return logits[: mode.num_logits], state
+
+
+@settings(max_examples=8, deadline=None)
+@given(phases=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.booleans()), min_size=2, max_size=4))
+def test_any_mix_of_layer_state_phases_equals_each_sequence_alone(model, phases):
+    """Histories of any length (mid-window, mid-block, past blocks) written in one batched prefill, then one step
+    where each sequence decodes one token or prefills a chunk: every row = the sequence run alone."""
+    state = new_state(model)
+    seqs = [Seq(i, state.groups) for i in range(len(phases))]
+    tokens = [_tokens(50 + i, history + new) for i, (history, new, _) in enumerate(phases)]
+    decodes = [i for i, (history, _, decode) in enumerate(phases) if decode and history]
+    prefills = [i for i in range(len(phases)) if i not in decodes]
+
+    def plans(i):
+        history, new, _ = phases[i]
+        fed = tokens[i][history:history + (1 if i in decodes else new)]
+        return seqs[i].plan(fed, history, 1 if i in decodes else len(fed))
+
+    histories = [seqs[i].plan(tokens[i][:phases[i][0]], 0, 1) for i in range(len(phases)) if phases[i][0]]
+    if histories:
+        _, state = _step(model, state, prefill=histories)
+    mixed, _ = _step(model, state, prefill=[plans(i) for i in prefills], decode=[plans(i) for i in decodes])
+    offset = 0
+    for i in (*prefills, *decodes):
+        alone_state = new_state(model)
+        if phases[i][0]:
+            _, alone_state = _step(model, alone_state, prefill=[seqs[i].plan(tokens[i][:phases[i][0]], 0, 1)])
+        alone, _ = _step(model, alone_state, decode=[plans(i)]) if i in decodes else \
+            _step(model, alone_state, prefill=[plans(i)])
+        torch.testing.assert_close(mixed[offset:offset + alone.shape[0]], alone, rtol=1e-5, atol=1e-5)
+        offset += alone.shape[0]
+    assert offset == mixed.shape[0]
