@@ -184,3 +184,17 @@ def test_any_mix_of_layer_state_phases_equals_each_sequence_alone(model, phases)
         torch.testing.assert_close(mixed[offset:offset + alone.shape[0]], alone, rtol=1e-5, atol=1e-5)
         offset += alone.shape[0]
     assert offset == mixed.shape[0]
+
+
+def test_decode_rows_of_several_query_tokens_equal_a_prefill_chunk(model):
+    """Verify-style decode (decode_q_len 3): each query token sees its own window and entries, as in a chunk."""
+    state = new_state(model)
+    seqs = [Seq(i, state.groups) for i in range(2)]
+    tokens = [_tokens(60 + i, n) for i, n in enumerate((18, 31))]
+    _, state = _step(model, state, prefill=[seqs[i].plan(tokens[i][:-3], 0, 1) for i in range(2)])
+    batch, mode = mf.plan_step(model.config, state, mf.StepPlan(
+        decode=tuple(seqs[i].plan(tokens[i][-3:], len(tokens[i]) - 3, 3) for i in range(2)), decode_q_len=3))
+    verified, _ = mf.forward(model.params, state, batch, mode, copy=True)
+    chunked, _ = _step(model, state, prefill=[seqs[i].plan(tokens[i][-3:], len(tokens[i]) - 3, 3) for i in range(2)])
+    assert mode.kind is mf.SegmentKind.DECODE and verified.shape == chunked.shape == (6, 97)
+    torch.testing.assert_close(verified, chunked, rtol=1e-5, atol=1e-5)
