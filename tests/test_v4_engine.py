@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import mla_func as mf
 from v4_reference import reference_logits, save_reference
@@ -82,10 +83,20 @@ def test_prefix_hits_restore_every_layer_state(reference, prompts):
     shared = prompts[3] + prompts[1]                  # 52 tokens: hits are cut to 48 (a multiple of 16)
     variants = [shared + [5], shared + [6, 7], shared[:40]]
     engine = _engine(model)
+    hits: list[int] = []
+    match_prefix = engine.scheduler.blocks.match_prefix
+
+    def recording_match(token_ids):
+        found = match_prefix(token_ids)
+        hits.append(found[2])
+        return found
+
+    engine.scheduler.blocks.match_prefix = recording_match
     first = _tokens(engine.generate(variants, GREEDY))
     assert engine.scheduler.blocks.prefix_alignment == 16
     assert engine.scheduler.allocator.num_cached_blocks > 0
     again = _tokens(engine.generate(variants, GREEDY))
+    assert 48 in hits and all(h % 16 == 0 for h in hits)
     fresh = _tokens(_engine(model, enable_prefix_caching=False).generate(variants, GREEDY))
     assert first == again == fresh
 
@@ -128,3 +139,14 @@ def test_score_returns_every_position_of_a_v4_prompt(reference, prompts):
     got = engine.score(prompts[3])
     assert float((got - reference_logits(hf, prompts[3])).abs().max()) <= 1e-4 * float(got.abs().max())
     assert [a.num_free_blocks for a in engine.scheduler.blocks.allocators] == free
+
+
+def test_transformers_cached_generate_agrees_with_its_full_forward(reference, prompts, expected):
+    """The oracle's two paths agree on this tie-free config (16 indexer heads), so either is the reference."""
+    hf, _ = reference
+    for prompt, want in zip(prompts[2:], expected[2:]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == want
