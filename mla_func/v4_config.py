@@ -152,6 +152,9 @@ def refuse_unsupported_v4(raw: Mapping[str, Any]) -> None:
     for name in _LEGACY:
         if name in raw:
             raise refuse(name, raw[name], "a legacy spelling: write layer_types / compress_rates / mlp_layer_types")
+    if raw.get("n_shared_experts", 1) != 1:
+        # The reference builds exactly one shared expert of moe_intermediate_size, whatever this says.
+        raise refuse("n_shared_experts", raw["n_shared_experts"], "DeepSeek-V4 has exactly one shared expert: must be 1")
     if raw.get("scoring_func", "sqrtsoftplus") not in V4_SCORING_FUNCS:
         raise refuse("scoring_func", raw["scoring_func"], f"expected one of {V4_SCORING_FUNCS}")
 

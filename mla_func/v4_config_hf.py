@@ -40,7 +40,6 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
     unknown = sorted(str(name) for name in set(raw) - _READ - V4_IGNORED)
     if unknown:
         warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=4)
-    n_shared = raw.get("n_shared_experts", 1)
     moe_inter = raw["moe_intermediate_size"]
     nope = v4.head_dim - rope_dim
     scale = raw.get("routed_scaling_factor", 1.5)
@@ -56,11 +55,11 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
         qk_rope_head_dim=rope_dim,
         v_head_dim=v4.head_dim,
         # The shared expert's width (V4 has no dense layers).
-        intermediate_size=moe_inter * n_shared if isinstance(n_shared, int) and n_shared > 0 else moe_inter,
+        intermediate_size=moe_inter,
         q_lora_rank=raw["q_lora_rank"],
         n_routed_experts=raw["n_routed_experts"],
         num_experts_per_tok=raw["num_experts_per_tok"],
-        n_shared_experts=n_shared,
+        n_shared_experts=1,
         moe_intermediate_size=moe_inter,
         routed_scaling_factor=float(scale) if is_number(scale) else scale,
         # V4 always normalises the chosen experts' weights.

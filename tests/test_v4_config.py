@@ -47,6 +47,7 @@ def test_config_reads_every_v4_field_and_writes_it_back(folder):
     ("o_groups", 3),
     ("hidden_act", "gelu"),
     ("head_dim", None),
+    ("n_shared_experts", 2),
 ])
 def test_unsupported_fields_are_refused_by_name(folder, field, value):
     raw = {**_raw(folder), field: value}
@@ -111,7 +112,7 @@ def test_hash_tables_must_name_experts(folder, tmp_path):
         mf.load_model(broken, device="cpu")
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "n_shared_experts": 0},
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True},
                                        {"layer_types": ["sliding_attention"] * 4}])
 def test_the_tensor_count_is_the_length_of_the_tensor_list(folder, overrides):
     from mla_func.params import hf_tensor_count, hf_tensor_shapes

@@ -119,3 +119,18 @@ def test_a_model_of_sliding_window_layers_only_matches_transformers(tmp_path):
         logits, state = mf.forward(model.params, state, batch, mode)
         rows.append(logits)
     assert relative_error(torch.cat(rows), reference_logits(reference, tokens)) <= 1e-4
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(tie_word_embeddings=True, scoring_func="sigmoid"),
+    dict(rope_parameters=None, compress_rope_theta=5000.0, rope_theta=20000.0),  # plain rope for compressed layers
+    dict(compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8}, sliding_window=5,
+         index_topk=6),
+], ids=["tied-sigmoid", "default-compress-rope", "rates-2-8-window-5"])
+def test_config_variants_match_transformers(tmp_path, overrides):
+    reference = save_reference(tmp_path, seed=9, **overrides)
+    model = mf.load_model(tmp_path, device="cpu")
+    tokens = _prompt(7)
+    state = new_state(model)
+    got, _ = _prefill(model, state, Seq(0, state.groups), tokens, len(tokens))
+    assert relative_error(got, reference_logits(reference, tokens)) <= 1e-4
