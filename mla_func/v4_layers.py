@@ -64,7 +64,10 @@ class V4DecoderLayer:
 
     attention: str
     head: bool = False
-    name: str = "v4"
+
+    @property
+    def name(self) -> str:
+        return f"v4 {self.attention}"
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> V4LayerCache:
