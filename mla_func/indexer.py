@@ -14,38 +14,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.reference.v4_attention import index_scores, rope_tail
+from .kernels.reference.v4_attention import rope_tail
+from .kernels.reference.v4_indexer import index_scores, top_k_indices
 from .v4_config import V4Config
 from .v4_params import IndexerParams
-from .v4_rows import slots_of
 
 
 def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, v: V4Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32 with 1/sqrt(Hi) folded in).
+    """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32).
 
     q_residual [n, Q] the attention's normalised query latent; x [n, D] the layer's input;
-    cos, sin [P, R / 2] the compress rope tables.
+    cos, sin [P, R / 2] the compress rope tables. The head weights carry both scales of
+    the score, 1/sqrt(Hi) and 1/sqrt(Di), as the indexer ops expect.
     """
     n = x.shape[0]
     q = F.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
     q = rope_tail(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-    weights = F.linear(x, p.weights_proj).float() * v.index_n_heads ** -0.5
+    weights = F.linear(x, p.weights_proj).float() * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
     return q, weights
 
 
 def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
-                   candidates: torch.Tensor, counts: torch.Tensor, v: V4Config) -> torch.Tensor:
-    """The entries each row attends to: [n, min(index_topk, L)] int64 entry numbers.
+                   counts: torch.Tensor, v: V4Config) -> torch.Tensor:
+    """The entries each row attends to: [n, min(index_topk, L)] int64 entry numbers, -1 for none.
 
-    index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg]; candidates [n, L] the entry
-    numbers a row may see (0..L-1); counts [n] complete entries at the row's position.
-    Entries at or past a row's count are never chosen over a complete one; the caller
-    masks them (a row with fewer than index_topk complete entries keeps all of them).
+    index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
+    counts [n] entries complete at the row's position. A row with fewer than index_topk
+    complete entries keeps all of them.
     """
-    slots = slots_of(group_table, candidates, index_keys.shape[1])
-    keys = index_keys.view(-1, index_keys.shape[-1])[slots]                            # [n, L, Di]
-    valid = candidates < counts.unsqueeze(1)
-    scores = index_scores(q, head_weights, keys, valid, softmax_scale=v.index_head_dim ** -0.5)
-    k = min(v.index_topk, candidates.shape[1])
-    return torch.gather(candidates, 1, scores.topk(k, dim=-1).indices)
+    key_lens = counts.to(torch.int32)
+    scores = index_scores(q, head_weights, index_keys, group_table, key_lens)
+    return top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)

@@ -94,12 +94,15 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
         entries = cache.entries
         g_table = seg.group_tables[cache.entry_group - 1]
         count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
-        candidates = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
         if p.indexer is not None and cache.index_keys is not None:
             q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
-            candidates = select_entries(q_index, head_weights, cache.index_keys, g_table, candidates, count, v)
-        entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, candidates, entries.shape[1])]
-        entry_out, entry_lse = scope_attention(q, entry_keys, candidates < count.unsqueeze(1), softmax_scale=scale)
+            chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, count, v)   # [n, k], -1: none
+            valid = chosen >= 0
+        else:
+            chosen = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
+            valid = chosen < count.unsqueeze(1)
+        entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, chosen.clamp(min=0), entries.shape[1])]
+        entry_out, entry_lse = scope_attention(q, entry_keys, valid, softmax_scale=scale)
         out, lse = ops.dense.merge_attn_states(out, lse, entry_out, entry_lse)
     sink_lse = p.sinks.float().expand(q.shape[0], -1)
     out, _ = ops.dense.merge_attn_states(out, lse, torch.zeros_like(out), sink_lse)

@@ -67,17 +67,3 @@ def pool_entries(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> t
     weights = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf")).softmax(dim=1)
     weights = weights.masked_fill(~valid.unsqueeze(-1), 0.0)
     return (kv.masked_fill(~valid.unsqueeze(-1), 0) * weights.to(kv.dtype)).sum(dim=1)
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, *,
-                 softmax_scale: float) -> torch.Tensor:
-    """The lightning indexer's score of each row's candidate entries.
-
-    q [n, Hi, Di]; weights [n, Hi] (head weights, scale folded in); keys [n, L, Di];
-    valid [n, L] -> scores [n, L] float32: sum_h weights[h] * relu(q[h] . key) * softmax_scale,
-    -inf where not valid. Dots in float32 (float64 for a float64 model).
-    """
-    acc = torch.promote_types(q.dtype, torch.float32)
-    dots = torch.einsum("nhd,nld->nhl", q.to(acc), keys.to(acc))
-    scores = (torch.relu(dots) * softmax_scale * weights.to(acc).unsqueeze(-1)).sum(dim=1)
-    return scores.masked_fill(~valid, float("-inf"))
