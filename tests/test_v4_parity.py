@@ -134,3 +134,22 @@ def test_config_variants_match_transformers(tmp_path, overrides):
     state = new_state(model)
     got, _ = _prefill(model, state, Seq(0, state.groups), tokens, len(tokens))
     assert relative_error(got, reference_logits(reference, tokens)) <= 1e-4
+
+
+def test_the_triton_op_table_gives_the_same_logits(v4):
+    """The ops V4 takes from the table (cache writes, projections, norms, the LSE merge) on the triton backend
+    (Triton's interpreter without a GPU) = the torch reference, prefill then decode."""
+    model, _ = v4
+    tokens = _prompt(8, 30)
+    outputs = []
+    for backend in ("torch", "triton"):
+        state = new_state(model)
+        seq = Seq(0, state.groups)
+        rows = []
+        for plan in (mf.StepPlan(prefill=(seq.plan(tokens[:-1], 0, 1),)),
+                     mf.StepPlan(decode=(seq.plan(tokens[-1:], len(tokens) - 1, 1),))):
+            batch, mode = mf.plan_step(model.config, state, plan, backend=backend)
+            logits, state = mf.forward(model.params, state, batch, mode)
+            rows.append(logits)
+        outputs.append(torch.cat(rows))
+    assert relative_error(outputs[1], outputs[0]) <= 1e-5
