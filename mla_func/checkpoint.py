@@ -19,8 +19,8 @@ from .config import ConfigError, ModelConfig
 from .config_hf import config_from_json
 from .params import Params, hf_tensor_count, hf_tensor_shapes, params_from_hf
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
-from .safetensors_file import TensorEntry, load_dtype, read_header, read_tensor
-from .v4_params import index_dtype, is_index_table
+from .safetensors_file import TensorEntry, read_header, read_tensor
+from .v4_params import canonical_names, checkpoint_dtype, is_index_table
 
 __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
@@ -150,11 +150,10 @@ def _load_folder(
         raise CheckpointError(f"{path}: no config.json")
     config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
     with ExitStack() as stack:
-        located = _locate_tensors(folder, stack)
+        located = canonical_names(config, _locate_tensors(folder, stack), folder.root)
         expected = _expected_tensors(folder, config, located)
         _check_tensor_names(folder, config, expected, located)
-        dtypes = {name: (index_dtype(folder.label(located[name].file), located[name].entry) if is_index_table(name)
-                         else load_dtype(folder.label(located[name].file), located[name].entry, dtype))
+        dtypes = {name: checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
 
         def fetch(name: str) -> torch.Tensor:

@@ -11,13 +11,14 @@ in float32 whatever the model dtype (the reference keeps them there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .checkpoint_files import CheckpointError
 from .config import ModelConfig
 from .pytree import register_dataclass
-from .safetensors_file import TensorEntry
+from .safetensors_file import TensorEntry, load_dtype
 from .v4_config import CSA, SLIDING, V4Config
 
 
@@ -193,10 +194,35 @@ def is_index_table(name: str) -> bool:
     return name.endswith(".gate.tid2eid")
 
 
-def index_dtype(label: str, entry: TensorEntry) -> torch.dtype:
-    """The dtype an index table reads as (int32 or int64), or CheckpointError naming it."""
+def checkpoint_dtype(name: str, label: str, entry: TensorEntry, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor reads as: an index table's integers (int32 or int64) as they are,
+    a weight as `load_dtype` decides; CheckpointError naming the tensor otherwise."""
+    if not is_index_table(name):
+        return load_dtype(label, entry, model_dtype)
     dtype = {"I32": torch.int32, "I64": torch.int64}.get(entry.dtype)
     if dtype is None:
         raise CheckpointError(f"{label}: tensor {entry.name!r} has dtype {entry.dtype!r}: expected integer expert "
                               "ids (I32 or I64)")
     return dtype
+
+
+# DeepSeek's own top-level names, which save_pretrained writes under `model.`.
+_DEEPSEEK_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                 "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+                 "hc_head_scale": "model.hc_head.hc_scale"}
+_T = TypeVar("_T")
+
+
+def canonical_names(config: ModelConfig, located: dict[str, _T], where: object) -> dict[str, _T]:
+    """A V4 checkpoint's tensors under the names save_pretrained writes, whether written so or with
+    DeepSeek's own top-level names (`embed.weight`, `layers.N.`, `hc_head_fn`); other models' unchanged.
+    CheckpointError when one tensor is there under both names."""
+    if config.v4 is None:
+        return located
+    out: dict[str, _T] = {}
+    for name, value in located.items():
+        canonical = _DEEPSEEK_TOP.get(name) or ("model." + name if name.startswith("layers.") else name)
+        if canonical in out:
+            raise CheckpointError(f"{where}: tensor {canonical!r} is in the checkpoint under two names")
+        out[canonical] = value
+    return out

@@ -119,3 +119,26 @@ def test_the_tensor_count_is_the_length_of_the_tensor_list(folder, overrides):
 
     config = mf.ModelConfig.from_hf_dict({**_raw(folder), **overrides})
     assert hf_tensor_count(config) == len(hf_tensor_shapes(config))
+
+
+def test_deepseeks_own_tensor_names_load_the_same_params(folder, tmp_path):
+    from mla_func.pytree import tree_leaves
+
+    renamed = tmp_path / "deepseek-names"
+    shutil.copytree(folder, renamed)
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+
+    def rename(tensors):
+        for name in list(tensors):
+            new = top.get(name) or (name[len("model."):] if name.startswith("model.layers.") else name)
+            tensors[new] = tensors.pop(name)
+        tensors["mtp.0.attn.wq_a.weight"] = torch.zeros(2, 2)   # the multi-token-prediction layer is not run
+
+    edit_tensors(renamed, rename)
+    a, b = mf.load_model(folder, device="cpu"), mf.load_model(renamed, device="cpu")
+    assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a.params), tree_leaves(b.params)))
+    edit_tensors(renamed, lambda t: t.__setitem__("model.norm.weight", t["norm.weight"].clone()))
+    with pytest.raises(mf.CheckpointError, match="under two names"):
+        mf.load_model(renamed, device="cpu")
