@@ -52,8 +52,8 @@ class Model:
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer) and
-# rotary buffers that old exports saved are not part of the forward.
+# Layers past num_hidden_layers and `mtp.` tensors (DeepSeek-V3's and V4's multi-token-prediction
+# layers) and rotary buffers that old exports saved are not part of the forward.
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)mtp\.")
 
 
