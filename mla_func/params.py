@@ -22,6 +22,7 @@ from .checkpoint_files import CheckpointError
 from .config import ModelConfig
 from .pytree import register_dataclass, static_field
 from .rope_tables import rope_positions, rope_tables
+from .v4_params import v4_tensor_count, v4_tensor_shapes
 
 
 @register_dataclass
@@ -123,8 +124,6 @@ class Params:
 def hf_tensor_count(config: ModelConfig) -> int:
     """len(hf_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
     if config.v4 is not None:
-        from .v4_params import v4_tensor_count
-
         return v4_tensor_count(config)
     c = config
     attention = 4 + (1 if c.q_lora_rank is None else 3)
@@ -137,8 +136,6 @@ def hf_tensor_count(config: ModelConfig) -> int:
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `config` holds, by name, with its shape."""
     if config.v4 is not None:
-        from .v4_params import v4_tensor_shapes
-
         return v4_tensor_shapes(config)
     c = config
     d, h = c.hidden_size, c.num_attention_heads
