@@ -17,9 +17,9 @@ import torch
 
 from .mode import ForwardMode
 from .plan_checks import BatchError
-from .pytree import register_dataclass
+from .pytree import register_dataclass, static_field
 
-__all__ = ["Batch", "BatchError", "DecodeMetadata", "GroupMetadata", "PrefillMetadata", "check_batch"]
+__all__ = ["Batch", "BatchError", "DecodeMetadata", "GroupMetadata", "PrefillMetadata", "SegmentRows", "check_batch"]
 
 
 @register_dataclass
@@ -57,6 +57,22 @@ class GroupMetadata:
 
 @register_dataclass
 @dataclass(frozen=True, slots=True)
+class SegmentRows:
+    """The rows [start, stop) of one segment, each as a query of its own, in every cache group.
+
+    Built once per step on the device from the batch (`segment_rows.step_rows`) for models
+    with cache groups past 0, whose layers treat every row alone (DeepSeek-V4's).
+    """
+
+    key_lens: torch.Tensor                # [n] int32, tokens the row sees: its position + 1 (0: padding)
+    block_table: torch.Tensor             # [n, W] int32, the row's sequence's group-0 table
+    group_tables: tuple[torch.Tensor, ...]  # per cache group 1.., [n, Wg] int32
+    start: int = static_field(default=0)
+    stop: int = static_field(default=0)
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's inputs. Rows: [prefill tokens | padding | decode rows | padding]."""
 
@@ -67,6 +83,7 @@ class Batch:
     prefill: PrefillMetadata | None = None
     decode: DecodeMetadata | None = None
     groups: tuple[GroupMetadata, ...] = ()     # cache groups 1.. (none for one group)
+    rows: tuple[SegmentRows, ...] = ()         # per segment with rows, when there are groups 1..
 
     def real_rows(self) -> torch.Tensor:
         """[T] bool: True for real rows, False for padding.
@@ -126,3 +143,21 @@ def check_batch(batch: Batch, mode: ForwardMode) -> None:
                                  f"{'no table' if table is None else 'a table'}")
             if table is not None:
                 _expect(f"groups[{i}].{name}_block_table", table, (n, group_width), torch.int32)
+    _check_rows(batch, mode)
+
+
+def _check_rows(batch: Batch, mode: ForwardMode) -> None:
+    if not mode.group_widths:
+        return
+    bounds = [(a, b) for a, b in ((0, mode.padded_prefill_tokens), (mode.padded_prefill_tokens, mode.num_tokens))
+              if b > a]
+    if [(r.start, r.stop) for r in batch.rows] != bounds:
+        raise BatchError(f"rows: expected segments {bounds} from the mode, got {[(r.start, r.stop) for r in batch.rows]}")
+    for i, r in enumerate(batch.rows):
+        n = r.stop - r.start
+        _expect(f"rows[{i}].key_lens", r.key_lens, (n,), torch.int32)
+        _expect(f"rows[{i}].block_table", r.block_table, (n, mode.block_table_width), torch.int32)
+        if len(r.group_tables) != len(mode.group_widths):
+            raise BatchError(f"rows[{i}].group_tables: expected {len(mode.group_widths)}, got {len(r.group_tables)}")
+        for g, (table, width) in enumerate(zip(r.group_tables, mode.group_widths), start=1):
+            _expect(f"rows[{i}].group_tables[{g - 1}]", table, (n, width), torch.int32)

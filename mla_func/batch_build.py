@@ -8,6 +8,7 @@ sync; the result satisfies `check_batch` by construction and is checked anyway.
 from __future__ import annotations
 
 import array
+from dataclasses import replace
 
 import torch
 
@@ -16,6 +17,7 @@ from .batch_groups import build_group_metadata
 from .mode import ForwardMode
 from .plan import SeqPlan, StepPlan
 from .plan_checks import plan_is_valid, raise_for_plan
+from .segment_rows import step_rows
 from .state.block_allocator import SCRATCH_BLOCK
 
 
@@ -144,6 +146,9 @@ def build_batch(
         decode=decode,
         groups=build_group_metadata(plan, mode, device) if mode.group_widths else (),
     )
+    if mode.group_widths:
+        # Layers over several cache groups read each row alone: once per step, here, not per layer.
+        batch = replace(batch, rows=step_rows(batch, mode))
     check_batch(batch, mode)
     return batch
 

@@ -19,7 +19,8 @@ from .config import ConfigError, ModelConfig
 from .config_hf import config_from_json
 from .params import Params, hf_tensor_count, hf_tensor_shapes, params_from_hf
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
-from .safetensors_file import TensorEntry, load_dtype, read_header, read_tensor
+from .safetensors_file import TensorEntry, read_header, read_tensor
+from .v4_params import canonical_names, checkpoint_dtype, is_index_table
 
 __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
@@ -51,9 +52,9 @@ class Model:
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer) and
-# rotary buffers that old exports saved are not part of the forward.
-_SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Layers past num_hidden_layers and `mtp.` tensors (DeepSeek-V3's and V4's multi-token-prediction
+# layers) and rotary buffers that old exports saved are not part of the forward.
+_SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)mtp\.")
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -149,10 +150,11 @@ def _load_folder(
         raise CheckpointError(f"{path}: no config.json")
     config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
     with ExitStack() as stack:
-        located = _locate_tensors(folder, stack)
+        located = canonical_names(config, _locate_tensors(folder, stack), folder.root)
         expected = _expected_tensors(folder, config, located)
         _check_tensor_names(folder, config, expected, located)
-        dtypes = {name: load_dtype(folder.label(located[name].file), located[name].entry, dtype) for name in expected}
+        dtypes = {name: checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
+                  for name in expected}
 
         def fetch(name: str) -> torch.Tensor:
             where = located[name]
@@ -283,6 +285,9 @@ def _random_model(
         shape = shapes[name]
         if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
             return torch.zeros(shape, device=device)
+        if is_index_table(name):  # hash routing: each token's experts, drawn uniformly
+            high = config.n_routed_experts or 1
+            return torch.randint(0, high, shape, device=device, generator=generator)
         if len(shape) == 1:  # norm weights
             return torch.ones(shape, device=device)
         # std 1/sqrt(fan_in) keeps activations of order one through every layer. Drawn in

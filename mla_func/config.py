@@ -1,4 +1,4 @@
-"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3/V3.2 model, and their validation.
+"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3/V3.2 model (V4's own fields in `v4_config`), and their validation.
 
 Reading and writing Hugging Face config.json dicts is in `config_hf`.
 """
@@ -9,7 +9,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .v4_config import V4Config
 
 # The routing op validates the same names; one definition serves the config and the kernels.
 from .kernels.checks import GROUP_LIMITED_METHODS, SCORING_FUNCS, TOPK_METHODS
@@ -92,6 +95,7 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `v4_config`
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -147,7 +151,7 @@ class ModelConfig:
         return config_to_hf_dict(self)
 
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -230,6 +234,8 @@ def _validate_rope(r: RopeConfig) -> None:
 def _validate(c: ModelConfig) -> None:
     if c.model_type not in MODEL_TYPES:
         raise refuse("model_type", c.model_type, f"expected one of {MODEL_TYPES}")
+    if (c.model_type == "deepseek_v4") != (c.v4 is not None):
+        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings"):
         _check_int(name, getattr(c, name), 1)
@@ -250,6 +256,12 @@ def _validate(c: ModelConfig) -> None:
     _check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     _check_int("moe_layer_freq", c.moe_layer_freq, 1)
     _check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
+    if c.v4 is not None:
+        from .v4_config import validate_v4
+
+        # V4 routes with its own scoring (sqrtsoftplus) and no groups: its MoE fields are checked there.
+        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim)
+        return
     if c.n_routed_experts is None:
         return
     _validate_moe(c, c.n_routed_experts)

@@ -166,6 +166,10 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        from .v4_config_hf import v4_config_from_hf_dict
+
+        return v4_config_from_hf_dict(raw)
     if model_type not in MODEL_TYPES:
         raise refuse("model_type", model_type, f"expected one of {MODEL_TYPES}")
     _refuse_unsupported(raw)
@@ -217,6 +221,10 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
 
 def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
     """The config.json dict that `config_from_hf_dict` reads back to an equal config."""
+    if c.v4 is not None:
+        from .v4_config_hf import v4_config_to_hf_dict
+
+        return v4_config_to_hf_dict(c)
     architecture = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "deepseek_v32": "DeepseekV32ForCausalLM"}[c.model_type]
     out: dict[str, Any] = {"architectures": [architecture], "model_type": c.model_type}

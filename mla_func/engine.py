@@ -28,7 +28,7 @@ from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .state.block_allocator import OutOfBlocks
 from .step import make_step
-from .prepare import init_state, state_bytes_per_block
+from .prepare import extra_cache_groups, init_state, state_bytes_per_block
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
 
@@ -133,9 +133,9 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
-            block_size=c.block_size,
-            num_blocks=c.num_blocks,
-            max_model_len=c.max_model_len,
+            block_size=c.block_size, num_blocks=c.num_blocks, max_model_len=c.max_model_len,
+            # The model's cache groups past the token group (DeepSeek-V4's compressed entries), as the state's.
+            extra_cache_groups=extra_cache_groups(model.config, c.num_blocks, c.block_size),
             long_prefill_token_threshold=c.long_prefill_token_threshold,
             enable_mixed=c.enable_mixed,
             enable_prefix_caching=c.enable_prefix_caching,
@@ -292,21 +292,21 @@ class Engine:
         (checked as a generate prompt is, up to max_model_len tokens).
         """
         ids = check_score_ids(token_ids, self.limits)
-        c = self.config
+        c, blocks, tables = self.config, self.scheduler.blocks, self.scheduler.blocks.empty_tables()  # all groups'
         try:
-            blocks = tuple(self.scheduler.allocator.allocate(-(-len(ids) // c.block_size)))
+            blocks.allocate(tables, blocks.blocks_needed(tables, len(ids)))
         except OutOfBlocks as e:
             raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks "
                                      f"({e})") from None
         try:
-            rows = []
+            rows, seq_tables = [], [tuple(t) for t in tables]
             for start in range(0, len(ids), c.max_num_batched_tokens):
                 chunk = ids[start : start + c.max_num_batched_tokens]
-                plan = StepPlan(prefill=(SeqPlan(chunk, start, blocks, num_logits=len(chunk)),))
+                plan = StepPlan(prefill=(SeqPlan(chunk, start, seq_tables[0], len(chunk), tuple(seq_tables[1:])),))
                 with self._inference():
                     batch, mode = self.step.prepare(self.state, plan)
                     self.state, out = self.step(self.state, batch, mode)
                 rows.append(out.logits)
             return torch.cat(rows)
         finally:
-            self.scheduler.allocator.free(blocks)
+            blocks.free(tables)

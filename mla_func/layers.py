@@ -111,6 +111,20 @@ MLA_DECODER = MLADecoderLayer()
 
 def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer, every
-    V3.2 layer a sparse-attention one (`sparse_attention.DSADecoderLayer`)."""
+    V3.2 layer a sparse-attention one (`sparse_attention.DSADecoderLayer`); DeepSeek-V4's are
+    sliding-window, CSA or HCA layers (`v4_layers`)."""
+    if config.v4 is not None:
+        from .v4_layers import v4_layer_kinds
+
+        return v4_layer_kinds(config)
     kind: LayerKind = DSA_DECODER if config.is_sparse else MLA_DECODER
     return (kind,) * config.num_hidden_layers
+
+
+def cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
+    """Every cache group a model's state needs: the token group, then the groups its layer kinds add."""
+    if config.v4 is not None:
+        from .v4_layers import v4_cache_groups
+
+        return (tokens, *v4_cache_groups(config.v4, tokens))
+    return (tokens,)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ from .config import ModelConfig
 from .indexer_params import INDEXER_TENSORS_PER_LAYER, IndexerParams, indexer_params, indexer_tensor_shapes
 from .pytree import register_dataclass, static_field
 from .rope_tables import rope_positions, rope_tables
+from .v4_params import v4_tensor_count, v4_tensor_shapes
 
 
 @register_dataclass
@@ -97,7 +99,7 @@ class Params:
     """
 
     embed: torch.Tensor                   # [V, D]
-    layers: tuple[LayerParams, ...]
+    layers: tuple[Any, ...]               # one params pytree per layer, of its kind (`LayerParams` for MLA layers)
     norm: torch.Tensor                    # [D]
     lm_head: torch.Tensor                 # [V, D] (the embedding itself when tied)
     rope_cos: torch.Tensor                # [P, R / 2] float32, P = max_positions
@@ -113,12 +115,18 @@ class Params:
         """These params with RoPE tables covering `max_positions` positions (<= max_position_embeddings)."""
         if max_positions == self.max_positions:
             return self
+        if self.config.v4 is not None:
+            from .v4_params_load import v4_with_max_positions
+
+            return v4_with_max_positions(self, rope_positions(self.config, max_positions))
         cos, sin = rope_tables(self.config, self.rope_cos.device, rope_positions(self.config, max_positions))
         return dataclasses.replace(self, rope_cos=cos, rope_sin=sin)
 
 
 def hf_tensor_count(config: ModelConfig) -> int:
     """len(hf_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
+    if config.v4 is not None:
+        return v4_tensor_count(config)
     c = config
     attention = 4 + (1 if c.q_lora_rank is None else 3) + (INDEXER_TENSORS_PER_LAYER if c.is_sparse else 0)
     moe_layers = 0 if c.n_routed_experts is None else max(0, c.num_hidden_layers - c.first_k_dense_replace)
@@ -129,6 +137,8 @@ def hf_tensor_count(config: ModelConfig) -> int:
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `config` holds, by name, with its shape."""
+    if config.v4 is not None:
+        return v4_tensor_shapes(config)
     c = config
     d, h = c.hidden_size, c.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {
@@ -219,6 +229,11 @@ def params_from_hf(
     The RoPE tables cover `rope_positions(config, max_model_len)` positions.
     Raises CheckpointError naming a tensor that holds NaN or inf once converted.
     """
+    if config.v4 is not None:
+        from .v4_params_load import v4_params_from_hf
+
+        return v4_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
+                                 max_model_len=max_model_len)
 
     def get(name: str, keep_float32: bool = False) -> torch.Tensor:
         tensor = fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)

@@ -18,7 +18,7 @@ from .batch_build import build_batch
 from .checkpoint import Model
 from .config import ModelConfig
 from .kernels import default_backend
-from .layers import LayerKind, layer_kinds
+from .layers import LayerKind, cache_groups, layer_kinds
 from .mode import SEGMENT_KINDS, ForwardMode, PaddingPolicy
 from .plan import StepPlan
 from .state.kv_cache import KVCacheState
@@ -51,9 +51,14 @@ def init_state(
         config = model
     dtype = dtype or torch.float32
     device = device or "cpu"
-    groups = (CacheGroup(num_blocks=num_blocks, block_size=block_size),)
+    groups = cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))
     kinds = layer_kinds(config) if layers is None else layers
     return _init_caches([k.init_cache(config, groups, dtype=dtype, device=device) for k in kinds], groups=groups)
+
+
+def extra_cache_groups(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[CacheGroup, ...]:
+    """The cache groups past group 0 that `init_state` makes for a model (none for DeepSeek-V2/V3)."""
+    return cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))[1:]
 
 
 def prepare_step(

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from .config import ModelConfig, RopeConfig
+from .v4_presets import v4_mini, v4_tiny
 
 
 def tiny() -> ModelConfig:
@@ -111,6 +112,8 @@ PRESETS: Mapping[str, Callable[[], ModelConfig]] = MappingProxyType({
     "tiny": tiny,
     "v2-lite": v2_lite,
     "v32-lite": v32_lite,
+    "v4-tiny": v4_tiny,
+    "v4-mini": v4_mini,
 })
 
 SHIPPED_PRESETS: Mapping[str, Path] = MappingProxyType({

@@ -1,0 +1,71 @@
+"""Manifold-constrained hyper-connections (mHC): N residual streams instead of one.
+
+Each token carries N = hc_mult streams [T, N, D]. At each sublayer (attention,
+then the MoE) one mHC site computes, from all streams of a token:
+
+* pre  [T, N]: the weights that collapse the streams into the sublayer's input;
+* post [T, N]: how the sublayer's output is written back into each stream;
+* comb [T, N, N]: how the streams mix, projected by Sinkhorn-Knopp iterations
+  onto (nearly) doubly-stochastic matrices so the mixing cannot blow up.
+
+new streams[k] = post[k] * sublayer(collapse) + sum_j comb[j, k] * streams[j].
+The weights are computed in float32 from the RMS-normalised flattened streams.
+At the end of the model, the hyper head collapses the streams once more.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.reference.v4_attention import unit_rms
+from .v4_params import HyperConnectionParams, HyperHeadParams
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [..., N, N] positive -> columns, then rows and columns `iters - 1` more times, normalised to sum 1."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_weights(p: HyperConnectionParams, streams: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all float32."""
+    n = streams.shape[1]
+    flat = unit_rms(streams.flatten(1).float(), norm_eps)
+    mixes = F.linear(flat, p.fn.float())                                  # [T, (2 + N) * N]
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = p.base.float().split([n, n, n * n])
+    scale = p.scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_n pre[t, n] * streams[t, n] -> [T, D] in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write-back of a sublayer's output out [T, D] as (delta, residual), both [T, N, D].
+
+    delta = post[:, k] * out (the sublayer's share of stream k) and residual = comb^T @ streams
+    (the mixed streams); the new streams are residual + delta.
+    """
+    dtype = streams.dtype
+    delta = post.to(dtype).unsqueeze(-1) * out.to(dtype).unsqueeze(-2)
+    residual = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return delta, residual
+
+
+def hyper_head(p: HyperHeadParams, streams: torch.Tensor, *, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """The model's last collapse: streams [T, N, D] -> [T, D] with weights from all streams (float32)."""
+    flat = unit_rms(streams.flatten(1).float(), norm_eps)
+    pre = torch.sigmoid(F.linear(flat, p.fn.float()) * p.scale.float() + p.base.float()) + hc_eps
+    return collapse(pre, streams)

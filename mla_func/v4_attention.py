@@ -1,0 +1,145 @@
+"""DeepSeek-V4's attention of one layer: shared-KV heads over a sliding window, compressed entries and a sink.
+
+Every head's query attends to one shared key per token, which is also the value
+(K = V). Each row (a query token at position p) sees
+
+* its window: the keys of positions [p - sliding_window + 1, p] of its sequence;
+* HCA layers: every compressed entry complete at p (entries of `rate` tokens);
+* CSA layers: the `index_topk` complete entries the lightning indexer scores best;
+* a per-head sink: a logit in the softmax that carries no value.
+
+Each is a scope of its own, attended separately; their partial results meet in the
+one LSE merge (`merge_attn_states`), the sink as a scope of one logit and a zero value.
+
+Partial RoPE rotates the trailing `qk_rope_head_dim` channels of queries and
+keys (and compressed entries, at their block's first position); as values carry
+that rotation too, the output's rope slice is rotated back at the query's
+position. Heads are then projected in `o_groups` groups (`o_a_proj`), mixed by
+`o_b_proj`.
+
+The caches are written first (window keys, compressor inputs, completed entries),
+then each segment's rows (prefill, then decode) read their own keys through their
+own block tables (`batch.rows`, built once per step): prefill and decode rows take
+the same per-row path, each with its own segment's metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import Batch, SegmentRows
+from .compressor import project_inputs, write_entries
+from .config import ModelConfig
+from .v4_indexer import index_query, select_entries
+from .kernels import Ops
+from .kernels.reference.v4_attention import rope_tail, scope_attention, unit_rms
+from .mode import ForwardMode
+from .segment_rows import step_rows
+from .state.v4_cache import V4LayerCache
+from .v4_config import CSA, V4Config
+from .v4_params import V4AttentionParams
+from .v4_rows import entry_counts, slots_of, window_positions
+
+
+def _seqs(mode: ForwardMode, segment: SegmentRows) -> int:
+    return mode.padded_prefill_seqs if segment.start == 0 and mode.padded_prefill_tokens else mode.padded_decode_seqs
+
+
+def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache: V4LayerCache, batch: Batch,
+                 mode: ForwardMode, segments: tuple[SegmentRows, ...], layer_type: str, config: ModelConfig,
+                 ops: Ops, *, inplace: bool) -> V4LayerCache:
+    """This step's window keys, compressor inputs and completed entries (and CSA's index keys) written."""
+    v = _v4(config)
+    window = ops.mla.write_kv(cache.window, batch.slot_mapping, kv, inplace=inplace)
+    if p.compressor is None or cache.compressor_inputs is None or cache.entries is None:
+        return V4LayerCache(window=window)
+    rate = v.rate(layer_type)
+    eps = config.rms_norm_eps
+    group_slots = batch.groups[cache.entry_group - 1].slot_mapping
+    inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, project_inputs(p.compressor, x, ops),
+                              inplace=inplace)
+    index_inputs, index_keys = cache.index_inputs, cache.index_keys
+    if p.indexer is not None and index_inputs is not None:
+        index_inputs = ops.mla.write_kv(index_inputs, batch.slot_mapping, project_inputs(p.indexer.compressor, x, ops),
+                                        inplace=inplace)
+    entries = cache.entries
+    for seg in segments:
+        slots, seqs = group_slots[seg.start:seg.stop], _seqs(mode, seg)
+        entries = write_entries(p.compressor, inputs, entries, slots, seg.key_lens, seg.block_table, rate=rate,
+                                overlap=layer_type == CSA, num_seqs=seqs, cos=p.rope_cos, sin=p.rope_sin, eps=eps,
+                                ops=ops, inplace=inplace)
+        if p.indexer is not None and index_inputs is not None and index_keys is not None:
+            index_keys = write_entries(p.indexer.compressor, index_inputs, index_keys, slots, seg.key_lens,
+                                       seg.block_table, rate=rate, overlap=True, num_seqs=seqs, cos=p.rope_cos,
+                                       sin=p.rope_sin, eps=eps, ops=ops, inplace=inplace)
+    return V4LayerCache(window=window, compressor_inputs=inputs, entries=entries, index_inputs=index_inputs,
+                        index_keys=index_keys, group=cache.group, entry_group=cache.entry_group)
+
+
+def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRows, q: torch.Tensor,
+                      q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
+                      v: V4Config, ops: Ops) -> torch.Tensor:
+    """The attention output [n, H, Dh] of a segment's rows (q [n, H, Dh], rotated).
+
+    Scopes: the row's window, then its compressed entries (all complete ones for HCA,
+    the indexer's top-k for CSA), merged by their log-sum-exp, then the sink: a scope
+    of one logit per head and a zero value.
+    """
+    scale = v.head_dim ** -0.5
+    window = cache.window
+    win_pos, win_valid = window_positions(seg.key_lens, v.sliding_window)
+    win_keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
+    out, lse = scope_attention(q, win_keys, win_valid, softmax_scale=scale)
+    if cache.entries is not None:
+        entries = cache.entries
+        g_table = seg.group_tables[cache.entry_group - 1]
+        count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
+        if p.indexer is not None and cache.index_keys is not None:
+            q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
+            chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, count, v)   # [n, k], -1: none
+            valid = chosen >= 0
+        else:
+            chosen = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
+            valid = chosen < count.unsqueeze(1)
+        entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, chosen.clamp(min=0), entries.shape[1])]
+        entry_out, entry_lse = scope_attention(q, entry_keys, valid, softmax_scale=scale)
+        out, lse = ops.dense.merge_attn_states(out, lse, entry_out, entry_lse)
+    sink_lse = p.sinks.float().expand(q.shape[0], -1)
+    out, _ = ops.dense.merge_attn_states(out, lse, torch.zeros_like(out), sink_lse)
+    return out
+
+
+def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, batch: Batch, mode: ForwardMode,
+                 layer_type: str, config: ModelConfig, ops: Ops, *, inplace: bool
+                 ) -> tuple[torch.Tensor, V4LayerCache]:
+    """x [T, D] (the layer's normalised input) -> (output [T, D], the cache with this step written)."""
+    v = _v4(config)
+    t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
+    eps = config.rms_norm_eps
+    positions = batch.positions
+    cos, sin = p.rope_cos[positions], p.rope_sin[positions]                                 # [T, R / 2]
+    q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
+    q = unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
+    q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
+    kv = rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
+    # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
+    # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
+    segments = batch.rows if mode.group_widths else step_rows(batch, mode)
+    cache = write_caches(p, x, kv, cache, batch, mode, segments, layer_type, config, ops, inplace=inplace)
+    outputs = []
+    for seg in segments:
+        rows = slice(seg.start, seg.stop)
+        outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
+                                         layer_type, v, ops))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
+    out = rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    groups = v.o_groups
+    o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
+    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
+    return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
+
+
+def _v4(config: ModelConfig) -> V4Config:
+    if config.v4 is None:
+        raise ValueError(f"v4_attention: expected a deepseek_v4 config, got {config.model_type!r}")
+    return config.v4

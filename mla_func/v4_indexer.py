@@ -1,0 +1,48 @@
+"""CSA's lightning indexer: which compressed entries each query row attends to.
+
+The indexer has its own compressor (the same overlapping-window pooling at
+`index_head_dim`; its keys live in the layer's `index_keys`), and its own
+queries, `index_n_heads` of them per row from the attention's query latent,
+rotated with the compress rope at the row's position. A row scores each entry
+complete at its position as sum_h w_h * relu(q_h . k) (head weights from the
+row's input) and keeps the `index_topk` best; with fewer complete entries it
+keeps them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.reference.v4_attention import rope_tail
+from .kernels.reference.v4_indexer import index_scores, top_k_indices
+from .v4_config import V4Config
+from .v4_params import IndexerParams
+
+
+def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, v: V4Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32).
+
+    q_residual [n, Q] the attention's normalised query latent; x [n, D] the layer's input;
+    cos, sin [P, R / 2] the compress rope tables. The head weights carry both scales of
+    the score, 1/sqrt(Hi) and 1/sqrt(Di), as the indexer ops expect.
+    """
+    n = x.shape[0]
+    q = F.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
+    q = rope_tail(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    weights = F.linear(x, p.weights_proj).float() * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
+    return q, weights
+
+
+def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
+                   counts: torch.Tensor, v: V4Config) -> torch.Tensor:
+    """The entries each row attends to: [n, min(index_topk, L)] int64 entry numbers, -1 for none.
+
+    index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
+    counts [n] entries complete at the row's position. A row with fewer than index_topk
+    complete entries keeps all of them.
+    """
+    key_lens = counts.to(torch.int32)
+    scores = index_scores(q, head_weights, index_keys, group_table, key_lens)
+    return top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)
