@@ -195,3 +195,42 @@ class SparseMlaDecode(Protocol):
         -> out [T, H, C] in q's dtype (with w_uv: out rounded to q's dtype, then @ w_uv[h]^T,
         [T, H, Dv]), lse [T, H] float32 natural log; a row with no valid index: out 0, lse -inf."""
         ...
+
+
+# ---- DeepSeek-V4 (`reference.v4_attention`, `reference.v4_moe`) ----------------------------
+
+
+class RopeTail(Protocol):
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, /, *, inverse: bool = False) -> Tensor:
+        """Rotate the trailing R channels of x [..., D] by interleaved pairs; cos, sin [..., R / 2]
+        broadcastable to x's leading dims; `inverse` rotates by the opposite angle -> [..., D]."""
+        ...
+
+
+class UnitRms(Protocol):
+    def __call__(self, x: Tensor, eps: float, /) -> Tensor:
+        """x / sqrt(mean(x^2) + eps) over the last dim (no weight), statistics in at least float32."""
+        ...
+
+
+class ScopeAttention(Protocol):
+    def __call__(self, q: Tensor, keys: Tensor, valid: Tensor, /, *, softmax_scale: float) -> tuple[Tensor, Tensor]:
+        """Each row over one scope of its own keys (values = keys): q [n, H, D], keys [n, L, D],
+        valid [n, L] bool -> out [n, H, D] in q's dtype, lse [n, H] float32; no valid key: 0, -inf."""
+        ...
+
+
+class PoolEntries(Protocol):
+    def __call__(self, kv: Tensor, gate: Tensor, valid: Tensor, /) -> Tensor:
+        """Gated pooling of S slots into one compressed entry: kv, gate [n, S, Dc], valid [n, S] bool
+        -> [n, Dc] = sum_s softmax_s(gate) * kv over valid slots; 0 without one."""
+        ...
+
+
+class ClampedExperts(Protocol):
+    def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
+                 limit: float) -> Tensor:
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU pre-activations
+        clamped at `limit` (gate above, up both ways): x [T, D]; w13 [E, 2I, D]; w2 [E, D, I];
+        topk_ids -1 takes no expert -> [T, D] in x's dtype."""
+        ...

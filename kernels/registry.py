@@ -4,7 +4,9 @@ The model calls ops only through an `Ops` table obtained from `ops_for(backend)`
 Ops are grouped by the layer kind that needs them: `dense` (norms, projections,
 rope, the LSE merge: every layer kind), `mla` (the latent cache and MLA
 attention), `moe` (routing and experts), `dsa` (DeepSeek Sparse Attention's
-indexer and sparse MLA); a new layer kind adds a group. Each
+indexer and sparse MLA, which DeepSeek-V4's CSA layers share), `v4` (DeepSeek-V4's
+own math: the Triton table runs its reference until V4 kernels exist); a new layer
+kind adds a group. Each
 op's contract is its `Protocol` in `contracts`. Every backend's table derives
 from the reference table with `dataclasses.replace`, naming only the ops it
 replaces, so an op a backend has no kernel for is visibly the reference.
@@ -29,6 +31,8 @@ from .reference import moe as ref_moe
 from .reference import norm as ref_norm
 from .reference import rope as ref_rope
 from .reference import routing as ref_routing
+from .reference import v4_attention as ref_v4_attention
+from .reference import v4_moe as ref_v4_moe
 
 BACKENDS = ("torch", "triton", "aiter")
 
@@ -75,6 +79,18 @@ class DSAOps:
 
 
 @dataclass(frozen=True, slots=True)
+class V4Ops:
+    """DeepSeek-V4's own math: partial rope, the unweighted norm, per-scope attention, the
+    compressors' pooling and the clamped-SwiGLU experts."""
+
+    rope_tail: c.RopeTail
+    unit_rms: c.UnitRms
+    scope_attention: c.ScopeAttention
+    pool_entries: c.PoolEntries
+    clamped_experts: c.ClampedExperts
+
+
+@dataclass(frozen=True, slots=True)
 class Ops:
     """Every op the model calls, bound to one backend's implementations, by layer kind.
 
@@ -88,6 +104,7 @@ class Ops:
     mla: MLAOps
     moe: MoEOps
     dsa: DSAOps
+    v4: V4Ops
     batch_invariant: bool = False
 
 
@@ -114,6 +131,13 @@ REFERENCE = Ops(
         index_scores=ref_dsa.index_scores,
         top_k_indices=ref_dsa.top_k_indices,
         sparse_mla_decode=ref_dsa.sparse_mla_decode,
+    ),
+    v4=V4Ops(
+        rope_tail=ref_v4_attention.rope_tail,
+        unit_rms=ref_v4_attention.unit_rms,
+        scope_attention=ref_v4_attention.scope_attention,
+        pool_entries=ref_v4_attention.pool_entries,
+        clamped_experts=ref_v4_moe.clamped_experts,
     ),
 )
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from .kernels import Ops
-from .kernels.reference.v4_attention import pool_entries, rope_tail
 from .v4_params import CompressorParams
 from .v4_rows import slots_of
 
@@ -71,9 +70,9 @@ def pool_block(p: CompressorParams, inputs: torch.Tensor, key_lens: torch.Tensor
         gate = torch.cat([gate[:, :rate, :width] + bias[:, :width], gate[:, rate:, width:] + bias[:, width:]], dim=1)
     else:
         gate = gate + bias
-    pooled = ops.dense.rms_norm(pool_entries(kv, gate, valid), p.kv_norm, eps)
+    pooled = ops.dense.rms_norm(ops.v4.pool_entries(kv, gate, valid), p.kv_norm, eps)
     start = entry * rate
-    return rope_tail(pooled, cos[start], sin[start])
+    return ops.v4.rope_tail(pooled, cos[start], sin[start])
 
 
 def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor,

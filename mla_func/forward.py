@@ -61,6 +61,9 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
     if mode.cache_groups and mode.cache_groups != state.groups:
         raise ValueError(f"{name}: the batch was planned for cache groups {mode.cache_groups}, the state has "
                          f"{state.groups}")
+    if mode.batch_invariant and params.config.v4 is not None:
+        raise ValueError(f"{name}: batch-invariant steps cover DeepSeek-V2/V3/V3.2 models; DeepSeek-V4's layers "
+                         "have no batch-invariant ops yet (decide the step with batch_invariant=False)")
     if ops is None:
         return ops_for(mode.backend, mode.batch_invariant)
     if ops.backend != mode.backend:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels.reference.v4_moe import clamped_experts, clamped_swiglu
+from .kernels import Ops
 from .v4_params import V4MoEParams
 
 
@@ -46,15 +46,19 @@ def route(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch
     return torch.where(valid.unsqueeze(1), weights, 0.0), ids
 
 
-def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig
-           ) -> torch.Tensor:
+def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
+           ops: Ops) -> torch.Tensor:
     """The routed experts' weighted sum plus the shared experts: x [T, D] -> [T, D]."""
     v = config.v4
     if v is None:
         raise ValueError(f"v4_moe: expected a deepseek_v4 config, got {config.model_type!r}")
     weights, ids = route(p, x, input_ids, valid, config)
     routed = p.num_routed
-    out = clamped_experts(x, p.w13[:routed], p.w2[:routed], weights, ids, limit=v.swiglu_limit)
-    for s in range(routed, p.w13.shape[0]):
-        out = out + F.linear(clamped_swiglu(F.linear(x, p.w13[s]), v.swiglu_limit), p.w2[s])
+    out = ops.v4.clamped_experts(x, p.w13[:routed], p.w2[:routed], weights, ids, limit=v.swiglu_limit)
+    num_shared = p.w13.shape[0] - routed
+    if num_shared:
+        # Every token takes every shared expert with weight 1.
+        shared = torch.arange(num_shared, device=x.device).expand(x.shape[0], -1)
+        out = out + ops.v4.clamped_experts(x, p.w13[routed:], p.w2[routed:], torch.ones_like(shared, dtype=weights.dtype),
+                                           shared, limit=v.swiglu_limit)
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.reference.v4_attention import unit_rms
+from .kernels import Ops
 from .v4_params import HyperConnectionParams, HyperHeadParams
 
 
@@ -31,11 +31,11 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_weights(p: HyperConnectionParams, streams: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_weights(p: HyperConnectionParams, streams: torch.Tensor, ops: Ops, *, iters: int, hc_eps: float,
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all float32."""
     n = streams.shape[1]
-    flat = unit_rms(streams.flatten(1).float(), norm_eps)
+    flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
     mixes = F.linear(flat, p.fn.float())                                  # [T, (2 + N) * N]
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = p.base.float().split([n, n, n * n])
@@ -64,8 +64,9 @@ def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: t
     return delta, residual
 
 
-def hyper_head(p: HyperHeadParams, streams: torch.Tensor, *, hc_eps: float, norm_eps: float) -> torch.Tensor:
+def hyper_head(p: HyperHeadParams, streams: torch.Tensor, ops: Ops, *, hc_eps: float, norm_eps: float
+               ) -> torch.Tensor:
     """The model's last collapse: streams [T, N, D] -> [T, D] with weights from all streams (float32)."""
-    flat = unit_rms(streams.flatten(1).float(), norm_eps)
+    flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, p.fn.float()) * p.scale.float() + p.base.float()) + hc_eps
     return collapse(pre, streams)

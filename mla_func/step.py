@@ -270,6 +270,9 @@ def make_step(
               depend on its own sequence only, not on its batch-mates, the padding rung,
               the step kind or where a prompt was cut into chunks (`ForwardMode.batch_invariant`).
     """
+    if batch_invariant and model.config.v4 is not None:
+        raise ValueError("make_step: batch_invariant=True covers DeepSeek-V2/V3/V3.2 models; DeepSeek-V4's layers "
+                         "have no batch-invariant ops yet")
     device = model.device
     use_graphs = graphs and device.type == "cuda"
     if padding is None and not use_graphs:

@@ -32,7 +32,6 @@ from .compressor import project_inputs, write_entries
 from .config import ModelConfig
 from .v4_indexer import index_query, select_entries
 from .kernels import Ops
-from .kernels.reference.v4_attention import rope_tail, scope_attention, unit_rms
 from .mode import ForwardMode
 from .segment_rows import step_rows
 from .state.v4_cache import V4LayerCache
@@ -89,20 +88,20 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
     window = cache.window
     win_pos, win_valid = window_positions(seg.key_lens, v.sliding_window)
     win_keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
-    out, lse = scope_attention(q, win_keys, win_valid, softmax_scale=scale)
+    out, lse = ops.v4.scope_attention(q, win_keys, win_valid, softmax_scale=scale)
     if cache.entries is not None:
         entries = cache.entries
         g_table = seg.group_tables[cache.entry_group - 1]
         count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
         if p.indexer is not None and cache.index_keys is not None:
-            q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v)
-            chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, count, v)   # [n, k], -1: none
+            q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v, ops)
+            chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, count, v, ops)   # [n, k], -1: none
             valid = chosen >= 0
         else:
             chosen = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
             valid = chosen < count.unsqueeze(1)
         entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, chosen.clamp(min=0), entries.shape[1])]
-        entry_out, entry_lse = scope_attention(q, entry_keys, valid, softmax_scale=scale)
+        entry_out, entry_lse = ops.v4.scope_attention(q, entry_keys, valid, softmax_scale=scale)
         out, lse = ops.dense.merge_attn_states(out, lse, entry_out, entry_lse)
     sink_lse = p.sinks.float().expand(q.shape[0], -1)
     out, _ = ops.dense.merge_attn_states(out, lse, torch.zeros_like(out), sink_lse)
@@ -119,9 +118,9 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     positions = batch.positions
     cos, sin = p.rope_cos[positions], p.rope_sin[positions]                                 # [T, R / 2]
     q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
-    q = unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
-    q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
-    kv = rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
+    q = ops.v4.unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
+    q = ops.v4.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
+    kv = ops.v4.rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
     # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
     # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
     segments = batch.rows if mode.group_widths else step_rows(batch, mode)
@@ -132,7 +131,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
         outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
-    out = rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    out = ops.v4.rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
     groups = v.o_groups
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
     grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]

@@ -14,14 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.reference.v4_attention import rope_tail
-from .kernels.reference.v4_indexer import index_scores, top_k_indices
+from .kernels import Ops
 from .v4_config import V4Config
 from .v4_params import IndexerParams
 
 
 def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, v: V4Config) -> tuple[torch.Tensor, torch.Tensor]:
+                cos: torch.Tensor, sin: torch.Tensor, v: V4Config, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
     """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32).
 
     q_residual [n, Q] the attention's normalised query latent; x [n, D] the layer's input;
@@ -30,13 +29,13 @@ def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, pos
     """
     n = x.shape[0]
     q = F.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
-    q = rope_tail(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    q = ops.v4.rope_tail(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     weights = F.linear(x, p.weights_proj).float() * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
     return q, weights
 
 
 def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
-                   counts: torch.Tensor, v: V4Config) -> torch.Tensor:
+                   counts: torch.Tensor, v: V4Config, ops: Ops) -> torch.Tensor:
     """The entries each row attends to: [n, min(index_topk, L)] int64 entry numbers, -1 for none.
 
     index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
@@ -44,5 +43,6 @@ def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torc
     complete entries keeps all of them.
     """
     key_lens = counts.to(torch.int32)
-    scores = index_scores(q, head_weights, index_keys, group_table, key_lens)
-    return top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)
+    # The same ops as V3.2's indexer (`ops.dsa`), over compressed entries instead of tokens.
+    scores = ops.dsa.index_scores(q, head_weights, index_keys, group_table, key_lens)
+    return ops.dsa.top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)

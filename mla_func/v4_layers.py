@@ -88,7 +88,7 @@ class V4DecoderLayer:
     def _site(self, p: HyperConnectionParams, streams: torch.Tensor, norm: torch.Tensor, ctx: LayerContext
               ) -> V4Entered:
         v, eps = _v4(ctx.config), ctx.config.rms_norm_eps
-        pre, post, comb = hc_weights(p, streams, iters=v.hc_sinkhorn_iters, hc_eps=v.hc_eps, norm_eps=eps)
+        pre, post, comb = hc_weights(p, streams, ctx.ops, iters=v.hc_sinkhorn_iters, hc_eps=v.hc_eps, norm_eps=eps)
         return V4Entered(ctx.ops.dense.rms_norm(collapse(pre, streams), norm, eps), post, comb)
 
     def enter(self, p: V4LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
@@ -107,14 +107,14 @@ class V4DecoderLayer:
         delta, mixed = expand(entered.post, entered.comb, out, residual)
         streams = mixed + delta
         ffn = self._site(p.ffn_hc, streams, p.ffn_norm, ctx)
-        y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config)
+        y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config, ctx.ops)
         delta, mixed = expand(ffn.post, ffn.comb, y, streams)
         if not self.head:
             return delta, mixed, cache
         if p.hc_head is None:
             raise ValueError("the last V4 layer's params must hold the hyper head (hc_head)")
         v = _v4(ctx.config)
-        final = hyper_head(p.hc_head, mixed + delta, hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        final = hyper_head(p.hc_head, mixed + delta, ctx.ops, hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
         return final, torch.zeros_like(final), cache
 
 

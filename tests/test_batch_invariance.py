@@ -211,3 +211,11 @@ def test_sparse_attention_model_is_invariant_too(tmp_path):
     plan = mf.StepPlan(decode=(decode_plan(other, 3), decode_plan(seq, prompt[-1])))
     decoded, _ = run(v32, state, plan, batch_invariant=True)
     assert torch.equal(decoded[1], whole[-1])
+
+
+def test_a_v4_model_refuses_the_mode():
+    v4 = mf.load_model("v4-tiny", device="cpu")
+    with pytest.raises(ValueError, match="V4"):
+        mf.Engine(v4, batch_invariant=True, num_blocks=64)
+    with pytest.raises(ValueError, match="V4"):
+        mf.make_step(v4, batch_invariant=True)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's reference ops against plain formulas written here, on fresh random inputs."""
+"""DeepSeek-V4's reference ops (and the indexer ops it shares with V3.2) against plain formulas written here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mla_func.kernels.reference.attention import merge_attn_states
 from mla_func.kernels.reference.v4_attention import pool_entries, rope_tail, scope_attention
-from mla_func.kernels.reference.v4_indexer import index_scores, top_k_indices
+from mla_func.kernels.reference.dsa import index_scores, top_k_indices
 
 
 @settings(max_examples=30, deadline=None)

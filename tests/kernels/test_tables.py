@@ -16,13 +16,20 @@ def _ops_of(table):
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
+# DeepSeek-V4's own ops: the Triton table runs their reference until V4 kernels exist.
+REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "scope_attention", "pool_entries", "clamped_experts"})
+
+
 def test_triton_table_names_every_op():
     table = ops_for("triton")
     assert table.backend == "triton"
     reference = _ops_of(ops_for("torch"))
     for name, op in _ops_of(table).items():
         assert op is not None
-        assert op is not reference[name], f"triton runs the reference {name}"
+        if name in REFERENCE_ON_TRITON:
+            assert op is reference[name], f"triton has a kernel of {name}: take it off REFERENCE_ON_TRITON"
+        else:
+            assert op is not reference[name], f"triton runs the reference {name}"
     assert table.dense.rope.__module__.endswith("triton.rope")
     assert table.mla.mla_decode.__module__.endswith("triton.decode")
 
@@ -41,7 +48,7 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
 def test_tables_derive_from_the_reference_by_group():
     torch_ops = ops_for("torch")
     assert torch_ops.backend == "torch"
-    assert len(_ops_of(torch_ops)) == 17
+    assert len(_ops_of(torch_ops)) == 22
     assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
 
 
