@@ -249,6 +249,34 @@ def _split_kernel(
         tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
+def check_latent_attention_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_lora_rank: int,
+                                w_uv: torch.Tensor | None, *, num_seqs: int, seq_lens: torch.Tensor | None = None,
+                                **per_row: torch.Tensor) -> None:
+    """The argument checks every absorbed attention over the paged latent cache shares.
+
+    q [rows, H, C + R] float; kv_cache [num_blocks, bs, C + R] in q's dtype; block_table
+    [num_seqs, W] int32; seq_lens [num_seqs] int32 if given; per_row: more int32 tensors of
+    num_seqs rows (e.g. indices); w_uv [H, Dv, C] in q's dtype or None; 0 < kv_lora_rank < C + R.
+    """
+    dim = q.shape[2]
+    check_shape("kv_cache", kv_cache, (None, None, dim))
+    check_shape("block_table", block_table, (num_seqs, None))
+    check_float("q", q)
+    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    check_dtype("block_table", block_table, (torch.int32,))
+    tensors = dict(per_row) if seq_lens is None else {"seq_lens": seq_lens, **per_row}
+    for name, t in tensors.items():
+        check_shape(name, t, (num_seqs,) + (None,) * (t.dim() - 1))
+        check_dtype(name, t, (torch.int32,))
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, **tensors)
+    if not 0 < kv_lora_rank < dim:
+        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    if w_uv is not None:
+        check_shape("w_uv", w_uv, (q.shape[1], None, kv_lora_rank))
+        check_dtype("w_uv", w_uv, (q.dtype,))
+        check_same_device(q=q, w_uv=w_uv)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -291,20 +319,8 @@ def mla_decode(
     num_seqs = num_rows // q_len
     rope_dim = dim - kv_lora_rank
     _, block_size, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (None, None, dim))
-    check_shape("block_table", block_table, (num_seqs, None))
-    check_shape("seq_lens", seq_lens, (num_seqs,))
-    check_float("q", q)
-    check_dtype("kv_cache", kv_cache, (q.dtype,))
-    check_dtype("block_table", block_table, (torch.int32,))
-    check_dtype("seq_lens", seq_lens, (torch.int32,))
-    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
-    if not 0 < kv_lora_rank < dim:
-        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
-    if w_uv is not None:
-        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        check_dtype("w_uv", w_uv, (q.dtype,))
-        check_same_device(q=q, w_uv=w_uv)
+    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_seqs,
+                                seq_lens=seq_lens)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LOG2E, check_float, dot_precision, next_pow2, pdl
-from .decode import _split_kernel, decode_config
+from ._common import LOG2E, dot_precision, next_pow2, pdl
+from .decode import _split_kernel, check_latent_attention_args, decode_config
 from .invariant_matmul import bmm
 
 # At most this many splits a row (fewer for short rows), each of at least
@@ -116,20 +115,7 @@ def mla_decode(
                          f"with its own seq_len), got q_len={q_len}")
     num_rows, num_heads, dim = q.shape
     _, block_size, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (None, None, dim))
-    check_shape("block_table", block_table, (num_rows, None))
-    check_shape("seq_lens", seq_lens, (num_rows,))
-    check_float("q", q)
-    check_dtype("kv_cache", kv_cache, (q.dtype,))
-    check_dtype("block_table", block_table, (torch.int32,))
-    check_dtype("seq_lens", seq_lens, (torch.int32,))
-    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
-    if not 0 < kv_lora_rank < dim:
-        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
-    if w_uv is not None:
-        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        check_dtype("w_uv", w_uv, (q.dtype,))
-        check_same_device(q=q, w_uv=w_uv)
+    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows, seq_lens=seq_lens)
     device = q.device
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)

@@ -24,8 +24,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
-from .decode import DecodeConfig
+from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl, sm_count
+from .decode import DecodeConfig, check_latent_attention_args
 from .decode_merge import merge_splits, merge_splits_value
 
 # The dense decode's tilings (heads per program, keys per step): at 16 heads the
@@ -205,20 +205,7 @@ def sparse_mla_decode(
     """
     num_rows, num_heads, dim = q.shape
     _, block_size, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (None, None, dim))
-    check_shape("block_table", block_table, (num_rows, None))
-    check_shape("indices", indices, (num_rows, None))
-    check_float("q", q)
-    check_dtype("kv_cache", kv_cache, (q.dtype,))
-    check_dtype("block_table", block_table, (torch.int32,))
-    check_dtype("indices", indices, (torch.int32,))
-    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, indices=indices)
-    if not 0 < kv_lora_rank < dim:
-        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
-    if w_uv is not None:
-        check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        check_dtype("w_uv", w_uv, (q.dtype,))
-        check_same_device(q=q, w_uv=w_uv)
+    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows, indices=indices)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     top_k = indices.shape[1]
