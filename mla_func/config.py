@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
 # The routing op validates the same names; one definition serves the config and the kernels.
 from .kernels.checks import GROUP_LIMITED_METHODS, SCORING_FUNCS, TOPK_METHODS
+from .config_fields import ConfigError, check_bool, check_int, check_positive, is_int, is_number, refuse
 
-
-class ConfigError(ValueError):
-    """A config.json field has a value mla-func does not support (the message names the field)."""
+__all__ = ["MODEL_TYPES", "ConfigError", "ModelConfig", "RopeConfig", "is_int", "is_number", "refuse",
+           "yarn_mscale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,44 +159,6 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def refuse(field_name: str, value: Any, why: str) -> ConfigError:
-    """The error for one field: its config.json name, the value found and what was expected."""
-    shown = repr(value)
-    if len(shown) > 200:
-        shown = shown[:200] + "..."
-    return ConfigError(f"config field {field_name!r} = {shown}: {why}")
-
-
-def is_int(value: Any) -> bool:
-    """A JSON integer: `true` is a bool in JSON, never a count."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not is_int(value) or value < low:
-        kind = "null or an integer" if optional else "an integer"
-        raise refuse(name, value, f"must be {kind} >= {low}")
-
-
-def _check_positive(name: str, value: Any, *, optional: bool = False, above: float = 0.0) -> None:
-    """A finite number > `above` (None allowed when optional)."""
-    if optional and value is None:
-        return
-    if not is_number(value) or not math.isfinite(value) or value <= above:
-        raise refuse(name, value, f"must be a finite number > {above:g}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise refuse(name, value, "must be true or false")
-
-
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -209,20 +171,20 @@ def _validate_rope(r: RopeConfig) -> None:
     if r.kind not in ("default", "yarn"):
         raise refuse("rope_parameters.rope_type", r.kind, "expected 'default' or 'yarn'")
     # theta^(-2i/R) must fall with i; theta = 1 would also divide YaRN's correction dims by log(1).
-    _check_positive("rope_parameters.rope_theta", r.theta, above=1.0)
-    _check_positive("rope_parameters.factor", r.factor)
-    _check_int("rope_parameters.original_max_position_embeddings", r.original_max_position_embeddings, 1,
+    check_positive("rope_parameters.rope_theta", r.theta, above=1.0)
+    check_positive("rope_parameters.factor", r.factor)
+    check_int("rope_parameters.original_max_position_embeddings", r.original_max_position_embeddings, 1,
                optional=True)
     if r.kind == "yarn" and r.original_max_position_embeddings is None:
         raise refuse("rope_parameters.original_max_position_embeddings", None, "YaRN needs it")
-    _check_positive("rope_parameters.beta_fast", r.beta_fast)
-    _check_positive("rope_parameters.beta_slow", r.beta_slow)
+    check_positive("rope_parameters.beta_fast", r.beta_fast)
+    check_positive("rope_parameters.beta_slow", r.beta_slow)
     for name in ("mscale", "mscale_all_dim"):
         value = getattr(r, name)
         if value is not None and (not is_number(value) or not math.isfinite(value)):
             raise refuse(f"rope_parameters.{name}", value, "must be null or a finite number")
-    _check_positive("rope_parameters.attention_factor", r.attention_factor, optional=True)
-    _check_bool("rope_parameters.truncate", r.truncate)
+    check_positive("rope_parameters.attention_factor", r.attention_factor, optional=True)
+    check_bool("rope_parameters.truncate", r.truncate)
     if r.kind == "yarn" and r.factor < 1:
         raise refuse("rope_parameters.factor", r.factor, "YaRN stretches positions: must be >= 1")
     # Finite fields can still combine into an infinite or negative scale, and NaN tables.
@@ -238,13 +200,13 @@ def _validate(c: ModelConfig) -> None:
         raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings"):
-        _check_int(name, getattr(c, name), 1)
+        check_int(name, getattr(c, name), 1)
     if not is_int(c.qk_rope_head_dim) or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2:
         raise refuse("qk_rope_head_dim", c.qk_rope_head_dim, "must be a positive even integer")
-    _check_int("q_lora_rank", c.q_lora_rank, 1, optional=True)
-    _check_positive("rms_norm_eps", c.rms_norm_eps)
+    check_int("q_lora_rank", c.q_lora_rank, 1, optional=True)
+    check_positive("rms_norm_eps", c.rms_norm_eps)
     for name in ("rope_interleave", "tie_word_embeddings", "norm_topk_prob"):
-        _check_bool(name, getattr(c, name))
+        check_bool(name, getattr(c, name))
     if not isinstance(c.rope, RopeConfig):
         raise refuse("rope_parameters", c.rope, "must be a RopeConfig")
     if not isinstance(c.eos_token_ids, tuple) or not all(is_int(t) and 0 <= t < c.vocab_size for t in c.eos_token_ids):
@@ -253,9 +215,9 @@ def _validate(c: ModelConfig) -> None:
         raise refuse("rope_parameters.mscale_all_dim", c.rope.mscale_all_dim,
                      f"makes the softmax scale {c.softmax_scale}, not a finite positive number")
     _validate_indexer(c)
-    _check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
-    _check_int("moe_layer_freq", c.moe_layer_freq, 1)
-    _check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
+    check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
+    check_int("moe_layer_freq", c.moe_layer_freq, 1)
+    check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
     if c.v4 is not None:
         from .v4_config import validate_v4
 
@@ -270,9 +232,9 @@ def _validate(c: ModelConfig) -> None:
 def _validate_moe(c: ModelConfig, experts: int) -> None:
     if not is_int(c.num_experts_per_tok) or not 1 <= c.num_experts_per_tok <= experts:
         raise refuse("num_experts_per_tok", c.num_experts_per_tok, f"must be an integer in [1, n_routed_experts={experts}]")
-    _check_int("moe_intermediate_size", c.moe_intermediate_size, 1)
-    _check_int("n_shared_experts", c.n_shared_experts, 0)
-    _check_positive("routed_scaling_factor", c.routed_scaling_factor)
+    check_int("moe_intermediate_size", c.moe_intermediate_size, 1)
+    check_int("n_shared_experts", c.n_shared_experts, 0)
+    check_positive("routed_scaling_factor", c.routed_scaling_factor)
     if c.moe_layer_freq != 1:
         # The reference implementations place an MoE block in every layer from
         # first_k_dense_replace on; other frequencies have no oracle to match.
@@ -281,8 +243,8 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
         raise refuse("scoring_func", c.scoring_func, f"expected one of {SCORING_FUNCS}")
     if c.topk_method not in TOPK_METHODS:
         raise refuse("topk_method", c.topk_method, f"expected one of {TOPK_METHODS}")
-    _check_int("n_group", c.n_group, 1, optional=True)
-    _check_int("topk_group", c.topk_group, 1, optional=True)
+    check_int("n_group", c.n_group, 1, optional=True)
+    check_int("topk_group", c.topk_group, 1, optional=True)
     if c.topk_method in GROUP_LIMITED_METHODS:
         if c.n_group is None or experts % c.n_group:
             raise refuse("n_group", c.n_group, f"must divide n_routed_experts={experts} for {c.topk_method}")
@@ -299,7 +261,7 @@ def _validate_indexer(c: ModelConfig) -> None:
         if not c.is_sparse and getattr(c, name) is not None:
             raise refuse(name, getattr(c, name), "only deepseek_v32 models have an indexer (must be null)")
         if c.is_sparse:
-            _check_int(name, getattr(c, name), 1)
+            check_int(name, getattr(c, name), 1)
     if not c.is_sparse:
         return
     if c.index_head_dim is not None and c.index_head_dim < c.qk_rope_head_dim:
