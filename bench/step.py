@@ -1,12 +1,13 @@
-"""Decode step latency of the "v2-lite" preset: graphs vs eager vs transformers, against the roofline.
+"""Decode step latency of the "v2-lite" (or "v32-lite") preset: graphs vs eager vs transformers, against the roofline.
 
     python bench/step.py [--batches 1 8 32 64 128 256] [--contexts 1024 4096] [--commit SHA]
 
 Each row: one decode step of `batch` sequences with `context` cached tokens each
 (random bf16 weights, KV cache filled with random latents). The roofline is the
 bytes a step must read — every weight it touches (the experts actually selected
-in that step included) plus the KV cache — over the device-to-device copy
-bandwidth measured in the same run. Each row also times the batch-invariant step
+in that step included) plus the KV cache (for v32-lite: every indexer key and the
+selected latent rows only) — over the device-to-device copy bandwidth measured in
+the same run. transformers runs beside v2-lite only. Each row also times the batch-invariant step
 (`make_step(batch_invariant=True)`) on the same shapes;
 "invariant cost" is its time over the default step's, less 1. Prints a table and
 writes JSON under bench/results/.
@@ -66,6 +67,8 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
         a = layer.attn
         weight += sum(nbytes(t) for t in (a.qkv_a_proj, a.kv_a_norm, a.w_uk, a.w_uv, a.o_proj, a.q_a_norm,
                                           a.q_b_proj, layer.input_norm, layer.post_attention_norm))
+        if layer.indexer is not None:
+            weight += sum(nbytes(t) for t in dataclasses.astuple(layer.indexer))
         if isinstance(layer.mlp, mf.params.MLPParams):
             weight += nbytes(layer.mlp.gate_up) + nbytes(layer.mlp.down)
     for layer, ids in zip(moe_layers, chosen):
@@ -74,7 +77,14 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
         distinct.append(experts)
         per_expert = (nbytes(m.w13) + nbytes(m.w2)) // m.w13.shape[0]
         weight += nbytes(m.gate) + (experts + m.num_shared) * per_expert
-    kv = mode.num_decode_seqs * (context + 1) * model.config.kv_cache_dim * model.dtype.itemsize * model.config.num_hidden_layers
+    c = model.config
+    keys = context + 1
+    if c.is_sparse:
+        # A sparse layer reads every indexer key and only the selected latent rows.
+        per_seq = min(keys, c.index_topk) * c.kv_cache_dim + keys * c.index_head_dim
+    else:
+        per_seq = keys * c.kv_cache_dim
+    kv = mode.num_decode_seqs * per_seq * model.dtype.itemsize * c.num_hidden_layers
     return weight, kv, sum(distinct) / max(len(distinct), 1)
 
 
@@ -137,6 +147,8 @@ def transformers_decode(config: mf.ModelConfig, batch: int, context: int, new_to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="v2-lite", choices=["v2-lite", "v32-lite"],
+                        help="the model: dense MLA (v2-lite) or DeepSeek-V3.2 sparse attention (v32-lite)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--iters", type=int, default=20)
@@ -157,7 +169,7 @@ def main() -> None:
         parser.error(f"--hf-new-tokens and --hf-repeats: expected >= 1, got {args.hf_new_tokens} and {args.hf_repeats}")
 
     copy_bw = common.copy_bandwidth()
-    model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
+    model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda")
     max_len = max(args.contexts) + 1
     rows = []
     for context in args.contexts:
@@ -202,7 +214,7 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    for batch in args.hf_batches:
+    for batch in args.hf_batches if args.preset == "v2-lite" else ():
         cold_ms, ms = transformers_decode(mf.PRESETS["v2-lite"](), batch, 1024, args.hf_new_tokens, args.hf_repeats)
         for row in rows:
             if row["batch"] == batch and row["context"] == 1024:
@@ -214,11 +226,11 @@ def main() -> None:
         print(f"transformers batch {batch} context 1024: {ms:.1f} ms/step warm, {cold_ms:.1f} cold", flush=True)
 
     result = dict(
-        benchmark="decode_step", preset="v2-lite", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        benchmark="decode_step", preset=args.preset, dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
         gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9, rows=rows,
     )
-    path = common.write_json(result, args.out, "step")
+    path = common.write_json(result, args.out, "step" if args.preset == "v2-lite" else f"step-{args.preset}")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
         ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("invariant_ms", "invariant ms"),
