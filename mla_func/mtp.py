@@ -108,3 +108,9 @@ def target_step_fn(params: Params, state: KVCacheState, batch: Batch,
     """The model's forward as a step function that also returns the hidden state of each logits row,
     which the drafter continues from."""
     return forward_outputs(params, state, batch, mode, return_hidden=True)
+
+
+def drafter_bytes_per_block(model: Model, block_size: int) -> int:
+    """Bytes one block of the drafter's cache costs, in the model's dtype (measured on the meta device)."""
+    probe = init_state(model, num_blocks=2, block_size=block_size, device="meta", layers=(mtp_layer(model.config),))
+    return probe.bytes_per_block(0)
