@@ -202,9 +202,8 @@ class Engine:
                         self.state, sampled = self._speculative.run(self.state, scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
                 unfinished -= finished.keys()
-                for request_id in (*finished, *scheduled.preempted):
-                    if (spec := self._speculative) is not None:
-                        spec.forget(request_id)
+                if (spec := self._speculative) is not None:
+                    spec.forget(*finished)
                 for request_id, tokens in zip(scheduled.request_ids, sampled):
                     if tokens is None:
                         continue

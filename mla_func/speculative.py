@@ -111,15 +111,17 @@ class SpeculativeDecoder:
         self.drafts: dict[Hashable, Draft] = {}
         self.stats = SpeculativeStats()
 
-    def forget(self, request_id: Hashable) -> None:
-        """Drop a request's pending draft (it finished or was preempted; a recompute drafts anew)."""
-        self.drafts.pop(request_id, None)
+    def forget(self, *request_ids: Hashable) -> None:
+        """Drop requests' pending drafts (they finished or were preempted; a recompute drafts anew)."""
+        for request_id in request_ids:
+            self.drafts.pop(request_id, None)
 
     def run(self, state: KVCacheState, scheduled: ScheduledStep, live: Live,
             outputs: dict[Hashable, list[int]]) -> tuple[KVCacheState, Sampled]:
         """Run `scheduled` with drafts; returns the target's new state and, per row, its tokens
         (an int for a prefill row that completes its prompt, a tuple for a decode row, None otherwise)."""
         plan, ids = scheduled.plan, scheduled.request_ids
+        self.forget(*scheduled.preempted)  # before the catch-up, which drafts anew for one re-admitted at once
         num_prefill, q = len(plan.prefill), plan.decode_q_len
         decode_ids = ids[num_prefill:]
         drafts = self._draft(plan, decode_ids, live, outputs)
