@@ -116,3 +116,19 @@ def test_speculative_decoding_needs_the_mtp_layer():
         mf.Engine(model, speculative_tokens=2)
     with pytest.raises(ValueError, match=r"speculative_tokens must be an int in \[0, 8\]"):
         mf.Engine(model, speculative_tokens=9)
+
+
+def test_v32_sparse_layers_draft_with_their_own_kind(tmp_path):
+    from dsa_models import make_v32
+    from mtp_models import add_mtp_layer
+
+    make_v32(seed=4).save_pretrained(tmp_path / "v32")
+    add_mtp_layer(tmp_path / "v32", 77, echo=True)
+    v32 = mf.load_model(tmp_path / "v32", mtp=True, dtype=torch.float64, device="cpu")
+    vocab = v32.config.vocab_size
+    prompts = [[1, 2, 3, 4, 5], [7, 6, 5], [i % vocab for i in range(30)], [3] * 17]
+    params = mf.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = _engine(v32, 0, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16).generate(prompts, params)
+    engine = _engine(v32, 2, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in want]
+    assert engine.speculative_stats.accepted > 0
