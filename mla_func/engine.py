@@ -221,6 +221,8 @@ class Engine:
             # An abandoned stream or an error must not leave requests holding blocks.
             for request_id in unfinished:
                 self.scheduler.finish(request_id)
+            if (spec := self._speculative) is not None:
+                spec.forget(*unfinished)
 
     def _inference(self) -> torch.inference_mode:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.

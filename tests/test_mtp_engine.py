@@ -132,3 +132,16 @@ def test_v32_sparse_layers_draft_with_their_own_kind(tmp_path):
     engine = _engine(v32, 2, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
     assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in want]
     assert engine.speculative_stats.accepted > 0
+
+
+def test_closing_a_stream_frees_blocks_and_pending_drafts(model):
+    engine = _engine(model, 2)
+    prompts, params = _requests(5)
+    stream = engine.generate_stream(prompts, params)
+    for _ in range(12):
+        next(stream)
+    assert engine._speculative.drafts      # drafts wait for the requests' next verify rows
+    stream.close()
+    assert not engine._speculative.drafts
+    allocator = engine.scheduler.allocator
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
