@@ -84,6 +84,9 @@ class Batch:
     decode: DecodeMetadata | None = None
     groups: tuple[GroupMetadata, ...] = ()     # cache groups 1.. (none for one group)
     rows: tuple[SegmentRows, ...] = ()         # per segment with rows, when there are groups 1..
+    # [T, D] the hidden state each row continues from: the input of a drafter step (an MTP
+    # layer reads the target's states beside its tokens); None for a model's own steps.
+    hidden: torch.Tensor | None = None
 
     def real_rows(self) -> torch.Tensor:
         """[T] bool: True for real rows, False for padding.
@@ -115,6 +118,8 @@ def check_batch(batch: Batch, mode: ForwardMode) -> None:
     _expect("positions", batch.positions, rows, torch.int64)
     _expect("slot_mapping", batch.slot_mapping, rows, torch.int64)
     _expect("logits_indices", batch.logits_indices, (mode.padded_num_logits,), torch.int64)
+    if batch.hidden is not None and (batch.hidden.dim() != 2 or batch.hidden.shape[0] != mode.num_tokens):
+        raise BatchError(f"hidden: expected shape ({mode.num_tokens}, D) from the mode, got {tuple(batch.hidden.shape)}")
     width = mode.block_table_width
     if (batch.prefill is None) != (mode.padded_prefill_seqs == 0):
         raise BatchError(f"prefill metadata: mode has {mode.padded_prefill_seqs} prefill seqs, batch has "

@@ -7,6 +7,7 @@ nothing about the decode steps that make up the rest of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from .checkpoint import Model
 from .engine import Engine
 from .sampling import SamplingParams
+from .speculative import SpeculativeStats
 
 
 _NO_ETA = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
@@ -76,12 +78,14 @@ def run_throughput(
     progress: bool = True,
     say: Callable[[str], None] = lambda message: None,
     batch_invariant: bool = False,
+    speculative_tokens: int = 0,
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
     Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s.
     `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
-    `batch_invariant` is the engine's (off by default, as the engine's).
+    `batch_invariant` and `speculative_tokens` are the engine's (off by default, as the engine's;
+    drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
     The warm-up captures every decode graph, then a short run on other random
     prompts of the same lengths compiles kernels, so timing excludes both; its prompts
     share no prefix with the measured ones, so no measured prefill is skipped by
@@ -91,7 +95,7 @@ def run_throughput(
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = Engine(model, backend=backend, graphs=graphs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                    batch_invariant=batch_invariant, max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
+                    batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
     if warmup:
         graphs_to_capture = sum(m.use_graph for m in engine.step.decode_graph_modes())
         if graphs_to_capture:
@@ -101,6 +105,7 @@ def run_throughput(
         say(f"warming up on {len(others)} other random prompts")
         engine.generate(others, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     say(f"measuring {num_prompts} requests x {output_len} output tokens")
+    drafts_before = dataclasses.replace(engine.speculative_stats)
     started = time.perf_counter()
     outputs = 0
     bar = _PhaseBar(num_prompts, num_prompts * output_len, enabled=progress)
@@ -124,4 +129,7 @@ def run_throughput(
         num_prompts=num_prompts, prompt_tokens=prompt_tokens, output_tokens=outputs, seconds=seconds,
         output_tok_s=outputs / seconds, total_tok_s=(outputs + prompt_tokens) / seconds,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        speculative_tokens=speculative_tokens, acceptance_rate=SpeculativeStats(
+            engine.speculative_stats.drafted - drafts_before.drafted,
+            engine.speculative_stats.accepted - drafts_before.accepted).acceptance_rate,
     )

@@ -17,21 +17,25 @@ import torch
 from .checkpoint_files import CheckpointError, CheckpointFolder
 from .config import ConfigError, ModelConfig
 from .config_hf import config_from_json
+from .mtp_params import MTPParams, load_mtp, mtp_optional_shapes, mtp_tensor_shapes
 from .params import Params, hf_tensor_count, hf_tensor_shapes, params_from_hf
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
+from .random_weights import random_params
 from .safetensors_file import TensorEntry, read_header, read_tensor
-from .v4_params import canonical_names, checkpoint_dtype, is_index_table
+from .v4_params import canonical_names, checkpoint_dtype
 
 __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A loaded model: its config, its params pytree, and its tokenizer when it has one."""
+    """A loaded model: its config, its params pytree, its tokenizer when it has one, and its first
+    multi-token-prediction layer when loaded with `mtp=True` (the drafter of speculative decoding)."""
 
     config: ModelConfig
     params: Params
     tokenizer: Any = None  # tokenizers.Tokenizer, or None
+    mtp: MTPParams | None = None
 
     @property
     def device(self) -> torch.device:
@@ -52,8 +56,9 @@ class Model:
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Layers past num_hidden_layers and `mtp.` tensors (DeepSeek-V3's and V4's multi-token-prediction
-# layers) and rotary buffers that old exports saved are not part of the forward.
+# Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer, read only
+# with mtp=True), `mtp.` tensors (DeepSeek-V4's multi-token-prediction layers) and rotary
+# buffers that old exports saved are not part of the forward.
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)mtp\.")
 
 
@@ -70,6 +75,7 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
     max_model_len: int | None = None,
+    mtp: bool = False,
 ) -> Model:
     """Load a checkpoint folder (config.json + *.safetensors) or a preset name.
 
@@ -88,6 +94,9 @@ def load_model(
     device: defaults to "cuda" when available, else "cpu".
     seed:   for shape presets with random weights, the seed of their initialisation
             (done directly on `device`).
+    mtp:    also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.`,
+            see `mtp_params`) as `Model.mtp`, the drafter of `Engine(speculative_tokens=)`; a
+            checkpoint without one is refused. A shape preset gets a random one.
     progress: a progress bar over layers; by default shown for models of over a
             billion parameters.
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
@@ -104,17 +113,19 @@ def load_model(
                 f"preset {name!r} ships as the folder {folder}, which has no config.json: "
                 "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
             )
-        return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
+        return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len,
+                            mtp=mtp)
     if name in PRESETS and not Path(name).exists():
         config = PRESETS[name]()
-        return _random_model(config, dtype=dtype, device=device, seed=seed, progress=_show_progress(config, progress),
-                             max_model_len=max_model_len)
+        params, drafter = random_params(config, dtype=dtype, device=device, seed=seed, mtp=mtp,
+                                        progress=_show_progress(config, progress), max_model_len=max_model_len)
+        return Model(config=config, params=params, mtp=drafter)
     path = Path(path_or_preset)
     if not path.is_dir():
         raise CheckpointError(
             f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
-    return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
+    return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len, mtp=mtp)
 
 
 def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
@@ -142,7 +153,8 @@ class _Located:
 
 
 def _load_folder(
-    path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None
+    path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None,
+    mtp: bool = False,
 ) -> Model:
     """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy)."""
     folder = CheckpointFolder.at(path)
@@ -152,6 +164,9 @@ def _load_folder(
     with ExitStack() as stack:
         located = canonical_names(config, _locate_tensors(folder, stack), folder.root)
         expected = _expected_tensors(folder, config, located)
+        if mtp:
+            expected.update(mtp_tensor_shapes(config))
+            expected.update({n: s for n, s in mtp_optional_shapes(config).items() if n in located})
         _check_tensor_names(folder, config, expected, located)
         dtypes = {name: checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
@@ -162,7 +177,8 @@ def _load_folder(
 
         params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress),
                                 max_model_len=max_model_len)
-    return Model(config=config, params=params, tokenizer=_load_tokenizer(folder))
+        drafter = load_mtp(config, params, fetch, dtype, device, frozenset(expected)) if mtp else None
+    return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter)
 
 
 def _shard_names(folder: CheckpointFolder) -> tuple[list[str], dict[str, str]]:
@@ -216,7 +232,8 @@ def _locate_tensors(folder: CheckpointFolder, stack: ExitStack) -> dict[str, _Lo
     return located
 
 
-def _expected_tensors(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> dict[str, tuple[int, ...]]:
+def _expected_tensors(folder: CheckpointFolder, config: ModelConfig,
+                      located: Mapping[str, _Located]) -> dict[str, tuple[int, ...]]:
     # Counted first: listing the names of a config that claims 10**9 layers would never end.
     count = hf_tensor_count(config)
     if count > len(located) + _MAX_LISTED:
@@ -273,27 +290,3 @@ def _load_tokenizer(folder: CheckpointFolder) -> Any:
     except Exception as e:  # tokenizers raises plain Exception for a malformed file
         raise CheckpointError(f"{folder.label('tokenizer.json')}: not a tokenizers file: {e}") from e
 
-
-def _random_model(
-    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int, progress: bool, max_model_len: int | None
-) -> Model:
-    """Random weights with the shapes of `config`, made on `device`, through the checkpoint path."""
-    shapes = hf_tensor_shapes(config)
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def fetch(name: str) -> torch.Tensor:
-        shape = shapes[name]
-        if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
-            return torch.zeros(shape, device=device)
-        if is_index_table(name):  # hash routing: each token's experts, drawn uniformly
-            high = config.n_routed_experts or 1
-            return torch.randint(0, high, shape, device=device, generator=generator)
-        if len(shape) == 1:  # norm weights
-            return torch.ones(shape, device=device)
-        # std 1/sqrt(fan_in) keeps activations of order one through every layer. Drawn in
-        # float32 (and cast by params_from_hf), so a seed gives the same weights in every dtype.
-        std = shape[1] ** -0.5
-        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
-
-    params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len)
-    return Model(config=config, params=params)

@@ -157,6 +157,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_draft_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-tokens", type=_draft_count, default=0,
+                        help="tokens drafted a step by the model's MTP layer and verified in one step, 1 to 8 "
+                             "(0 = off; the summary line then reports the acceptance rate)")
+
+
+def _draft_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 8], got {text!r}") from None
+    if not 0 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 8], got {value}")
+    return value
+
+
 def prepare(args: argparse.Namespace) -> torch.device:
     """Check the model options and apply the thread policy; returns the device to load on."""
     device = resolve_device(args.device)
@@ -170,7 +186,8 @@ def prepare(args: argparse.Namespace) -> torch.device:
 def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> Model:
     started = time.perf_counter()
     say(f"loading {args.model} on {device}")
-    model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device)
+    model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device,
+                       mtp=getattr(args, "speculative_tokens", 0) > 0)
     say(f"loaded in {time.perf_counter() - started:.1f} s")
     return model
 
@@ -191,7 +208,7 @@ def generate_main(args: argparse.Namespace) -> int:
     device = prepare(args)
     model = load(args, device, say=lambda msg: None)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
-                    max_num_batched_tokens=max(512, params.max_tokens))
+                    max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens)
     return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
 
 
@@ -210,11 +227,13 @@ def bench_main(args: argparse.Namespace) -> int:
         model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
+        speculative_tokens=args.speculative_tokens,
     )
     print(
         f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
         f"in {result['seconds']:.2f} s: {result['output_tok_s']:.1f} output tokens/s, "
         f"{result['total_tok_s']:.1f} total tokens/s"
+        + (f", acceptance rate {result['acceptance_rate']:.0%}" if args.speculative_tokens else "")
     )
     return 0
 
@@ -239,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue ('-' reads it from standard input; token ids such as "
                                     "'1 2 3' for a model without a tokenizer)")
     _add_model_args(gen)
+    _add_draft_arg(gen)
     for option in SAMPLING_OPTIONS:
         if option.type is bool:
             gen.add_argument(option.flag, dest=option.field, action="store_true", help=option.help)
@@ -258,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in one step")
     bench.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="most tokens in one step")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    _add_draft_arg(bench)
     bench.set_defaults(run=bench_main)
     return parser
 

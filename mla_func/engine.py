@@ -11,15 +11,16 @@ device before sampling.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .checkpoint import Model
+from .engine_config import EngineConfig, check_limit, default_num_blocks
 from .kernels import default_backend
+from .mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
 from .requests import CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent
@@ -27,48 +28,11 @@ from .requests import check_request, check_score_ids, split_call
 from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .state.block_allocator import OutOfBlocks
+from .speculative import SpeculativeDecoder, SpeculativeStats
 from .step import make_step
-from .prepare import extra_cache_groups, init_state, state_bytes_per_block
+from .prepare import extra_cache_groups, init_state
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """The engine's limits; every field has a documented default (see `Engine`)."""
-
-    block_size: int
-    num_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    long_prefill_token_threshold: int | None
-    enable_mixed: bool
-    enable_prefix_caching: bool
-    max_model_len: int
-    backend: str
-    graphs: bool
-    graph_kinds: tuple[str, ...]
-    batch_invariant: bool
-
-
-def _check_limit(name: str, value: object, low: int, high: int | None = None, what: str = "",
-                 why: str = "") -> None:
-    """ValueError naming the Engine argument unless `value` is an int in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}] ({what})"
-        raise ValueError(f"Engine: {name} must be an int {bound}{f', as {why}' if why else ''}, got {value!r}")
-
-
-def _default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    bytes_per_block = state_bytes_per_block(model, block_size)
-    wanted = 1 + max_num_seqs * -(-max_model_len // block_size)
-    if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        # Leave room for activations, graph pools and the sampler's [N, V] buffers.
-        budget = int(free * 0.85) - (2 << 30)
-    else:
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
-    return max(2, min(wanted, budget // bytes_per_block))
 
 
 class Engine:
@@ -83,7 +47,10 @@ class Engine:
     mixed steps are compute-bound and would each need a graph for every combination of
     padded sizes they meet. `batch_invariant=True` makes a request's logits, and so its
     tokens, independent of what else is running, at a cost in speed (off by default; see
-    README "Batch invariance").
+    README "Batch invariance"). `speculative_tokens=k` (1 to 8; 0, the default, is off)
+    drafts k tokens a decode step with the model's MTP layer (`load_model(..., mtp=True)`)
+    and verifies them in one step (`mla_func.speculative`); tokens are those of decoding
+    without drafts (`mla_func.acceptance`), and `speculative_stats` counts accepted drafts.
     """
 
     def __init__(
@@ -103,50 +70,53 @@ class Engine:
         graph_kinds: tuple[str, ...] = ("decode",),
         seed: int = 0,
         batch_invariant: bool = False,
+        speculative_tokens: int = 0,
     ):
+        check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
+        if speculative_tokens and model.mtp is None:
+            raise ValueError("Engine: speculative_tokens needs the model's MTP layer; load the model with "
+                             "load_model(..., mtp=True)")
         if max_model_len is None:
             max_model_len = model.max_positions
-        _check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
+        check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
                      "the model's max_position_embeddings")
-        _check_limit("block_size", block_size, 1)
+        check_limit("block_size", block_size, 1)
         if num_blocks is not None:
-            _check_limit("num_blocks", num_blocks, 2, why="block 0 is the scratch block")
+            check_limit("num_blocks", num_blocks, 2, why="block 0 is the scratch block")
         if max_model_len > model.max_positions:  # RoPE tables are built as long as the engine needs
             model = model.with_max_positions(max_model_len)
         self.model = model
         self.config = EngineConfig(
             block_size=block_size,
             num_blocks=(num_blocks if num_blocks is not None
-                        else _default_num_blocks(model, block_size, max_num_seqs, max_model_len)),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_mixed=enable_mixed,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            backend=backend or default_backend(model.device),
-            graphs=graphs,
-            graph_kinds=tuple(graph_kinds),
-            batch_invariant=batch_invariant,
+                        else default_num_blocks(model, block_size, max_num_seqs, max_model_len,
+                                                speculative=bool(speculative_tokens))),
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold, enable_mixed=enable_mixed,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            backend=backend or default_backend(model.device), graphs=graphs, graph_kinds=tuple(graph_kinds),
+            batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
         )
         c = self.config
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            block_size=c.block_size, num_blocks=c.num_blocks, max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
+            num_blocks=c.num_blocks, max_model_len=c.max_model_len,
             # The model's cache groups past the token group (DeepSeek-V4's compressed entries), as the state's.
             extra_cache_groups=extra_cache_groups(model.config, c.num_blocks, c.block_size),
-            long_prefill_token_threshold=c.long_prefill_token_threshold,
-            enable_mixed=c.enable_mixed,
-            enable_prefix_caching=c.enable_prefix_caching,
+            long_prefill_token_threshold=c.long_prefill_token_threshold, enable_mixed=c.enable_mixed,
+            enable_prefix_caching=c.enable_prefix_caching, speculative_tokens=c.speculative_tokens,
         ))
-        self.step = make_step(
-            model, backend=c.backend, graphs=c.graphs, graph_kinds=c.graph_kinds, max_num_seqs=c.max_num_seqs,
+        step_args: dict[str, Any] = dict(
+            backend=c.backend, graphs=c.graphs, graph_kinds=c.graph_kinds, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len, block_size=c.block_size,
-            batch_invariant=c.batch_invariant,
-        )
+            batch_invariant=c.batch_invariant)
+        # With drafts, the target's steps also return every row's hidden state, which the drafter reads.
+        self.step = make_step(model, fn=target_step_fn if c.speculative_tokens else None, **step_args)
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
                                 dtype=model.dtype, device=model.device)
+        self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
+            self.step, make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model),
+                                 **step_args), init_drafter_state(model, self.state))
         self._rng = random.Random(seed)
         self._next_id = 0
 
@@ -158,8 +128,14 @@ class Engine:
         graphs (or off CUDA) it does nothing. Returns how many graphs were captured.
         """
         before = len(self.step.captured_keys)
-        self.step.warmup(self.state, self.step.decode_graph_modes(self.state), progress=progress)
+        modes = self.step.decode_graph_modes(self.state, decode_q_len=self.config.speculative_tokens + 1)
+        self.step.warmup(self.state, modes, progress=progress)
         return len(self.step.captured_keys) - before
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        """Drafts proposed and accepted so far (all zero without speculative_tokens)."""
+        return self._speculative.stats if self._speculative is not None else SpeculativeStats()
 
     # ---- requests ---------------------------------------------------------------
 
@@ -222,20 +198,33 @@ class Engine:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
                 with self._inference():
-                    sampled = self._run(scheduled, live, outputs)
+                    if self._speculative is None:
+                        sampled = self._run(scheduled, live, outputs)
+                    else:
+                        self.state, sampled = self._speculative.run(self.state, scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
                 unfinished -= finished.keys()
-                for request_id, token in zip(scheduled.request_ids, sampled):
-                    if token is None:
+                if (spec := self._speculative) is not None:
+                    spec.forget(*finished)
+                for request_id, tokens in zip(scheduled.request_ids, sampled):
+                    if tokens is None:
                         continue
-                    outputs[request_id].append(token)
                     done = finished.get(request_id)
+                    # A verify row gives several tokens; the scheduler keeps them up to a stop or the length.
+                    kept = done.output_token_ids[len(outputs[request_id]):] if done else (
+                        (tokens,) if isinstance(tokens, int) else tokens)
                     request = live[request_id][0]
-                    yield StreamEvent(request.index, token, self._completion(request, done) if done else None)
+                    for j, token in enumerate(kept):
+                        outputs[request_id].append(token)
+                        last = j == len(kept) - 1
+                        yield StreamEvent(request.index, token,
+                                          self._completion(request, done) if done is not None and last else None)
         finally:
             # An abandoned stream or an error must not leave requests holding blocks.
             for request_id in unfinished:
                 self.scheduler.finish(request_id)
+            if (spec := self._speculative) is not None:
+                spec.forget(*unfinished)
 
     def _inference(self) -> torch.inference_mode:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
@@ -246,7 +235,7 @@ class Engine:
         scheduled: ScheduledStep,
         live: dict[Hashable, tuple[CheckedRequest, int]],
         outputs: dict[Hashable, list[int]],
-    ) -> list[int | None]:
+    ) -> list[int | tuple[int, ...] | None]:
         """Run one scheduled step and sample its logits rows; returns a token (or None) per row."""
         batch, mode = self.step.prepare(self.state, scheduled.plan)
         self.state, out = self.step(self.state, batch, mode)
@@ -273,7 +262,7 @@ class Engine:
                 positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
                 use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in requests),
             ).tolist()
-        by_row = dict(zip(with_logits, tokens))
+        by_row: dict[int, int | tuple[int, ...]] = dict(zip(with_logits, tokens))
         return [by_row.get(i) for i in range(len(rows))]
 
     def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:

@@ -140,41 +140,45 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.v4 is not None:
         return v4_tensor_shapes(config)
     c = config
-    d, h = c.hidden_size, c.num_attention_heads
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, d),
-        "model.norm.weight": (d,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                                          "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, d)
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
-        a = p + "self_attn."
-        if c.q_lora_rank is None:
-            shapes[a + "q_proj.weight"] = (h * c.qk_head_dim, d)
-        else:
-            shapes[a + "q_a_proj.weight"] = (c.q_lora_rank, d)
-            shapes[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
-            shapes[a + "q_b_proj.weight"] = (h * c.qk_head_dim, c.q_lora_rank)
-        shapes[a + "kv_a_proj_with_mqa.weight"] = (c.kv_cache_dim, d)
-        shapes[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
-        shapes[a + "kv_b_proj.weight"] = (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
-        shapes.update(indexer_tensor_shapes(c, a))
-        m = p + "mlp."
-        if c.is_moe_layer(i):
-            e, inter = c.n_routed_experts or 0, c.moe_intermediate_size  # is_moe_layer: not None
-            shapes[m + "gate.weight"] = (e, d)
-            if c.topk_method == "noaux_tc":
-                shapes[m + "gate.e_score_correction_bias"] = (e,)
-            for j in range(e):
-                shapes.update(_mlp_shapes(f"{m}experts.{j}.", d, inter))
-            if c.n_shared_experts:
-                shapes.update(_mlp_shapes(m + "shared_experts.", d, inter * c.n_shared_experts))
-        else:
-            shapes.update(_mlp_shapes(m, d, c.intermediate_size))
+        shapes.update(layer_tensor_shapes(c, i))
+    return shapes
+
+
+def layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of decoder layer `i` (`model.layers.{i}.`), by name, with their shapes."""
+    c = config
+    d, h = c.hidden_size, c.num_attention_heads
+    p = f"model.layers.{i}."
+    shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+    a = p + "self_attn."
+    if c.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (h * c.qk_head_dim, d)
+    else:
+        shapes[a + "q_a_proj.weight"] = (c.q_lora_rank, d)
+        shapes[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (h * c.qk_head_dim, c.q_lora_rank)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (c.kv_cache_dim, d)
+    shapes[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+    shapes[a + "kv_b_proj.weight"] = (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+    shapes[a + "o_proj.weight"] = (d, h * c.v_head_dim)
+    shapes.update(indexer_tensor_shapes(c, a))
+    m = p + "mlp."
+    if c.is_moe_layer(i):
+        e, inter = c.n_routed_experts or 0, c.moe_intermediate_size  # is_moe_layer: not None
+        shapes[m + "gate.weight"] = (e, d)
+        if c.topk_method == "noaux_tc":
+            shapes[m + "gate.e_score_correction_bias"] = (e,)
+        for j in range(e):
+            shapes.update(_mlp_shapes(f"{m}experts.{j}.", d, inter))
+        if c.n_shared_experts:
+            shapes.update(_mlp_shapes(m + "shared_experts.", d, inter * c.n_shared_experts))
+    else:
+        shapes.update(_mlp_shapes(m, d, c.intermediate_size))
     return shapes
 
 
@@ -234,6 +238,22 @@ def params_from_hf(
 
         return v4_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
                                  max_model_len=max_model_len)
+    get = checked_fetch(fetch, dtype=dtype, device=device)
+    c = config
+    layers = [layer_params(c, i, get, dtype)
+              for i in tqdm(range(c.num_hidden_layers), desc="loading layers", unit="layer", disable=not progress)]
+    embed = get("model.embed_tokens.weight")
+    cos, sin = rope_tables(c, device, rope_positions(c, max_model_len))
+    return Params(embed=embed, layers=tuple(layers), norm=get("model.norm.weight"),
+                  lm_head=embed if c.tie_word_embeddings else get("lm_head.weight"), rope_cos=cos, rope_sin=sin,
+                  config=c)
+
+
+TensorGet = Callable[..., torch.Tensor]
+
+
+def checked_fetch(fetch: TensorFetch, *, dtype: torch.dtype, device: torch.device | str) -> TensorGet:
+    """`get(name, keep_float32=False)`: `fetch(name)` on `device` in `dtype` (or float32), checked finite."""
 
     def get(name: str, keep_float32: bool = False) -> torch.Tensor:
         tensor = fetch(name).to(device=device, dtype=torch.float32 if keep_float32 else dtype)
@@ -242,63 +262,54 @@ def params_from_hf(
             raise CheckpointError(f"tensor {name!r} holds NaN or inf values (as {tensor.dtype})")
         return tensor
 
+    return get
+
+
+def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype) -> LayerParams:
+    """Decoder layer `i` from the tensors named `model.layers.{i}.*` (`get` as `checked_fetch` makes it)."""
+
     def mlp(prefix: str) -> MLPParams:
         gate_up = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], dim=0)
         return MLPParams(gate_up=gate_up, down=get(prefix + "down_proj.weight"))
 
     c = config
-    layers = []
-    for i in tqdm(range(c.num_hidden_layers), desc="loading layers", unit="layer", disable=not progress):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        if c.q_lora_rank is None:
-            q_a, q_parts = get(a + "q_proj.weight"), {}
-        else:
-            q_a = get(a + "q_a_proj.weight")
-            q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"), q_b_proj=get(a + "q_b_proj.weight"))
-        attn = AttentionParams(
-            qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight")]),
-            kv_a_norm=get(a + "kv_a_layernorm.weight"),
-            w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
-            w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
-            o_proj=get(a + "o_proj.weight"),
-            **q_parts,
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    if c.q_lora_rank is None:
+        q_a, q_parts = get(a + "q_proj.weight"), {}
+    else:
+        q_a = get(a + "q_a_proj.weight")
+        q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"), q_b_proj=get(a + "q_b_proj.weight"))
+    attn = AttentionParams(
+        qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight")]),
+        kv_a_norm=get(a + "kv_a_layernorm.weight"),
+        w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
+        w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
+        o_proj=get(a + "o_proj.weight"),
+        **q_parts,
+    )
+    m = p + "mlp."
+    if c.is_moe_layer(i):
+        experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts or 0)]
+        if c.n_shared_experts:
+            experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
+        block: MLPParams | MoEParams = MoEParams(
+            # Routing runs in at least float32; holding the router there saves a cast per step.
+            gate=get(m + "gate.weight").to(torch.promote_types(dtype, torch.float32)),
+            w13=torch.stack([e.gate_up for e in experts]),
+            w2=torch.stack([e.down for e in experts]),
+            e_score_correction_bias=(
+                get(m + "gate.e_score_correction_bias", keep_float32=True) if c.topk_method == "noaux_tc" else None
+            ),
         )
-        m = p + "mlp."
-        if c.is_moe_layer(i):
-            experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts or 0)]
-            if c.n_shared_experts:
-                experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
-            block: MLPParams | MoEParams = MoEParams(
-                # Routing runs in at least float32; holding the router there saves a cast per step.
-                gate=get(m + "gate.weight").to(torch.promote_types(dtype, torch.float32)),
-                w13=torch.stack([e.gate_up for e in experts]),
-                w2=torch.stack([e.down for e in experts]),
-                e_score_correction_bias=(
-                    get(m + "gate.e_score_correction_bias", keep_float32=True) if c.topk_method == "noaux_tc" else None
-                ),
-            )
-            del experts
-        else:
-            block = mlp(m)
-        layers.append(
-            LayerParams(
-                input_norm=get(p + "input_layernorm.weight"),
-                attn=attn,
-                post_attention_norm=get(p + "post_attention_layernorm.weight"),
-                mlp=block,
-                indexer=indexer_params(c, a, get, torch.promote_types(dtype, torch.float32)),
-            )
-        )
-    embed = get("model.embed_tokens.weight")
-    cos, sin = rope_tables(c, device, rope_positions(c, max_model_len))
-    return Params(
-        embed=embed,
-        layers=tuple(layers),
-        norm=get("model.norm.weight"),
-        lm_head=embed if c.tie_word_embeddings else get("lm_head.weight"),
-        rope_cos=cos,
-        rope_sin=sin,
-        config=c,
+        del experts
+    else:
+        block = mlp(m)
+    return LayerParams(
+        input_norm=get(p + "input_layernorm.weight"),
+        attn=attn,
+        post_attention_norm=get(p + "post_attention_layernorm.weight"),
+        mlp=block,
+        indexer=indexer_params(c, a, get, torch.promote_types(dtype, torch.float32)),
     )

@@ -53,7 +53,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from mla_func.plan import SeqPlan, StepPlan
 from mla_func.scheduler_policy import SeqState, StepBuild, StepPolicy
 from mla_func.scheduler_types import FinishedRequest, FinishReason, Request, ScheduledStep, SchedulerConfig
 from mla_func.state.block_allocator import BlockAllocator
@@ -162,38 +161,6 @@ class Scheduler(StepPolicy):
             )
         return self._emit(b)
 
-    def _emit(self, b: StepBuild) -> ScheduledStep:
-        prefill = []
-        for seq, n in b.prefill:
-            start = seq.num_computed
-            end = start + n
-            table, others = self._tables(seq, end)
-            prefill.append(
-                SeqPlan(
-                    token_ids=tuple(seq.token_ids[start:end]),
-                    start_pos=start,
-                    block_table=table,
-                    num_logits=1 if end == len(seq.token_ids) else 0,
-                    group_block_tables=others,
-                )
-            )
-        decode = []
-        for seq in b.decode:
-            table, others = self._tables(seq, len(seq.token_ids))
-            decode.append(SeqPlan(token_ids=(seq.token_ids[-1],), start_pos=seq.num_computed, block_table=table,
-                                  num_logits=1, group_block_tables=others))
-        rows = [s for s, _ in b.prefill] + b.decode
-        step = ScheduledStep(
-            plan=StepPlan(prefill=tuple(prefill), decode=tuple(decode)),
-            request_ids=tuple(s.request.request_id for s in rows),
-            preempted=tuple(s.request.request_id for s in b.preempted),
-            index=self._next_index,
-        )
-        self._next_index += 1
-        self._pending = step
-        self._pending_seqs = rows
-        return step
-
     def cancel(self, step: ScheduledStep) -> None:
         """Forget the outstanding `step`, which did not run: give back the blocks it added.
 
@@ -218,39 +185,49 @@ class Scheduler(StepPolicy):
 
     # ---- results -------------------------------------------------------------
 
-    def update(self, step: ScheduledStep, sampled_token_ids: Sequence[int | None]) -> list[FinishedRequest]:
+    def update(self, step: ScheduledStep,
+               sampled_token_ids: Sequence[int | tuple[int, ...] | None]) -> list[FinishedRequest]:
         """Record that `step` ran: its tokens are now cached, and append the sampled tokens.
 
         sampled_token_ids: one entry per row of `step` (prefill rows then decode
-        rows): the sampled token for a row with num_logits > 0, None otherwise.
-        Returns the requests that finished.
+        rows): the sampled token for a row with num_logits > 0, None otherwise. A verify
+        row (speculative decoding) gives a tuple: the drafts it accepted, then the token
+        sampled after them (1 to decode_q_len tokens); tokens past a stop token or the
+        length limit are dropped. Returns the requests that finished.
         """
         self._check_outstanding(step)
         rows = step.rows
         if len(sampled_token_ids) != len(rows):
             raise ValueError(f"step {step.index} has {len(rows)} rows, got {len(sampled_token_ids)} sampled tokens")
-        tokens: list[int | None] = []
+        tokens: list[tuple[int, ...]] = []
         for i, (row, tok) in enumerate(zip(rows, sampled_token_ids)):
-            if (tok is None) != (row.num_logits == 0) or not (tok is None or isinstance(tok, int)):
+            new = (tok,) if isinstance(tok, int) else tok if isinstance(tok, tuple) else ()
+            if ((tok is None) != (row.num_logits == 0) or len(new) > row.num_logits
+                    or (tok is not None and (not new or not all(isinstance(t, int) for t in new)))):
                 raise ValueError(
                     f"row {i} ({step.request_ids[i]!r}) has num_logits={row.num_logits} but got sampled token {tok!r}"
                 )
-            tokens.append(tok)
+            tokens.append(new)
         self._pending = None
         finished = []
-        for seq, row, tok in zip(self._pending_seqs, rows, tokens):
+        num_prefill = len(step.plan.prefill)
+        for i, (seq, row, new) in enumerate(zip(self._pending_seqs, rows, tokens)):
             if not self._is_live(seq):
                 continue  # finished from outside after it was scheduled
             assert seq.num_computed == row.start_pos, (seq.request.request_id, seq.num_computed, row.start_pos)
-            seq.num_computed += row.num_tokens
+            kept, reason = self._kept(seq, new)
+            seq.token_ids.extend(kept)
+            if i < num_prefill:
+                seq.num_computed += row.num_tokens
+            else:
+                # A verify row fed the last token and its drafts: the last token and the drafts
+                # before the first rejected one are cached; the rest of its KV is dead.
+                seq.num_computed += len(kept)
+                if row.num_tokens > 1:
+                    self.blocks.truncate(seq.tables, seq.num_computed)
             self._register_full_blocks(seq)
-            if tok is None:
-                continue
-            seq.token_ids.append(tok)
-            if tok in seq.request.stop_token_ids:
-                finished.append(self._finish(seq, FinishReason.STOP))
-            elif seq.num_generated >= seq.request.max_tokens or len(seq.token_ids) >= seq.max_len:
-                finished.append(self._finish(seq, FinishReason.LENGTH))
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
         return finished
 
     def _register_full_blocks(self, seq: SeqState) -> None:

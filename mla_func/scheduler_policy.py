@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from mla_func.scheduler_types import Request, SchedulerConfig
+from mla_func.plan import SeqPlan, StepPlan
+from mla_func.scheduler_types import FinishReason, Request, ScheduledStep, SchedulerConfig
 from mla_func.state.block_allocator import BlockHash
 from mla_func.state.cache_groups import GroupedAllocator, Tables
 
@@ -49,11 +50,12 @@ class StepBuild:
     prefill: list[tuple[SeqState, int]] = field(default_factory=list)
     decode: list[SeqState] = field(default_factory=list)
     preempted: list[SeqState] = field(default_factory=list)
+    decode_q_len: int = 1  # tokens each decode row feeds: 1, or 1 + drafts to verify
     # The same requests as `preempted`, for the O(1) membership test of the scheduling loops.
     gone: set[int] = field(default_factory=set)
 
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefill) + len(self.decode)
+        return sum(n for _, n in self.prefill) + len(self.decode) * self.decode_q_len
 
 
 
@@ -64,12 +66,21 @@ class StepPolicy:
     blocks: GroupedAllocator
     _running: list[SeqState]
     _waiting: list[SeqState]
+    _next_index: int
+    _pending: ScheduledStep | None
+    _pending_seqs: list[SeqState]
 
     def _schedule_decodes(self, b: StepBuild) -> None:
+        k = self.config.speculative_tokens
+        decoding = [s.max_len - len(s.token_ids) - 1 for s in self._running if id(s) not in b.gone and s.is_decoding]
+        if k and decoding:
+            # One query length for the step (a static shape): k drafts, fewer when a sequence
+            # has fewer tokens left to generate, so no row writes past its request's length.
+            b.decode_q_len = 1 + min(k, *decoding)
         for seq in list(self._running):
             if id(seq) in b.gone or not seq.is_decoding:
                 continue  # preempted earlier in this loop, or still prefilling
-            need = self.blocks.blocks_needed(seq.tables, seq.num_computed + 1)
+            need = self.blocks.blocks_needed(seq.tables, seq.num_computed + b.decode_q_len)
             if any(need) and not self._make_room(seq, need, b):
                 # Nobody younger is left to preempt; give the blocks back to older requests.
                 self._preempt(seq, b)
@@ -113,6 +124,51 @@ class StepPolicy:
             self._waiting.pop(0)
             bisect.insort(self._running, seq, key=lambda s: s.arrival)
             b.prefill.append((seq, n))
+
+    def _emit(self, b: StepBuild) -> ScheduledStep:
+        prefill = []
+        for seq, n in b.prefill:
+            start = seq.num_computed
+            end = start + n
+            table, others = self._tables(seq, end)
+            prefill.append(
+                SeqPlan(
+                    token_ids=tuple(seq.token_ids[start:end]),
+                    start_pos=start,
+                    block_table=table,
+                    num_logits=1 if end == len(seq.token_ids) else 0,
+                    group_block_tables=others,
+                )
+            )
+        decode = []
+        q = b.decode_q_len
+        for seq in b.decode:
+            table, others = self._tables(seq, seq.num_computed + q)
+            # A verify row's draft slots hold the last token until the engine writes the drafts in.
+            decode.append(SeqPlan(token_ids=(seq.token_ids[-1],) * q, start_pos=seq.num_computed, block_table=table,
+                                  num_logits=q, group_block_tables=others))
+        rows = [s for s, _ in b.prefill] + b.decode
+        step = ScheduledStep(
+            plan=StepPlan(prefill=tuple(prefill), decode=tuple(decode), decode_q_len=q if decode else 1),
+            request_ids=tuple(s.request.request_id for s in rows),
+            preempted=tuple(s.request.request_id for s in b.preempted),
+            index=self._next_index,
+        )
+        self._next_index += 1
+        self._pending = step
+        self._pending_seqs = rows
+        return step
+
+    @staticmethod
+    def _kept(seq: SeqState, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
+        """The prefix of `new` the request keeps, and why it finishes after them (None: it goes on)."""
+        generated, total = seq.num_generated, len(seq.token_ids)
+        for j, tok in enumerate(new):
+            if tok in seq.request.stop_token_ids:
+                return new[: j + 1], FinishReason.STOP
+            if generated + j + 1 >= seq.request.max_tokens or total + j + 1 >= seq.max_len:
+                return new[: j + 1], FinishReason.LENGTH
+        return new, None
 
     def _blocks_needed(self, seq: SeqState, n: int) -> tuple[int, ...]:
         return self.blocks.blocks_needed(seq.tables, seq.num_computed + n)

@@ -30,6 +30,9 @@ class SchedulerConfig:
     blocks, block tables and accounting (see `state.cache_groups`).
     carry_periods: periods of the layer kinds' state kept outside full blocks; prefix
     hits are cut to multiples of them (see `state.cache_groups`).
+    speculative_tokens: drafts verified per decode row (0: plain decoding); a decode row
+    then feeds its last token and up to k drafts, and must fit the token budget, so
+    max_num_batched_tokens must be >= max_num_seqs * (k + 1).
     """
 
     max_num_seqs: int
@@ -42,6 +45,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     extra_cache_groups: tuple[CacheGroup, ...] = ()
     carry_periods: tuple[int, ...] = ()
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -49,10 +53,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the scratch block), got {self.num_blocks}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        per_decode = self.speculative_tokens + 1
+        if self.max_num_batched_tokens < self.max_num_seqs * per_decode:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}), or running decodes could use the whole budget"
+                f"({self.max_num_seqs}) * {per_decode} tokens a decode row, or running decodes could use the whole "
+                "budget"
             )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(

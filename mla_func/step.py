@@ -163,11 +163,13 @@ class Step:
         output, new_state = self.fn(self.params, state, batch, mode)
         return new_state, StepOutput(_real_rows(output, mode, clone=False), mode, graph=False)
 
-    def decode_graph_modes(self, state: KVCacheState | None = None) -> tuple[ForwardMode, ...]:
+    def decode_graph_modes(self, state: KVCacheState | None = None, *,
+                           decode_q_len: int = 1) -> tuple[ForwardMode, ...]:
         """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung).
 
         state: the state they will run on (its cache groups are part of the key);
                without it, modes for the step's block size and one cache group.
+        decode_q_len: query tokens a decode sequence feeds (1 + the drafts a verify step checks).
         """
         block_size = state.block_size if state is not None else self.block_size
         groups = state.groups if state is not None else ()
@@ -178,7 +180,7 @@ class Step:
         return tuple(
             ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, block_size=block_size,
                                     decode_seqs=seqs, block_table_width=width, cache_groups=groups,
-                                    batch_invariant=self.batch_invariant)
+                                    batch_invariant=self.batch_invariant, decode_q_len=decode_q_len)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths
         )

@@ -30,6 +30,8 @@ class StreamStats:
     first_token_at: float | None
     finished: float
     finish_reason: str
+    drafted: int = 0      # speculative decoding: drafts proposed and accepted (0 and 0 without it)
+    accepted: int = 0
 
     def summary(self) -> str:
         first = self.first_token_at if self.first_token_at is not None else self.finished
@@ -39,7 +41,9 @@ class StreamStats:
         return (
             f"[prompt tokens {self.prompt_tokens}, generated tokens {self.generated_tokens}, "
             f"time to first token {(first - self.started) * 1e3:.0f} ms, {rate:.1f} tokens/s, "
-            f"finish reason {self.finish_reason}]"
+            + (f"acceptance rate {self.accepted / self.drafted:.0%} ({self.accepted} of {self.drafted} drafts), "
+               if self.drafted else "")
+            + f"finish reason {self.finish_reason}]"
         )
 
 
@@ -93,6 +97,8 @@ def stream_completion(engine: Engine, prompt: str, params: SamplingParams, *, ou
         finish_reason, status = "interrupted", EXIT_INTERRUPTED
     finished = time.perf_counter()
     print(file=out, flush=True)
-    stats = StreamStats(len(ids), generated, started, first_token_at, finished, finish_reason)
+    drafts = engine.speculative_stats
+    stats = StreamStats(len(ids), generated, started, first_token_at, finished, finish_reason, drafts.drafted,
+                        drafts.accepted)
     print(stats.summary(), file=err, flush=True)
     return status

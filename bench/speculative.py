@@ -1,0 +1,139 @@
+"""Speculative decoding with the MTP layer: verify-step cost and end-to-end tokens/s (CUDA).
+
+    python bench/speculative.py [--batches 1 32] [--context 1024] [--e2e-model PATH] [--commit SHA]
+
+Verify rows: the "v2-lite" preset (random bf16 weights, random cache), graph-replayed
+steps of `batch` sequences with `context` cached tokens each: the plain decode step
+(one query token a sequence) and the verify step (k + 1 = 2, 3, 4 query tokens a
+sequence, as the engine runs it: logits and hidden state of every row), and the draft
+step (the MTP layer, one row a sequence). "x decode" is a step's time over the decode
+step's; the target is <= 1.15 at batch 1 and <= 1.3 at batch 32.
+
+End to end: `mla-func bench`-style runs (random prompts of 32-128 tokens, 128 greedy
+output tokens each, no early stop) at batch 1 and 8 with k = 0..3, on a model with an
+MTP layer (`--e2e-model`, a checkpoint folder; by default the demo model, skipped with
+a message when it has none), reporting output tokens/s and the measured acceptance rate.
+Prints tables and writes JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import mla_func as mf  # noqa: E402
+from mla_func.benchmark import run_throughput  # noqa: E402
+from mla_func.mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn  # noqa: E402
+
+BLOCK_SIZE = 64
+
+
+def _setup(model: mf.Model, step: mf.Step, batch: int, context: int, q: int, drafter: bool):
+    blocks_per_seq = math.ceil((context + q) / BLOCK_SIZE)
+    state = mf.init_state(model, num_blocks=1 + batch * blocks_per_seq, block_size=BLOCK_SIZE)
+    if drafter:
+        state = init_drafter_state(model, state)
+    for cache in state.leaves():
+        cache.normal_(0.0, 1.0)
+    vocab = model.config.vocab_size
+    plan = mf.StepPlan(decode=tuple(
+        mf.SeqPlan(tuple((17 * i + j) % vocab for j in range(q)), context,
+                   tuple(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)), q)
+        for i in range(batch)), decode_q_len=q)
+    batch_tensors, mode = step.prepare(state, plan)
+    if drafter:
+        hidden = torch.randn(mode.num_tokens, model.config.hidden_size, dtype=model.dtype, device="cuda")
+        batch_tensors = dataclasses.replace(batch_tensors, hidden=hidden)
+    return state, batch_tensors, mode
+
+
+def _time(step: mf.Step, state, batch_tensors, mode, iters: int) -> float:
+    for _ in range(3):
+        state, out = step(state, batch_tensors, mode)
+    assert out.graph, f"step {mode.static_key} did not replay a graph"
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        state, _ = step(state, batch_tensors, mode)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / iters
+
+
+def verify_rows(batches: list[int], context: int, iters: int, backend: str) -> list[dict]:
+    model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda", mtp=True)
+    rows = []
+    for batch in batches:
+        kinds = [("decode", 1, None, False), *((f"verify k={q - 1}", q, target_step_fn, False) for q in (2, 3, 4)),
+                 ("draft", 1, DrafterFn(mtp_layer(model.config)), True)]
+        base = math.nan
+        for name, q, fn, drafter in kinds:
+            step = mf.make_step(model, fn=fn, params=drafter_params(model) if drafter else None, backend=backend,
+                                max_num_seqs=max(batches), max_model_len=context + 8, block_size=BLOCK_SIZE)
+            state, batch_tensors, mode = _setup(model, step, batch, context, q, drafter)
+            ms = _time(step, state, batch_tensors, mode, iters)
+            base = ms if name == "decode" else base
+            rows.append(dict(batch=batch, context=context, step=name, query_tokens=q, ms=ms, x_decode=ms / base))
+            print(rows[-1], flush=True)
+            del state, batch_tensors, step
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def end_to_end(model_path: str, batches: list[int], output_len: int, backend: str) -> list[dict]:
+    try:
+        model = mf.load_model(model_path, dtype=torch.bfloat16, device="cuda", mtp=True)
+    except mf.CheckpointError as e:
+        print(f"end to end skipped: {model_path} has no MTP layer ({e})", flush=True)
+        return []
+    rows = []
+    for batch in batches:
+        for k in range(4):
+            result = run_throughput(model, num_prompts=batch, input_len=(32, 128), output_len=output_len,
+                                    backend=backend, max_num_seqs=batch, max_num_batched_tokens=2048,
+                                    speculative_tokens=k, progress=False)
+            rows.append(dict(batch=batch, k=k, output_tok_s=result["output_tok_s"],
+                             acceptance_rate=result["acceptance_rate"], seconds=result["seconds"]))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--e2e-model", default="demo")
+    parser.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    verify = verify_rows(args.batches, args.context, args.iters, args.backend)
+    e2e = end_to_end(args.e2e_model, args.e2e_batches, args.output_len, args.backend)
+    result = dict(benchmark="speculative", preset="v2-lite", dtype="bfloat16", backend=args.backend,
+                  block_size=BLOCK_SIZE, e2e_model=args.e2e_model, gpu=common.gpu_name(), gpu_slug=common.gpu_slug(),
+                  date=common.today(), commit=common.git_commit(args.commit), torch=torch.__version__,
+                  verify_rows=verify, end_to_end_rows=e2e)
+    path = common.write_json(result, args.out, "speculative")
+    print(f"\n{result['gpu']} -> {path}")
+    common.print_table(verify, [("batch", "batch"), ("context", "ctx"), ("step", "step"), ("ms", "ms"),
+                                ("x_decode", "x decode")])
+    if e2e:
+        common.print_table(e2e, [("batch", "batch"), ("k", "k"), ("output_tok_s", "tok/s"),
+                                 ("acceptance_rate", "acceptance")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The params of a multi-token-prediction (MTP) layer, and their tensors in a Hugging Face checkpoint.
+
+DeepSeek-V3 checkpoints store `num_nextn_predict_layers` MTP layers after the
+decoder layers, as `model.layers.{L}.` with L = num_hidden_layers (and up):
+
+    enorm.weight [D], hnorm.weight [D]      norms of the token's embedding and of the previous hidden state
+    eh_proj.weight [D, 2D]                  the projection of [enorm(embedding); hnorm(hidden)]
+    (a full decoder layer: input_layernorm, self_attn.*, post_attention_layernorm, mlp.*)
+    shared_head.norm.weight [D]             the norm before the output head
+    shared_head.head.weight [V, D]          optional: the output head (the model's lm_head when absent)
+    embed_tokens.weight [V, D]              optional: the embedding (the model's when absent)
+
+The embedding and head are the model's own in DeepSeek-V3 (the checkpoint holds copies):
+a copy equal to the model's tensor is replaced by it, so memory holds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint_files import CheckpointError
+from .config import ModelConfig
+from .params import LayerParams, Params, TensorFetch, TensorGet, checked_fetch, layer_params, layer_tensor_shapes
+from .pytree import register_dataclass
+
+__all__ = ["MTP_OPTIONAL_TENSORS", "MTPParams", "load_mtp", "mtp_layer_index", "mtp_params_from_hf", "mtp_tensor_shapes"]
+
+# Tensors of an MTP layer that a checkpoint may leave out (the model's own are used then).
+MTP_OPTIONAL_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class MTPParams:
+    """One MTP layer: h' = eh_proj [enorm(embed(t)); hnorm(h)], then a decoder layer, then norm and head.
+
+    embed and head are the model's tensors unless the checkpoint holds different ones.
+    """
+
+    enorm: torch.Tensor      # [D]
+    hnorm: torch.Tensor      # [D]
+    eh_proj: torch.Tensor    # [D, 2D]: columns [0, D) read the embedding, [D, 2D) the hidden state
+    layer: LayerParams       # the decoder layer (MLA + MLP or MoE)
+    norm: torch.Tensor       # [D] shared_head.norm
+    embed: torch.Tensor      # [V, D]
+    head: torch.Tensor       # [V, D] shared_head.head
+
+
+def mtp_layer_index(config: ModelConfig, depth: int = 0) -> int:
+    """The checkpoint layer index of MTP layer `depth` (0 is the first), for DeepSeek-V2/V3/V3.2."""
+    if config.v4 is not None:
+        raise CheckpointError("mtp=True: DeepSeek-V4's multi-token-prediction layers (`mtp.*` tensors) are not "
+                              "supported yet; load the model without mtp")
+    return config.num_hidden_layers + depth
+
+
+def mtp_tensor_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
+    """The required tensors of MTP layer `depth`, by name, with their shapes (the optional ones excluded)."""
+    i = mtp_layer_index(config, depth)
+    d = config.hidden_size
+    p = f"model.layers.{i}."
+    return {p + "enorm.weight": (d,), p + "hnorm.weight": (d,), p + "eh_proj.weight": (d, 2 * d),
+            p + "shared_head.norm.weight": (d,), **layer_tensor_shapes(config, i)}
+
+
+def mtp_optional_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
+    """The optional tensors of MTP layer `depth` (embedding and head copies), with their shapes."""
+    p = f"model.layers.{mtp_layer_index(config, depth)}."
+    return {p + name: (config.vocab_size, config.hidden_size) for name in MTP_OPTIONAL_TENSORS}
+
+
+def _shared(own: torch.Tensor | None, model: torch.Tensor) -> torch.Tensor:
+    # One comparison at load time keeps a checkpoint's copy of a shared tensor from doubling its memory.
+    if own is None or (own.shape == model.shape and bool(torch.equal(own, model))):
+        return model
+    return own
+
+
+def mtp_params_from_hf(config: ModelConfig, get: TensorGet, *, dtype: torch.dtype, embed: torch.Tensor,
+                       lm_head: torch.Tensor, present: frozenset[str], depth: int = 0) -> MTPParams:
+    """MTP layer `depth` from checkpoint tensors (`get` as `params.checked_fetch` makes it).
+
+    embed, lm_head: the model's [V, D] embedding and head, used unless the checkpoint's own
+    differ; present: the optional tensor names the checkpoint holds.
+    """
+    i = mtp_layer_index(config, depth)
+    p = f"model.layers.{i}."
+
+    def optional(name: str) -> torch.Tensor | None:
+        return get(p + name) if p + name in present else None
+
+    return MTPParams(
+        enorm=get(p + "enorm.weight"),
+        hnorm=get(p + "hnorm.weight"),
+        eh_proj=get(p + "eh_proj.weight"),
+        layer=layer_params(config, i, get, dtype),
+        norm=get(p + "shared_head.norm.weight"),
+        embed=_shared(optional("embed_tokens.weight"), embed),
+        head=_shared(optional("shared_head.head.weight"), lm_head),
+    )
+
+
+def load_mtp(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype,
+             device: torch.device | str, present: frozenset[str]) -> MTPParams:
+    """The first MTP layer of a checkpoint whose model `params` are loaded; `fetch` as for `params_from_hf`."""
+    return mtp_params_from_hf(config, checked_fetch(fetch, dtype=dtype, device=device), dtype=dtype,
+                              embed=params.embed, lm_head=params.lm_head, present=present)

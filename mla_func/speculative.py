@@ -1,0 +1,253 @@
+"""Speculative decoding with the model's MTP layer: draft, verify, accept, catch up, one scheduled step at a time.
+
+One iteration, for the step the scheduler planned (decode rows of `decode_q_len` = 1 + k'
+tokens, k' <= k drafts):
+
+1. draft: each decode sequence's first draft (and the drafter's hidden state after it)
+   came from the previous iteration's catch-up; drafts 2..k' are drafter decode steps
+   at positions c .. c + k' - 2, each fed the previous draft and hidden state on the
+   device. One host sync brings the chain's drafts back (none for k' = 1);
+2. verify: one target step, the decode rows fed [last token, drafts] (a decode segment
+   of k' + 1 causal query tokens a sequence, through the absorbed decode kernel), the
+   prefill chunks with logits and hidden states for every row (the drafter needs them);
+3. accept: every verify row's token is drawn with the request's key and the drafts are
+   accepted as `acceptance` says, on the device;
+4. catch up: one drafter step over the same rows as the target's, each row fed the
+   token after it (a prompt token, the token just drawn, or a verify row's token) and
+   the target's hidden state of that row, which writes the drafter's cache where the
+   target's is valid and draws the next first drafts from the rows that will continue.
+   Rows after a rejected draft write dead entries that later steps overwrite;
+5. one host sync brings the tokens, the accepted counts and the next first drafts back.
+
+Draft, verify and catch-up steps are ordinary steps of `make_step` (memoized and
+graph-captured by their modes; the query length is part of the static key). The two
+host syncs sit between steps: after the draft chain and after the catch-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from .acceptance import accepted_lengths
+from .penalties import adjust_logits
+from .plan import SeqPlan, StepPlan
+from .requests import CheckedRequest
+from .sampling import sample
+from .scheduler import ScheduledStep
+from .state.kv_cache import KVCacheState
+from .step import Step
+
+__all__ = ["Draft", "SpeculativeDecoder", "SpeculativeStats"]
+
+Live = dict[Hashable, tuple[CheckedRequest, int]]   # request id -> (request, seed)
+Sampled = list[int | tuple[int, ...] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A sequence's first draft for its verify row at `position` (its start_pos)."""
+
+    position: int
+    token: int
+    hidden: torch.Tensor   # [D] the drafter's normalised hidden state after the draft
+
+
+@dataclass(slots=True)
+class SpeculativeStats:
+    """Counts over verify rows: drafts proposed and drafts accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Rows to draw a token from: logits row indices and, per row, its request, context, seed and key position."""
+
+    index: list[int]
+    requests: list[CheckedRequest]
+    contexts: list[list[int]]
+    seeds: list[int]
+    positions: list[int]
+
+
+def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool) -> torch.Tensor:
+    """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key."""
+    device = logits.device
+    if not rows.index:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    picked = logits.index_select(0, torch.tensor(rows.index, device=device))
+    reqs = rows.requests
+    if penalties:
+        picked = adjust_logits(picked, reqs, rows.contexts)
+    if all(r.params.greedy for r in reqs):
+        return picked.argmax(dim=-1)
+    vocab = picked.shape[-1]
+    return sample(
+        picked,
+        temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in reqs], device=device),
+        top_k=torch.tensor([min(r.params.top_k, vocab) for r in reqs], device=device),
+        top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
+        seeds=torch.tensor(rows.seeds, dtype=torch.int64, device=device),
+        positions=torch.tensor(rows.positions, dtype=torch.int64, device=device),
+        use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in reqs),
+    )
+
+
+class SpeculativeDecoder:
+    """The drafter's step and state beside the engine's target step; `run` does one iteration."""
+
+    def __init__(self, target: Step, drafter: Step, drafter_state: KVCacheState):
+        self.target = target
+        self.drafter = drafter
+        self.state = drafter_state
+        self.drafts: dict[Hashable, Draft] = {}
+        self.stats = SpeculativeStats()
+
+    def forget(self, *request_ids: Hashable) -> None:
+        """Drop requests' pending drafts (they finished or were preempted; a recompute drafts anew)."""
+        for request_id in request_ids:
+            self.drafts.pop(request_id, None)
+
+    def run(self, state: KVCacheState, scheduled: ScheduledStep, live: Live,
+            outputs: dict[Hashable, list[int]]) -> tuple[KVCacheState, Sampled]:
+        """Run `scheduled` with drafts; returns the target's new state and, per row, its tokens
+        (an int for a prefill row that completes its prompt, a tuple for a decode row, None otherwise)."""
+        plan, ids = scheduled.plan, scheduled.request_ids
+        self.forget(*scheduled.preempted)  # before the catch-up, which drafts anew for one re-admitted at once
+        num_prefill, q = len(plan.prefill), plan.decode_q_len
+        decode_ids = ids[num_prefill:]
+        drafts = self._draft(plan, decode_ids, live, outputs)
+        target_plan = StepPlan(
+            prefill=tuple(replace(s, num_logits=s.num_tokens) for s in plan.prefill),
+            decode=tuple(replace(s, token_ids=s.token_ids[:1] + d) for s, d in zip(plan.decode, drafts)),
+            decode_q_len=q)
+        batch, mode = self.target.prepare(state, target_plan)
+        state, out = self.target(state, batch, mode)
+        logits, hidden = out.output.logits, out.output.hidden           # [N, V], [N, D]: every real row
+
+        rows, done, offset = _Rows([], [], [], [], []), [], 0
+        for i, s in enumerate(plan.prefill):
+            offset += s.num_tokens
+            if s.num_logits:  # the chunk completes its prompt
+                done.append(i)
+                self._add(rows, offset - 1, ids[i], live, outputs[ids[i]], s.seq_len)
+        for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
+            for j in range(q):
+                self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
+        tokens = draw(logits, rows, penalties=True)                         # [len(done) + B * q]
+        verify = tokens[len(done):].view(len(decode_ids), q)
+        device = tokens.device
+        drafted = torch.tensor(drafts, dtype=torch.int64, device=device).view(len(decode_ids), q - 1)
+        accepted = accepted_lengths(verify, drafted)
+        first, next_hidden, continuing = self._catch_up(plan, ids, live, outputs, tokens, hidden, accepted)
+
+        host = torch.cat([tokens, accepted, first]).tolist()  # the iteration's one sync after its steps
+        n_tokens, n_acc = len(rows.index), len(decode_ids)
+        sampled: Sampled = [None] * len(ids)
+        for k, i in enumerate(done):
+            sampled[i] = host[k]
+        counts = host[n_tokens:n_tokens + n_acc]
+        for b, a in enumerate(counts):
+            sampled[num_prefill + b] = tuple(host[len(done) + b * q: len(done) + b * q + a + 1])
+        self.stats.drafted += (q - 1) * n_acc
+        self.stats.accepted += sum(counts)
+        for k, (rid, position, b) in enumerate(continuing):
+            if b >= 0:  # a verify row continues after the tokens it keeps
+                position = plan.decode[b].start_pos + counts[b] + 1
+            self.drafts[rid] = Draft(position, host[n_tokens + n_acc + k], next_hidden[k])
+        return state, sampled
+
+    @staticmethod
+    def _add(rows: _Rows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
+        request, seed = live[rid]
+        rows.index.append(index)
+        rows.requests.append(request)
+        rows.contexts.append(context)
+        rows.seeds.append(seed)
+        rows.positions.append(position)
+
+    def _draft(self, plan: StepPlan, decode_ids: Sequence[Hashable], live: Live,
+               outputs: dict[Hashable, list[int]]) -> list[tuple[int, ...]]:
+        """The drafts of each decode row (decode_q_len - 1 of them)."""
+        q = plan.decode_q_len
+        if q == 1:
+            return [()] * len(decode_ids)
+        firsts = []
+        for s, rid in zip(plan.decode, decode_ids):
+            draft = self.drafts.get(rid)
+            if draft is None or draft.position != s.start_pos:
+                raise RuntimeError(f"speculative decoding: request {rid!r} has no first draft for position "
+                                   f"{s.start_pos} (got {None if draft is None else draft.position})")
+            firsts.append(draft)
+        if q == 2:
+            return [(d.token,) for d in firsts]
+        device = self.state.device
+        token = torch.tensor([d.token for d in firsts], dtype=torch.int64, device=device)   # [B]
+        hidden = torch.stack([d.hidden for d in firsts])                                  # [B, D]
+        chain = []
+        for i in range(2, q):  # draft i: the row at c + i - 2 fed draft i - 1, for the token at c + i
+            step_plan = StepPlan(decode=tuple(SeqPlan((0,), s.start_pos + i - 2, s.block_table, 1, s.group_block_tables)
+                                              for s in plan.decode))
+            batch, mode = self.drafter.prepare(self.state, step_plan)
+            n, pad = len(firsts), mode.num_tokens - len(firsts)
+            batch = replace(batch, input_ids=torch.cat([token, batch.input_ids[n:]]),
+                            hidden=torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]))
+            self.state, out = self.drafter(self.state, batch, mode)
+            rows = _Rows([], [], [], [], [])
+            for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
+                self._add(rows, b, rid, live, [], s.start_pos + i)
+            token, hidden = draw(out.output.logits, rows, penalties=False), out.output.hidden
+            chain.append(token)
+        later = torch.stack(chain, dim=1).tolist()  # the draft chain's one host sync
+        return [(d.token, *rest) for d, rest in zip(firsts, later)]
+
+    def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, outputs: dict[Hashable, list[int]],
+                  tokens: torch.Tensor, hidden: torch.Tensor,
+                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Hashable, int, int]]]:
+        """The drafter over the target step's rows; returns the next first drafts [M], their hidden states
+        [M, D] and, for each, (request id, the position of its next verify row, or for verify row b
+        (-1, b): the position follows from the drafts it accepts)."""
+        q = plan.decode_q_len
+        prefill, patch_rows, continuing = [], [], []
+        rows = _Rows([], [], [], [], [])
+        offset, num_logits = 0, 0
+        for s, rid in zip(plan.prefill, ids):
+            request = live[rid][0]
+            full = list(request.prompt_token_ids) + outputs[rid]
+            end = s.seq_len
+            nxt = full[end] if end < len(full) else 0
+            if end >= len(full):
+                patch_rows.append(offset + s.num_tokens - 1)     # fed the token drawn just now
+            logits = 1 if end >= len(full) - 1 else 0
+            prefill.append(SeqPlan(s.token_ids[1:] + (nxt,), s.start_pos, s.block_table, logits, s.group_block_tables))
+            if logits:
+                self._add(rows, num_logits, rid, live, [], end + 1)
+                continuing.append((rid, end, -1))
+                num_logits += 1
+            offset += s.num_tokens
+        decode = tuple(SeqPlan((0,) * q, s.start_pos, s.block_table, q, s.group_block_tables) for s in plan.decode)
+        for b, (s, rid) in enumerate(zip(plan.decode, ids[len(plan.prefill):])):
+            for j in range(q):
+                self._add(rows, num_logits + b * q + j, rid, live, [], s.start_pos + j + 2)
+            continuing.append((rid, -1, b))
+        batch, mode = self.drafter.prepare(self.state, StepPlan(prefill=tuple(prefill), decode=decode, decode_q_len=q))
+        device = tokens.device
+        split, n_decode = mode.padded_prefill_tokens, len(decode) * q
+        patch_rows += range(split, split + n_decode)
+        real = torch.cat([torch.arange(offset, device=device), torch.arange(split, split + n_decode, device=device)])
+        # The rows fed a token drawn this iteration, in the order `tokens` holds them.
+        ids_t = batch.input_ids.index_copy(0, torch.tensor(patch_rows, dtype=torch.int64, device=device), tokens)
+        fed = hidden.new_zeros(mode.num_tokens, hidden.shape[1]).index_copy(0, real, hidden)
+        self.state, out = self.drafter(self.state, replace(batch, input_ids=ids_t, hidden=fed), mode)
+        drafts = draw(out.output.logits, rows, penalties=False)
+        pick = torch.cat([torch.arange(num_logits, device=device),
+                          num_logits + torch.arange(len(decode), device=device) * q + accepted])
+        return drafts.index_select(0, pick), out.output.hidden.index_select(0, pick), continuing

@@ -1,0 +1,56 @@
+"""Small random DeepSeek-V3 checkpoints with a multi-token-prediction layer.
+
+transformers builds and saves the model's own layers (`reference_models`) but not the
+MTP layer, so its tensors are drawn here, independently, and added to the saved file
+under `model.layers.{num_hidden_layers}.` as DeepSeek-V3's checkpoints name them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import mla_func as mf
+from mla_func.mtp_params import mtp_tensor_shapes
+from reference_models import make_reference
+
+
+def add_mtp_layer(path: Path, seed: int, *, with_copies: bool = False, echo: bool = False) -> None:
+    """Append random MTP tensors to `path`/model.safetensors (with copies of the embedding and head).
+
+    echo: make a drafter that guesses well on repetitive text: eh_proj passes the hidden state
+    through and the layer's output projections are small, so the drafter's logits are close
+    to the target's logits one position back (its guess for the next token is the target's
+    guess for the current one).
+    """
+    config = mf.ModelConfig.from_file(path / "config.json")
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(path / "model.safetensors")
+    for name, shape in mtp_tensor_shapes(config).items():
+        if len(shape) >= 2:
+            value = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+        elif "bias" in name:
+            value = torch.randn(shape, generator=generator) * 0.1
+        else:  # norm weights
+            value = 1.0 + 0.2 * torch.randn(shape, generator=generator)
+        if echo and name.endswith("eh_proj.weight"):
+            value = torch.cat([torch.zeros(shape[0], shape[0]), torch.eye(shape[0])], dim=1)
+        elif echo and name.endswith(("o_proj.weight", "down_proj.weight")):
+            value = value * 0.05
+        tensors[name] = value.to(tensors["model.embed_tokens.weight"].dtype)
+    if with_copies:
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def mtp_checkpoint(path: Path, *, variant: str = "v3-qlora-noaux", seed: int = 0, with_copies: bool = False,
+                   echo: bool = False, **overrides: object) -> tuple[torch.nn.Module, Path]:
+    """A transformers model saved at `path` with an MTP layer added; returns (the model, path)."""
+    model = make_reference(variant, seed=seed, **overrides)
+    model.save_pretrained(path)
+    add_mtp_layer(path, seed + 1000, with_copies=with_copies, echo=echo)
+    return model, path

@@ -1,0 +1,144 @@
+"""The MTP layer (the drafter) against a plain-torch reference of DeepSeek-V3's MTP equations.
+
+transformers does not run MTP layers, so the test writes them (DeepSeek-V3 report, sec. 2.2),
+for the token t_{i+1} and the target's last hidden state h_i at position i:
+
+    h'_i   = M [RMSNorm_e(Emb(t_{i+1})); RMSNorm_h(h_i)]     (M = eh_proj; the released weights
+                                                              read the embedding in the first half)
+    h^1    = TRM(h'_{0..i})                                  (one causal decoder layer)
+    P_{i+2} = OutHead(RMSNorm(h^1_i))
+
+with TRM run by transformers' own DeepSeek-V3 decoder layer loaded with the MTP layer's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+import mla_func as mf
+from mla_func.mtp import drafter_params, init_drafter_state, mtp_layer, target_step_fn
+from mtp_models import mtp_checkpoint
+from reference_models import rel_err
+
+BLOCK = 4
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@torch.no_grad()
+def _reference(hf, tensors, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [n, D] the target's normed last hidden states, MTP logits [n - 1, V] of rows 0..n-2)."""
+    config = hf.config
+    layer_index = config.num_hidden_layers
+    prefix = f"model.layers.{layer_index}."
+    mtp_config = copy.deepcopy(config)
+    mtp_config.num_hidden_layers = layer_index + 1
+    block = DeepseekV3DecoderLayer(mtp_config, layer_index).double().eval()
+    w = {k[len(prefix):]: v.double() for k, v in tensors.items() if k.startswith(prefix)}
+    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.", "mlp.experts.")
+    layer = {k: v for k, v in w.items() if not k.startswith(own)}
+    # transformers holds the routed experts stacked: gate_up [E, 2I, D] (gate rows first), down [E, D, I].
+    experts = range(config.n_routed_experts)
+    layer["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+    layer["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    block.load_state_dict(layer)
+    eps = config.rms_norm_eps
+    ids = torch.tensor([tokens])
+    h = hf.model(ids).last_hidden_state[0]                                   # [n, D]
+    emb = hf.model.embed_tokens(ids[0, 1:])                                  # Emb(t_{i+1}), [n - 1, D]
+    x = torch.cat([_rms(emb, w["enorm.weight"], eps), _rms(h[:-1], w["hnorm.weight"], eps)], -1)
+    x = x @ w["eh_proj.weight"].T                                            # [n - 1, D]
+    n = x.shape[0]
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    y = block(x[None], attention_mask=mask, position_ids=positions,
+              position_embeddings=hf.model.rotary_emb(x[None], positions))[0]
+    logits = _rms(y, w["shared_head.norm.weight"], eps) @ hf.lm_head.weight.T
+    return h, logits
+
+
+def _drafter_rows(model, dstate, plans, hiddens):
+    params, kind = drafter_params(model), mtp_layer(model.config)
+    rows = []
+    for plan, hidden in zip(plans, hiddens):
+        batch, mode = mf.plan_step(model.config, dstate, plan)
+        out, dstate = mf.forward_outputs(params, dstate, replace(batch, hidden=hidden), mode, layers=(kind,))
+        rows.append(out.logits[: mode.num_logits])
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf, path = mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "v3", seed=5)
+    return hf.double(), path
+
+
+def test_mtp_logits_equal_the_equations(checkpoint):
+    hf, path = checkpoint
+    model = mf.load_model(path, mtp=True, dtype=torch.float64, device="cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    h, want = _reference(hf, load_file(path / "model.safetensors"), tokens)
+
+    # Our target's hidden states are the ones the drafter continues from.
+    state = mf.init_state(model, num_blocks=16, block_size=BLOCK)
+    table = (1, 2, 3)
+    plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(tokens), 0, table, len(tokens)),))
+    out, state = target_step_fn(model.params, state, *mf.plan_step(model.config, state, plan))
+    assert rel_err(out.hidden, h) < 1e-5  # transformers routes in float32
+
+    # One prefill of every row; then a prefill chunk, single decode rows and a verify-like segment.
+    n = len(tokens) - 1
+    shifted = tuple(tokens[1:])
+    one = mf.StepPlan(prefill=(mf.SeqPlan(shifted, 0, table, n),))
+    got = _drafter_rows(model, init_drafter_state(model, state), [one], [h[:n]])
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5
+
+    plans = [mf.StepPlan(prefill=(mf.SeqPlan(shifted[:4], 0, table, 4),)),
+             mf.StepPlan(decode=(mf.SeqPlan(shifted[4:5], 4, table),)),
+             mf.StepPlan(decode=(mf.SeqPlan(shifted[5:8], 5, table, 3),), decode_q_len=3),
+             mf.StepPlan(decode=(mf.SeqPlan(shifted[8:10], 8, table, 2),), decode_q_len=2)]
+    hiddens = [h[:4], h[4:5], h[5:8], h[8:10]]
+    got = _drafter_rows(model, init_drafter_state(model, state), plans, hiddens)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_checkpoint_copies_of_embedding_and_head_are_shared(tmp_path):
+    _, path = mtp_checkpoint(tmp_path / "v3", seed=6, with_copies=True)
+    model = mf.load_model(path, mtp=True, dtype=torch.float32, device="cpu")
+    assert model.mtp.embed is model.params.embed and model.mtp.head is model.params.lm_head
+    assert mf.load_model(path, device="cpu").mtp is None
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
+    from reference_models import make_reference
+
+    make_reference("v3-qlora-noaux", seed=7).save_pretrained(tmp_path / "plain")
+    with pytest.raises(mf.CheckpointError, match=r"missing tensors: \['model\.layers\.3\.eh_proj\.weight'"):
+        mf.load_model(tmp_path / "plain", mtp=True, device="cpu")
+
+
+def test_a_drafter_step_needs_hidden_states():
+    model = mf.load_model("tiny", mtp=True, dtype=torch.float32, device="cpu")
+    state = mf.init_state(model, num_blocks=8, block_size=BLOCK)
+    dstate = init_drafter_state(model, state)
+    plan = mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (1,)),))
+    batch, mode = mf.plan_step(model.config, dstate, plan)
+    with pytest.raises(mf.BatchError, match="batch.hidden"):
+        mf.forward_outputs(drafter_params(model), dstate, batch, mode, layers=(mtp_layer(model.config),))
+    with pytest.raises(mf.BatchError, match=r"hidden: expected shape \(2, D\)"):
+        mf.forward_outputs(drafter_params(model), dstate, replace(batch, hidden=torch.zeros(3, 64)), mode,
+                           layers=(mtp_layer(model.config),))
+
+
+def test_a_v4_model_refuses_mtp():
+    with pytest.raises(mf.CheckpointError, match="DeepSeek-V4"):
+        mf.load_model("v4-tiny", device="cpu", mtp=True)
