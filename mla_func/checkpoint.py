@@ -18,7 +18,8 @@ from .checkpoint_files import CheckpointError, CheckpointFolder
 from .config import ConfigError, ModelConfig
 from .config_hf import config_from_json
 from .mtp_params import MTPParams, load_mtp, mtp_optional_shapes, mtp_tensor_shapes
-from .params import Params, hf_tensor_count, hf_tensor_shapes, params_from_hf
+from .params import Params, params_from_hf
+from .tensor_shapes import hf_tensor_count, hf_tensor_shapes
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
 from .random_weights import random_params
 from .safetensors_file import TensorEntry, read_header, read_tensor

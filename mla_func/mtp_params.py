@@ -22,7 +22,8 @@ import torch
 
 from .checkpoint_files import CheckpointError
 from .config import ModelConfig
-from .params import LayerParams, Params, TensorFetch, TensorGet, checked_fetch, layer_params, layer_tensor_shapes
+from .params import LayerParams, Params, TensorFetch, TensorGet, checked_fetch, layer_params
+from .tensor_shapes import layer_tensor_shapes
 from .pytree import register_dataclass
 
 __all__ = ["MTP_OPTIONAL_TENSORS", "MTPParams", "load_mtp", "mtp_layer_index", "mtp_params_from_hf", "mtp_tensor_shapes"]

@@ -6,7 +6,8 @@ import torch
 
 from .config import ModelConfig
 from .mtp_params import MTPParams, load_mtp, mtp_tensor_shapes
-from .params import Params, hf_tensor_shapes, params_from_hf
+from .params import Params, params_from_hf
+from .tensor_shapes import hf_tensor_shapes
 from .v4_params import is_index_table
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mla_func as mf
-from mla_func.params import hf_tensor_shapes
+from mla_func.tensor_shapes import hf_tensor_shapes
 from reference_models import make_reference, reference_logits, rel_err, save_reference
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mla_func as mf
-from mla_func.params import hf_tensor_shapes, params_from_hf
+from mla_func.params import params_from_hf
+from mla_func.tensor_shapes import hf_tensor_shapes
 from mla_func.pytree import tree_leaves
 from mla_func.demo import MODEL_DIR, data
 from mla_func.demo.export import params_to_hf

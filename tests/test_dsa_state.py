@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import mla_func as mf
 from driver import Seq, blocks, decode_plan, prefill_plan, run
 from dsa_models import V32, make_v32
-from mla_func.params import hf_tensor_count, hf_tensor_shapes
+from mla_func.tensor_shapes import hf_tensor_count, hf_tensor_shapes
 from mla_func.prepare import state_bytes_per_block
 from mla_func.presets import v32_lite
 from mla_func.sparse_attention import DSA_DECODER

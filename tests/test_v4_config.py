@@ -115,7 +115,7 @@ def test_hash_tables_must_name_experts(folder, tmp_path):
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True},
                                        {"layer_types": ["sliding_attention"] * 4}])
 def test_the_tensor_count_is_the_length_of_the_tensor_list(folder, overrides):
-    from mla_func.params import hf_tensor_count, hf_tensor_shapes
+    from mla_func.tensor_shapes import hf_tensor_count, hf_tensor_shapes
 
     config = mf.ModelConfig.from_hf_dict({**_raw(folder), **overrides})
     assert hf_tensor_count(config) == len(hf_tensor_shapes(config))

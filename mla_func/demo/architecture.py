@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from ..params import Params, hf_tensor_shapes, params_from_hf
+from ..params import Params, params_from_hf
+from ..tensor_shapes import hf_tensor_shapes
 
 
 def demo_model_config(vocab_size: int, **overrides: Any) -> ModelConfig:

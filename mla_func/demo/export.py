@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..params import MLPParams, MoEParams, Params, hf_tensor_shapes, join_shared
+from ..params import MLPParams, MoEParams, Params, join_shared
+from ..tensor_shapes import hf_tensor_shapes
 
 
 def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
