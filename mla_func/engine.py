@@ -23,14 +23,14 @@ from .kernels import default_backend
 from .mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
-from .requests import CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent
-from .requests import check_request, check_score_ids, split_call
+from .prepare import extra_cache_groups, init_state
+from .requests import (CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent, check_request,
+                       check_score_ids, split_call)
 from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
-from .state.block_allocator import OutOfBlocks
 from .speculative import SpeculativeDecoder, SpeculativeStats
+from .state.block_allocator import OutOfBlocks
 from .step import make_step
-from .prepare import extra_cache_groups, init_state
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
 
