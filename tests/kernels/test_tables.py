@@ -17,7 +17,7 @@ def _ops_of(table):
 
 
 # DeepSeek-V4's own ops: the Triton table runs their reference until V4 kernels exist.
-REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "scope_attention", "pool_entries", "clamped_experts"})
+REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "window_entry_attention", "compress_entries", "clamped_experts"})
 
 
 def test_triton_table_names_every_op():
