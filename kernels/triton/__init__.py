@@ -19,6 +19,7 @@ from .norm import rms_norm
 from .prefill import prefill_attention
 from .rope import rope
 from .routing import route
+from .v4_attention import window_entry_attention
 
 __all__ = [
     "absorb_query",
@@ -37,6 +38,7 @@ __all__ = [
     "route",
     "sparse_mla_decode",
     "top_k_indices",
+    "window_entry_attention",
     "write_index_key",
     "write_kv",
     "write_latent",
@@ -57,4 +59,5 @@ def ops() -> Ops:
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
+        v4=dataclasses.replace(REFERENCE.v4, window_entry_attention=window_entry_attention),
     )

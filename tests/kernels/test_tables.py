@@ -16,8 +16,8 @@ def _ops_of(table):
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
-# DeepSeek-V4's own ops: the Triton table runs their reference until V4 kernels exist.
-REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "window_entry_attention", "compress_entries", "clamped_experts"})
+# DeepSeek-V4's ops the Triton table runs as their reference.
+REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "compress_entries", "clamped_experts"})
 
 
 def test_triton_table_names_every_op():
