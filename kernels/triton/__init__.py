@@ -20,9 +20,11 @@ from .prefill import prefill_attention
 from .rope import rope
 from .routing import route
 from .v4_attention import window_entry_attention
+from .v4_compress import compress_entries
 
 __all__ = [
     "absorb_query",
+    "compress_entries",
     "fused_moe",
     "index_scores",
     "linear",
@@ -59,5 +61,6 @@ def ops() -> Ops:
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
-        v4=dataclasses.replace(REFERENCE.v4, window_entry_attention=window_entry_attention),
+        v4=dataclasses.replace(REFERENCE.v4, window_entry_attention=window_entry_attention,
+                               compress_entries=compress_entries),
     )
