@@ -122,7 +122,7 @@ def _locate(j, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_ro
 @triton.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
 def _v4_split_kernel(
     q_ptr, win_ptr, bt_ptr, klen_ptr, ent_ptr, et_ptr, idx_ptr, sink_ptr, po_ptr, pl_ptr,
-    num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2,
+    num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2, s_sink,
     s_qt, s_qh, s_qd,
     s_wn, s_wb, s_wd,
     s_btt, s_btw,
@@ -202,7 +202,7 @@ def _v4_split_kernel(
 
     if FOLD_SINK:
         # The only split: the sink joins here as one more logit with a zero value.
-        sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sink_ptr + heads * s_sink, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         shift = tl.where(m_f == float("-inf"), 0.0, m_f)
         alpha = tl.exp2(m_i - shift)
@@ -221,7 +221,7 @@ def _v4_split_kernel(
 @triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _v4_merge_kernel(
     po_ptr, pl_ptr, sink_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits,
+    num_heads, num_splits, s_sink,
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
     s_ot, s_oh, s_od, s_lt, s_lh,
@@ -231,7 +231,7 @@ def _v4_merge_kernel(
     t = (pid // num_heads).to(tl.int64)
     h = pid % num_heads
     # The sink is a weight: its load overlaps stage 1's tail.
-    sink = tl.load(sink_ptr + h).to(tl.float32)
+    sink = tl.load(sink_ptr + h * s_sink).to(tl.float32)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -352,7 +352,7 @@ def window_entry_attention(
     _v4_split_kernel[grid](
         q, window_cache, block_table, key_lens, ents, e_table, indices, sinks, partial_out, partial_lse,
         num_heads, splits, sliding_window, max(1, compress_rate), entry_k, entry_capacity,
-        softmax_scale * LOG2E,
+        softmax_scale * LOG2E, sinks.stride(0),
         *q.stride(), *window_cache.stride(), *block_table.stride(), *ents.stride(), *e_table.stride(),
         *indices.stride(), *partial_out.stride(), *partial_lse.stride(),
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
@@ -364,7 +364,7 @@ def window_entry_attention(
     if splits > 1:
         _v4_merge_kernel[(num_rows * num_heads,)](
             partial_out, partial_lse, sinks, out, lse,
-            num_heads, splits,
+            num_heads, splits, sinks.stride(0),
             *partial_out.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
             HEAD_DIM=head_dim, BLOCK_D=min(512, next_pow2(head_dim)), BLOCK_S=next_pow2(splits), GDC=use_pdl,
             num_warps=4, launch_pdl=use_pdl,

@@ -47,7 +47,7 @@ def _compress_kernel(
     s_in, s_ib, s_id,
     s_en, s_eb, s_ed,
     s_btt, s_btw, s_bias_r, s_bias_c, s_cos, s_cos_c, s_sin, s_sin_c,
-    OVERLAP: tl.constexpr, ROUND_NORMED: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+    OVERLAP: tl.constexpr, C: tl.constexpr, ROUND_NORMED: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -57,8 +57,7 @@ def _compress_kernel(
     key_len = tl.load(klen_ptr + t)
     entry = tl.maximum(key_len - 1, 0) // rate
     last = key_len - 1
-    c = 2 if OVERLAP else 1
-    num_slots = tl.where(writes, c * rate, 0)
+    num_slots = tl.where(writes, C * rate, 0)
     pairs = tl.arange(0, BLOCK_P)
     pair_mask = pairs < width // 2
     m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -70,14 +69,17 @@ def _compress_kernel(
     bt_row = bt_ptr + t * s_btt
     for s0 in range(0, num_slots, BLOCK_S):
         i = s0 + tl.arange(0, BLOCK_S)
-        pos = entry * rate + i - (c - 1) * rate
+        pos = entry * rate + i - (C - 1) * rate
         valid = (i < num_slots) & (pos >= 0) & (pos <= last)
         page = tl.load(bt_row + (pos // PAGE) * s_btw, mask=valid, other=0).to(tl.int64)
         src = in_ptr + page * s_in + (pos % PAGE).to(tl.int64) * s_ib
         # Slot i reads series i // rate (overlap: Ca, then Cb) of kv and gate, and bias row i % rate.
-        series = i // rate if OVERLAP else i * 0
+        if OVERLAP:
+            series = i // rate
+        else:
+            series = i * 0
         kv_cols = series[:, None] * width + 2 * pairs[None, :]
-        gate_cols = kv_cols + c * width
+        gate_cols = kv_cols + C * width
         mask2 = valid[:, None] & pair_mask[None, :]
         kv_e = tl.load(src[:, None] + kv_cols * s_id, mask=mask2, other=0.0).to(tl.float32)
         kv_o = tl.load(src[:, None] + (kv_cols + 1) * s_id, mask=mask2, other=0.0).to(tl.float32)
@@ -162,7 +164,7 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
         *inputs.stride(), *out.stride(), *block_table.stride(), *position_bias.stride(),
         *cos.stride(), *sin.stride(),
         # A norm weight wider than the cache (float32) keeps the normalised entry wide until the final store.
-        OVERLAP=overlap, ROUND_NORMED=torch.promote_types(kv_norm.dtype, inputs.dtype) == inputs.dtype,
+        OVERLAP=overlap, C=c, ROUND_NORMED=torch.promote_types(kv_norm.dtype, inputs.dtype) == inputs.dtype,
         ROPE_PAIRS=rope_pairs, PAGE=inputs.shape[1], ENTRY_PAGE=out.shape[1],
         BLOCK_S=block_s, BLOCK_P=max(16, next_pow2(width // 2)),
         num_warps=4,

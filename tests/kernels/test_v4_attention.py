@@ -25,7 +25,7 @@ def _tables(num_rows: int, width: int, num_blocks: int, gen: torch.Generator, de
 
 
 def _case(key_lens: list[int], heads: int, dim: int, dtype, device, seed: int, *, rate: int = 4,
-          topk: int | None = None, entries: bool = True):
+          topk: int | None = None, entries: bool = True, window: int = WINDOW):
     gen = generator(seed, device)
     n = len(key_lens)
     bs, bs_g = 4, 2
@@ -36,7 +36,7 @@ def _case(key_lens: list[int], heads: int, dim: int, dtype, device, seed: int, *
     lens = torch.tensor(key_lens, dtype=torch.int32, device=device)
     q = randn((n, heads, dim), dtype, device, gen, scale=dim ** -0.25)
     sinks = randn((heads,), torch.float32, device, gen)
-    kwargs: dict = dict(softmax_scale=dim ** -0.5, sliding_window=WINDOW)
+    kwargs: dict = dict(softmax_scale=dim ** -0.5, sliding_window=window)
     if entries:
         entry_cache = randn((1 + n * width_g + 2, bs_g, dim), dtype, device, gen)
         kwargs.update(entry_cache=entry_cache, entry_table=_tables(n, width_g, entry_cache.shape[0], gen, device),
@@ -127,3 +127,21 @@ def test_mismatched_arguments_are_named(device):
         window_entry_attention(*args, **{**kwargs, "compress_rate": 0})
     with pytest.raises(ValueError, match="sinks"):
         window_entry_attention(*args[:4], args[4][:2], **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("num_rows", [1, 64])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_real_sizes_on_the_gpu(heads, num_rows, kind):
+    """v4-mini's shapes (head_dim 512, window 128, CSA top-512 of context / 4, HCA context / 128), bf16,
+    rows from a padded one to 9K tokens."""
+    device = torch.device("cuda")
+    gen = generator(8, device)
+    lens = torch.randint(0, 9000, (num_rows,), generator=gen, device=device)
+    lens[0] = 0
+    if num_rows > 1:
+        lens[1:4] = torch.tensor([1, 127, 4], device=device)
+    args, kwargs = _case(lens.tolist(), heads, 512, torch.bfloat16, device, seed=9, rate=4 if kind == "csa" else 128,
+                         topk=512 if kind == "csa" else None, window=128)
+    _check(args, kwargs, torch.bfloat16)

@@ -85,3 +85,14 @@ def test_a_bad_bias_shape_is_named(device):
                          device=device, seed=5)
     with pytest.raises(ValueError, match="position_bias"):
         compress_entries(*args[:5], args[5][:2], *args[6:], **kwargs, inplace=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rate, overlap, width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+def test_real_sizes_on_the_gpu(rate, overlap, width):
+    """v4-mini's compressors: CSA (512 wide) and its indexer's (128), HCA's 128-token blocks, bf16."""
+    device = torch.device("cuda")
+    lens = [rate * k for k in (1, 2, 3, 50)] + [0, 5, rate * 64 + 1, rate * 64]
+    args, kwargs = _case(lens, rate=rate, overlap=overlap, width=width, rope_pairs=32, dtype=torch.bfloat16,
+                         device=device, seed=6)
+    _check(args, kwargs, torch.bfloat16)
