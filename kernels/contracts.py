@@ -241,6 +241,16 @@ class CompressEntries(Protocol):
         ...
 
 
+class HcMixWeights(Protocol):
+    def __call__(self, mixes: Tensor, base: Tensor, scale: Tensor, /, *, hc_mult: int, iters: int,
+                 hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """An mHC site's weights: mixes [T, (2 + N) * N] float32 (pre | post | comb logits), base
+        [(2 + N) * N], scale [3] -> pre [T, N] = sigmoid(s0 pre + b) + eps, post [T, N] =
+        2 sigmoid(s1 post + b), comb [T, N, N] = `iters` Sinkhorn steps of softmax_rows(s2 comb + b)
+        + eps (columns first), all float32."""
+        ...
+
+
 class ClampedExperts(Protocol):
     def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  limit: float) -> Tensor:

@@ -32,6 +32,7 @@ from .reference import norm as ref_norm
 from .reference import rope as ref_rope
 from .reference import routing as ref_routing
 from .reference import v4_attention as ref_v4_attention
+from .reference import v4_hc as ref_v4_hc
 from .reference import v4_moe as ref_v4_moe
 from .reference import v4_paged as ref_v4_paged
 
@@ -82,12 +83,14 @@ class DSAOps:
 @dataclass(frozen=True, slots=True)
 class V4Ops:
     """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
-    compressed entries with the sink, the compressors' update and the clamped-SwiGLU experts."""
+    compressed entries with the sink, the compressors' update, the hyper-connection weights and the
+    clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
     window_entry_attention: c.WindowEntryAttention
     compress_entries: c.CompressEntries
+    hc_mix_weights: c.HcMixWeights
     clamped_experts: c.ClampedExperts
 
 
@@ -138,6 +141,7 @@ REFERENCE = Ops(
         unit_rms=ref_v4_attention.unit_rms,
         window_entry_attention=ref_v4_paged.window_entry_attention,
         compress_entries=ref_v4_paged.compress_entries,
+        hc_mix_weights=ref_v4_hc.hc_mix_weights,
         clamped_experts=ref_v4_moe.clamped_experts,
     ),
 )

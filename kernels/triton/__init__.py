@@ -21,11 +21,13 @@ from .rope import rope
 from .routing import route
 from .v4_attention import window_entry_attention
 from .v4_compress import compress_entries
+from .v4_hc import hc_mix_weights
 
 __all__ = [
     "absorb_query",
     "compress_entries",
     "fused_moe",
+    "hc_mix_weights",
     "index_scores",
     "linear",
     "merge_attn_states",
@@ -62,5 +64,5 @@ def ops() -> Ops:
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
         v4=dataclasses.replace(REFERENCE.v4, window_entry_attention=window_entry_attention,
-                               compress_entries=compress_entries),
+                               compress_entries=compress_entries, hc_mix_weights=hc_mix_weights),
     )
