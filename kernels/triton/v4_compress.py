@@ -158,6 +158,7 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
     if n == 0:
         return out
     block_s = _GPU_BLOCK_S if inputs.device.type == "cuda" else _INTERPRETER_BLOCK_S
+    block_p = max(16, next_pow2(width // 2))
     _compress_kernel[(n,)](
         inputs, out, group_slots, key_lens, block_table, position_bias, kv_norm, cos, sin,
         rate, width, eps,
@@ -166,7 +167,8 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
         # A norm weight wider than the cache (float32) keeps the normalised entry wide until the final store.
         OVERLAP=overlap, C=c, ROUND_NORMED=torch.promote_types(kv_norm.dtype, inputs.dtype) == inputs.dtype,
         ROPE_PAIRS=rope_pairs, PAGE=inputs.shape[1], ENTRY_PAGE=out.shape[1],
-        BLOCK_S=block_s, BLOCK_P=max(16, next_pow2(width // 2)),
-        num_warps=4,
+        BLOCK_S=block_s, BLOCK_P=block_p,
+        # Six [BLOCK_S, BLOCK_P] float32 tiles live at once: wide entries (512) take eight warps to hold them.
+        num_warps=8 if block_p >= 256 else 4,
     )
     return out
