@@ -19,7 +19,9 @@ PADDING = mf.PaddingPolicy(decode_seqs=(4,), prefill_tokens=(24,), prefill_seqs=
 
 @pytest.fixture(scope="module")
 def tiny():
-    return mf.load_model("v4-tiny", dtype=torch.float32, device="cpu", seed=1)
+    # Triton's interpreter runs the kernels on CPU tensors; a CUDA machine runs them compiled, on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return mf.load_model("v4-tiny", dtype=torch.float32, device=device, seed=1)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
