@@ -21,12 +21,14 @@ from .rope import rope
 from .routing import route
 from .v4_attention import window_entry_attention
 from .v4_compress import compress_entries
+from .v4_experts import clamped_experts
 from .v4_hc import hc_mix_weights
 from .v4_norm import unit_rms
 from .v4_rope import rope_tail
 
 __all__ = [
     "absorb_query",
+    "clamped_experts",
     "compress_entries",
     "fused_moe",
     "hc_mix_weights",
@@ -69,5 +71,5 @@ def ops() -> Ops:
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
         v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
-                               hc_mix_weights=hc_mix_weights),
+                               hc_mix_weights=hc_mix_weights, clamped_experts=clamped_experts),
     )

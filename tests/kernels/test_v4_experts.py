@@ -1,0 +1,32 @@
+"""The Triton clamped-SwiGLU experts against the torch reference op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import assert_close, generator, randn
+from mla_func.kernels.reference.v4_moe import clamped_experts as reference
+from mla_func.kernels.triton.v4_experts import clamped_experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, top_k", [(3, 2), (40, 2), (5, 1)])
+def test_clamped_experts_equal_the_reference(device, dtype, tokens, top_k):
+    gen = generator(tokens * 10 + top_k, device)
+    experts, hidden, inter = 6, 32, 16
+    x = randn((tokens, hidden), dtype, device, gen)
+    w13 = randn((experts, 2 * inter, hidden), dtype, device, gen, scale=0.6)
+    w2 = randn((experts, hidden, inter), dtype, device, gen, scale=0.3)
+    ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=gen, device=device).to(dtype)
+    ids[0] = -1                              # a padded row takes no expert
+    weights[0] = 0
+    limit = 1.5                              # well inside the pre-activations' spread: the clamp matters
+    got = clamped_experts(x, w13, w2, weights, ids, limit=limit)
+    want = reference(x.double(), w13.double(), w2.double(), weights.double(), ids, limit=limit)
+    assert got.dtype == dtype
+    assert bool((got[0] == 0).all())
+    assert_close(got, want, dtype)
+    unclamped = reference(x.double(), w13.double(), w2.double(), weights.double(), ids, limit=1e9)
+    assert not torch.allclose(want, unclamped, rtol=1e-3, atol=1e-3), "the clamp should change the result"
