@@ -30,3 +30,20 @@ def test_clamped_experts_equal_the_reference(device, dtype, tokens, top_k):
     assert_close(got, want, dtype)
     unclamped = reference(x.double(), w13.double(), w2.double(), weights.double(), ids, limit=1e9)
     assert not torch.allclose(want, unclamped, rtol=1e-3, atol=1e-3), "the clamp should change the result"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_real_sizes_on_the_gpu(tokens):
+    """v4-mini's experts: D 4096, I 2048, 8 routed, top 6, swiglu_limit 10, bf16."""
+    device = torch.device("cuda")
+    gen = generator(tokens, device)
+    experts, hidden, inter, top_k = 8, 4096, 2048, 6
+    x = randn((tokens, hidden), torch.bfloat16, device, gen)
+    w13 = randn((experts, 2 * inter, hidden), torch.bfloat16, device, gen, scale=hidden ** -0.5 * 8)
+    w2 = randn((experts, hidden, inter), torch.bfloat16, device, gen, scale=inter ** -0.5)
+    ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=gen, device=device).to(torch.bfloat16)
+    got = clamped_experts(x, w13, w2, weights, ids, limit=10.0)
+    want = reference(x.double(), w13.double(), w2.double(), weights.double(), ids, limit=10.0)
+    assert_close(got, want, torch.bfloat16)
