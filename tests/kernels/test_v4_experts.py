@@ -46,4 +46,6 @@ def test_real_sizes_on_the_gpu(tokens):
     weights = torch.rand((tokens, top_k), generator=gen, device=device).to(torch.bfloat16)
     got = clamped_experts(x, w13, w2, weights, ids, limit=10.0)
     want = reference(x.double(), w13.double(), w2.double(), weights.double(), ids, limit=10.0)
-    assert_close(got, want, torch.bfloat16)
+    # The kernel rounds the pre-activations and the SwiGLU to bf16 (0.4% each) before 2048-term sums:
+    # judged over the whole output, not element by element near 0.
+    assert float((got.double() - want).norm() / want.norm()) <= 1e-2
