@@ -144,4 +144,8 @@ def test_real_sizes_on_the_gpu(heads, num_rows, kind):
         lens[1:4] = torch.tensor([1, 127, 4], device=device)
     args, kwargs = _case(lens.tolist(), heads, 512, torch.bfloat16, device, seed=9, rate=4 if kind == "csa" else 128,
                          topk=512 if kind == "csa" else None, window=128)
-    _check(args, kwargs, torch.bfloat16)
+    out, _ = _check(args, kwargs, torch.bfloat16)
+    # Outputs average hundreds of keys (|out| ~ 0.05): judged over the whole output too, far below what
+    # reading one wrong key per row would give.
+    want, _ = reference(*_double(args, kwargs)[0], **_double(args, kwargs)[1])
+    assert float((out.double() - want).norm() / want.norm()) <= 1e-2
