@@ -213,17 +213,41 @@ class UnitRms(Protocol):
         ...
 
 
-class ScopeAttention(Protocol):
-    def __call__(self, q: Tensor, keys: Tensor, valid: Tensor, /, *, softmax_scale: float) -> tuple[Tensor, Tensor]:
-        """Each row over one scope of its own keys (values = keys): q [n, H, D], keys [n, L, D],
-        valid [n, L] bool -> out [n, H, D] in q's dtype, lse [n, H] float32; no valid key: 0, -inf."""
+class WindowEntryAttention(Protocol):
+    def __call__(self, q: Tensor, window_cache: Tensor, block_table: Tensor, key_lens: Tensor, sinks: Tensor, /, *,
+                 softmax_scale: float, sliding_window: int, entry_cache: Tensor | None = None,
+                 entry_table: Tensor | None = None, entry_indices: Tensor | None = None,
+                 compress_rate: int = 0) -> tuple[Tensor, Tensor]:
+        """Each row over its window and its compressed entries (values = keys), with a per-head sink:
+        q [n, H, D]; window_cache [nb, bs, D] through block_table [n, W] int32, positions
+        [key_lens - sliding_window, key_lens) >= 0 (key_lens [n] int32: position + 1, 0 padded);
+        sinks [H]; entry_cache [nbg, bsg, D] through entry_table [n, Wg] int32 (None: no entries),
+        the entries entry_indices [n, k] int32 lists (-1: none) or, without it, all, each only if
+        e < key_lens // compress_rate -> out [n, H, D] in q's dtype, lse [n, H] float32 of the scopes
+        and the sink; empty scopes add nothing, a padded row gets out 0, never NaN."""
         ...
 
 
-class PoolEntries(Protocol):
-    def __call__(self, kv: Tensor, gate: Tensor, valid: Tensor, /) -> Tensor:
-        """Gated pooling of S slots into one compressed entry: kv, gate [n, S, Dc], valid [n, S] bool
-        -> [n, Dc] = sum_s softmax_s(gate) * kv over valid slots; 0 without one."""
+class CompressEntries(Protocol):
+    def __call__(self, inputs: Tensor, entries: Tensor, group_slots: Tensor, key_lens: Tensor, block_table: Tensor,
+                 position_bias: Tensor, kv_norm: Tensor, cos: Tensor, sin: Tensor, /, *, rate: int, overlap: bool,
+                 eps: float, num_seqs: int, inplace: bool) -> Tensor:
+        """The compressor's update: inputs [nb, bs, 2 * c * Dc] (kv | gate of every token) through
+        block_table [n, W]; each row with group_slots [n] >= 0 pools the block ending at its position
+        (key_lens [n] - 1; with overlap, series Ca of the previous block and Cb of this one) by
+        softmax(gate + position_bias [rate, c * Dc]) per channel, RMS-normalises it (kv_norm [Dc], eps),
+        rotates its rope tail at the block's first position (cos, sin [P, R / 2]) and writes it to
+        entries [nbg, bsg, Dc] at its slot; num_seqs bounds the completing rows -> entries."""
+        ...
+
+
+class HcMixWeights(Protocol):
+    def __call__(self, mixes: Tensor, base: Tensor, scale: Tensor, /, *, hc_mult: int, iters: int,
+                 hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """An mHC site's weights: mixes [T, (2 + N) * N] float32 (pre | post | comb logits), base
+        [(2 + N) * N], scale [3] -> pre [T, N] = sigmoid(s0 pre + b) + eps, post [T, N] =
+        2 sigmoid(s1 post + b), comb [T, N, N] = `iters` Sinkhorn steps of softmax_rows(s2 comb + b)
+        + eps (columns first), all float32."""
         ...
 
 

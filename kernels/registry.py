@@ -5,7 +5,7 @@ Ops are grouped by the layer kind that needs them: `dense` (norms, projections,
 rope, the LSE merge: every layer kind), `mla` (the latent cache and MLA
 attention), `moe` (routing and experts), `dsa` (DeepSeek Sparse Attention's
 indexer and sparse MLA, which DeepSeek-V4's CSA layers share), `v4` (DeepSeek-V4's
-own math: the Triton table runs its reference until V4 kernels exist); a new layer
+own math: attention over the paged window and entries, the compressors' update); a new layer
 kind adds a group. Each
 op's contract is its `Protocol` in `contracts`. Every backend's table derives
 from the reference table with `dataclasses.replace`, naming only the ops it
@@ -32,7 +32,9 @@ from .reference import norm as ref_norm
 from .reference import rope as ref_rope
 from .reference import routing as ref_routing
 from .reference import v4_attention as ref_v4_attention
+from .reference import v4_hc as ref_v4_hc
 from .reference import v4_moe as ref_v4_moe
+from .reference import v4_paged as ref_v4_paged
 
 BACKENDS = ("torch", "triton", "aiter")
 
@@ -80,13 +82,15 @@ class DSAOps:
 
 @dataclass(frozen=True, slots=True)
 class V4Ops:
-    """DeepSeek-V4's own math: partial rope, the unweighted norm, per-scope attention, the
-    compressors' pooling and the clamped-SwiGLU experts."""
+    """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
+    compressed entries with the sink, the compressors' update, the hyper-connection weights and the
+    clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
-    scope_attention: c.ScopeAttention
-    pool_entries: c.PoolEntries
+    window_entry_attention: c.WindowEntryAttention
+    compress_entries: c.CompressEntries
+    hc_mix_weights: c.HcMixWeights
     clamped_experts: c.ClampedExperts
 
 
@@ -135,8 +139,9 @@ REFERENCE = Ops(
     v4=V4Ops(
         rope_tail=ref_v4_attention.rope_tail,
         unit_rms=ref_v4_attention.unit_rms,
-        scope_attention=ref_v4_attention.scope_attention,
-        pool_entries=ref_v4_attention.pool_entries,
+        window_entry_attention=ref_v4_paged.window_entry_attention,
+        compress_entries=ref_v4_paged.compress_entries,
+        hc_mix_weights=ref_v4_hc.hc_mix_weights,
         clamped_experts=ref_v4_moe.clamped_experts,
     ),
 )

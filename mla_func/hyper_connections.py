@@ -22,28 +22,12 @@ from .kernels import Ops
 from .v4_params import HyperConnectionParams, HyperHeadParams
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """comb [..., N, N] positive -> columns, then rows and columns `iters - 1` more times, normalised to sum 1."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
 def hc_weights(p: HyperConnectionParams, streams: torch.Tensor, ops: Ops, *, iters: int, hc_eps: float,
                norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all float32."""
-    n = streams.shape[1]
     flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
     mixes = F.linear(flat, p.fn.float())                                  # [T, (2 + N) * N]
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = p.base.float().split([n, n, n * n])
-    scale = p.scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    return pre, post, sinkhorn(comb, iters, hc_eps)
+    return ops.v4.hc_mix_weights(mixes, p.base, p.scale, hc_mult=streams.shape[1], iters=iters, hc_eps=hc_eps)
 
 
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,6 @@ from .segment_rows import step_rows
 from .state.v4_cache import V4LayerCache
 from .v4_config import CSA, V4Config
 from .v4_params import V4AttentionParams
-from .v4_rows import entry_counts, slots_of, window_positions
 
 
 def _seqs(mode: ForwardMode, segment: SegmentRows) -> int:
@@ -80,31 +79,27 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
                       v: V4Config, ops: Ops) -> torch.Tensor:
     """The attention output [n, H, Dh] of a segment's rows (q [n, H, Dh], rotated).
 
-    Scopes: the row's window, then its compressed entries (all complete ones for HCA,
-    the indexer's top-k for CSA), merged by their log-sum-exp, then the sink: a scope
-    of one logit per head and a zero value.
+    Scopes: the row's window, and its compressed entries (all complete ones for HCA,
+    the indexer's top-k for CSA), merged by their log-sum-exp with the sink: a scope
+    of one logit per head and a zero value. The op reads both scopes from the paged
+    caches through the row's own tables.
     """
     scale = v.head_dim ** -0.5
-    window = cache.window
-    win_pos, win_valid = window_positions(seg.key_lens, v.sliding_window)
-    win_keys = window.view(-1, window.shape[-1])[slots_of(seg.block_table, win_pos, window.shape[1])]
-    out, lse = ops.v4.scope_attention(q, win_keys, win_valid, softmax_scale=scale)
-    if cache.entries is not None:
-        entries = cache.entries
-        g_table = seg.group_tables[cache.entry_group - 1]
-        count = entry_counts(seg.key_lens, v.rate(layer_type))                                  # [n]
-        if p.indexer is not None and cache.index_keys is not None:
-            q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v, ops)
-            chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, count, v, ops)   # [n, k], -1: none
-            valid = chosen >= 0
-        else:
-            chosen = torch.arange(g_table.shape[1] * entries.shape[1], device=count.device).expand(count.shape[0], -1)
-            valid = chosen < count.unsqueeze(1)
-        entry_keys = entries.view(-1, entries.shape[-1])[slots_of(g_table, chosen.clamp(min=0), entries.shape[1])]
-        entry_out, entry_lse = ops.v4.scope_attention(q, entry_keys, valid, softmax_scale=scale)
-        out, lse = ops.dense.merge_attn_states(out, lse, entry_out, entry_lse)
-    sink_lse = p.sinks.float().expand(q.shape[0], -1)
-    out, _ = ops.dense.merge_attn_states(out, lse, torch.zeros_like(out), sink_lse)
+    if cache.entries is None:
+        out, _ = ops.v4.window_entry_attention(q, cache.window, seg.block_table, seg.key_lens, p.sinks,
+                                               softmax_scale=scale, sliding_window=v.sliding_window)
+        return out
+    rate = v.rate(layer_type)
+    g_table = seg.group_tables[cache.entry_group - 1]
+    chosen = None
+    if p.indexer is not None and cache.index_keys is not None:
+        q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v, ops)
+        counts = seg.key_lens // rate
+        chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, counts, v, ops).to(torch.int32)
+    out, _ = ops.v4.window_entry_attention(q, cache.window, seg.block_table, seg.key_lens, p.sinks,
+                                           softmax_scale=scale, sliding_window=v.sliding_window,
+                                           entry_cache=cache.entries, entry_table=g_table, entry_indices=chosen,
+                                           compress_rate=rate)
     return out
 
 

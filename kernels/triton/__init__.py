@@ -19,10 +19,19 @@ from .norm import rms_norm
 from .prefill import prefill_attention
 from .rope import rope
 from .routing import route
+from .v4_attention import window_entry_attention
+from .v4_compress import compress_entries
+from .v4_experts import clamped_experts
+from .v4_hc import hc_mix_weights
+from .v4_norm import unit_rms
+from .v4_rope import rope_tail
 
 __all__ = [
     "absorb_query",
+    "clamped_experts",
+    "compress_entries",
     "fused_moe",
+    "hc_mix_weights",
     "index_scores",
     "linear",
     "merge_attn_states",
@@ -34,9 +43,12 @@ __all__ = [
     "rms_norm",
     "rms_norm_linear",
     "rope",
+    "rope_tail",
     "route",
     "sparse_mla_decode",
     "top_k_indices",
+    "unit_rms",
+    "window_entry_attention",
     "write_index_key",
     "write_kv",
     "write_latent",
@@ -57,4 +69,7 @@ def ops() -> Ops:
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
+        v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
+                               window_entry_attention=window_entry_attention, compress_entries=compress_entries,
+                               hc_mix_weights=hc_mix_weights, clamped_experts=clamped_experts),
     )

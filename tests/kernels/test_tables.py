@@ -16,8 +16,8 @@ def _ops_of(table):
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
-# DeepSeek-V4's own ops: the Triton table runs their reference until V4 kernels exist.
-REFERENCE_ON_TRITON = frozenset({"rope_tail", "unit_rms", "scope_attention", "pool_entries", "clamped_experts"})
+# Ops the Triton table runs as their reference (none: every op has a kernel).
+REFERENCE_ON_TRITON: frozenset[str] = frozenset()
 
 
 def test_triton_table_names_every_op():
@@ -48,7 +48,7 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
 def test_tables_derive_from_the_reference_by_group():
     torch_ops = ops_for("torch")
     assert torch_ops.backend == "torch"
-    assert len(_ops_of(torch_ops)) == 22
+    assert len(_ops_of(torch_ops)) == 23
     assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
 
 

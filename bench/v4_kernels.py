@@ -1,0 +1,257 @@
+"""DeepSeek-V4 decode kernels against the device's own copy bandwidth.
+
+    python bench/v4_kernels.py [--commit SHA] [--out bench/results]
+    python bench/v4_kernels.py --sweep      # time tile-size candidates instead (no result file)
+
+Prints a table (last) and writes bench/results/v4-kernels-<gpu>-<date>.json. The
+ceiling is device-to-device copy bandwidth (bytes read plus written), measured in
+the same run; each row's roofline time is the bytes it must move over that
+bandwidth, and `t/t_copy` is its time over the roofline time.
+
+Rows (v4-mini's shapes: bf16, 64 heads of 512, window 128, CSA 4:1 with a 64 x 128
+indexer keeping 512 entries, HCA 128:1, block size 64), B in {1, 64, 128} decode
+rows x context {8K, 64K}:
+* hca_attention: window + every complete entry (context / 128); bytes = the window's
+  keys + the entries + queries + outputs.
+* csa_attention: window + the top-512 entries; bytes = the window + the selected entries
+  + queries + outputs.
+* csa_decode: the indexer's scores over every complete entry (context / 4 keys of 128),
+  its top-k and the attention: one CSA layer's attention for B decode rows; bytes =
+  indexer keys + window + selected entries + queries + outputs.
+* compress_csa / compress_hca: every row completes an entry (the compressor's decode-time
+  update at its most expensive step); bytes = the block's inputs read + the entry written.
+Timings are CUDA-graph replays of calls on other block tables; eager timings (launches
+included, L2 flushed) sit beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from mla_func.kernels.triton import dsa_indexer, dsa_topk, v4_attention, v4_compress  # noqa: E402
+from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
+
+HEADS, HEAD_DIM, WINDOW = 64, 512, 128
+CSA_RATE, HCA_RATE, TOP_K = 4, 128, 512
+INDEX_HEADS, INDEX_DIM = 64, 128
+ROPE_PAIRS = 32
+BLOCK_SIZE = 64
+BF16 = torch.bfloat16
+TABLE_COPIES = 2
+BATCHES = (1, 64, 128)
+CONTEXTS = (8 * 1024, 64 * 1024)
+
+
+def _pages(num_rows: int, width: int, pool: int) -> torch.Tensor:
+    """[B, width] int32 distinct random pages of [1, pool)."""
+    return (torch.randperm(pool - 1, device="cuda")[: num_rows * width] + 1).to(torch.int32).view(num_rows, width)
+
+
+def _window_tables(num_rows: int, context: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The window cache and tables whose last pages (the window's) are real; earlier entries point at block 0,
+    which the kernel never reads (those positions are outside every window)."""
+    live = -(-WINDOW // BLOCK_SIZE) + 1
+    width = context // BLOCK_SIZE
+    pool = num_rows * live * TABLE_COPIES + 1
+    cache = torch.randn(pool, BLOCK_SIZE, HEAD_DIM, device="cuda", dtype=BF16)
+    tables = []
+    for _ in range(TABLE_COPIES):
+        table = torch.zeros(num_rows, width, dtype=torch.int32, device="cuda")
+        table[:, width - live:] = _pages(num_rows, live, pool)
+        tables.append(table)
+    return cache, tables
+
+
+def _entries(num_rows: int, num_entries: int, page: int, dim: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    width = -(-num_entries // page)
+    pool = num_rows * width + 1
+    cache = torch.randn(pool, page, dim, device="cuda", dtype=BF16)
+    return cache, [_pages(num_rows, width, pool) for _ in range(TABLE_COPIES)]
+
+
+def _row(op, ms, num_bytes, ceilings, **fields):
+    copy_ms = num_bytes / ceilings["copy"] * 1e3
+    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, GBps=num_bytes / ms / 1e6,
+                pct_copy=100 * copy_ms / ms, roofline_ms=copy_ms, copy_time_ratio=ms / copy_ms, **fields)
+
+
+def _attention_setup(num_rows, context, kind):
+    rate = CSA_RATE if kind == "csa" else HCA_RATE
+    num_entries = context // rate
+    window_cache, win_tables = _window_tables(num_rows, context)
+    entry_cache, entry_tables = _entries(num_rows, num_entries, max(1, BLOCK_SIZE // rate), HEAD_DIM)
+    q = torch.randn(num_rows, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    sinks = torch.randn(HEADS, device="cuda")
+    key_lens = torch.full((num_rows,), context, dtype=torch.int32, device="cuda")
+    indices = None
+    if kind == "csa":
+        scores = torch.rand(num_rows, num_entries, device="cuda")
+        indices = scores.topk(TOP_K, dim=1).indices.sort(dim=1).values.to(torch.int32)
+    keys = WINDOW + (TOP_K if kind == "csa" else num_entries)
+    return dict(q=q, window_cache=window_cache, win_tables=win_tables, entry_cache=entry_cache,
+                entry_tables=entry_tables, sinks=sinks, key_lens=key_lens, indices=indices, rate=rate, keys=keys)
+
+
+def _attend(s, i, workspace, indices=None, config=None, num_splits=None):
+    return v4_attention.window_entry_attention(
+        s["q"], s["window_cache"], s["win_tables"][i], s["key_lens"], s["sinks"], softmax_scale=HEAD_DIM ** -0.5,
+        sliding_window=WINDOW, entry_cache=s["entry_cache"], entry_table=s["entry_tables"][i],
+        entry_indices=s["indices"] if indices is None else indices, compress_rate=s["rate"], workspace=workspace,
+        config=config, num_splits=num_splits)
+
+
+def bench_attention(num_rows, context, kind, ceilings, config=None, num_splits=None, eager=True):
+    s = _attention_setup(num_rows, context, kind)
+    max_keys = v4_attention.max_keys_of(WINDOW, s["entry_cache"], s["entry_tables"][0], s["indices"])
+    splits = num_splits or v4_attention.v4_attention_num_splits(num_rows, HEADS, max_keys, "cuda", config)
+    workspace = (torch.empty(num_rows, HEADS, splits, HEAD_DIM, device="cuda"),
+                 torch.empty(num_rows, HEADS, splits, device="cuda"))
+    ms = common.time_graph([lambda i=i: _attend(s, i, workspace, config=config, num_splits=splits)
+                            for i in range(TABLE_COPIES)])
+    num_bytes = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, s["keys"], 2)
+    row = _row(f"{kind}_attention", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=HEADS,
+               keys_per_row=s["keys"], splits=splits, bytes_counted="window + entries read + queries + outputs")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: _attend(s, 0, workspace, num_splits=splits))
+    return row
+
+
+def bench_csa_decode(num_rows, context, ceilings, eager=True):
+    """Indexer scores over the complete entries' keys, top-k, then the attention: one CSA layer."""
+    s = _attention_setup(num_rows, context, "csa")
+    num_entries = context // CSA_RATE
+    index_cache, index_tables = _entries(num_rows, num_entries, BLOCK_SIZE // CSA_RATE, INDEX_DIM)
+    index_q = torch.randn(num_rows, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=BF16)
+    head_weights = torch.randn(num_rows, INDEX_HEADS, device="cuda") * INDEX_HEADS ** -0.5
+    counts = torch.full((num_rows,), num_entries, dtype=torch.int32, device="cuda")
+    candidates = index_tables[0].shape[1] * index_cache.shape[1]
+    scores = torch.empty(num_rows, candidates, device="cuda")
+    indices = torch.empty(num_rows, TOP_K, dtype=torch.int32, device="cuda")
+    topk_workspace = dsa_topk.top_k_workspace(num_rows, candidates, "cuda")
+    max_keys = WINDOW + TOP_K
+    workspace = v4_attention.v4_attention_workspace(num_rows, HEADS, HEAD_DIM, max_keys, "cuda")
+
+    def call(i):
+        dsa_indexer.index_scores(index_q, head_weights, index_cache, index_tables[i], counts, out=scores)
+        dsa_topk.top_k_indices(scores, counts, k=TOP_K, out=indices, workspace=topk_workspace)
+        return _attend(s, i, workspace, indices=indices)
+
+    ms = common.time_graph([lambda i=i: call(i) for i in range(TABLE_COPIES)])
+    key_bytes = num_rows * num_entries * INDEX_DIM * 2
+    attention_bytes = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, max_keys, 2)
+    row = _row("csa_decode", ms, key_bytes + attention_bytes, ceilings, batch=num_rows, context=context,
+               heads=HEADS, keys_per_row=max_keys, index_key_bytes=key_bytes, attention_bytes=attention_bytes,
+               bytes_counted="indexer keys + window + selected entries + queries + outputs")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(0))
+    return row
+
+
+def bench_compress(num_rows, context, kind, ceilings, eager=True):
+    """Every row completes an entry at the end of its context."""
+    overlap = kind == "csa"
+    rate = CSA_RATE if overlap else HCA_RATE
+    c = 2 if overlap else 1
+    width = -(-c * rate // BLOCK_SIZE) + 1
+    pool = num_rows * width * TABLE_COPIES + 1
+    inputs = torch.randn(pool, BLOCK_SIZE, 2 * c * HEAD_DIM, device="cuda", dtype=BF16)
+    tables = []
+    for _ in range(TABLE_COPIES):
+        table = torch.zeros(num_rows, context // BLOCK_SIZE, dtype=torch.int32, device="cuda")
+        table[:, -width:] = _pages(num_rows, width, pool)
+        tables.append(table)
+    entry_page = max(1, BLOCK_SIZE // rate)
+    entries = torch.zeros(num_rows * (context // rate // entry_page) + 1, entry_page, HEAD_DIM, device="cuda",
+                          dtype=BF16)
+    slots = (torch.randperm((entries.shape[0] - 1) * entry_page, device="cuda")[:num_rows] + entry_page)
+    key_lens = torch.full((num_rows,), context, dtype=torch.int32, device="cuda")
+    bias = torch.randn(rate, c * HEAD_DIM, device="cuda")
+    norm = torch.ones(HEAD_DIM, device="cuda", dtype=BF16)
+    angles = torch.rand(context, ROPE_PAIRS, device="cuda")
+    cos, sin = angles.cos(), angles.sin()
+
+    def call(i):
+        return v4_compress.compress_entries(inputs, entries, slots, key_lens, tables[i], bias, norm, cos, sin,
+                                            rate=rate, overlap=overlap, eps=1e-6, num_seqs=num_rows, inplace=True)
+
+    ms = common.time_graph([lambda i=i: call(i) for i in range(TABLE_COPIES)])
+    num_bytes = num_rows * (c * rate * 2 * HEAD_DIM * 2 + HEAD_DIM * 2)
+    row = _row(f"compress_{kind}", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=HEADS,
+               bytes_counted="the block's kv and gate inputs read + the entry written")
+    if eager:
+        row["eager_ms"] = common.time_eager(lambda: call(0))
+    return row
+
+
+def sweep(ceilings):
+    rows = []
+    for cfg in [DecodeConfig(64, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)]:
+        for splits in (None, 2, 4):
+            for kind in ("csa", "hca"):
+                try:
+                    r = bench_attention(64, 64 * 1024, kind, ceilings, config=cfg, num_splits=splits, eager=False)
+                except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+                    r = dict(op=f"{kind}_attention", error=repr(exc)[:120])
+                rows.append(dict(r, config=str(cfg), case=f"{kind} B64 ctx64K H64"))
+    print("\n== sweep ==")
+    common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("us", "us"),
+                              ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("error", "error")])
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/v4_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    import triton
+
+    ceilings = {"copy": common.copy_bandwidth()}
+    result = dict(gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(),
+                  commit=common.git_commit(args.commit), torch=torch.__version__, triton=triton.__version__,
+                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                  copy_bandwidth_GBps=ceilings["copy"] / 1e9,
+                  timing="CUDA-graph replay, consecutive calls on other block tables; eager_ms: "
+                         "triton.testing.do_bench median, L2 flushed",
+                  targets="V4 decode (csa_decode, hca_attention rows) at B >= 64: t/t_copy <= 1.3",
+                  cases=[])
+    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)", flush=True)
+    if args.sweep:
+        sweep(ceilings)
+        return
+
+    for context in CONTEXTS:
+        for num_rows in BATCHES:
+            result["cases"].append(bench_attention(num_rows, context, "hca", ceilings))
+            result["cases"].append(bench_attention(num_rows, context, "csa", ceilings))
+            result["cases"].append(bench_csa_decode(num_rows, context, ceilings))
+            torch.cuda.empty_cache()
+    for num_rows in BATCHES:
+        for kind in ("csa", "hca"):
+            result["cases"].append(bench_compress(num_rows, 64 * 1024, kind, ceilings))
+    path = common.write_json(result, args.out, "v4-kernels")
+    rows = [dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K H{c['heads']}") for c in result["cases"]]
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
+          f"-> {path}")
+    common.print_table(rows, [("op", "op"), ("shape", "shape"), ("keys_per_row", "keys/row"), ("splits", "splits"),
+                              ("us", "us"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
+                              ("GBps", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy")])
+
+
+if __name__ == "__main__":
+    main()

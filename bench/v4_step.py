@@ -1,0 +1,185 @@
+"""Decode step latency of the "v4-mini" preset: graphs vs eager, against the roofline.
+
+    python bench/v4_step.py [--batches 1 64] [--contexts 8192 65536] [--commit SHA]
+
+Each row: one decode step of `batch` sequences with `context` cached tokens each
+(random bf16 weights, every cache leaf filled with random values). The roofline is
+the bytes a step must read over the device-to-device copy bandwidth measured in the
+same run: every weight it touches (attention, compressors, indexer, hyper-connection
+and norm weights of every layer; the experts actually routed to in that step; the
+LM head; the embedding rows) plus, per sequence and layer, the keys its attention
+reads: the window (128 keys of 512), HCA's complete entries (context / 128), CSA's
+selected entries (top 512) and its indexer's keys (context / 4 keys of 128). Reads
+of the compressor's inputs on a step that completes a block, and every cache write,
+are a few KB a sequence and not counted. Prints a table (last) and writes JSON under
+bench/results/.
+
+The state of a 64K context holds, per token, every layer's window key, compressor
+inputs and indexer inputs (16 KB a token in v4-mini): batch 64 at 64K needs about
+70 GB beside the weights; a row that does not fit records the error instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import mla_func as mf  # noqa: E402
+from mla_func.kernels import ops_for  # noqa: E402
+
+BLOCK_SIZE = 64
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def tree_bytes(tree) -> int:
+    return sum(nbytes(t) for t in mf.pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
+    per_seq = math.ceil((context + 1) / BLOCK_SIZE)
+    state = mf.init_state(model, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE)
+    for cache in state.leaves():
+        cache.normal_(0.0, 1.0)
+    seqs = []
+    for i in range(batch):
+        tables = [tuple(range(1 + i * n, 1 + (i + 1) * n)) for n in (g.blocks_for(context + 1) for g in state.groups)]
+        seqs.append(mf.SeqPlan(((17 * i) % model.config.vocab_size,), context, tables[0], 1,
+                               group_block_tables=tuple(tables[1:])))
+    batch_tensors, mode = step.prepare(state, mf.StepPlan(decode=tuple(seqs)))
+    return state, batch_tensors, mode
+
+
+def routed_experts(model: mf.Model, state, batch_tensors, mode) -> list[int]:
+    """Distinct routed experts of each layer in this step (from an eager forward that records them)."""
+    ops = ops_for(mode.backend)
+    seen: list[int] = []
+    experts = ops.v4.clamped_experts
+
+    def recording(x, w13, w2, topk_weights, topk_ids, *, limit):
+        if w13.shape[0] == model.params.layers[0].mlp.num_routed:   # the routed call (shared experts: the other)
+            seen.append(int(torch.unique(topk_ids[topk_ids >= 0]).numel()))
+        return experts(x, w13, w2, topk_weights, topk_ids, limit=limit)
+
+    recorded = dataclasses.replace(ops, v4=dataclasses.replace(ops.v4, clamped_experts=recording))
+    mf.forward(model.params, state.renewed(), batch_tensors, dataclasses.replace(mode, use_graph=False), ops=recorded)
+    return seen
+
+
+def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one decode step must read."""
+    p, v = model.params, model.config.v4
+    assert v is not None
+    weight = nbytes(p.lm_head) + nbytes(p.norm) + batch * p.embed.shape[1] * p.embed.element_size()
+    cache = 0
+    itemsize = model.dtype.itemsize
+    keys = context + 1
+    for layer, layer_type, routed in zip(p.layers, v.layer_types, experts):
+        a = layer.attn
+        weight += tree_bytes((layer.attn_norm, layer.ffn_norm, layer.attn_hc, layer.ffn_hc, layer.hc_head))
+        weight += tree_bytes((a.q_a_proj, a.q_a_norm, a.q_b_proj, a.kv_proj, a.kv_norm, a.o_a_proj, a.o_b_proj,
+                              a.sinks, a.compressor, a.indexer))
+        m = layer.mlp
+        per_expert = (nbytes(m.w13) + nbytes(m.w2)) // m.w13.shape[0]
+        weight += nbytes(m.gate) + (routed + m.w13.shape[0] - m.num_routed) * per_expert
+        entries = 0
+        if layer_type == "heavily_compressed_attention":
+            entries = keys // v.rate(layer_type)
+        elif layer_type == "compressed_sparse_attention":
+            count = keys // v.rate(layer_type)
+            entries = min(v.index_topk, count)
+            cache += batch * count * v.index_head_dim * itemsize
+        cache += batch * (min(v.sliding_window, keys) + entries) * v.head_dim * itemsize
+    return weight, cache
+
+
+def time_steps(step: mf.Step, state, batch_tensors, mode, iters: int) -> tuple[float, object]:
+    """Wall milliseconds per step over `iters` back-to-back steps (after warm-up), synchronised at the end."""
+    for _ in range(3):
+        state, _ = step(state, batch_tensors, mode)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        state, _ = step(state, batch_tensors, mode)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / iters, state
+
+
+def run_row(model, batch, context, args, copy_bw, max_len) -> dict:
+    graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
+                              block_size=BLOCK_SIZE)
+    eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
+    state, batch_tensors, mode = decode_setup(model, batch, context, graph_step)
+    experts = routed_experts(model, state, batch_tensors, mode)
+    weight_bytes, cache_bytes = touched_bytes(model, experts, batch, context)
+    roofline_ms = (weight_bytes + cache_bytes) / copy_bw * 1e3
+    graph_ms, state = time_steps(graph_step, state, batch_tensors, mode, args.iters)
+    eager_ms = math.nan
+    if args.eager:
+        eager_ms, state = time_steps(eager_step, state, batch_tensors, dataclasses.replace(mode, use_graph=False),
+                                     args.iters)
+    return dict(batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
+                pct_roofline=100 * roofline_ms / graph_ms, roofline_ratio=graph_ms / roofline_ms,
+                graph_speedup=eager_ms / graph_ms, graph_tok_s=batch / graph_ms * 1e3,
+                weight_gb=weight_bytes / 1e9, cache_gb=cache_bytes / 1e9,
+                experts_per_layer=sum(experts) / max(1, len(experts)), padded_batch=mode.padded_decode_seqs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/v4_step.py needs a CUDA GPU")
+
+    copy_bw = common.copy_bandwidth()
+    max_len = max(args.contexts) + 2
+    model = mf.load_model("v4-mini", dtype=torch.bfloat16, device="cuda", max_model_len=max_len)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            try:
+                rows.append(run_row(model, batch, context, args, copy_bw, max_len))
+            except torch.cuda.OutOfMemoryError as exc:
+                # A shape that does not fit this GPU is a result of the run: recorded, and the run goes on.
+                rows.append(dict(batch=batch, context=context, error=f"out of memory: {str(exc)[:160]}"))
+            print(rows[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    result = dict(
+        benchmark="decode_step", preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9,
+        targets="batch 1: graph_ms <= 1.5 x roofline_ms; batch 64 at 64K: >= 70% of roofline", rows=rows,
+    )
+    path = common.write_json(result, args.out, "v4-step")
+    print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
+    common.print_table(rows, [
+        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("eager_ms", "eager ms"),
+        ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
+        ("graph_speedup", "graph x"), ("graph_tok_s", "tok/s"), ("weight_gb", "weights GB"),
+        ("cache_gb", "cache GB"), ("experts_per_layer", "experts/layer"), ("error", "error"),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""DeepSeek-V4 attention over the paged window and compressed entries, with the sink: split flash decoding.
+
+Every row (a decode token or a prompt token alike) attends over one virtual key
+list: its window's n_w = min(sliding_window, key_len) keys, positions
+[key_len - n_w, key_len) of the group-0 window cache, followed by its n_e
+compressed entries (entries 0..n_e-1 for HCA, n_e = key_len // rate; the first
+n_e = min(k, key_len // rate) slots of the indexer's ascending top-k list for CSA),
+read from the entries cache through the compressed group's table. Keys are the
+values (K = V), all heads share them, so a program holds BLOCK_H heads' queries
+and streams [BLOCK_N, D] key tiles once for all of them.
+
+Stage 1: grid (row, head group, split). Each row divides its *actual* list length
+among the splits on the device (whole tiles per split), so a split's range may
+straddle the window / entries boundary; each key of a tile picks its cache row
+from one of the two caches. Splits of one row run the online softmax (base 2,
+float32) over their range and write a normalised partial and its LSE.
+Stage 2: one program per (row, head) merges the splits by LSE together with the
+head's sink (a logit with a zero value). With one split, stage 1 folds the sink in
+itself and writes the outputs.
+
+Empty ranges carry lse -inf and shift by 0 (weights 0, never NaN); a padded row
+(key_len 0) has no key at all and gets out 0 (the sink alone). The split count
+depends on static shapes and the device only (`v4_attention_num_splits`), so a
+captured graph stays valid for any lengths and indices, and nothing syncs.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
+from .decode import DecodeConfig
+
+# MLA decode's tilings at the same key width (512): at 64 heads a program reuses
+# each key tile for 64 queries, given 8 warps to hold the [64, 512] accumulator.
+_GPU_CONFIGS = MappingProxyType({
+    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    32: DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+})
+_INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+# Splits fill about two programs per multiprocessor; none takes fewer than
+# _MIN_KEYS_PER_SPLIT keys of a row's longest possible list (window + entries),
+# below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 64
+_MAX_SPLITS = 32
+
+
+def v4_attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+
+
+def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device: torch.device | str,
+                            config: DecodeConfig | None = None) -> int:
+    """Splits per row from static shapes and the device: max_keys = sliding_window + the entry list's
+    capacity (top-k, or every entry the table can hold)."""
+    device = torch.device(device)
+    config = config or v4_attention_config(num_heads, device)
+    programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
+    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
+    min_keys = _MIN_KEYS_PER_SPLIT if device.type == "cuda" else config.block_n
+    return max(1, min(wanted, triton.cdiv(max(1, max_keys), min_keys), _MAX_SPLITS))
+
+
+def max_keys_of(sliding_window: int, entry_cache: torch.Tensor | None, entry_table: torch.Tensor | None,
+                entry_indices: torch.Tensor | None) -> int:
+    """The longest key list a row can have (static)."""
+    if entry_cache is None or entry_table is None:
+        return sliding_window
+    if entry_indices is not None:
+        return sliding_window + entry_indices.shape[1]
+    return sliding_window + entry_table.shape[1] * entry_cache.shape[1]
+
+
+def v4_attention_workspace(num_rows: int, num_heads: int, head_dim: int, max_keys: int,
+                           device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split partials for `window_entry_attention(..., workspace=...)`, allocated once per static shape:
+    (partial_out [n, H, S, D] float32, partial_lse [n, H, S] float32), S = v4_attention_num_splits(...)."""
+    splits = v4_attention_num_splits(num_rows, num_heads, max_keys, device)
+    return (torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _locate(j, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_row, win_ptr, ent_ptr,
+            s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
+            PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr):
+    """Cache row pointers of virtual key slots j (< end), and which of them are keys."""
+    in_range = j < end
+    is_win = in_range & (j < n_win)
+    pos = win_start + j
+    page = tl.load(bt_row + (pos // PAGE) * s_btw, mask=is_win, other=0).to(tl.int64)
+    row = win_ptr + page * s_wn + (pos % PAGE).to(tl.int64) * s_wb
+    valid = is_win
+    if HAS_ENTRIES:
+        slot = j - n_win
+        is_ent = in_range & (slot >= 0) & (slot < n_ent)
+        if HAS_INDICES:
+            e = tl.load(idx_row + slot * s_ik, mask=is_ent, other=-1)
+        else:
+            e = slot
+        is_ent = is_ent & (e >= 0) & (e < entry_count)
+        e_page = tl.load(et_row + (e // ENTRY_PAGE) * s_etw, mask=is_ent, other=0).to(tl.int64)
+        e_row = ent_ptr + e_page * s_en + (e % ENTRY_PAGE).to(tl.int64) * s_eb
+        row = tl.where(is_ent, e_row, row)
+        valid = valid | is_ent
+    return row, valid
+
+
+# Lengths and the split count follow the batch, which eager steps vary: as
+# specialised ints they would compile a kernel per value mid-run.
+@triton.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
+def _v4_split_kernel(
+    q_ptr, win_ptr, bt_ptr, klen_ptr, ent_ptr, et_ptr, idx_ptr, sink_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2, s_sink,
+    s_qt, s_qh, s_qd,
+    s_wn, s_wb, s_wd,
+    s_btt, s_btw,
+    s_en, s_eb, s_ed,
+    s_ett, s_etw, s_it, s_ik,
+    s_pot, s_poh, s_pos, s_pod,
+    s_plt, s_plh, s_pls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr,
+    FOLD_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+    t64 = t.to(tl.int64)
+    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    key_len = tl.maximum(tl.load(klen_ptr + t64), 0)
+    n_win = tl.minimum(key_len, window)
+    entry_count = key_len * 0
+    n_ent = key_len * 0
+    if HAS_ENTRIES:
+        entry_count = key_len // rate
+        if HAS_INDICES:
+            n_ent = tl.minimum(entry_count, entry_k)
+        else:
+            n_ent = tl.minimum(entry_count, entry_capacity)
+    total = n_win + n_ent
+    # Whole tiles per split, so only a split's last tile is ragged.
+    per_split = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, total)
+    win_start = key_len - n_win
+
+    q = tl.load(q_ptr + t64 * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + t64 * s_btt
+    et_row = et_ptr + t64 * s_ett
+    idx_row = idx_ptr + t64 * s_it
+    # Each tile's rows are located one iteration ahead (table and index loads form
+    # a dependent chain), so the pipelined key loads wait only on loop-carried values.
+    row, key_mask = _locate(start + offs_n, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_row,
+                            win_ptr, ent_ptr, s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
+                            PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
+    for n0 in range(start, end, BLOCK_N):
+        next_row, next_mask = _locate(n0 + BLOCK_N + offs_n, end, n_win, win_start, n_ent, entry_count, bt_row,
+                                      et_row, idx_row, win_ptr, ent_ptr, s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
+                                      PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
+        if BLOCK_D == HEAD_DIM:
+            k_mask = key_mask[:, None]
+        else:
+            k_mask = key_mask[:, None] & d_mask[None, :]
+        # The window cache and the entries cache share the feature stride (both contiguous rows).
+        keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
+        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # While the maximum is still -inf (no key yet), shift by 0: weights exp2(-inf) = 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(keys.dtype), keys, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        row, key_mask = next_row, next_mask
+
+    if FOLD_SINK:
+        # The only split: the sink joins here as one more logit with a zero value.
+        sink = tl.load(sink_ptr + heads * s_sink, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        shift = tl.where(m_f == float("-inf"), 0.0, m_f)
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.exp2(sink - shift)
+        acc = acc * alpha[:, None]
+        m_i = shift
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    po_row = po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos
+    tl.store(po_row + offs_d[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
+             mask=head_mask[:, None] & d_mask[None, :])
+    tl.store(pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, lse, mask=head_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
+def _v4_merge_kernel(
+    po_ptr, pl_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits, s_sink,
+    s_pot, s_poh, s_pos, s_pod,
+    s_plt, s_plh, s_pls,
+    s_ot, s_oh, s_od, s_lt, s_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    # The sink is a weight: its load overlaps stage 1's tail.
+    sink = tl.load(sink_ptr + h * s_sink).to(tl.float32)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    lse_s = tl.load(pl_ptr + t * s_plt + h * s_plh + offs_s * s_pls, mask=s_mask, other=float("-inf"))
+    m = tl.maximum(tl.max(lse_s, axis=0), sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m)
+    total = tl.sum(w, axis=0) + tl.exp(sink - m)
+    w = w * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        d = d0 + offs_d
+        d_mask = d < HEAD_DIM
+        parts = tl.load(po_ptr + t * s_pot + h * s_poh + offs_s[:, None] * s_pos + d[None, :] * s_pod,
+                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        tl.store(out_ptr + t * s_ot + h * s_oh + d * s_od, tl.sum(parts * w[:, None], axis=0).to(
+            out_ptr.dtype.element_ty), mask=d_mask)
+    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + t * s_lt + h * s_lh, lse)
+
+
+def window_entry_attention(
+    q: torch.Tensor,
+    window_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    softmax_scale: float,
+    sliding_window: int,
+    entry_cache: torch.Tensor | None = None,
+    entry_table: torch.Tensor | None = None,
+    entry_indices: torch.Tensor | None = None,
+    compress_rate: int = 0,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4 attention of each row over its window and compressed entries, with the per-head sink.
+
+    q:             [n, H, D] (any strides), bf16 / fp16 / fp32
+    window_cache:  [nb, bs, D] same dtype, rows contiguous; block_table [n, W] int32; key_lens [n] int32
+    sinks:         [H] float (one logit per head)
+    entry_cache:   [nbg, bsg, D] same dtype, rows contiguous, or None (no entries scope);
+                   entry_table [n, Wg] int32; entry_indices [n, k] int32 (ascending, -1 tail) or None (HCA)
+    workspace:     (partial_out [n, H, S, D] fp32, partial_lse [n, H, S] fp32) from
+                   `v4_attention_workspace`, so a captured graph allocates only its outputs; None
+                   allocates it here. Unused when S == 1.
+    num_splits:    overrides `v4_attention_num_splits` (tests); config: overrides the tiles (sweeps)
+    returns        out [n, H, D] in q's dtype, lse [n, H] float32 (scopes and sink); see
+                   `reference.v4_paged.window_entry_attention` for the contract.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    check_float("q", q)
+    check_shape("window_cache", window_cache, (None, None, head_dim))
+    check_shape("block_table", block_table, (num_rows, None))
+    check_shape("key_lens", key_lens, (num_rows,))
+    check_shape("sinks", sinks, (num_heads,))
+    check_dtype("window_cache", window_cache, (q.dtype,))
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_dtype("key_lens", key_lens, (torch.int32,))
+    check_float("sinks", sinks)
+    check_same_device(q=q, window_cache=window_cache, block_table=block_table, key_lens=key_lens, sinks=sinks)
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window: expected >= 1, got {sliding_window}")
+    has_entries = entry_cache is not None
+    if entry_cache is not None:
+        if entry_table is None or compress_rate < 1:
+            raise ValueError(f"window_entry_attention: entries need entry_table and compress_rate >= 1, got "
+                             f"entry_table={'None' if entry_table is None else tuple(entry_table.shape)}, "
+                             f"compress_rate={compress_rate}")
+        check_shape("entry_cache", entry_cache, (None, None, head_dim))
+        check_dtype("entry_cache", entry_cache, (q.dtype,))
+        check_shape("entry_table", entry_table, (num_rows, None))
+        check_dtype("entry_table", entry_table, (torch.int32,))
+        check_same_device(q=q, entry_cache=entry_cache, entry_table=entry_table)
+        if entry_cache.stride(2) != window_cache.stride(2):
+            raise ValueError(f"entry_cache: expected feature stride {window_cache.stride(2)} (the window cache's), "
+                             f"got {entry_cache.stride(2)}")
+        if entry_indices is not None:
+            check_shape("entry_indices", entry_indices, (num_rows, None))
+            check_dtype("entry_indices", entry_indices, (torch.int32,))
+            check_same_device(q=q, entry_indices=entry_indices)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    device = q.device
+    config = config or v4_attention_config(num_heads, device)
+    max_keys = max_keys_of(sliding_window, entry_cache, entry_table, entry_indices)
+    splits = num_splits or v4_attention_num_splits(num_rows, num_heads, max_keys, device, config)
+
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=device)
+    lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return out, lse
+    if splits == 1:
+        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    elif workspace is not None:
+        partial_out, partial_lse = workspace
+        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, head_dim))
+        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
+        check_dtype("workspace[0]", partial_out, (torch.float32,))
+        check_dtype("workspace[1]", partial_lse, (torch.float32,))
+        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
+    else:
+        partial_out = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
+
+    # Without entries the entry arguments are never read: the window's tensors stand in for them.
+    ents = entry_cache if entry_cache is not None else window_cache
+    e_table = entry_table if entry_table is not None and has_entries else block_table
+    indices = entry_indices if entry_indices is not None and has_entries else block_table
+    entry_k = indices.shape[1]
+    entry_capacity = e_table.shape[1] * ents.shape[1]
+    use_pdl = pdl(device)
+    grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
+    _v4_split_kernel[grid](
+        q, window_cache, block_table, key_lens, ents, e_table, indices, sinks, partial_out, partial_lse,
+        num_heads, splits, sliding_window, max(1, compress_rate), entry_k, entry_capacity,
+        softmax_scale * LOG2E, sinks.stride(0),
+        *q.stride(), *window_cache.stride(), *block_table.stride(), *ents.stride(), *e_table.stride(),
+        *indices.stride(), *partial_out.stride(), *partial_lse.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        PAGE=window_cache.shape[1], ENTRY_PAGE=ents.shape[1], HAS_ENTRIES=has_entries,
+        HAS_INDICES=has_entries and entry_indices is not None, FOLD_SINK=splits == 1,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
+    if splits > 1:
+        _v4_merge_kernel[(num_rows * num_heads,)](
+            partial_out, partial_lse, sinks, out, lse,
+            num_heads, splits, sinks.stride(0),
+            *partial_out.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=min(512, next_pow2(head_dim)), BLOCK_S=next_pow2(splits), GDC=use_pdl,
+            num_warps=4, launch_pdl=use_pdl,
+        )
+    return out, lse
+
+
+def v4_attention_bytes(num_rows: int, num_heads: int, head_dim: int, keys_per_row: int, itemsize: int) -> int:
+    """Bytes a V4 attention must move: every row's keys (window + entries), its queries and outputs."""
+    return itemsize * num_rows * (keys_per_row * head_dim + 2 * num_heads * head_dim)

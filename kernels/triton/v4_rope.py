@@ -1,0 +1,78 @@
+"""DeepSeek-V4's partial rope (the trailing channels rotated by interleaved pairs) in one kernel.
+
+The reference takes a dozen launches a call (slices, stacks, casts), and a V4
+layer rotates its queries, its key, its indexer queries and, inversely, its output.
+Here a program takes one token's BLOCK_M rows (heads) and writes each row whole:
+channels as (even, odd) halves of pairs, the pairs of the tail rotated by the
+token's angles in float32, the rest copied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_same_device
+from ._common import check_float, next_pow2
+
+_BLOCK_M = 4
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _rope_tail_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    rows, sign,
+    s_xt, s_xm, s_xd, s_ct, s_cd, s_st, s_sd, s_ot, s_om, s_od,
+    PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.arange(0, BLOCK_P)
+    p_mask = pairs < PAIRS
+    mask = (ms < rows)[:, None] & p_mask[None, :]
+    angle = pairs - (PAIRS - ROPE_PAIRS)
+    is_pe = (angle >= 0) & p_mask
+    cos = tl.load(cos_ptr + t * s_ct + angle * s_cd, mask=is_pe, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * s_st + angle * s_sd, mask=is_pe, other=0.0).to(tl.float32) * sign
+    src = x_ptr + t * s_xt + ms[:, None] * s_xm
+    even = tl.load(src + (2 * pairs)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(src + (2 * pairs + 1)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
+    rot_even = tl.where(is_pe[None, :], even * cos[None, :] - odd * sin[None, :], even)
+    rot_odd = tl.where(is_pe[None, :], odd * cos[None, :] + even * sin[None, :], odd)
+    dst = out_ptr + t * s_ot + ms[:, None] * s_om
+    tl.store(dst + (2 * pairs)[None, :] * s_od, rot_even.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + (2 * pairs + 1)[None, :] * s_od, rot_odd.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing R channels of x [T, ..., D] by interleaved pairs (see `reference.v4_attention.rope_tail`).
+
+    cos, sin: [T, 1, ..., R / 2] or [T, R / 2]: one angle per token and pair, shared by x's middle dims
+    (the layouts the model passes); D and R even. Returns a new tensor in x's dtype.
+    """
+    check_float("x", x)
+    check_same_device(x=x, cos=cos, sin=sin)
+    if x.dim() < 2:
+        raise ValueError(f"x: expected [T, ..., D], got shape {tuple(x.shape)}")
+    num_tokens, dim = x.shape[0], x.shape[-1]
+    half = cos.shape[-1]
+    if tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != num_tokens or any(s != 1 for s in cos.shape[1:-1]):
+        raise ValueError(f"cos, sin: expected [{num_tokens}, 1, ..., R / 2] or [{num_tokens}, R / 2] sharing one angle "
+                         f"per token, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if dim % 2 or 2 * half > dim:
+        raise ValueError(f"x: expected an even last dim with room for {2 * half} rotated channels, got {dim}")
+    x3 = x.reshape(num_tokens, -1, dim)
+    cos2, sin2 = cos.reshape(num_tokens, half), sin.reshape(num_tokens, half)
+    out = torch.empty_like(x3)
+    rows = x3.shape[1]
+    if num_tokens == 0 or rows == 0:
+        return out.view(x.shape)
+    _rope_tail_kernel[(num_tokens, triton.cdiv(rows, _BLOCK_M))](
+        x3, cos2, sin2, out,
+        rows, -1.0 if inverse else 1.0,
+        *x3.stride(), *cos2.stride(), *sin2.stride(), *out.stride(),
+        PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=_BLOCK_M,
+        num_warps=4,
+    )
+    return out.view(x.shape)

@@ -1,0 +1,46 @@
+"""The Triton partial rope and unweighted RMS norm of DeepSeek-V4 against the torch reference ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import assert_close, generator, randn, strided
+from mla_func.kernels.reference import v4_attention as ref
+from mla_func.kernels.triton.v4_norm import unit_rms
+from mla_func.kernels.triton.v4_rope import rope_tail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape, half", [((5, 6, 32), 4), ((7, 48), 8), ((3, 2, 16), 8)])
+def test_rope_tail_equals_the_reference(device, dtype, inverse, shape, half):
+    gen = generator(len(shape) * 10 + half, device)
+    x = randn(shape, dtype, device, gen)
+    angles = torch.rand((shape[0], *([1] * (len(shape) - 2)), half), generator=gen, device=device) * 6
+    got = rope_tail(x, angles.cos(), angles.sin(), inverse=inverse)
+    want = ref.rope_tail(x.double(), angles.cos().double(), angles.sin().double(), inverse=inverse)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, want, dtype)
+    nope = shape[-1] - 2 * half
+    assert torch.equal(got[..., :nope], x[..., :nope])
+
+
+def test_rope_tail_of_strided_input_and_bad_angles(device):
+    gen = generator(3, device)
+    x = strided(randn((4, 3, 16), torch.float32, device, gen), gen)
+    angles = torch.rand((4, 1, 4), generator=gen, device=device)
+    torch.testing.assert_close(rope_tail(x, angles.cos(), angles.sin()), ref.rope_tail(x, angles.cos(), angles.sin()))
+    with pytest.raises(ValueError, match="cos, sin"):
+        rope_tail(x, angles.cos().expand(4, 3, 4), angles.sin().expand(4, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 3, 32), (3, 4 * 1100), (0, 8)])
+def test_unit_rms_equals_the_reference(device, dtype, shape):
+    gen = generator(shape[-1], device)
+    x = randn(shape, dtype, device, gen, scale=3.0)
+    got = unit_rms(x, 1e-6)
+    want = ref.unit_rms(x.double(), 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, want, dtype)
