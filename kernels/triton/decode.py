@@ -95,9 +95,18 @@ def mla_decode_num_splits(
     config = config or decode_config(num_heads * q_len, device)
     _, heads_per_program = _tiling(num_heads, q_len, config)
     programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
-    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
-    by_length = triton.cdiv(block_table_width * block_size, _MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, _MAX_SPLITS))
+    return fill_splits(programs, block_table_width * block_size, device, min_keys=_MIN_KEYS_PER_SPLIT,
+                       max_splits=_MAX_SPLITS)
+
+
+def fill_splits(programs: int, keys: int, device: torch.device, *, min_keys: int, max_splits: int,
+                interpreter_min_keys: int | None = None) -> int:
+    """Splits of `keys` keys for `programs` programs a split: enough to fill one wave of about
+    _PROGRAMS_PER_SM programs a multiprocessor, none shorter than `min_keys` (on the CPU
+    interpreter `interpreter_min_keys`, when given), at most `max_splits`. Static shapes only."""
+    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // max(1, programs)
+    shortest = min_keys if device.type == "cuda" or interpreter_min_keys is None else interpreter_min_keys
+    return max(1, min(wanted, triton.cdiv(max(1, keys), shortest), max_splits))
 
 
 def mla_decode_workspace(

@@ -16,7 +16,6 @@ count is a function of static shapes and the device only
 
 from __future__ import annotations
 
-from types import MappingProxyType
 
 import torch
 import triton
@@ -24,24 +23,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl, sm_count
-from .decode import DecodeConfig, check_latent_attention_args
+from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
+from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value
 
-# The dense decode's tilings (heads per program, keys per step): at 16 heads the
-# kernel streams latent rows and two stages of loads in flight matter most; at 64
-# heads a program reuses each gathered row 4x more.
-_GPU_CONFIGS = MappingProxyType({
-    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    32: DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
-    64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
-})
-_INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
-
+# The dense decode's tilings (`decode.decode_config`): the same 576-wide latent rows / 512-wide keys,
+# gathered instead of streamed.
 # Splits fill about two programs per multiprocessor and no more (a partial second
 # wave runs at a fraction of the bandwidth); no split takes fewer than
 # _MIN_KEYS_PER_SPLIT indices, below which partial-result traffic outweighs the gain.
-_PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # Up to this many rows stage 2 also applies W_UV (as dense decode does).
@@ -49,9 +39,7 @@ _FUSED_VALUE_MAX_ROWS = 8
 
 
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
-    if device.type != "cuda":
-        return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+    return decode_config(num_heads, device)
 
 
 def sparse_mla_decode_num_splits(num_rows: int, num_heads: int, top_k: int, device: torch.device | str,
@@ -60,9 +48,8 @@ def sparse_mla_decode_num_splits(num_rows: int, num_heads: int, top_k: int, devi
     device = torch.device(device)
     config = config or sparse_decode_config(num_heads, device)
     programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
-    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
-    min_keys = _MIN_KEYS_PER_SPLIT if device.type == "cuda" else config.block_n
-    return max(1, min(wanted, triton.cdiv(top_k, min_keys), _MAX_SPLITS))
+    return fill_splits(programs, top_k, device, min_keys=_MIN_KEYS_PER_SPLIT, max_splits=_MAX_SPLITS,
+                       interpreter_min_keys=config.block_n)
 
 
 def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int, top_k: int,

@@ -26,38 +26,26 @@ captured graph stays valid for any lengths and indices, and nothing syncs.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
-from .decode import DecodeConfig
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl
+from .decode import DecodeConfig, decode_config, fill_splits
 
-# MLA decode's tilings at the same key width (512): at 64 heads a program reuses
-# each key tile for 64 queries, given 8 warps to hold the [64, 512] accumulator.
-_GPU_CONFIGS = MappingProxyType({
-    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    32: DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
-    64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
-})
-_INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
-
+# The dense decode's tilings (`decode.decode_config`): the same 576-wide latent rows / 512-wide keys,
+# gathered instead of streamed.
 # Splits fill about two programs per multiprocessor; none takes fewer than
 # _MIN_KEYS_PER_SPLIT keys of a row's longest possible list (window + entries),
 # below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
-_PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
 
 def v4_attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
-    if device.type != "cuda":
-        return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+    return decode_config(num_heads, device)
 
 
 def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device: torch.device | str,
@@ -67,9 +55,8 @@ def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device
     device = torch.device(device)
     config = config or v4_attention_config(num_heads, device)
     programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
-    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // programs
-    min_keys = _MIN_KEYS_PER_SPLIT if device.type == "cuda" else config.block_n
-    return max(1, min(wanted, triton.cdiv(max(1, max_keys), min_keys), _MAX_SPLITS))
+    return fill_splits(programs, max_keys, device, min_keys=_MIN_KEYS_PER_SPLIT, max_splits=_MAX_SPLITS,
+                       interpreter_min_keys=config.block_n)
 
 
 def max_keys_of(sliding_window: int, entry_cache: torch.Tensor | None, entry_table: torch.Tensor | None,
