@@ -75,11 +75,12 @@ def moe_config(num_pairs: int, num_experts: int, device: torch.device,
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
-    num_pairs, num_experts, hidden, inter,
+    num_pairs, num_experts, hidden, inter, limit,
     s_xt, s_xd, s_we, s_wn, s_wd, s_ar, s_ai, s_ids_t, s_ids_k,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, GDC: tl.constexpr,
+    CLAMP: tl.constexpr = False,
 ):
     block = tl.program_id(0)
     if GDC:
@@ -121,6 +122,11 @@ def _gate_up_kernel(
                 up = tl.load(w_up + ks[:, None] * s_wd, mask=w_mask, other=0.0)
             acc_gate = tl.dot(xa, gate, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(xa, up, acc_up, input_precision=DOT_PRECISION)
+        if CLAMP:
+            # DeepSeek-V4's clamped SwiGLU: the pre-activations rounded to x's dtype first, as
+            # the reference's projections are, then the gate clamped from above, up both ways.
+            acc_gate = tl.minimum(acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32), limit)
+            acc_up = tl.minimum(tl.maximum(acc_up.to(act_ptr.dtype.element_ty).to(tl.float32), -limit), limit)
         act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai,
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -236,13 +242,13 @@ def fused_moe(
     if isinstance(config, PairConfig):
         out = pair_moe(x, w13, w2, topk_weights, topk_ids, config)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
-    return _tiled_moe(x, w13, w2, topk_weights, topk_ids, config, out_dtype)
+    return tiled_moe(x, w13, w2, topk_weights, topk_ids, config, out_dtype)
 
 
-def _tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               config: MoeConfig,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """The tiled path: (align,) gate/up, down and combine launches."""
+def tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              config: MoeConfig, out_dtype: torch.dtype, *, limit: float | None = None) -> torch.Tensor:
+    """The tiled path: (align,) gate/up, down and combine launches. With `limit`, the SwiGLU's
+    pre-activations are clamped (DeepSeek-V4's `swiglu_limit`). Arguments as `fused_moe` checks them."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -267,7 +273,7 @@ def _tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     act = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
         x, w13, topk_ids, sorted_pairs, block_expert, act,
-        num_pairs, num_experts, hidden, inter,
+        num_pairs, num_experts, hidden, inter, 0.0 if limit is None else float(limit),
         *x.stride(), *w13.stride(), *act.stride(), *topk_ids.stride(),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=hidden % config.block_k == 0, EVEN_N=inter % config.block_n == 0,
@@ -275,7 +281,7 @@ def _tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=block_e,
-        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl,
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl, CLAMP=limit is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
