@@ -159,15 +159,26 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
     return row
 
 
+def _sweep_row(rows, row, **fields):
+    rows.append(dict(row, **fields))
+    print(f"{fields['case']}  {fields['config']}  splits={row.get('splits')}  us={row.get('us', float('nan')):.1f}  "
+          f"t/t_copy={row.get('copy_time_ratio', float('nan')):.2f}  {row.get('error', '')}", flush=True)
+
+
 def sweep(ceilings):
+    """Tile candidates, each row printed when timed (a sweep cut short still reports what it measured)."""
     rows = []
-    for cfg in [DecodeConfig(16, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)]:
-        for splits in (None, 2, 8):
-            try:
-                r = bench_sparse_decode(64, 32 * 1024, 16, ceilings, config=cfg, num_splits=splits, eager=False)
-            except Exception as exc:  # a config that does not compile is a sweep result, not a failure
-                r = dict(op="sparse_mla_decode", error=repr(exc)[:120])
-            rows.append(dict(r, config=str(cfg), case="sparse B64 H16 k2048"))
+    print("\n== sweep ==", flush=True)
+    sparse = [(16, DecodeConfig(16, n, w, s), splits) for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)
+              for splits in (None, 2, 4)]
+    sparse += [(128, DecodeConfig(h, n, 8, s), splits) for h in (32, 64) for n in (32, 64) for s in (1, 2)
+               for splits in (None, 1, 2)]
+    for heads, cfg, splits in sparse:
+        try:
+            r = bench_sparse_decode(64, 32 * 1024, heads, ceilings, config=cfg, num_splits=splits, eager=False)
+        except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+            r = dict(op="sparse_mla_decode", error=repr(exc)[:120])
+        _sweep_row(rows, r, config=str(cfg), case=f"sparse B64 H{heads} k2048")
     for cfg in [dsa_indexer.IndexerConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]:
         try:
             r = bench_index_topk(64, 128 * 1024, ceilings, config=cfg, eager=False)
@@ -184,7 +195,6 @@ def sweep(ceilings):
         for chunks in chunk_counts:
             r = bench_index_topk(num_rows, 128 * 1024, ceilings, topk_chunks=chunks, eager=False)
             rows.append(dict(r, config=f"{chunks} chunks", case=f"topk B{num_rows} ctx128K"))
-    print("\n== sweep ==")
     common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("us", "us"),
                               ("score_ms", "score ms"), ("topk_us", "topk us"), ("pct_copy", "%copy"),
                               ("copy_time_ratio", "t/t_copy"), ("error", "error")])

@@ -100,11 +100,11 @@ def mla_decode_num_splits(
 
 
 def fill_splits(programs: int, keys: int, device: torch.device, *, min_keys: int, max_splits: int,
-                interpreter_min_keys: int | None = None) -> int:
+                interpreter_min_keys: int | None = None, programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Splits of `keys` keys for `programs` programs a split: enough to fill one wave of about
-    _PROGRAMS_PER_SM programs a multiprocessor, none shorter than `min_keys` (on the CPU
+    `programs_per_sm` programs a multiprocessor, none shorter than `min_keys` (on the CPU
     interpreter `interpreter_min_keys`, when given), at most `max_splits`. Static shapes only."""
-    wanted = (_PROGRAMS_PER_SM * sm_count(device)) // max(1, programs)
+    wanted = (programs_per_sm * sm_count(device)) // max(1, programs)
     shortest = min_keys if device.type == "cuda" or interpreter_min_keys is None else interpreter_min_keys
     return max(1, min(wanted, triton.cdiv(max(1, keys), shortest), max_splits))
 

@@ -35,16 +35,23 @@ from ..checks import check_dtype, check_same_device, check_shape
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl
 from .decode import DecodeConfig, decode_config, fill_splits
 
-# The dense decode's tilings (`decode.decode_config`): the same 576-wide latent rows / 512-wide keys,
-# gathered instead of streamed.
-# Splits fill about two programs per multiprocessor; none takes fewer than
-# _MIN_KEYS_PER_SPLIT keys of a row's longest possible list (window + entries),
-# below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
+# Chosen on an H100 by `bench/v4_kernels.py --sweep` (bf16, D=512, 64 heads, B=64, 64K context,
+# 640 keys a row; bench/results/logs/v4-sweep-h100-2026-11-23.log). A row has few keys (the window
+# plus at most top-k / context/128 entries), so a program's fixed cost — its [H, 512] queries and
+# float32 partial — weighs as much as its keys: 64 heads a program with 64-key tiles read each key
+# tile once for all heads (HCA 58 us vs 70-90 us for 32 heads a program), and one wave of programs
+# beats more splits (2 splits 82 us, 4 splits 99 us, CSA). Below 64 heads the dense decode's tiles.
+_GPU_CONFIG_64_HEADS = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+_PROGRAMS_PER_SM = 1
+# No split takes fewer than _MIN_KEYS_PER_SPLIT keys of a row's longest possible list
+# (window + entries), below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
 
 def v4_attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    if device.type == "cuda" and num_heads >= 64:
+        return _GPU_CONFIG_64_HEADS
     return decode_config(num_heads, device)
 
 
@@ -56,7 +63,7 @@ def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device
     config = config or v4_attention_config(num_heads, device)
     programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
     return fill_splits(programs, max_keys, device, min_keys=_MIN_KEYS_PER_SPLIT, max_splits=_MAX_SPLITS,
-                       interpreter_min_keys=config.block_n)
+                       interpreter_min_keys=config.block_n, programs_per_sm=_PROGRAMS_PER_SM)
 
 
 def max_keys_of(sliding_window: int, entry_cache: torch.Tensor | None, entry_table: torch.Tensor | None,
