@@ -16,6 +16,7 @@ count is a function of static shapes and the device only
 
 from __future__ import annotations
 
+from types import MappingProxyType
 
 import torch
 import triton
@@ -27,8 +28,13 @@ from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value
 
-# The dense decode's tilings (`decode.decode_config`): the same 576-wide latent rows / 512-wide keys,
-# gathered instead of streamed.
+# Chosen on an H100 by `bench/dsa_kernels.py --sweep` (bf16, C=512, R=64, B=64, top-2048;
+# bench/results/logs/dsa-sweep-h100-2026-11-23.log). 16 heads: a third pipeline stage hides the
+# gathered rows' latency (76 us vs 94 us with the dense decode's two stages). 64+ heads: 64-key
+# tiles read for 64 heads at once (229 us vs 365 us with 32-key tiles at 128 heads). Other head
+# counts take the dense decode's tiles.
+_GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
+                                 64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)})
 # Splits fill about two programs per multiprocessor and no more (a partial second
 # wave runs at a fraction of the bandwidth); no split takes fewer than
 # _MIN_KEYS_PER_SPLIT indices, below which partial-result traffic outweighs the gain.
@@ -39,6 +45,10 @@ _FUSED_VALUE_MAX_ROWS = 8
 
 
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    if device.type == "cuda":
+        tuned = _GPU_CONFIGS.get(min(64, next_pow2(num_heads)))
+        if tuned is not None:
+            return tuned
     return decode_config(num_heads, device)
 
 
