@@ -7,7 +7,11 @@ steps of `batch` sequences with `context` cached tokens each: the plain decode s
 (one query token a sequence) and the verify step (k + 1 = 2, 3, 4 query tokens a
 sequence, as the engine runs it: logits and hidden state of every row), and the draft
 step (the MTP layer, one row a sequence). "x decode" is a step's time over the decode
-step's; the target is <= 1.15 at batch 1 and <= 1.3 at batch 32.
+step's; the target is <= 1.15 at batch 1 and <= 1.3 at batch 32. Target steps also show
+their roofline (bytes of the weights they touch — each routed expert chosen by any of the
+step's tokens once — and the KV rows they read, over the copy bandwidth): at batch 1 a
+verify row's tokens route to other experts than the decode token's, so its roofline grows
+with k ("roofline x decode").
 
 End to end: `mla-func bench`-style runs (random prompts of 32-128 tokens, 128 greedy
 output tokens each, no early stop) at batch 1 and 8 with k = 0..3, on a model with an
@@ -30,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from step import touched_bytes  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.benchmark import run_throughput  # noqa: E402
@@ -69,20 +74,29 @@ def _time(step: mf.Step, state, batch_tensors, mode, iters: int) -> float:
     return (time.perf_counter() - started) * 1e3 / iters
 
 
-def verify_rows(batches: list[int], context: int, iters: int, backend: str) -> list[dict]:
+def verify_rows(batches: list[int], context: int, iters: int, backend: str, copy_bw: float) -> list[dict]:
+    """Decode, verify and draft steps; the target steps also against their roofline: the bytes of every
+    weight they touch (each routed expert a layer's tokens chose, counted once) and KV row they read."""
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda", mtp=True)
     rows = []
     for batch in batches:
         kinds = [("decode", 1, None, False), *((f"verify k={q - 1}", q, target_step_fn, False) for q in (2, 3, 4)),
                  ("draft", 1, DrafterFn(mtp_layer(model.config)), True)]
-        base = math.nan
+        base = base_roofline = math.nan
         for name, q, fn, drafter in kinds:
             step = mf.make_step(model, fn=fn, params=drafter_params(model) if drafter else None, backend=backend,
                                 max_num_seqs=max(batches), max_model_len=context + 8, block_size=BLOCK_SIZE)
             state, batch_tensors, mode = _setup(model, step, batch, context, q, drafter)
+            roofline = {}
+            if not drafter:
+                weight, kv, experts = touched_bytes(model, state, batch_tensors, mode, context)
+                roofline = dict(roofline_ms=(weight + kv) / copy_bw * 1e3, experts_per_layer=experts)
             ms = _time(step, state, batch_tensors, mode, iters)
             base = ms if name == "decode" else base
-            rows.append(dict(batch=batch, context=context, step=name, query_tokens=q, ms=ms, x_decode=ms / base))
+            base_roofline = roofline.get("roofline_ms", math.nan) if name == "decode" else base_roofline
+            rows.append(dict(batch=batch, context=context, step=name, query_tokens=q, ms=ms, x_decode=ms / base,
+                             **roofline, roofline_x_decode=roofline.get("roofline_ms", math.nan) / base_roofline,
+                             x_roofline=ms / roofline.get("roofline_ms", math.nan)))
             print(rows[-1], flush=True)
             del state, batch_tensors, step
             gc.collect()
@@ -120,7 +134,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    verify = verify_rows(args.batches, args.context, args.iters, args.backend)
+    verify = verify_rows(args.batches, args.context, args.iters, args.backend, common.copy_bandwidth())
     e2e = end_to_end(args.e2e_model, args.e2e_batches, args.output_len, args.backend)
     result = dict(benchmark="speculative", preset="v2-lite", dtype="bfloat16", backend=args.backend,
                   block_size=BLOCK_SIZE, e2e_model=args.e2e_model, gpu=common.gpu_name(), gpu_slug=common.gpu_slug(),
@@ -129,7 +143,9 @@ def main() -> None:
     path = common.write_json(result, args.out, "speculative")
     print(f"\n{result['gpu']} -> {path}")
     common.print_table(verify, [("batch", "batch"), ("context", "ctx"), ("step", "step"), ("ms", "ms"),
-                                ("x_decode", "x decode")])
+                                ("x_decode", "x decode"), ("experts_per_layer", "experts/layer"),
+                                ("roofline_ms", "roofline ms"), ("roofline_x_decode", "roofline x decode"),
+                                ("x_roofline", "t/t_roof")])
     if e2e:
         common.print_table(e2e, [("batch", "batch"), ("k", "k"), ("output_tok_s", "tok/s"),
                                  ("acceptance_rate", "acceptance")])
