@@ -15,7 +15,8 @@ from mla_func.pytree import tree_leaves
 from mla_func.demo import MODEL_DIR, data
 from mla_func.demo.export import params_to_hf
 from mla_func.demo.lm import perplexity
-from mla_func.demo.train import TrainConfig, eval_subset_documents
+from mla_func.demo.evaluate import eval_subset_documents
+from mla_func.demo.train import TrainConfig
 
 PROMPT = "Return the number of"
 # The greedy continuation of PROMPT by the shipped weights (12 steps, through the

@@ -52,7 +52,7 @@ def test_training_lowers_the_loss_and_leaves_the_input_params_alone():
         start, step = rng.randrange(2, 64), rng.choice((1, 3))
         windows.append([2 + (start + step * i) % 62 for i in range(17)])
     cfg = TrainConfig(steps=40, warmup_steps=4, batch_size=4, seq_len=16, block_size=16, lr=1e-2, model=SMALL)
-    trained, log = train(params, windows, cfg, progress=False)
+    trained, _, log = train(params, windows, cfg, progress=False)
     losses = log["losses"]
     assert len(losses) == cfg.steps and all(math.isfinite(x) for x in losses)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
