@@ -32,9 +32,10 @@ def training_md(m: dict, config: ModelConfig) -> str:
         "",
         "A DeepSeek-V3-architecture model (MLA with a low-rank query, MoE with a shared",
         "expert, sigmoid noaux_tc routing) trained by mla-func's own pure forward under",
-        "`torch.func.grad_and_value`, on the docstrings of Python's standard library,"
-        + (" with one multi-token-prediction (MTP) layer that `load_model(..., mtp=True)` serves as the drafter "
-           "of speculative decoding." if m["train_config"].get("mtp_layers") else "."),
+        "`torch.func.grad_and_value`, on the docstrings of Python's standard library.",
+        *(["One multi-token-prediction (MTP) layer is trained beside it with DeepSeek-V3's MTP loss;",
+           "`load_model(..., mtp=True)` serves it as the drafter of speculative decoding."]
+          if c.get("mtp_layers") else []),
         "",
         "Reproduce (about the time below on a 2-core CPU shared with other work):",
         "",
@@ -91,7 +92,8 @@ def _mtp_rows(m: dict, config: ModelConfig) -> list[str]:
         "| MTP | one layer, DeepSeek-V3's depth-1 module (enorm, hnorm, eh_proj, an MoE decoder layer, "
         "shared_head norm; the embedding and head are the model's), stored as "
         f"`model.layers.{config.num_hidden_layers}.*` |",
-        f"| MTP loss weight | {c['mtp_weight']} for steps 0-{late - 1}, {c['mtp_weight_late']} after |",
+        f"| MTP loss weight | {c['mtp_weight']} for steps 0-{late - 1}, {c['mtp_weight_late']} after (DeepSeek-V3's "
+        "values, which it switched after about 68% of its tokens) |",
         f"| final train MTP loss | {m['final_train_mtp_loss_mean_last_100_steps']:.3f} nats (token t+2; mean of the "
         "last 100 steps) |",
     ]
@@ -105,20 +107,23 @@ def _speculation_lines(m: dict) -> list[str]:
         "",
         "## The MTP layer as a drafter",
         "",
-        f"Teacher-forced on the held-out windows ({s['rows']} rows, each predicting token t+2 from the",
-        "model's hidden state at t and the embedding of token t+1):",
+        f"Teacher-forced on the held-out windows ({s['rows']} rows, each predicting token t+2 from",
+        "the model's hidden state at t and the embedding of token t+1):",
         "",
-        f"- MTP loss **{s['loss']:.3f}** nats (perplexity {math.exp(s['loss']):.1f}); next-next-token accuracy "
-        f"**{s['accuracy']:.3f}** (the model's own next-token accuracy on the same targets: "
-        f"{s['next_token_accuracy']:.3f});",
-        f"- the MTP layer's argmax equals the model's own argmax one position later in **{s['agreement']:.3f}** of "
-        "the rows.",
+        f"- MTP loss **{s['loss']:.3f}** nats (perplexity {math.exp(s['loss']):.1f});",
+        f"- next-next-token accuracy **{s['accuracy']:.3f}** (the model's own next-token accuracy on the same "
+        f"targets: {s['next_token_accuracy']:.3f});",
+        f"- the MTP layer's argmax equals the model's own argmax one position later in **{s['agreement']:.3f}**",
+        "  of the rows (the event that accepts a greedy first draft, here on held-out text rather than",
+        "  on the model's own).",
         "",
-        "Greedy speculative decoding through the engine (`Engine(model, speculative_tokens=k)`, "
-        "`engine.speculative_stats`)",
-        f"on {a['prompts']} held-out prompts (the first {a['prompt_tokens']} tokens of the first held-out "
-        f"documents longer than that), {a['max_tokens']}",
-        "tokens each past <|eos|>; the tokens equal those of decoding without drafts for every k:",
+        "Greedy speculative decoding through the engine (`Engine(model, speculative_tokens=k)`,",
+        f"`engine.speculative_stats`) on {a['prompts']} held-out prompts (the first {a['prompt_tokens']} tokens "
+        f"of the first {a['prompts']}",
+        f"held-out documents longer than that), {a['max_tokens']} tokens each (past <|eos|>); the tokens equal "
+        "those",
+        "of decoding without drafts for every k. Drafts 2 and 3 of a step come from the MTP layer",
+        "applied again to its own output, as serving engines run DeepSeek's one layer:",
         "",
         "| k | drafts | accepted | acceptance rate |",
         "|---|---|---|---|",
