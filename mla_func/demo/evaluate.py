@@ -33,7 +33,8 @@ def evaluate(model: Model, docs: Sequence[data.Document], heldout_windows: Seque
         "heldout_perplexity": heldout_ppl,
         "heldout_tokens": heldout_tokens,
         "eval_subset": {"files": list(data.EVAL_SUBSET_FILES), "documents": len(subset_docs),
-                        "tokens": subset_tokens, "perplexity": subset_ppl, "text_sha256": data.text_digest(subset_docs)},
+                        "tokens": subset_tokens, "perplexity": subset_ppl,
+                        "text_sha256": data.text_digest(subset_docs)},
         "samples_greedy": samples(model, prompts, max_new_tokens=24, temperature=0.0, seed=seed),
         "samples_temperature_0.8": samples(model, prompts, max_new_tokens=40, temperature=0.8, seed=seed),
     }

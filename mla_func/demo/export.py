@@ -28,7 +28,8 @@ def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
 
 def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.Tensor]:
     """The tensors of one decoder layer under the prefix `p` ("model.layers.{i}.")."""
-    out = {p + "input_layernorm.weight": layer.input_norm, p + "post_attention_layernorm.weight": layer.post_attention_norm}
+    out = {p + "input_layernorm.weight": layer.input_norm,
+           p + "post_attention_layernorm.weight": layer.post_attention_norm}
     a, attn = p + "self_attn.", layer.attn
     q_a, kv_a = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
     if attn.q_b_proj is None:
