@@ -33,7 +33,7 @@ def test_generate_streams_text_from_the_demo_model_and_summarises():
     result = mla_func("generate", "Return the number of", "--max-tokens", "12", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     text = result.stdout.strip()
-    assert len(text) > 3 and text.isprintable()
+    assert len(text) > 3 and all(ch.isprintable() or ch == "\n" for ch in text)   # docstrings have paragraphs
     summary = re.search(
         r"prompt tokens (\d+), generated tokens (\d+), time to first token (\d+) ms, ([\d.]+|nan) tokens/s", result.stderr
     )

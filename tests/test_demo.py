@@ -15,13 +15,13 @@ from mla_func.pytree import tree_leaves
 from mla_func.demo import MODEL_DIR, data
 from mla_func.demo.export import params_to_hf
 from mla_func.demo.lm import perplexity
-from mla_func.demo.train import TrainConfig, eval_subset_documents
+from mla_func.demo.evaluate import eval_subset_documents
+from mla_func.demo.train import TrainConfig
 
 PROMPT = "Return the number of"
-# The greedy continuation of PROMPT by the shipped weights (12 steps, through the
-# end of the docstring: " the given value." <|eos|>, then a new document
-# "<|bos|>Return a list of the value"), recorded once after training; retraining changes it.
-GOLDEN_IDS = [266, 626, 462, 15, 1, 0, 387, 260, 491, 300, 266, 462]
+# The greedy continuation of PROMPT by the shipped weights (12 steps: " the given
+# string.\n\nThe default value is a list"), recorded once after training; retraining changes it.
+GOLDEN_IDS = [266, 626, 450, 15, 200, 200, 471, 606, 462, 295, 260, 491]
 PARITY_TEXT = (
     "Return a new list containing all items from the iterable in ascending order.\n\n"
     "A custom key function can be supplied to customize the sort order."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from mtp_models import mtp_checkpoint
+from reference_models import make_reference
 from test_cli import mla_func
 
 
@@ -23,7 +24,8 @@ def test_generate_with_drafts_gives_the_same_tokens_and_reports_acceptance(tmp_p
 
 
 def test_drafts_need_an_mtp_layer_or_a_valid_count(tmp_path):
-    result = mla_func("generate", "Return", "--speculative-tokens", "2")   # the demo model has none
+    make_reference("v3-qlora-noaux", seed=5).save_pretrained(tmp_path / "plain")   # no MTP layer
+    result = mla_func("generate", "1 2 3", "--model", str(tmp_path / "plain"), "--speculative-tokens", "2")
     assert result.returncode == 2 and re.search(r"^error: .*missing tensors: \['model\.layers\.\d+\.eh_proj",
                                                  result.stderr, re.M), result.stderr
     result = mla_func("generate", "Return", "--speculative-tokens", "9")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..config import ModelConfig
+from ..mtp_params import MTPParams, load_mtp, mtp_tensor_shapes
 from ..params import Params, params_from_hf
+from ..pytree import tree_leaves
 from ..tensor_shapes import hf_tensor_shapes
 
 
@@ -53,14 +56,11 @@ def demo_model_config(vocab_size: int, **overrides: Any) -> ModelConfig:
     return dataclasses.replace(config, **overrides)
 
 
-def init_params(config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Params:
-    """Fresh float32 weights on `device` (drawn on the CPU, so every device gets the same), built through `params_from_hf` from names of `hf_tensor_shapes`.
-
-    GPT-2's scheme: matrices ~ N(0, 0.02), with the projections that write into
+def _initial(shapes: dict[str, tuple[int, ...]], config: ModelConfig, seed: int) -> Callable[[str], torch.Tensor]:
+    """GPT-2's scheme: matrices ~ N(0, 0.02), with the projections that write into
     the residual stream (o_proj, down_proj) scaled by 1 / sqrt(2 * layers) so the
     stream's variance does not grow with depth; norm weights 1, correction bias 0.
-    """
-    shapes = hf_tensor_shapes(config)
+    Drawn on the CPU, so every device gets the same."""
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * config.num_hidden_layers)
 
@@ -73,4 +73,28 @@ def init_params(config: ModelConfig, seed: int, device: torch.device | str = "cp
         std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
+    return fetch
+
+
+def init_params(config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Params:
+    """Fresh float32 weights on `device`, built through `params_from_hf` from names of `hf_tensor_shapes`
+    (the scheme of `_initial`)."""
+    fetch = _initial(hf_tensor_shapes(config), config, seed)
     return params_from_hf(config, fetch, dtype=torch.float32, device=device)
+
+
+def init_mtp_params(config: ModelConfig, params: Params, seed: int) -> MTPParams:
+    """A fresh MTP layer (DeepSeek-V3's depth-1 module) for `params`, built through `load_mtp` from the
+    names of `mtp_tensor_shapes`: its embedding and head are `params`' own tensors (shared, as in
+    DeepSeek-V3), everything else drawn as `init_params` draws a layer's, from its own generator
+    (seeded `seed + 1`), so the main model's initial weights do not depend on whether it has one."""
+    fetch = _initial(mtp_tensor_shapes(config), config, seed + 1)
+    return load_mtp(config, params, fetch, torch.float32, params.embed.device, frozenset())
+
+
+def count_parameters(params: Params, mtp: MTPParams | None = None) -> tuple[int, int]:
+    """(the model's parameters, the MTP layer's own: those it does not share with the model), each
+    tensor counted once (tied embeddings), the RoPE tables left out."""
+    model = {id(t): t.numel() for t in tree_leaves(params) if t is not params.rope_cos and t is not params.rope_sin}
+    own = {id(t): t.numel() for t in tree_leaves(mtp) if id(t) not in model}
+    return sum(model.values()), sum(own.values())

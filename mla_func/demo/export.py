@@ -3,7 +3,7 @@
 `params_to_hf` is the inverse of `mla_func.params.params_from_hf`: it undoes the
 two load-time reshapes (per-head `w_uk` / `w_uv` back into `kv_b_proj`, stacked
 experts back into one gate/up/down triple per expert) and names every tensor as
-`hf_tensor_shapes` does.
+`hf_tensor_shapes` does (and an MTP layer's as `mtp_params.mtp_tensor_shapes` does).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..params import MLPParams, MoEParams, Params, join_shared
+from ..mtp_params import MTPParams, mtp_layer_index, mtp_tensor_shapes
+from ..params import LayerParams, MLPParams, MoEParams, Params, join_shared
 from ..tensor_shapes import hf_tensor_shapes
 
 
@@ -25,62 +26,79 @@ def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
     return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up, prefix + "down_proj.weight": p.down}
 
 
-def params_to_hf(params: Params) -> dict[str, torch.Tensor]:
+def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of one decoder layer under the prefix `p` ("model.layers.{i}.")."""
+    out = {p + "input_layernorm.weight": layer.input_norm,
+           p + "post_attention_layernorm.weight": layer.post_attention_norm}
+    a, attn = p + "self_attn.", layer.attn
+    q_a, kv_a = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
+    if attn.q_b_proj is None:
+        out[a + "q_proj.weight"] = q_a
+    else:
+        out[a + "q_a_proj.weight"] = q_a
+        if attn.q_a_norm is None:
+            raise ValueError("export: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
+        out[a + "q_a_layernorm.weight"] = attn.q_a_norm
+        out[a + "q_b_proj.weight"] = attn.q_b_proj
+    out[a + "kv_a_proj_with_mqa.weight"] = kv_a
+    out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
+    # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
+    out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
+    out[a + "o_proj.weight"] = attn.o_proj
+    m = p + "mlp."
+    if isinstance(layer.mlp, MoEParams):
+        moe = layer.mlp
+        out[m + "gate.weight"] = moe.gate
+        if moe.e_score_correction_bias is not None:
+            out[m + "gate.e_score_correction_bias"] = moe.e_score_correction_bias
+        experts = [MLPParams(gate_up=moe.w13[j], down=moe.w2[j]) for j in range(moe.w13.shape[0])]
+        for j in range(moe.num_routed):
+            out.update(_mlp_to_hf(f"{m}experts.{j}.", experts[j]))
+        if moe.num_shared:
+            out.update(_mlp_to_hf(m + "shared_experts.", join_shared(experts[moe.num_routed:])))
+    else:
+        out.update(_mlp_to_hf(m, layer.mlp))
+    return out
+
+
+def params_to_hf(params: Params, mtp: MTPParams | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face checkpoint of `params.config`, by name (views where possible).
 
     The result has exactly the names and shapes of `hf_tensor_shapes(params.config)`,
-    so `params_from_hf(config, out.__getitem__, ...)` rebuilds equal params.
+    so `params_from_hf(config, out.__getitem__, ...)` rebuilds equal params. With `mtp`,
+    also its MTP layer's, as DeepSeek-V3 names them (`mtp_params.mtp_tensor_shapes`); its
+    embedding and head are written only where they are not the model's own (a shared
+    tensor is read back from the model's, so a copy would only double the file).
     """
     c = params.config
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.norm}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = params.lm_head
     for i, layer in enumerate(params.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.input_norm
-        out[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-        a, attn = p + "self_attn.", layer.attn
-        q_a, kv_a = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
-        if attn.q_b_proj is None:
-            out[a + "q_proj.weight"] = q_a
-        else:
-            out[a + "q_a_proj.weight"] = q_a
-            if attn.q_a_norm is None:
-                raise ValueError("export: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
-            out[a + "q_a_layernorm.weight"] = attn.q_a_norm
-            out[a + "q_b_proj.weight"] = attn.q_b_proj
-        out[a + "kv_a_proj_with_mqa.weight"] = kv_a
-        out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
-        # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
-        out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
-        out[a + "o_proj.weight"] = attn.o_proj
-        m = p + "mlp."
-        if isinstance(layer.mlp, MoEParams):
-            moe = layer.mlp
-            out[m + "gate.weight"] = moe.gate
-            if moe.e_score_correction_bias is not None:
-                out[m + "gate.e_score_correction_bias"] = moe.e_score_correction_bias
-            experts = [MLPParams(gate_up=moe.w13[j], down=moe.w2[j]) for j in range(moe.w13.shape[0])]
-            for j in range(moe.num_routed):
-                out.update(_mlp_to_hf(f"{m}experts.{j}.", experts[j]))
-            if moe.num_shared:
-                out.update(_mlp_to_hf(m + "shared_experts.", join_shared(experts[moe.num_routed:])))
-        else:
-            out.update(_mlp_to_hf(m, layer.mlp))
-    _check_names(c, out)
-    return out
+        out.update(_layer_to_hf(f"model.layers.{i}.", layer, c))
+    _check_names(hf_tensor_shapes(c), out)
+    if mtp is None:
+        return out
+    p = f"model.layers.{mtp_layer_index(c)}."
+    layer = {p + "enorm.weight": mtp.enorm, p + "hnorm.weight": mtp.hnorm, p + "eh_proj.weight": mtp.eh_proj,
+             p + "shared_head.norm.weight": mtp.norm, **_layer_to_hf(p, mtp.layer, c)}
+    _check_names(mtp_tensor_shapes(c), layer)
+    if mtp.embed is not params.embed:
+        layer[p + "embed_tokens.weight"] = mtp.embed
+    if mtp.head is not params.lm_head:
+        layer[p + "shared_head.head.weight"] = mtp.head
+    return {**out, **layer}
 
 
-def _check_names(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    expected = hf_tensor_shapes(config)
+def _check_names(expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
     if set(expected) != set(tensors):
         raise ValueError(
-            f"params_to_hf: names differ from hf_tensor_shapes: missing {sorted(set(expected) - set(tensors))}, "
+            f"params_to_hf: names differ from the checkpoint's: missing {sorted(set(expected) - set(tensors))}, "
             f"extra {sorted(set(tensors) - set(expected))}"
         )
     wrong = {n: (tuple(t.shape), expected[n]) for n, t in tensors.items() if tuple(t.shape) != expected[n]}
     if wrong:
-        raise ValueError(f"params_to_hf: shapes differ from hf_tensor_shapes (got, expected): {wrong}")
+        raise ValueError(f"params_to_hf: shapes differ from the checkpoint's (got, expected): {wrong}")
 
 
 def save_checkpoint(
@@ -90,6 +108,7 @@ def save_checkpoint(
     weight_dtype: torch.dtype = torch.bfloat16,
     tokenizer: Any = None,
     extra_config: dict[str, Any] | None = None,
+    mtp: MTPParams | None = None,
 ) -> Path:
     """Write config.json, model.safetensors (and tokenizer.json when given) into `folder`.
 
@@ -97,11 +116,13 @@ def save_checkpoint(
                   float32: it only steers the top-k choice, where bf16 rounding
                   would flip near-tied experts.
     extra_config: more config.json fields (e.g. bos_token_id).
+    mtp:          the model's MTP layer, written as layer `num_hidden_layers` with
+                  `num_nextn_predict_layers: 1` in config.json (DeepSeek-V3's layout).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, t in params_to_hf(params).items():
+    for name, t in params_to_hf(params, mtp).items():
         dtype = torch.float32 if name.endswith("e_score_correction_bias") else weight_dtype
         # safetensors wants each tensor to own contiguous memory (no shared views).
         tensors[name] = t.detach().to(device="cpu", dtype=dtype).contiguous().clone()
@@ -110,6 +131,8 @@ def save_checkpoint(
     weights.chmod(0o644)  # the writer makes it owner-only; the file is meant to be shipped and read by anyone
     config = params.config.to_hf_dict()
     config["dtype"] = str(weight_dtype).removeprefix("torch.")
+    if mtp is not None:
+        config["num_nextn_predict_layers"] = 1
     config.update(extra_config or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:

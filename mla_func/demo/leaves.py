@@ -1,4 +1,4 @@
-"""The params pytree as trainable leaves, correction biases and constants."""
+"""The trained pytree (the model's params and its MTP layer) as trainable leaves, correction biases and constants."""
 
 from __future__ import annotations
 
@@ -6,25 +6,36 @@ from collections.abc import Sequence
 
 import torch
 
-from ..params import MoEParams, Params
+from ..mtp_params import MTPParams
+from ..params import LayerParams, MoEParams, Params
 from ..pytree import tree_flatten, tree_unflatten
+
+# What training updates: the model's params and, when it has one, its MTP layer.
+TrainTree = tuple[Params, MTPParams | None]
+
+
+def _layers(tree: TrainTree) -> list[LayerParams]:
+    params, mtp = tree
+    return [*params.layers, *([] if mtp is None else [mtp.layer])]
 
 
 class LeafLayout:
-    """Splits the params pytree's leaves into trainable ones, correction biases and constants.
+    """Splits the leaves of (params, mtp) into trainable ones, correction biases and constants.
 
-    Tied embeddings make `embed` and `lm_head` one tensor at two leaf positions:
-    it is trained once (its gradient is the sum of both uses, which
+    Tied embeddings make `embed` and `lm_head` one tensor at two leaf positions, and
+    the MTP layer shares both (as DeepSeek-V3's does): a tensor is trained once, at
+    whatever positions it sits (its gradient is the sum of every use, which
     differentiation through the shared input gives for free).
     """
 
-    def __init__(self, params: Params) -> None:
-        leaves, self.spec = tree_flatten(params)
+    def __init__(self, params: Params, mtp: MTPParams | None = None) -> None:
+        tree: TrainTree = (params, mtp)
+        leaves, self.spec = tree_flatten(tree)
         constant_ids = {id(params.rope_cos), id(params.rope_sin)}
-        # MoE layer order.
+        # MoE layer order: the model's layers, then the MTP layer's (the order the forwards route in).
         self.biases: list[torch.Tensor] = [
             layer.mlp.e_score_correction_bias
-            for layer in params.layers
+            for layer in _layers(tree)
             if isinstance(layer.mlp, MoEParams) and layer.mlp.e_score_correction_bias is not None
         ]
         bias_ids = [id(b) for b in self.biases]
@@ -45,9 +56,10 @@ class LeafLayout:
                     self.trainable.append(leaf)
                 self.slots.append(("t", seen[id(leaf)]))
 
-    def params(self, trainable: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]) -> Params:
-        """The params pytree with these trainable leaves and correction biases."""
+    def tree(self, trainable: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]) -> TrainTree:
+        """(params, mtp) with these trainable leaves and correction biases."""
         leaves = []
         for kind, k in self.slots:
             leaves.append(trainable[k] if kind == "t" else biases[k] if kind == "b" else self.constants[k])
-        return tree_unflatten(self.spec, leaves)
+        params, mtp = tree_unflatten(self.spec, leaves)
+        return params, mtp

@@ -3,7 +3,8 @@
 A *window* is a list of `L + 1` token ids: its first `L` are fed, its last `L`
 are the next-token targets (see `data.pack`). Several windows run as one prefill
 step, each a sequence with its own blocks of a fresh cache and every one of its
-rows producing logits.
+rows producing logits. The training loss over such a step (with the MTP layer's)
+is `mtp_lm.windows_losses`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.nn.functional as F
 from ..batch import Batch
 from ..config import ModelConfig
 from ..forward import forward
-from ..kernels import Ops
 from ..mode import ForwardMode
 from ..params import Params
 from ..plan import SeqPlan, StepPlan
@@ -42,18 +42,6 @@ def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block
     batch, mode = plan_step(config, state, StepPlan(prefill=tuple(seqs)), backend="torch")
     targets = torch.tensor([t for w in windows for t in w[1:]], dtype=torch.int64, device=device)
     return state, batch, mode, targets
-
-
-def windows_loss(params: Params, windows: Sequence[Sequence[int]], *, block_size: int,
-                 ops: Ops | None = None) -> torch.Tensor:
-    """Mean next-token cross entropy (nats, scalar) over every target of `windows`.
-
-    Differentiable in `params` (the cache is written out of place, `copy=True`).
-    `ops` is passed to the forward (e.g. to record the experts chosen).
-    """
-    state, batch, mode, targets = windows_step(params.config, windows, block_size=block_size, device=params.embed.device)
-    logits, _ = forward(params, state, batch, mode, copy=True, ops=ops)  # [B * L, V] float32
-    return F.cross_entropy(logits[: mode.num_logits], targets)
 
 
 @torch.no_grad()
