@@ -86,10 +86,10 @@ def run_throughput(
     `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
     `batch_invariant` and `speculative_tokens` are the engine's (off by default, as the engine's;
     drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
-    The warm-up captures every decode graph, then a short run on other random
-    prompts of the same lengths compiles kernels, so timing excludes both; its prompts
-    share no prefix with the measured ones, so no measured prefill is skipped by
-    the prefix cache.
+    The warm-up captures every decode graph (with drafts, the verify and drafter graphs of
+    every length), then a short run on other random prompts of the measured prompts'
+    lengths compiles kernels, so timing excludes both; its prompts share no prefix with
+    the measured ones, so no measured prefill is skipped by the prefix cache.
     """
     prompts = random_requests(model.config.vocab_size, num_prompts, input_len, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -101,9 +101,13 @@ def run_throughput(
         if graphs_to_capture:
             say(f"capturing {graphs_to_capture} decode graphs")
             engine.warmup(progress=progress)
-        others = random_requests(model.config.vocab_size, min(num_prompts, max_num_seqs), input_len, seed + 1)
+        # The measured prompts' own lengths (kernels specialise on some of them), other tokens; enough
+        # output tokens to pass every verify length k+1 .. 1 when drafting.
+        rng = random.Random(seed + 1)
+        others = [[rng.randrange(model.config.vocab_size) for _ in p] for p in prompts[:max_num_seqs]]
         say(f"warming up on {len(others)} other random prompts")
-        engine.generate(others, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        warm_tokens = min(output_len, 4 + 2 * speculative_tokens)
+        engine.generate(others, SamplingParams(temperature=0.0, max_tokens=warm_tokens, ignore_eos=True))
     say(f"measuring {num_prompts} requests x {output_len} output tokens")
     drafts_before = dataclasses.replace(engine.speculative_stats)
     started = time.perf_counter()

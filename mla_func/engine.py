@@ -74,8 +74,7 @@ class Engine:
     ):
         check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
         if speculative_tokens and model.mtp is None:
-            raise ValueError("Engine: speculative_tokens needs the model's MTP layer; load the model with "
-                             "load_model(..., mtp=True)")
+            raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
         if max_model_len is None:
             max_model_len = model.max_positions
         check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
@@ -121,16 +120,16 @@ class Engine:
         self._next_id = 0
 
     def warmup(self, *, progress: bool = True) -> int:
-        """Capture every decode graph the step's ladders allow, now rather than on first use.
-
-        One graph per (decode batch rung, block-table width rung); with the default
-        ladders and a table of at most 65536 entries, one per batch rung. Without
-        graphs (or off CUDA) it does nothing. Returns how many graphs were captured.
-        """
+        """Capture every decode graph the step's ladders allow (one per batch rung and table-width rung;
+        with drafts, for each verify length 1..k+1, and the drafter's), now rather than on first use.
+        Without graphs (or off CUDA) it does nothing. Returns how many graphs were captured."""
+        max_q = self.config.speculative_tokens + 1
         before = len(self.step.captured_keys)
-        modes = self.step.decode_graph_modes(self.state, decode_q_len=self.config.speculative_tokens + 1)
+        modes = [m for q in range(1, max_q + 1) for m in self.step.decode_graph_modes(self.state, decode_q_len=q)]
         self.step.warmup(self.state, modes, progress=progress)
-        return len(self.step.captured_keys) - before
+        drafter = 0 if self._speculative is None else self._speculative.warmup(
+            max_q, self.model.config.hidden_size, progress=progress)
+        return len(self.step.captured_keys) - before + drafter
 
     @property
     def speculative_stats(self) -> SpeculativeStats:

@@ -111,6 +111,14 @@ class SpeculativeDecoder:
         self.drafts: dict[Hashable, Draft] = {}
         self.stats = SpeculativeStats()
 
+    def warmup(self, max_q_len: int, hidden_size: int, *, progress: bool) -> int:
+        """Capture the drafter's decode graphs for every step length 1..max_q_len (its draft steps
+        have one row a sequence, its catch-up steps one per verified row); returns how many."""
+        before = len(self.drafter.captured_keys)
+        modes = [m for q in range(1, max_q_len + 1) for m in self.drafter.decode_graph_modes(self.state, decode_q_len=q)]
+        self.drafter.warmup(self.state, modes, progress=progress, hidden_size=hidden_size)
+        return len(self.drafter.captured_keys) - before
+
     def forget(self, *request_ids: Hashable) -> None:
         """Drop requests' pending drafts (they finished or were preempted; a recompute drafts anew)."""
         for request_id in request_ids:

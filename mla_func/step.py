@@ -16,6 +16,8 @@ of the state pytree, whatever the layer kinds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 import warnings
@@ -185,11 +187,14 @@ class Step:
             for width in self.padding.block_table_widths
         )
 
-    def warmup(self, state: KVCacheState, modes: Sequence[ForwardMode], *, progress: bool = False) -> None:
+    def warmup(self, state: KVCacheState, modes: Sequence[ForwardMode], *, progress: bool = False,
+               hidden_size: int = 0) -> None:
         """Capture graphs for `modes` up front, largest first, with all-padding batches.
 
         Padding rows write only the scratch block, so `state` stays valid.
         progress: show a progress bar (capturing a large model's graphs takes seconds each).
+        hidden_size: for a step whose batches carry `Batch.hidden` (a drafter's): its width D; the
+                     padding batch then holds zero hidden states [T, D] in the state's dtype.
         """
         self._check_state(state, "step.warmup")
         todo = [m for m in sorted(modes, key=lambda m: m.num_tokens, reverse=True)
@@ -198,6 +203,9 @@ class Step:
             empty = mode.without_real_rows()
             batch = build_batch(StepPlan(decode_q_len=mode.decode_q_len), empty, block_size=state.block_size,
                                 device=state.device)
+            if hidden_size:
+                batch = dataclasses.replace(batch, hidden=torch.zeros(
+                    (empty.num_tokens, hidden_size), dtype=state.dtype, device=state.device))
             self._capture(state, batch, empty)
 
     def _capture(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> _Captured:

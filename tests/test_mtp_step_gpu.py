@@ -117,3 +117,22 @@ def test_engine_tokens_with_graphs_equal_plain_decoding(model, k):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert any(key[4] == k + 1 for key in engine.step.captured_keys)            # verify steps replayed
     assert engine.speculative_stats.drafted > 0
+
+
+def test_engine_warmup_captures_every_verify_and_drafter_graph(model):
+    """After `warmup`, generating captures no graph: every verify length 1..k+1 and the drafter's
+    draft / catch-up lengths were captured up front (with zero hidden states for the drafter)."""
+    k = 2
+    prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
+    params = mf.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = mf.Engine(model, block_size=BLOCK_SIZE, num_blocks=128, graphs=False).generate(prompts, params)
+    engine = mf.Engine(model, block_size=BLOCK_SIZE, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+                       speculative_tokens=k)
+    per_length = len(engine.step.decode_graph_modes(engine.state))
+    assert engine.warmup(progress=False) == 2 * (k + 1) * per_length   # target and drafter, lengths 1..k+1
+    target_keys = set(engine.step.captured_keys)
+    assert {key[4] for key in target_keys} == {1, 2, 3}
+    got = engine.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert set(engine.step.captured_keys) == target_keys
+    assert engine.warmup(progress=False) == 0
