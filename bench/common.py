@@ -119,3 +119,12 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+def sweep_row(rows: list[dict], row: dict, **fields) -> None:
+    """Append one timed sweep candidate to `rows` and print it at once, so a sweep cut short by a
+    time limit still reports what it measured."""
+    rows.append(dict(row, **fields))
+    print(f"{fields.get('case', '')}  {fields.get('config', '')}  splits={row.get('splits')}  "
+          f"us={row.get('us', float('nan')):.1f}  t/t_copy={row.get('copy_time_ratio', float('nan')):.2f}  "
+          f"{row.get('error', '')}", flush=True)

@@ -159,12 +159,6 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
     return row
 
 
-def _sweep_row(rows, row, **fields):
-    rows.append(dict(row, **fields))
-    print(f"{fields['case']}  {fields['config']}  splits={row.get('splits')}  us={row.get('us', float('nan')):.1f}  "
-          f"t/t_copy={row.get('copy_time_ratio', float('nan')):.2f}  {row.get('error', '')}", flush=True)
-
-
 def sweep(ceilings):
     """Tile candidates, each row printed when timed (a sweep cut short still reports what it measured)."""
     rows = []
@@ -178,7 +172,7 @@ def sweep(ceilings):
             r = bench_sparse_decode(64, 32 * 1024, heads, ceilings, config=cfg, num_splits=splits, eager=False)
         except Exception as exc:  # a config that does not compile is a sweep result, not a failure
             r = dict(op="sparse_mla_decode", error=repr(exc)[:120])
-        _sweep_row(rows, r, config=str(cfg), case=f"sparse B64 H{heads} k2048")
+        common.sweep_row(rows, r, config=str(cfg), case=f"sparse B64 H{heads} k2048")
     for cfg in [dsa_indexer.IndexerConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]:
         try:
             r = bench_index_topk(64, 128 * 1024, ceilings, config=cfg, eager=False)

@@ -203,10 +203,7 @@ def sweep(ceilings):
                     r = bench_attention(64, 64 * 1024, kind, ceilings, config=cfg, num_splits=splits, eager=False)
                 except Exception as exc:  # a config that does not compile is a sweep result, not a failure
                     r = dict(op=f"{kind}_attention", error=repr(exc)[:120])
-                rows.append(dict(r, config=str(cfg), case=f"{kind} B64 ctx64K H64"))
-                print(f"{rows[-1]['case']}  {rows[-1]['config']}  splits={r.get('splits')}  "
-                      f"us={r.get('us', float('nan')):.1f}  t/t_copy={r.get('copy_time_ratio', float('nan')):.2f}  "
-                      f"{r.get('error', '')}", flush=True)
+                common.sweep_row(rows, r, config=str(cfg), case=f"{kind} B64 ctx64K H64")
     return rows
 
 

@@ -54,3 +54,37 @@ def mtp_checkpoint(path: Path, *, variant: str = "v3-qlora-noaux", seed: int = 0
     model.save_pretrained(path)
     add_mtp_layer(path, seed + 1000, with_copies=with_copies, echo=echo)
     return model, path
+
+
+class StepRecorder:
+    """Records every step the engine's scheduler plans (wrapping `schedule`, which it calls once a step)."""
+
+    def __init__(self, engine: mf.Engine):
+        self.steps: list = []
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            step = schedule()
+            if step is not None:
+                self.steps.append(step)
+            return step
+
+        engine.scheduler.schedule = recorded
+
+
+def check_drafted_run(engine: mf.Engine, seen: StepRecorder, got: list, want: list, k: int) -> None:
+    """A run with k drafts gave the tokens of the run without (`want`), through verify steps of k + 1
+    tokens, mixed steps, chunks after a context and preemption, some drafts accepted and some not,
+    and left no block behind."""
+    assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
+    stats = engine.speculative_stats
+    assert 0 < stats.accepted < stats.drafted
+    plans = [s.plan for s in seen.steps]
+    assert any(p.decode_q_len == k + 1 for p in plans)
+    assert any(p.prefill and p.decode for p in plans)                              # mixed steps
+    assert any(s.start_pos > 0 for p in plans for s in p.prefill)                  # chunks after context
+    assert any(s.preempted for s in seen.steps)                                    # recompute
+    engine.scheduler.check_invariants()
+    allocator = engine.scheduler.allocator
+    assert allocator.num_free_blocks == allocator.num_usable_blocks                # no block leaks
+    assert allocator.num_cached_blocks > 0

@@ -23,8 +23,8 @@ from mla_func.demo.mtp_lm import mtp_logits, windows_losses
 from mla_func.demo.speculation import heldout_prompts, measure_acceptance
 from mla_func.mtp_params import mtp_tensor_shapes
 from mla_func.tensor_shapes import hf_tensor_shapes
+from mtp_models import StepRecorder, check_drafted_run
 from reference_models import rel_err
-from test_mtp_engine import _Recorder
 from test_mtp_layer import _reference
 
 # Measured on the shipped model (python -m mla_func.demo.speculation: 64 held-out prompts, 32 greedy
@@ -111,21 +111,10 @@ def test_greedy_tokens_with_drafts_equal_decoding_without(demo, k):
     prompts, params = _requests(demo, k)
     want = _engine(demo, 0).generate(prompts, params)
     engine = _engine(demo, k, num_blocks=18)   # tight: preemption by recompute
-    seen = _Recorder(engine)
+    seen = StepRecorder(engine)
     got = engine.generate(prompts, params)
-    assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
+    check_drafted_run(engine, seen, got, want, k)
     assert any(c.finish_reason == "stop" for c in got) and any(c.finish_reason == "length" for c in got)
-    stats = engine.speculative_stats
-    assert 0 < stats.accepted < stats.drafted
-    plans = [s.plan for s in seen.steps]
-    assert any(p.decode_q_len == k + 1 for p in plans)
-    assert any(p.prefill and p.decode for p in plans)                              # mixed steps
-    assert any(s.start_pos > 0 for p in plans for s in p.prefill)                  # chunks after context
-    assert any(s.preempted for s in seen.steps)                                    # recompute
-    engine.scheduler.check_invariants()
-    allocator = engine.scheduler.allocator
-    assert allocator.num_free_blocks == allocator.num_usable_blocks                # no block leaks
-    assert allocator.num_cached_blocks > 0
 
 
 def test_prefix_cache_hits_keep_the_tokens(demo):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mla_func as mf
-from mtp_models import mtp_checkpoint
+from mtp_models import StepRecorder, check_drafted_run, mtp_checkpoint
 
 VOCAB = 8
 
@@ -30,22 +30,6 @@ def _engine(model, k, **kwargs):
     settings = dict(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
                     long_prefill_token_threshold=5, speculative_tokens=k)
     return mf.Engine(model, **{**settings, **kwargs})
-
-
-class _Recorder:
-    """Records every step the engine's scheduler plans (wrapping `schedule`, which it calls once a step)."""
-
-    def __init__(self, engine):
-        self.steps = []
-        schedule = engine.scheduler.schedule
-
-        def recorded():
-            step = schedule()
-            if step is not None:
-                self.steps.append(step)
-            return step
-
-        engine.scheduler.schedule = recorded
 
 
 def _requests(seed):
@@ -67,21 +51,10 @@ def test_greedy_tokens_equal_decoding_without_drafts(model, k):
     prompts, params = _requests(k)
     want = _engine(model, 0).generate(prompts, params)
     engine = _engine(model, k, num_blocks=14)   # tight: preemption by recompute
-    seen = _Recorder(engine)
+    seen = StepRecorder(engine)
     got = engine.generate(prompts, params)
-    assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
+    check_drafted_run(engine, seen, got, want, k)
     assert any(c.finish_reason == "stop" for c in got)
-    stats = engine.speculative_stats
-    assert 0 < stats.accepted < stats.drafted
-    plans = [s.plan for s in seen.steps]
-    assert any(p.decode_q_len == k + 1 for p in plans)
-    assert any(p.prefill and p.decode for p in plans)                              # mixed steps
-    assert any(s.start_pos > 0 for p in plans for s in p.prefill)                  # chunks after context
-    assert any(s.preempted for s in seen.steps)                                    # recompute
-    engine.scheduler.check_invariants()
-    allocator = engine.scheduler.allocator
-    assert allocator.num_free_blocks == allocator.num_usable_blocks                # no block leaks
-    assert allocator.num_cached_blocks > 0
 
 
 def test_prefix_cache_hits_keep_tokens(model):
