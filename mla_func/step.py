@@ -17,7 +17,6 @@ of the state pytree, whatever the layer kinds).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 import warnings
