@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -128,3 +129,38 @@ def sweep_row(rows: list[dict], row: dict, **fields) -> None:
     print(f"{fields.get('case', '')}  {fields.get('config', '')}  splits={row.get('splits')}  "
           f"us={row.get('us', float('nan')):.1f}  t/t_copy={row.get('copy_time_ratio', float('nan')):.2f}  "
           f"{row.get('error', '')}", flush=True)
+
+
+# How the paged-attention kernel benchmarks time an op (recorded in their results).
+GRAPH_REPLAY_TIMING = ("CUDA-graph replay, consecutive calls on other block tables; eager_ms: "
+                       "triton.testing.do_bench median, L2 flushed")
+
+
+def kernel_bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every kernel benchmark takes: --commit, --out, --sweep."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
+    return parser
+
+
+def kernel_bench_run(script: str, commit: str | None, *, matmul: bool = False, **fields) -> tuple[dict, dict]:
+    """Start a kernel benchmark on the GPU: (result, ceilings). The result holds the GPU, date,
+    commit, versions and the ceilings measured now (copy bandwidth; bf16 matmul rate with
+    `matmul`), plus `fields`, and an empty `cases` list; the ceilings are in bytes/s and flop/s."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    torch.manual_seed(0)
+    import triton
+
+    ceilings = {"copy": copy_bandwidth(), **({"matmul": matmul_rate()} if matmul else {})}
+    result = dict(gpu=gpu_name(), gpu_slug=gpu_slug(), date=today(), commit=git_commit(commit),
+                  torch=torch.__version__, triton=triton.__version__,
+                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                  copy_bandwidth_GBps=ceilings["copy"] / 1e9, **fields, cases=[])
+    if matmul:
+        result["bf16_matmul_TFLOPs"] = ceilings["matmul"] / 1e12
+    mm = f", bf16 mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s" if matmul else ""
+    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write){mm}", flush=True)
+    return result, ceilings

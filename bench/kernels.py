@@ -13,7 +13,6 @@ overhead included, L2 flushed) are recorded beside them.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -212,27 +211,13 @@ def sweep(ceilings):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
+    parser = common.kernel_bench_parser(__doc__)
     parser.add_argument("--skip-reference", action="store_true", help="no torch reference timings")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA GPU")
-    torch.manual_seed(0)
-    import triton
-
-    ceilings = {"copy": common.copy_bandwidth(), "matmul": common.matmul_rate()}
-    result = dict(gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(),
-                  commit=common.git_commit(args.commit), torch=torch.__version__, triton=triton.__version__,
-                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-                  copy_bandwidth_GBps=ceilings["copy"] / 1e9, bf16_matmul_TFLOPs=ceilings["matmul"] / 1e12,
-                  timing="decode and MoE: CUDA-graph replay, consecutive calls on other pages/experts; "
-                         "eager_ms and prefill: triton.testing.do_bench median, L2 flushed",
-                  cases=[])
-    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write), "
-          f"bf16 mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    result, ceilings = common.kernel_bench_run(
+        "bench/kernels.py", args.commit, matmul=True,
+        timing="decode and MoE: CUDA-graph replay, consecutive calls on other pages/experts; "
+               "eager_ms and prefill: triton.testing.do_bench median, L2 flushed")
     if args.sweep:
         sweep(ceilings)
         return

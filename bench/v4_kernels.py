@@ -26,7 +26,6 @@ included, L2 flushed) sit beside them.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -207,31 +206,12 @@ def sweep(ceilings):
     return rows
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, $MLA_FUNC_COMMIT)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--sweep", action="store_true", help="time the tile-size candidates instead")
-    return parser.parse_args(argv)
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/v4_kernels.py needs a CUDA GPU")
-    torch.manual_seed(0)
-    import triton
-
-    ceilings = {"copy": common.copy_bandwidth()}
-    result = dict(gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(),
-                  commit=common.git_commit(args.commit), torch=torch.__version__, triton=triton.__version__,
-                  sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-                  copy_bandwidth_GBps=ceilings["copy"] / 1e9,
-                  timing="CUDA-graph replay, consecutive calls on other block tables; eager_ms: "
-                         "triton.testing.do_bench median, L2 flushed",
-                  targets="V4 decode (csa_decode, hca_attention rows) at B >= 64: t/t_copy <= 1.3",
-                  cases=[])
-    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)", flush=True)
+    args = common.kernel_bench_parser(__doc__).parse_args(argv)
+    result, ceilings = common.kernel_bench_run(
+        "bench/v4_kernels.py", args.commit,
+        timing=common.GRAPH_REPLAY_TIMING,
+        targets="V4 decode (csa_decode, hca_attention rows) at B >= 64: t/t_copy <= 1.3")
     if args.sweep:
         sweep(ceilings)
         return
