@@ -12,15 +12,19 @@ happens after three of the four bytes.
 
 Each row is cut into chunks of whole tiles, and every pass is one launch over
 (row, chunk) programs, so a few rows still fill the GPU. A program writes its
-chunk's histogram to the workspace [T, 4, chunks, 256]; the next pass's programs
-sum their row's chunk histograms and replay the choice of every earlier pass
-(the same arithmetic in every program, so no program waits for another). The
-emit launch replays all passes the same way, which also gives every chunk the
+chunk's histogram to the workspace [T, 4, chunks + 1, 256]. The next launch's
+programs fold their row's chunk histograms of the pass before into the row's
+state (the bucket, how many of its keys are still wanted, and per chunk the keys
+above the bucket and in it), each the same way, so no program waits for
+another; its chunk-0 program stores that state in the pass's extra row, and the
+launch after it starts from there, so every launch folds one pass, never
+replays them all. The emit launch folds the last pass, which gives every chunk the
 number of keys above the bucket and of bucket keys in the chunks before it: its
 first output slot. It then writes its chunk's selected positions in ascending
-order through an exclusive prefix sum per tile. A row whose key count is at most
-k never refines: its bucket is every visible key. -1 fills the slots after the
-last selection. Rows that finish early leave later passes at once.
+order through one exclusive prefix sum per tile that counts both kinds. A row
+whose key count is at most k never refines: its bucket is every visible key. -1
+fills the slots after the last selection. Rows that finish early leave later
+passes at once.
 
 Triton 3.6 lowers a histogram with warp ballots (one per bit of the bin index,
 then, per bin a lane owns, an AND of them and a population count): in the
@@ -98,10 +102,11 @@ def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
                     config: TopKConfig | None = None) -> torch.Tensor:
     """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
 
-    returns [T, 4, P, 256] int32, P = top_k_num_chunks(T, L, device).
+    returns [T, 4, P + 1, 256] int32, P = top_k_num_chunks(T, L, device): per pass, the chunk
+    histograms and the row's state after that pass.
     """
     chunks = top_k_num_chunks(num_rows, num_cols, device, config)
-    return torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
+    return torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -129,46 +134,111 @@ def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
     return _sortable_key(tl.load(row + pos * s_sj, mask=pos < load_end, other=0.0))
 
 
-@triton.jit
-def _row_state(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks,
-               PASSES_DONE: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """A row's selection after its first PASSES_DONE radix passes, replayed from the chunk histograms.
+# Where a pass's state row (chunk row P of its workspace slice) keeps the row's selection.
+_STATE_ABOVE = 8
+_STATE_TIES = 128
+# Chunks a state row has room for.
+_MAX_STATE_CHUNKS = _STATE_TIES - _STATE_ABOVE
 
-    returns (prefix, hi_mask, want, refining, above [BLOCK_P], ties [BLOCK_P]): the bucket is
-    the keys whose bits under hi_mask equal prefix; `want` of its keys are still to be taken
-    after every key above it; refining says whether another pass is needed; per chunk,
-    `above` counts its keys above the bucket and `ties` its keys in the bucket.
-    """
+
+@triton.jit
+def _initial_state(n, K, chunk_len, BLOCK_P: tl.constexpr):
+    """A row's selection before any pass: the bucket is every visible key."""
     chunks = tl.arange(0, BLOCK_P)
-    bins = tl.arange(0, BINS)
-    chunk_mask = chunks < num_chunks
     prefix = tl.zeros([], dtype=tl.uint32)
     hi_mask = tl.zeros([], dtype=tl.uint32)
     want = tl.minimum(n, K)
     refining = n > K
-    # Before any pass the bucket is every visible key.
     ties = tl.minimum(tl.maximum(n - chunks * chunk_len, 0), chunk_len)
     above = tl.zeros([BLOCK_P], dtype=tl.int32)
-    for p in tl.static_range(PASSES_DONE):
-        if refining:
-            hist = tl.load(ws_row + p * s_wp + chunks[:, None] * s_wc + bins[None, :],
-                           mask=chunk_mask[:, None], other=0)                               # [BLOCK_P, BINS]
-            total = tl.sum(hist, axis=0)
-            # at_least[b]: bucket keys whose next byte is >= b (non-increasing in b);
-            # the k-th largest lies in the highest bin where it reaches `want`.
-            at_least = tl.cumsum(total, axis=0, reverse=True)
-            chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-            in_bin = tl.sum(tl.where(bins == chosen, total, 0), axis=0)
-            want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
-            above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
-            ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
-            # Digit p covers bits [shift, shift + width): the last digit is narrower.
-            below = 32 - RADIX_BITS * (p + 1)
-            shift = below * (below > 0)
-            width = 32 - RADIX_BITS * p - shift
-            prefix = prefix | (chosen.to(tl.uint32) << shift)
-            hi_mask = hi_mask | (tl.full([], (1 << width) - 1, tl.uint32) << shift)
-            refining = in_bin > want
+    return prefix, hi_mask, want, refining, above, ties
+
+
+@triton.jit
+def _load_state(state_ptr, num_chunks, BLOCK_P: tl.constexpr):
+    chunks = tl.arange(0, BLOCK_P)
+    chunk_mask = chunks < num_chunks
+    prefix = tl.load(state_ptr).to(tl.uint32, bitcast=True)
+    hi_mask = tl.load(state_ptr + 1).to(tl.uint32, bitcast=True)
+    want = tl.load(state_ptr + 2)
+    refining = tl.load(state_ptr + 3) != 0
+    above = tl.load(state_ptr + _STATE_ABOVE + chunks, mask=chunk_mask, other=0)
+    ties = tl.load(state_ptr + _STATE_TIES + chunks, mask=chunk_mask, other=0)
+    return prefix, hi_mask, want, refining, above, ties
+
+
+@triton.jit
+def _store_state(state_ptr, num_chunks, prefix, hi_mask, want, refining, above, ties,
+                 BLOCK_P: tl.constexpr, BINS: tl.constexpr):
+    lane = tl.arange(0, BINS)
+    scalars = tl.where(lane == 0, prefix.to(tl.int32, bitcast=True), 0)
+    scalars = tl.where(lane == 1, hi_mask.to(tl.int32, bitcast=True), scalars)
+    scalars = tl.where(lane == 2, want, scalars)
+    scalars = tl.where(lane == 3, refining.to(tl.int32), scalars)
+    tl.store(state_ptr + lane, scalars, mask=lane < 4)
+    chunks = tl.arange(0, BLOCK_P)
+    tl.store(state_ptr + _STATE_ABOVE + chunks, above, mask=chunks < num_chunks)
+    tl.store(state_ptr + _STATE_TIES + chunks, ties, mask=chunks < num_chunks)
+
+
+@triton.jit
+def _fold_pass(hist_ptr, s_wc, num_chunks, prefix, hi_mask, want, refining, above, ties,
+               PASS: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """A row's selection after pass PASS, from the one before it and that pass's chunk histograms.
+
+    The bucket is the keys whose bits under hi_mask equal prefix; `want` of its keys are
+    still to be taken after every key above it; refining says whether another pass is
+    needed; per chunk, `above` counts its keys above the bucket and `ties` its keys in it.
+    A row that has stopped refining has no histograms for the pass, and keeps its state.
+    """
+    if refining:
+        chunks = tl.arange(0, BLOCK_P)
+        bins = tl.arange(0, BINS)
+        hist = tl.load(hist_ptr + chunks[:, None] * s_wc + bins[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)                        # [BLOCK_P, BINS]
+        total = tl.sum(hist, axis=0)
+        # at_least[b]: bucket keys whose next digit is >= b (non-increasing in b);
+        # the k-th largest lies in the highest bin where it reaches `want`.
+        at_least = tl.cumsum(total, axis=0, reverse=True)
+        chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+        in_bin = tl.sum(tl.where(bins == chosen, total, 0), axis=0)
+        want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
+        above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
+        ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
+        # Digit PASS covers bits [shift, shift + width): the last digit is narrower.
+        below = 32 - RADIX_BITS * (PASS + 1)
+        shift = below * (below > 0)
+        width = 32 - RADIX_BITS * PASS - shift
+        prefix = prefix | (chosen.to(tl.uint32) << shift)
+        hi_mask = hi_mask | (tl.full([], (1 << width) - 1, tl.uint32) << shift)
+        refining = in_bin > want
+    return prefix, hi_mask, want, refining, above, ties
+
+
+@triton.jit
+def _state_before(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk,
+                  PASS: tl.constexpr, STORE: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr,
+                  RADIX_BITS: tl.constexpr):
+    """A row's selection before pass PASS (PASS = the pass count: after the last one).
+
+    Launch PASS folds the previous pass's histograms into the state the launch before
+    it stored (one pass of arithmetic, the same in every program of the row, so no
+    program waits for another), and its chunk-0 program stores the result for the next.
+    """
+    if PASS == 0:
+        prefix, hi_mask, want, refining, above, ties = _initial_state(n, K, chunk_len, BLOCK_P)
+    else:
+        if PASS == 1:
+            prefix, hi_mask, want, refining, above, ties = _initial_state(n, K, chunk_len, BLOCK_P)
+        else:
+            prefix, hi_mask, want, refining, above, ties = _load_state(
+                ws_row + (PASS - 1) * s_wp + num_chunks * s_wc, num_chunks, BLOCK_P)
+        prefix, hi_mask, want, refining, above, ties = _fold_pass(
+            ws_row + (PASS - 1) * s_wp, s_wc, num_chunks, prefix, hi_mask, want, refining, above, ties,
+            PASS - 1, BLOCK_P, BINS, RADIX_BITS)
+        if STORE and chunk == 0:
+            _store_state(ws_row + PASS * s_wp + num_chunks * s_wc, num_chunks, prefix, hi_mask, want, refining,
+                         above, ties, BLOCK_P, BINS)
     return prefix, hi_mask, want, refining, above, ties
 
 
@@ -188,8 +258,8 @@ def _histogram_kernel(
         gdc_launch_dependents()
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
-    prefix, hi_mask, want, refining, above, ties = _row_state(
-        ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, PASS, BLOCK_P, BINS, RADIX_BITS)
+    prefix, hi_mask, want, refining, above, ties = _state_before(
+        ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASS, True, BLOCK_P, BINS, RADIX_BITS)
     if refining:
         row = scores_ptr + t.to(tl.int64) * s_st
         offs = tl.arange(0, BLOCK)
@@ -223,13 +293,14 @@ def _emit_kernel(
         gdc_wait()
         gdc_launch_dependents()
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
-    prefix, hi_mask, want, refining, above, ties = _row_state(
-        ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, PASSES, BLOCK_P, BINS,
-        RADIX_BITS)
+    prefix, hi_mask, want, refining, above, ties = _state_before(
+        ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASSES, False, BLOCK_P,
+        BINS, RADIX_BITS)
     bucket_max = prefix | ~hi_mask
     before = tl.arange(0, BLOCK_P) < chunk
+    # Keys above the bucket are all taken; of the bucket's, the first `want` by position.
+    above_seen = tl.sum(tl.where(before, above, 0), axis=0)
     ties_seen = tl.sum(tl.where(before, ties, 0), axis=0)
-    taken = tl.sum(tl.where(before, above, 0), axis=0) + tl.minimum(ties_seen, want)
 
     row = scores_ptr + t.to(tl.int64) * s_st
     out_row = out_ptr + t.to(tl.int64) * s_ot
@@ -240,14 +311,19 @@ def _emit_kernel(
         pos = j0 + offs
         valid = pos < end
         key = _load_keys(row, pos, end, s_sj, ALIGNED)
+        is_above = (valid & (key > bucket_max)).to(tl.int32)
         tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
-        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-        chosen = (valid & (key > bucket_max)) | ((tie != 0) & (tie_rank < want))
-        pick = chosen.to(tl.int32)
-        slot = taken + tl.cumsum(pick, axis=0) - pick
+        # One scan counts both kinds before each key: above-bucket keys in the low 16
+        # bits, bucket keys in the high ones (a block holds fewer than 2^16 keys).
+        packed = is_above | (tie << 16)
+        before_key = tl.cumsum(packed, axis=0) - packed
+        ties_before = ties_seen + (before_key >> 16)
+        chosen = (is_above != 0) | ((tie != 0) & (ties_before < want))
+        slot = above_seen + (before_key & 0xFFFF) + tl.minimum(ties_before, want)
         tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
-        taken += tl.sum(pick, axis=0)
-        ties_seen += tl.sum(tie, axis=0)
+        counts = tl.sum(packed, axis=0)
+        above_seen += counts & 0xFFFF
+        ties_seen += counts >> 16
     if chunk == 0:
         selected = tl.minimum(n, K)
         fill = tl.arange(0, FILL_BLOCK)
@@ -273,7 +349,7 @@ def top_k_indices(
     key_lens:   [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
     k:          positions per row, >= 1
     out:        [T, k] int32 to write into, or None
-    workspace:  [T, 4, P, 256] int32 from `top_k_workspace` (a captured graph then
+    workspace:  [T, 4, P + 1, 256] int32 from `top_k_workspace` (a captured graph then
                 allocates nothing), or None to allocate it here
     num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
     config:     overrides the block size and warps (benchmark sweeps)
@@ -283,8 +359,8 @@ def top_k_indices(
     """
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
-    if num_chunks is not None and num_chunks < 1:
-        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    if num_chunks is not None and not 1 <= num_chunks <= _MAX_STATE_CHUNKS:
+        raise ValueError(f"num_chunks: expected 1..{_MAX_STATE_CHUNKS}, got {num_chunks}")
     num_rows, num_cols = scores.shape
     check_shape("key_lens", key_lens, (num_rows,))
     check_dtype("scores", scores, (torch.float32,))
@@ -300,9 +376,9 @@ def top_k_indices(
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
     if workspace is None:
-        workspace = torch.empty((num_rows, _PASSES, chunks, _BINS), dtype=torch.int32, device=device)
+        workspace = torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
     else:
-        check_shape("workspace", workspace, (num_rows, _PASSES, chunks, _BINS))
+        check_shape("workspace", workspace, (num_rows, _PASSES, chunks + 1, _BINS))
         check_dtype("workspace", workspace, (torch.int32,))
         check_same_device(scores=scores, workspace=workspace)
         if workspace.stride(3) != 1:

@@ -167,16 +167,19 @@ def test_rejects_bad_inputs(device):
         tri.top_k_indices(scores, lens, k=4, out=torch.zeros(2, 5, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="workspace"):
         tri.top_k_indices(scores, lens, k=4, num_chunks=1,
-                          workspace=torch.zeros(2, 4, 2, 256, dtype=torch.int32, device=device))
+                          workspace=torch.zeros(2, 4, 1, 256, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="num_chunks"):
         tri.top_k_indices(scores, lens, k=4, num_chunks=0)
+    with pytest.raises(ValueError, match="num_chunks"):
+        tri.top_k_indices(scores, lens, k=4, num_chunks=121)
 
 
 def test_chunk_count_is_static(device):
     a = tri.top_k_num_chunks(64, 128 * 1024, device)
     assert a == tri.top_k_num_chunks(64, 128 * 1024, device) >= 1
     assert tri.top_k_num_chunks(1, 10, device) == 1
-    assert tri.top_k_workspace(3, 100, device).shape == (3, 4, tri.top_k_num_chunks(3, 100, device), 256)
+    # Per pass: the chunk histograms, then the row's state.
+    assert tri.top_k_workspace(3, 100, device).shape == (3, 4, tri.top_k_num_chunks(3, 100, device) + 1, 256)
 
 
 @pytest.mark.gpu
