@@ -135,10 +135,10 @@ def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
 
 
 # Where a pass's state row (chunk row P of its workspace slice) keeps the row's selection.
-_STATE_ABOVE = 8
-_STATE_TIES = 128
+_STATE_ABOVE = tl.constexpr(8)
+_STATE_TIES = tl.constexpr(128)
 # Chunks a state row has room for.
-_MAX_STATE_CHUNKS = _STATE_TIES - _STATE_ABOVE
+_MAX_STATE_CHUNKS = 128 - 8
 
 
 @triton.jit
