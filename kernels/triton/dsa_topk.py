@@ -75,6 +75,9 @@ _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 # multiprocessor keep its four schedulers busy.
 _PROGRAMS_PER_SM = 4
 _MAX_CHUNKS = 32
+# A tile whose bucket members are at most 1/_SPARSE_SHARE of its keys counts them
+# with atomics (passes after the first, where the bucket has narrowed).
+_SPARSE_SHARE = 16
 
 
 def top_k_config(device: torch.device) -> TopKConfig:
@@ -249,7 +252,7 @@ def _histogram_kernel(
     s_st, s_sj, s_kl, s_wt, s_wp, s_wc,
     K: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
     BINS: tl.constexpr, RADIX_BITS: tl.constexpr, ALIGNED: tl.constexpr,
-    GDC: tl.constexpr,
+    SPARSE_PATH: tl.constexpr, SPARSE_SHARE: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -268,14 +271,33 @@ def _histogram_kernel(
         below = 32 - RADIX_BITS * (PASS + 1)
         shift = below * (below > 0)
         digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
+        slot = ws_row + PASS * s_wp + chunk * s_wc
+        bins = tl.arange(0, BINS)
+        if SPARSE_PATH:
+            # The program's own histogram slot takes the sparse tiles' atomic adds.
+            tl.store(slot + bins, tl.zeros([BINS], dtype=tl.int32))
+            tl.debug_barrier()
         hist = tl.zeros([BINS], dtype=tl.int32)
         for j0 in range(start, end, BLOCK):
             pos = j0 + offs
             key = _load_keys(row, pos, end, s_sj, ALIGNED)
             member = (pos < end) & ((key & hi_mask) == prefix)
             digit = ((key >> shift) & digit_mask).to(tl.int32)
-            hist += tl.histogram(digit, BINS, mask=member)
-        tl.store(ws_row + PASS * s_wp + chunk * s_wc + tl.arange(0, BINS), hist)
+            if SPARSE_PATH:
+                # Past the first digit a bucket is usually a small share of the row: a
+                # tile with few members adds them one by one (an atomic per member, where
+                # the histogram costs its instructions for every key of the tile).
+                if tl.sum(member.to(tl.int32), axis=0) * SPARSE_SHARE <= BLOCK:
+                    tl.atomic_add(slot + digit, tl.full([BLOCK], 1, tl.int32), mask=member, sem="relaxed")
+                else:
+                    hist += tl.histogram(digit, BINS, mask=member)
+            else:
+                hist += tl.histogram(digit, BINS, mask=member)
+        if SPARSE_PATH:
+            tl.debug_barrier()
+            tl.atomic_add(slot + bins, hist, sem="relaxed")
+        else:
+            tl.store(slot + bins, hist)
 
 
 @triton.jit
@@ -395,7 +417,7 @@ def top_k_indices(
             scores, key_lens, workspace,
             num_cols, chunk_len, chunks,
             *scores.stride(), key_lens.stride(0), *workspace.stride()[:3],
-            K=k, PASS=radix_pass, **common,
+            K=k, PASS=radix_pass, SPARSE_PATH=radix_pass > 0, SPARSE_SHARE=_SPARSE_SHARE, **common,
         )
     _emit_kernel[grid](
         scores, key_lens, workspace, out,
