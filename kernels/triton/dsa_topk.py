@@ -76,8 +76,11 @@ _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 _PROGRAMS_PER_SM = 4
 _MAX_CHUNKS = 32
 # A tile whose bucket members are at most 1/_SPARSE_SHARE of its keys counts them
-# with atomics (passes after the first, where the bucket has narrowed).
+# with atomics, from the third pass on. The first two digits are the sign, the
+# exponent and the mantissa's top bits: after the first, the bucket still holds the
+# keys of one or two binades (a large share of a row); after the second, few keys.
 _SPARSE_SHARE = 16
+_FIRST_SPARSE_PASS = 2
 
 
 def top_k_config(device: torch.device) -> TopKConfig:
@@ -417,7 +420,8 @@ def top_k_indices(
             scores, key_lens, workspace,
             num_cols, chunk_len, chunks,
             *scores.stride(), key_lens.stride(0), *workspace.stride()[:3],
-            K=k, PASS=radix_pass, SPARSE_PATH=radix_pass > 0, SPARSE_SHARE=_SPARSE_SHARE, **common,
+            K=k, PASS=radix_pass, SPARSE_PATH=radix_pass >= _FIRST_SPARSE_PASS, SPARSE_SHARE=_SPARSE_SHARE,
+            **common,
         )
     _emit_kernel[grid](
         scores, key_lens, workspace, out,
