@@ -12,10 +12,9 @@ Rows (bf16, block size 64, C = 512, R = 64, indexer 64 heads x 128 dims; batch 6
 and batch 8 at 128K as a decode step of a long-context batch would run them):
 * sparse_mla_decode: B rows attend over their top-k selected latent rows; bytes
   = the selected rows + queries + outputs.
-* index_topk: indexer scores over every cached position, then top-k, as the model
-  runs them (`index_top_k`: the indexer does top-k's first pass); bytes = the
+* index_topk: indexer scores over every cached position, then top-k; bytes = the
   indexer keys read (the figure the target is stated in), the scores' write and
-  reads listed beside it; the two ops timed alone and back to back beside it.
+  reads listed beside it.
 * dsa_decode: the three kernels of one layer's sparse attention; bytes = the
   selected latent rows + the indexer keys read (+ queries, outputs).
 Timings are CUDA-graph replays of calls on other block tables (so no call finds
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_select, dsa_topk  # noqa: E402
+from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -116,28 +115,20 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
         return dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace,
                                       num_chunks=topk_chunks, config=topk_config)
 
-    def fused(table):
-        return dsa_select.index_top_k(index_q, head_weights, index_cache, table, key_lens, k=TOP_K, out=indices,
-                                      scores=scores, workspace=fused_workspace, config=config,
-                                      topk_config=topk_config)
-
-    fused_workspace = _topk_workspace(num_rows, context, topk_config)
     score_ms = common.time_graph([lambda: score(tables[0])])
     topk_ms = common.time_graph([select])
-    unfused_ms = common.time_graph([lambda: (score(tables[0]), select())])
-    # The op the model calls (the indexer does top-k's first pass) unless the chunk count is forced.
-    ms = unfused_ms if topk_chunks else common.time_graph([lambda: fused(tables[0])])
+    ms = common.time_graph([lambda: (score(tables[0]), select())])
     key_bytes = num_rows * context * INDEX_DIM * 2
     score_bytes = num_rows * context * 4
     row = _row("index_topk", ms, key_bytes, ceilings, batch=num_rows, context=context, index_heads=INDEX_HEADS,
                index_dim=INDEX_DIM, top_k=TOP_K, score_ms=score_ms, topk_us=topk_ms * 1e3,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
-               unfused_ms=unfused_ms, score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
+               score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
                chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
                topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
                bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
     if eager:
-        row["eager_ms"] = common.time_eager(lambda: fused(tables[0]))
+        row["eager_ms"] = common.time_eager(lambda: (score(tables[0]), select()))
     return row
 
 
@@ -151,8 +142,8 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
     topk_workspace = _topk_workspace(num_rows, context)
 
     def call(table):
-        dsa_select.index_top_k(index_q, head_weights, index_cache, table, key_lens, k=TOP_K, out=indices,
-                               scores=scores, workspace=topk_workspace)
+        dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores)
+        dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace)
         return dsa_decode.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=DIM ** -0.5,
                                             kv_lora_rank=KV_LORA_RANK, workspace=workspace)
 
@@ -234,7 +225,7 @@ def main(argv=None) -> None:
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("GBps", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
-                              ("topk_us", "topk us"), ("unfused_ms", "unfused ms")])
+                              ("topk_us", "topk us")])
 
 
 if __name__ == "__main__":

@@ -186,14 +186,6 @@ class TopKIndices(Protocol):
         ...
 
 
-class IndexTopK(Protocol):
-    def __call__(self, q: Tensor, head_weights: Tensor, index_cache: Tensor, block_table: Tensor,
-                 key_lens: Tensor, /, *, k: int) -> tuple[Tensor, Tensor]:
-        """`TopKIndices` of `IndexScores` in one op: (indices [T, k] int32, scores [T, W * bs] float32),
-        each exactly as those two ops define it."""
-        ...
-
-
 class SparseMlaDecode(Protocol):
     def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, indices: Tensor, /, *,
                  softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None) -> tuple[Tensor, Tensor]:

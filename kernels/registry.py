@@ -72,13 +72,11 @@ class MoEOps:
 
 @dataclass(frozen=True, slots=True)
 class DSAOps:
-    """DeepSeek Sparse Attention: the indexer-key cache, index scores, top-k (and both in one op, which the
-    model calls), sparse MLA over the chosen rows."""
+    """DeepSeek Sparse Attention: the indexer-key cache, index scores, top-k, sparse MLA over the chosen rows."""
 
     write_index_key: c.WriteIndexKey
     index_scores: c.IndexScores
     top_k_indices: c.TopKIndices
-    index_top_k: c.IndexTopK
     sparse_mla_decode: c.SparseMlaDecode
 
 
@@ -136,7 +134,6 @@ REFERENCE = Ops(
         write_index_key=ref_dsa.write_index_key,
         index_scores=ref_dsa.index_scores,
         top_k_indices=ref_dsa.top_k_indices,
-        index_top_k=ref_dsa.index_top_k,
         sparse_mla_decode=ref_dsa.sparse_mla_decode,
     ),
     v4=V4Ops(

@@ -67,12 +67,11 @@ def record_index_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
     from eager calls (`mf.forward(..., ops=ops)`); a replayed CUDA graph runs no Python.
     """
     chosen: list[torch.Tensor] = []
-    index_top_k = ops.dsa.index_top_k
+    top_k = ops.dsa.top_k_indices
 
-    def recording(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-                  key_lens: torch.Tensor, /, *, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        indices, scores = index_top_k(q, head_weights, index_cache, block_table, key_lens, k=k)
+    def recording_top_k(scores: torch.Tensor, key_lens: torch.Tensor, /, *, k: int) -> torch.Tensor:
+        indices = top_k(scores, key_lens, k=k)
         chosen.append(indices)
-        return indices, scores
+        return indices
 
-    return dataclasses.replace(ops, dsa=dataclasses.replace(ops.dsa, index_top_k=recording)), chosen
+    return dataclasses.replace(ops, dsa=dataclasses.replace(ops.dsa, top_k_indices=recording_top_k)), chosen

@@ -67,8 +67,8 @@ def sparse_mla_attention(
     index_cache = ops.dsa.write_index_key(index_cache, batch.slot_mapping, index_key, inplace=ctx.inplace)
     # Made once a step by the forward for models with sparse layers (here only if a caller's own context lacks it).
     rows = ctx.rows if ctx.rows is not None else row_metadata(batch, ctx.mode)
-    indices, _ = ops.dsa.index_top_k(index_q, head_weights, index_cache, rows.block_table, rows.key_lens,
-                                     k=config.index_topk)                               # [T, k]
+    scores = ops.dsa.index_scores(index_q, head_weights, index_cache, rows.block_table, rows.key_lens)
+    indices = ops.dsa.top_k_indices(scores, rows.key_lens, k=config.index_topk)       # [T, k]
     out, _ = ops.dsa.sparse_mla_decode(q_absorbed, kv_cache, rows.block_table, indices,
                                        softmax_scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
                                        w_uv=a.w_uv)                                    # [T, H, Dv]

@@ -44,7 +44,5 @@ def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torc
     """
     key_lens = counts.to(torch.int32)
     # The same ops as V3.2's indexer (`ops.dsa`), over compressed entries instead of tokens.
-    num_entries = group_table.shape[1] * index_keys.shape[1]
-    indices, _ = ops.dsa.index_top_k(q, head_weights, index_keys, group_table, key_lens,
-                                     k=min(v.index_topk, num_entries))
-    return indices.to(torch.int64)
+    scores = ops.dsa.index_scores(q, head_weights, index_keys, group_table, key_lens)
+    return ops.dsa.top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)

@@ -72,16 +72,16 @@ def save_and_load(reference: torch.nn.Module, path: Path, dtype: torch.dtype) ->
 
 
 def record_scores(ops: mf.kernels.Ops) -> tuple[mf.kernels.Ops, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """`ops` whose indexer also appends (scores [T, L], key_lens [T]) of each call."""
+    """`ops` whose index_scores also appends (scores [T, L], key_lens [T]) of each call."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    index_top_k = ops.dsa.index_top_k
+    index_scores = ops.dsa.index_scores
 
-    def recording(q, head_weights, index_cache, block_table, key_lens, /, *, k):
-        indices, scores = index_top_k(q, head_weights, index_cache, block_table, key_lens, k=k)
+    def recording(q, head_weights, index_cache, block_table, key_lens, /):
+        scores = index_scores(q, head_weights, index_cache, block_table, key_lens)
         seen.append((scores, key_lens))
-        return indices, scores
+        return scores
 
-    return dataclasses.replace(ops, dsa=dataclasses.replace(ops.dsa, index_top_k=recording)), seen
+    return dataclasses.replace(ops, dsa=dataclasses.replace(ops.dsa, index_scores=recording)), seen
 
 
 # The oracle computes its scores in float32 (in a float64 model too): a gap between the k-th and

@@ -105,13 +105,6 @@ def top_k_indices(scores: torch.Tensor, key_lens: torch.Tensor, *, k: int) -> to
     return torch.where(ascending < past_end, ascending, -1).to(torch.int32)
 
 
-def index_top_k(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-                key_lens: torch.Tensor, *, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_k_indices` of `index_scores`: (indices [T, k] int32, scores [T, W * bs] float32)."""
-    scores = index_scores(q, head_weights, index_cache, block_table, key_lens)
-    return top_k_indices(scores, key_lens, k=k), scores
-
-
 def sparse_mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

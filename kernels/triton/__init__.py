@@ -10,7 +10,6 @@ from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
 from .dsa_decode import sparse_mla_decode
 from .dsa_indexer import index_scores, write_index_key
-from .dsa_select import index_top_k
 from .dsa_topk import top_k_indices
 from .latent import write_latent, write_latent_absorb
 from .linear import linear, rms_norm_linear
@@ -34,7 +33,6 @@ __all__ = [
     "fused_moe",
     "hc_mix_weights",
     "index_scores",
-    "index_top_k",
     "linear",
     "merge_attn_states",
     "mla_decode",
@@ -70,8 +68,7 @@ def ops() -> Ops:
                                 mla_decode=mla_decode, prefill_attention=prefill_attention),
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
-                                top_k_indices=top_k_indices, index_top_k=index_top_k,
-                                sparse_mla_decode=sparse_mla_decode),
+                                top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
         v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
                                hc_mix_weights=hc_mix_weights, clamped_experts=clamped_experts),

@@ -27,7 +27,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
 from .cache import write_kv
-from .dsa_topk import first_digit
 
 
 def write_index_key(
@@ -91,14 +90,14 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
     return max(1, min(wanted, triton.cdiv(num_cols, min_keys)))
 
 
-@triton.jit(do_not_specialize=["num_cols", "keys_per_chunk", "digits_chunk_len"])
+@triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr, digits_ptr,
-    num_heads, num_cols, keys_per_chunk, digits_chunk_len,
+    q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
+    num_heads, num_cols, keys_per_chunk,
     s_qt, s_qh, s_qd, s_wt, s_wh,
-    s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj, s_dt, s_dc,
+    s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FIRST_DIGITS: tl.constexpr, GDC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -124,7 +123,6 @@ def _index_scores_kernel(
     weights = tl.load(w_ptr + t64 * s_wt + heads * s_wh, mask=head_mask, other=0.0)
     bt_row = bt_ptr + t64 * s_btt
     out_row = out_ptr + t64 * s_ot
-    digits = tl.zeros([256], dtype=tl.int32)
 
     for n0 in range(start, visible_end, BLOCK_N):
         pos = n0 + offs_n
@@ -141,13 +139,6 @@ def _index_scores_kernel(
         logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
         score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
         tl.store(out_row + pos * s_oj, score, mask=key_mask)
-        if FIRST_DIGITS:
-            digits += tl.histogram(first_digit(score), 256, mask=key_mask)
-    if FIRST_DIGITS:
-        # The chunk's share of its top-k chunk's first radix histogram (several indexer
-        # chunks may make up one top-k chunk, whose histogram the caller zeroed).
-        bins = tl.arange(0, 256)
-        tl.atomic_add(digits_ptr + t64 * s_dt + (start // digits_chunk_len) * s_dc + bins, digits, sem="relaxed")
     hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
         pos = n0 + offs_n
@@ -176,34 +167,6 @@ def index_scores(
     returns       scores [T, W * bs] float32: sum_h head_weights[t, h] * relu(q[t, h] . key_j)
                   (products and sums in float32) for j < key_lens[t], -inf after.
     """
-    device = q.device
-    config = config or indexer_config(device)
-    num_cols = block_table.shape[1] * index_cache.shape[1]
-    chunks = index_scores_num_chunks(q.shape[0], num_cols, device, config)
-    keys_per_chunk = triton.cdiv(triton.cdiv(max(1, num_cols), chunks), config.block_n) * config.block_n
-    return scores_by_chunks(q, head_weights, index_cache, block_table, key_lens, keys_per_chunk=keys_per_chunk,
-                            out=out, config=config)
-
-
-def scores_by_chunks(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    key_lens: torch.Tensor,
-    *,
-    keys_per_chunk: int,
-    out: torch.Tensor | None,
-    config: IndexerConfig,
-    digits: torch.Tensor | None = None,
-    digits_chunk_len: int = 0,
-) -> torch.Tensor:
-    """`index_scores` with programs of keys_per_chunk positions (a multiple of config.block_n).
-
-    digits: [T, P, 256] int32, zeroed, or None; when given, each program also adds the
-    histogram of `dsa_topk.first_digit` over its visible scores into row t's slot
-    start // digits_chunk_len (a multiple of keys_per_chunk): top-k's first radix pass.
-    """
     num_rows, num_heads, head_dim = q.shape
     _, block_size, _ = index_cache.shape
     check_shape("head_weights", head_weights, (num_rows, num_heads))
@@ -224,29 +187,22 @@ def scores_by_chunks(
         check_shape("out", out, (num_rows, num_cols))
         check_dtype("out", out, (torch.float32,))
         check_same_device(q=q, out=out)
-    if keys_per_chunk < 1 or keys_per_chunk % config.block_n:
-        raise ValueError(f"keys_per_chunk: expected a positive multiple of {config.block_n}, got {keys_per_chunk}")
-    if digits is not None:
-        if digits_chunk_len < 1 or digits_chunk_len % keys_per_chunk:
-            raise ValueError(f"digits_chunk_len: expected a positive multiple of keys_per_chunk "
-                             f"{keys_per_chunk}, got {digits_chunk_len}")
-        check_shape("digits", digits, (num_rows, triton.cdiv(max(1, num_cols), digits_chunk_len), 256))
-        check_dtype("digits", digits, (torch.int32,))
-        if digits.stride(2) != 1:
-            raise ValueError(f"digits: expected unit stride along its bins, got strides {digits.stride()}")
     if num_rows == 0 or num_cols == 0:
         return out
+    device = q.device
+    config = config or indexer_config(device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, config)
+    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n) * config.block_n
     chunks = triton.cdiv(num_cols, keys_per_chunk)
-    use_pdl = pdl(q.device)
-    digit_args = (digits, digits.stride(0), digits.stride(1)) if digits is not None else (out, 0, 0)
+    use_pdl = pdl(device)
     _index_scores_kernel[(num_rows, chunks)](
-        q, head_weights, index_cache, block_table, key_lens, out, digit_args[0],
-        num_heads, num_cols, keys_per_chunk, max(1, digits_chunk_len),
+        q, head_weights, index_cache, block_table, key_lens, out,
+        num_heads, num_cols, keys_per_chunk,
         *q.stride(), *head_weights.stride(),
-        *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(), *digit_args[1:],
+        *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
         HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), FIRST_DIGITS=digits is not None, GDC=use_pdl,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -131,12 +131,6 @@ def _sortable_key(x):
 
 
 @triton.jit
-def first_digit(score):
-    """The first radix pass's digit of float32 scores (int32 in [0, 256)): their key's top byte."""
-    return ((_sortable_key(score) >> 24) & 0xFF).to(tl.int32)
-
-
-@triton.jit
 def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
     """Keys of the scores at pos < end (other lanes hold junk that callers mask)."""
     if ALIGNED:
@@ -390,44 +384,18 @@ def top_k_indices(
                 the lower position, listed in ascending order; when key_lens[t] < k every
                 visible position in order, then -1.
     """
-    check_dtype("scores", scores, (torch.float32,))
-    config = config or top_k_config(scores.device)
-    plan = select_plan(scores.shape[0], scores.shape[1], scores.device, config, num_chunks)
-    return select(scores, key_lens, k=k, plan=plan, out=out, workspace=workspace, first_pass_done=False)
-
-
-@dataclass(frozen=True, slots=True)
-class SelectPlan:
-    """How `select` cuts rows into chunks: from static shapes and the device only."""
-
-    chunks: int
-    chunk_len: int
-    config: TopKConfig
-
-
-def select_plan(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig | None = None,
-                num_chunks: int | None = None) -> SelectPlan:
-    if num_chunks is not None and not 1 <= num_chunks <= _MAX_STATE_CHUNKS:
-        raise ValueError(f"num_chunks: expected 1..{_MAX_STATE_CHUNKS}, got {num_chunks}")
-    config = config or top_k_config(device)
-    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
-    return SelectPlan(chunks, chunk_len, config)
-
-
-def select(scores: torch.Tensor, key_lens: torch.Tensor, *, k: int, plan: SelectPlan, out: torch.Tensor | None,
-           workspace: torch.Tensor | None, first_pass_done: bool) -> torch.Tensor:
-    """`top_k_indices` by `plan`; with first_pass_done, the workspace already holds the first
-    pass's chunk histograms (workspace[:, 0, :P]: counts of `first_digit` of each chunk's
-    visible scores), as `dsa_select.index_top_k` has the indexer write them."""
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
+    if num_chunks is not None and not 1 <= num_chunks <= _MAX_STATE_CHUNKS:
+        raise ValueError(f"num_chunks: expected 1..{_MAX_STATE_CHUNKS}, got {num_chunks}")
     num_rows, num_cols = scores.shape
     check_shape("key_lens", key_lens, (num_rows,))
     check_dtype("scores", scores, (torch.float32,))
     check_dtype("key_lens", key_lens, (torch.int32,))
     check_same_device(scores=scores, key_lens=key_lens)
     device = scores.device
-    chunks, chunk_len, config = plan.chunks, plan.chunk_len, plan.config
+    config = config or top_k_config(device)
+    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=device)
     else:
@@ -435,8 +403,6 @@ def select(scores: torch.Tensor, key_lens: torch.Tensor, *, k: int, plan: Select
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
     if workspace is None:
-        if first_pass_done:
-            raise ValueError("workspace: a first pass done elsewhere must hand in its workspace")
         workspace = torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
     else:
         check_shape("workspace", workspace, (num_rows, _PASSES, chunks + 1, _BINS))
@@ -451,7 +417,7 @@ def select(scores: torch.Tensor, key_lens: torch.Tensor, *, k: int, plan: Select
     grid = (num_rows, chunks)
     common = dict(BLOCK=config.block, BLOCK_P=max(2, next_pow2(chunks)), BINS=_BINS, RADIX_BITS=_RADIX_BITS,
                   ALIGNED=aligned, GDC=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
-    for radix_pass in range(1 if first_pass_done else 0, _PASSES):
+    for radix_pass in range(_PASSES):
         _histogram_kernel[grid](
             scores, key_lens, workspace,
             num_cols, chunk_len, chunks,
