@@ -172,7 +172,7 @@ def sweep(ceilings):
         except Exception as exc:  # a config that does not compile is a sweep result, not a failure
             r = dict(op="sparse_mla_decode", error=repr(exc)[:120])
         common.sweep_row(rows, r, config=str(cfg), case=f"sparse B64 H{heads} k2048")
-    for cfg in [dsa_indexer.IndexerConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]:
+    for cfg in [dsa_indexer.IndexerConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]:
         try:
             r = bench_index_topk(64, 128 * 1024, ceilings, config=cfg, eager=False)
         except Exception as exc:
