@@ -279,6 +279,15 @@ class HcWriteBackSite(Protocol):
         ...
 
 
+class HcHead(Protocol):
+    def __call__(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, /, *, hc_eps: float,
+                 norm_eps: float) -> Tensor:
+        """The hyper head, the model's last collapse: streams [T, N, D]; fn [N, N * D], base [N], scale [1]
+        float32 -> sum_n pre[:, n] streams[:, n] [T, D] in the streams' dtype, pre = sigmoid(scale *
+        (unit_rms(streams flattened, float32, norm_eps) @ fn^T) + base) + hc_eps."""
+        ...
+
+
 class ClampedExperts(Protocol):
     def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  limit: float) -> Tensor:

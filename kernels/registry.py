@@ -84,7 +84,7 @@ class DSAOps:
 class V4Ops:
     """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
     compressed entries with the sink, the compressors' update, the hyper-connection weights, whole mHC
-    sites and write-backs, and the clamped-SwiGLU experts."""
+    sites, write-backs and the hyper head, and the clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
@@ -94,6 +94,7 @@ class V4Ops:
     hc_site: c.HcSite
     hc_write_back: c.HcWriteBack
     hc_write_back_site: c.HcWriteBackSite
+    hc_head: c.HcHead
     clamped_experts: c.ClampedExperts
 
 
@@ -148,6 +149,7 @@ REFERENCE = Ops(
         hc_site=ref_v4_hc.hc_site,
         hc_write_back=ref_v4_hc.hc_write_back,
         hc_write_back_site=ref_v4_hc.hc_write_back_site,
+        hc_head=ref_v4_hc.hc_head,
         clamped_experts=ref_v4_moe.clamped_experts,
     ),
 )

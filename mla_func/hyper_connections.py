@@ -10,8 +10,8 @@ then the MoE) one mHC site computes, from all streams of a token:
 
 new streams[k] = post[k] * sublayer(collapse) + sum_j comb[j, k] * streams[j].
 The weights are computed in float32 from the RMS-normalised flattened streams.
-The sites and write-backs are ops of the `v4` group (`hc_site`, `hc_write_back`,
-`hc_write_back_site`): a write-back is always followed by the next site, so the
+The sites, write-backs and the hyper head are ops of the `v4` group (`hc_site`,
+`hc_write_back`, `hc_write_back_site`, `hc_head`): a write-back is always followed by the next site, so the
 two run as one op, and a layer hands the next one the streams still to be
 written back (`HyperResidual`) rather than the written ones.
 At the end of the model, the hyper head collapses the streams once more.
@@ -22,10 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-from .kernels import Ops
-from .v4_params import HyperHeadParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +32,3 @@ class HyperResidual:
     streams: torch.Tensor  # [T, N, D]
     post: torch.Tensor     # [T, N] float32
     comb: torch.Tensor     # [T, N, N] float32
-
-
-def hyper_head(p: HyperHeadParams, streams: torch.Tensor, ops: Ops, *, hc_eps: float, norm_eps: float
-               ) -> torch.Tensor:
-    """The model's last collapse: streams [T, N, D] -> [T, D] with weights from all streams (float32)."""
-    flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
-    pre = torch.sigmoid(F.linear(flat, p.fn.float()) * p.scale.float() + p.base.float()) + hc_eps
-    # The collapse rounds to the streams' dtype, as every site's does.
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

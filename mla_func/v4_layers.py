@@ -27,7 +27,7 @@ import torch
 
 from .config import ModelConfig
 from .hash_moe import v4_moe
-from .hyper_connections import HyperResidual, hyper_head
+from .hyper_connections import HyperResidual
 from .layers import LayerContext
 from .state.layer_cache import CacheGroup
 from .state.v4_cache import V4LayerCache, compressed_group, zeroed_v4_cache
@@ -129,7 +129,9 @@ class V4DecoderLayer:
             raise ValueError("the last V4 layer's params must hold the hyper head (hc_head)")
         v = _v4(ctx.config)
         streams = ctx.ops.v4.hc_write_back(ffn.post, ffn.comb, y, streams)
-        final = hyper_head(p.hc_head, streams, ctx.ops, hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        head = p.hc_head
+        final = ctx.ops.v4.hc_head(streams, head.fn, head.base, head.scale, hc_eps=v.hc_eps,
+                                   norm_eps=ctx.config.rms_norm_eps)
         return final, torch.zeros_like(final), cache
 
 

@@ -95,3 +95,12 @@ def hc_write_back_site(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
     new = hc_write_back(post, comb, out, streams)
     x, post, comb = hc_site(new, fn, base, scale, norm_weight, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return new, x, post, comb
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The model's hyper head, its last collapse: streams [T, N, D]; fn [N, N * D], base [N], scale [1] float32
+    -> collapse(sigmoid(scale * (unit_rms(streams flattened, float32) @ fn^T) + base) + hc_eps, streams) [T, D]."""
+    flat = unit_rms(streams.flatten(1).float(), norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return collapse(pre, streams)

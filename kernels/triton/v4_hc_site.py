@@ -12,7 +12,8 @@ float32, read once). Here:
   add are), and accumulates the slice's share of the row's sum of squares and of its
   (2 + N) * N dot products with fn into a workspace [T, S, 1 + (2 + N) * N] float32.
   The fn tile of a chunk is loaded once and serves every token of the block.
-* `_site_kernel`, one program per token: sums the slices' partials, scales the dots by
+* `_site_kernel` (`_head_kernel` for the hyper head's sigmoid weights and plain collapse),
+  one program per token: sums the slices' partials, scales the dots by
   the row's inverse RMS (unit_rms(x) @ fn^T = rsqrt(mean(x^2) + eps) * (x @ fn^T)),
   turns them into pre, post and comb (`v4_hc.hc_gates`, the same code as the
   weights-only kernel), collapses the streams with pre (rounded to the streams' dtype)
@@ -157,6 +158,38 @@ def _site_kernel(
         tl.store(x_ptr + t * s_xt + dd * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit(do_not_specialize=["dim", "slices"])
+def _head_kernel(
+    ws_ptr, streams_ptr, base_ptr, scale_ptr, y_ptr,
+    dim, slices, hc_eps, norm_eps,
+    s_wt, s_ws, s_st, s_sn, s_sd, s_yt, s_yd,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, NP)
+    k_ok = kk < N
+    ss = tl.arange(0, BLOCK_S)
+    squares = tl.zeros([BLOCK_S], tl.float32)
+    dots = tl.zeros([BLOCK_S, NP], tl.float32)
+    for s0 in range(0, slices, BLOCK_S):
+        s = s0 + ss
+        s_ok = s < slices
+        row = ws_ptr + t * s_wt + s * s_ws
+        squares += tl.load(row, mask=s_ok, other=0.0)
+        dots += tl.load(row[:, None] + 1 + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / (N * dim) + norm_eps)
+    mixes = tl.sum(dots, axis=0) * inv_rms
+    pre = tl.sigmoid(mixes * tl.load(scale_ptr).to(tl.float32) + tl.load(base_ptr + kk, mask=k_ok, other=0.0)) + hc_eps
+    weights = tl.where(k_ok, pre, 0.0)[:, None]                                     # [NP, 1]
+    offs = tl.arange(0, BLOCK_D)
+    for d0 in range(0, dim, BLOCK_D):
+        dd = d0 + offs
+        d_ok = dd < dim
+        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
+                       mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * s_yt + dd * s_yd, tl.sum(weights * tile, axis=0).to(y_ptr.dtype.element_ty), mask=d_ok)
+
+
 def _geometry(num_tokens: int, dim: int) -> tuple[int, int, int]:
     """(BLOCK_T, slices of D, chunks of _BLOCK_D a slice) for the streams kernel; static shapes only."""
     block_t = min(_MAX_BLOCK_T, next_pow2(num_tokens))
@@ -202,11 +235,11 @@ def _check_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
         raise ValueError(f"iters: expected >= 1, got {iters}")
 
 
-def _workspace(streams: torch.Tensor) -> torch.Tensor:
-    """The partials of `_streams_kernel` for `streams` [T, N, D]: [T, S, 1 + (2 + N) * N] float32."""
-    num_tokens, n, dim = streams.shape
+def _workspace(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The partials of `_streams_kernel` for `streams` [T, N, D] and fn [M, N * D]: [T, S, 1 + M] float32."""
+    num_tokens, _, dim = streams.shape
     _, slices, _ = _geometry(num_tokens, dim)
-    return torch.empty((num_tokens, slices, 1 + (2 + n) * n), dtype=torch.float32, device=streams.device)
+    return torch.empty((num_tokens, slices, 1 + fn.shape[0]), dtype=torch.float32, device=streams.device)
 
 
 def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -215,7 +248,7 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
     (new ones with `write_back` = (post, comb, out), else `streams`)."""
     num_tokens, n, dim = streams.shape
     block_t, slices, chunks = _geometry(num_tokens, dim)
-    width = (2 + n) * n
+    width = 1 if fn is None else fn.shape[0]
     new = torch.empty_like(streams, memory_format=torch.contiguous_format) if write_back is not None else streams
     # Pointers a constexpr-disabled branch never reads are bound to `streams`.
     post, comb, out = write_back if write_back is not None else (streams[:, :, 0], streams, streams[:, 0])
@@ -224,7 +257,7 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
         num_tokens, dim, chunks,
         *streams.stride(), *out.stride(), *post.stride(), *comb.stride(), *new.stride(),
         *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]),
-        N=n, NP=max(2, next_pow2(n)), M=width, MP=next_pow2(width), BLOCK_T=block_t, BLOCK_D=_BLOCK_D,
+        N=n, NP=max(2, next_pow2(n)), M=width, MP=max(2, next_pow2(width)), BLOCK_T=block_t, BLOCK_D=_BLOCK_D,
         WRITE_BACK=write_back is not None, PARTIALS=fn is not None,
         num_warps=4,
     )
@@ -261,7 +294,7 @@ def hc_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     _check_site(streams, fn, base, scale, norm_weight, iters)
     if num_tokens == 0:
         return _empty_site(streams, norm_weight)
-    ws = _workspace(streams)
+    ws = _workspace(streams, fn)
     _streams_pass(streams, None, fn, ws)
     return _site_pass(ws, streams, base, scale, norm_weight, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
@@ -287,7 +320,7 @@ def hc_write_back_site(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
     _check_site(streams, fn, base, scale, norm_weight, iters)
     if num_tokens == 0:
         return (torch.empty_like(streams), *_empty_site(streams, norm_weight))
-    ws = _workspace(streams)
+    ws = _workspace(streams, fn)
     new = _streams_pass(streams, (post, comb, out), fn, ws)
     return (new, *_site_pass(ws, new, base, scale, norm_weight, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps))
 
@@ -298,3 +331,31 @@ def _empty_site(streams: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch
     return (torch.empty((0, dim), dtype=torch.promote_types(norm_weight.dtype, streams.dtype), device=device),
             torch.empty((0, n), dtype=torch.float32, device=device),
             torch.empty((0, n, n), dtype=torch.float32, device=device))
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The hyper head (see `reference.v4_hc.hc_head`): streams [T, N, D]; fn [N, N * D], base [N], scale [1]
+    float32 -> [T, D] in the streams' dtype. Two launches."""
+    num_tokens, n, dim = _check_streams(streams)
+    check_shape("fn", fn, (n, n * dim))
+    check_dtype("fn", fn, (torch.float32,))
+    check_shape("base", base, (n,))
+    check_dtype("base", base, (torch.float32,))
+    check_shape("scale", scale, (1,))
+    check_dtype("scale", scale, (torch.float32,))
+    check_same_device(streams=streams, fn=fn, base=base, scale=scale)
+    y = torch.empty((num_tokens, dim), dtype=streams.dtype, device=streams.device)
+    if num_tokens == 0:
+        return y
+    ws = _workspace(streams, fn)
+    _streams_pass(streams, None, fn, ws)
+    _head_kernel[(num_tokens,)](
+        ws, streams, base.contiguous(), scale, y,
+        dim, ws.shape[1], hc_eps, norm_eps,
+        *ws.stride()[:2], *streams.stride(), *y.stride(),
+        N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(ws.shape[1])),
+        BLOCK_D=min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim))),
+        num_warps=4,
+    )
+    return y

@@ -8,7 +8,7 @@ import torch
 from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference import v4_hc as ref
 from mla_func.kernels.triton import v4_hc_site
-from mla_func.kernels.triton.v4_hc_site import hc_site, hc_write_back, hc_write_back_site
+from mla_func.kernels.triton.v4_hc_site import hc_head, hc_site, hc_write_back, hc_write_back_site
 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 # Sizes: T = 0, 1 and block-straddling counts; N = 4 and 2; D not a power of two (nor a multiple of a chunk).
@@ -117,6 +117,30 @@ def test_write_back_equals_the_reference(device, dtype, tokens, n, dim):
     torch.testing.assert_close(got.double(), _write_back64(post, comb, out, streams), **TOLERANCE[dtype])
 
 
+def _head64(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    flat = streams.flatten(1).double()
+    mixes = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + NORM_EPS) @ fn.double().T
+    pre = torch.sigmoid(mixes * scale.double() + base.double()) + HC_EPS
+    return (pre.unsqueeze(-1) * streams.double()).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, dim", CASES)
+def test_head_equals_the_reference(device, dtype, tokens, n, dim):
+    gen = generator(tokens * 1000 + n * 100 + dim + 13, device)
+    fn = torch.randn((n, n * dim), generator=gen, device=device) / (n * dim) ** 0.5 * 4
+    base = torch.randn((n,), generator=gen, device=device) * 0.5
+    scale = 1 + 0.2 * torch.randn((1,), generator=gen, device=device)
+    streams = randn((tokens, n, dim), dtype, device, gen, scale=2.0)
+    got = hc_head(streams, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    want = ref.hc_head(streams, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    _check_x(got, want, _head64(streams, fn, base, scale), dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), _head64(streams, fn, base, scale), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="scale"):
+        hc_head(streams, fn, base, scale.expand(3), hc_eps=HC_EPS, norm_eps=NORM_EPS)
+
+
 def test_many_chunks_a_slice_and_strided_inputs(device, monkeypatch):
     """Few programs (each slice several chunks, the last slice ragged) and non-contiguous inputs."""
     monkeypatch.setattr(v4_hc_site, "_TARGET_PROGRAMS", 2)
@@ -146,9 +170,10 @@ def test_zero_rows_give_finite_outputs(device, dtype):
     kwargs = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     new, x, post2, comb2 = hc_write_back_site(post, comb, out, streams, fn, base, scale, norm_weight, **kwargs)
     x1, post1, comb1 = hc_site(streams, fn, base, scale, norm_weight, **kwargs)
-    for t in (new, x, post2, comb2, x1, post1, comb1):
+    head = hc_head(streams, fn[:n], base[:n], scale[:1], hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    for t in (new, x, post2, comb2, x1, post1, comb1, head):
         assert torch.isfinite(t).all()
-    assert not new[padded].any() and not x[padded].any() and not x1[padded].any()
+    assert not new[padded].any() and not x[padded].any() and not x1[padded].any() and not head[padded].any()
     want = ref.hc_site(streams, fn, base, scale, norm_weight, **kwargs)
     torch.testing.assert_close(comb1[padded], want[2][padded], rtol=1e-5, atol=1e-6)
 
@@ -193,3 +218,7 @@ def test_v4_mini_sizes_on_the_gpu(tokens):
     _check_x(x, want1[0], _site64(streams, fn, base, scale, norm_weight)[0], dtype)
     _check_weights((post1, comb1), want1[1:], None, dtype)
     torch.testing.assert_close(hc_write_back(post, comb, out, streams), want[0], rtol=8e-3, atol=8e-3)
+    head_fn = fn[:n] / 4
+    torch.testing.assert_close(hc_head(streams, head_fn, base[:n], scale[:1], hc_eps=HC_EPS, norm_eps=NORM_EPS),
+                               ref.hc_head(streams, head_fn, base[:n], scale[:1], hc_eps=HC_EPS, norm_eps=NORM_EPS),
+                               rtol=8e-3, atol=8e-3)
