@@ -251,6 +251,43 @@ class HcMixWeights(Protocol):
         ...
 
 
+class HcSite(Protocol):
+    def __call__(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_weight: Tensor, /, *,
+                 iters: int, hc_eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """One mHC site: streams [T, N, D]; fn [(2 + N) * N, N * D], base [(2 + N) * N], scale [3] float32;
+        norm_weight [D] -> (x [T, D] in promote(norm_weight, streams) dtype, post [T, N], comb [T, N, N]
+        float32): `HcMixWeights` of mixes = unit_rms(streams flattened, float32) @ fn^T, and x =
+        rms_norm(sum_n pre[:, n] streams[:, n] rounded to the streams' dtype, norm_weight); both norms
+        take norm_eps."""
+        ...
+
+
+class HcWriteBack(Protocol):
+    def __call__(self, post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, /) -> Tensor:
+        """A sublayer's write-back: post [T, N], comb [T, N, N] float32; out [T, D]; streams [T, N, D] ->
+        new streams [T, N, D], new[:, k] = sum_j comb[:, j, k] streams[:, j] + post[:, k] out, the mix,
+        the product and their sum each rounded to the streams' dtype."""
+        ...
+
+
+class HcWriteBackSite(Protocol):
+    def __call__(self, post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, fn: Tensor, base: Tensor,
+                 scale: Tensor, norm_weight: Tensor, /, *, iters: int, hc_eps: float, norm_eps: float
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`HcWriteBack`, then `HcSite` of the new streams with the next site's fn, base, scale and
+        norm_weight -> (new streams [T, N, D], x [T, D], post [T, N], comb [T, N, N])."""
+        ...
+
+
+class HcHead(Protocol):
+    def __call__(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, /, *, hc_eps: float,
+                 norm_eps: float) -> Tensor:
+        """The hyper head, the model's last collapse: streams [T, N, D]; fn [N, N * D], base [N], scale [1]
+        float32 -> sum_n pre[:, n] streams[:, n] [T, D] in the streams' dtype, pre = sigmoid(scale *
+        (unit_rms(streams flattened, float32, norm_eps) @ fn^T) + base) + hc_eps."""
+        ...
+
+
 class ClampedExperts(Protocol):
     def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  limit: float) -> Tensor:

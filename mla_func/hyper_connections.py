@@ -10,47 +10,25 @@ then the MoE) one mHC site computes, from all streams of a token:
 
 new streams[k] = post[k] * sublayer(collapse) + sum_j comb[j, k] * streams[j].
 The weights are computed in float32 from the RMS-normalised flattened streams.
+The sites, write-backs and the hyper head are ops of the `v4` group (`hc_site`,
+`hc_write_back`, `hc_write_back_site`, `hc_head`): a write-back is always followed by the next site, so the
+two run as one op, and a layer hands the next one the streams still to be
+written back (`HyperResidual`) rather than the written ones.
 At the end of the model, the hyper head collapses the streams once more.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
-
-from .kernels import Ops
-from .v4_params import HyperConnectionParams, HyperHeadParams
 
 
-def hc_weights(p: HyperConnectionParams, streams: torch.Tensor, ops: Ops, *, iters: int, hc_eps: float,
-               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all float32."""
-    flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
-    mixes = F.linear(flat, p.fn.float())                                  # [T, (2 + N) * N]
-    return ops.v4.hc_mix_weights(mixes, p.base, p.scale, hc_mult=streams.shape[1], iters=iters, hc_eps=hc_eps)
+@dataclass(frozen=True, slots=True)
+class HyperResidual:
+    """A sublayer's write-back not yet applied: the streams it goes into and its weights (with the
+    sublayer's output out [T, D], the new streams are `ops.v4.hc_write_back(post, comb, out, streams)`)."""
 
-
-def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_n pre[t, n] * streams[t, n] -> [T, D] in the streams' dtype."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The write-back of a sublayer's output out [T, D] as (delta, residual), both [T, N, D].
-
-    delta = post[:, k] * out (the sublayer's share of stream k) and residual = comb^T @ streams
-    (the mixed streams); the new streams are residual + delta.
-    """
-    dtype = streams.dtype
-    delta = post.to(dtype).unsqueeze(-1) * out.to(dtype).unsqueeze(-2)
-    residual = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-    return delta, residual
-
-
-def hyper_head(p: HyperHeadParams, streams: torch.Tensor, ops: Ops, *, hc_eps: float, norm_eps: float
-               ) -> torch.Tensor:
-    """The model's last collapse: streams [T, N, D] -> [T, D] with weights from all streams (float32)."""
-    flat = ops.v4.unit_rms(streams.flatten(1).float(), norm_eps)
-    pre = torch.sigmoid(F.linear(flat, p.fn.float()) * p.scale.float() + p.base.float()) + hc_eps
-    return collapse(pre, streams)
+    streams: torch.Tensor  # [T, N, D]
+    post: torch.Tensor     # [T, N] float32
+    comb: torch.Tensor     # [T, N, N] float32

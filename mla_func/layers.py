@@ -11,7 +11,10 @@ A layer kind is a value with three functions:
   projection (one launch at decode sizes); a kind with another residual form
   (hyper-connections) writes its own;
 * `body(p, entered, residual, cache, ctx)`: the rest of the layer; returns
-  (delta, residual, new cache).
+  (delta, residual, new cache). The residual it hands the next layer's `enter` is
+  the kind's own value (a tensor [T, D] for the decoder layers; hyper-connections
+  hand on their streams with a pending write-back); the last layer's is a tensor
+  [T, D], which the forward's final norm adds to delta.
 
 The forward runs `enter` then `body` for each layer with that layer's kind, so a
 model made of new kinds needs no change in the forward or the step.
@@ -68,11 +71,11 @@ class LayerKind(Protocol):
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> Any: ...
 
-    def enter(self, p: Any, delta: torch.Tensor, residual: torch.Tensor | None,
+    def enter(self, p: Any, delta: torch.Tensor, residual: Any,
               ctx: LayerContext) -> tuple[Any, torch.Tensor]: ...
 
     def body(self, p: Any, entered: Any, residual: torch.Tensor, cache: Any,
-             ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+             ctx: LayerContext) -> tuple[torch.Tensor, Any, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)

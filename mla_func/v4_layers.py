@@ -1,15 +1,18 @@
 """DeepSeek-V4's layer kinds: sliding-window, CSA and HCA attention layers, with hyper-connections.
 
 A V4 layer's residual is N = hc_mult streams [T, N, D] (see `hyper_connections`).
-`enter` is where the previous layer's output meets them: streams = residual +
-delta (the first layer starts from N copies of the embedding); the attention's
-mHC site collapses them into the attention's input. `body` runs the attention,
-writes its output back into the streams, runs the MoE block through its own mHC
-site and returns its write-back as (delta, residual) for the next layer's `enter`.
+`enter` is where the previous layer's output meets them: the previous layer hands
+its MoE output as delta and, as residual, the streams with the write-back weights
+still to apply (`HyperResidual`); one op writes it back and runs the attention's
+mHC site on the new streams (the first layer starts from N copies of the
+embedding and runs the site alone). `body` runs the attention, writes its output
+back fused with the MoE block's site, runs the MoE block and hands on its output
+and its pending write-back.
 
-The last layer also collapses the streams with the model's hyper head (its
-params hold it) and hands the forward that one hidden state as delta with a zero
-residual, so the forward's final add-and-norm is the model's final norm.
+The last layer applies its write-back, collapses the streams with the model's
+hyper head (its params hold it) and hands the forward that one hidden state as
+delta with a zero residual, so the forward's final add-and-norm is the model's
+final norm.
 
 Each kind's cache (`state.v4_cache.V4LayerCache`) holds the leaves that kind
 needs; the compressed kinds' entries live in their own cache group
@@ -24,7 +27,7 @@ import torch
 
 from .config import ModelConfig
 from .hash_moe import v4_moe
-from .hyper_connections import collapse, expand, hc_weights, hyper_head
+from .hyper_connections import HyperResidual
 from .layers import LayerContext
 from .state.layer_cache import CacheGroup
 from .state.v4_cache import V4LayerCache, compressed_group, zeroed_v4_cache
@@ -85,36 +88,50 @@ class V4DecoderLayer:
                                compressor_width=(2 if overlap else 1) * v.head_dim,
                                index_dim=v.index_head_dim if overlap else 0, dtype=dtype, device=device)
 
-    def _site(self, p: HyperConnectionParams, streams: torch.Tensor, norm: torch.Tensor, ctx: LayerContext
+    def _site(self, p: HyperConnectionParams, norm: torch.Tensor, streams: torch.Tensor, ctx: LayerContext
               ) -> V4Entered:
-        v, eps = _v4(ctx.config), ctx.config.rms_norm_eps
-        pre, post, comb = hc_weights(p, streams, ctx.ops, iters=v.hc_sinkhorn_iters, hc_eps=v.hc_eps, norm_eps=eps)
-        return V4Entered(ctx.ops.dense.rms_norm(collapse(pre, streams), norm, eps), post, comb)
+        v = _v4(ctx.config)
+        x, post, comb = ctx.ops.v4.hc_site(streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
+                                           hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        return V4Entered(x, post, comb)
 
-    def enter(self, p: V4LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
+    def _write_back_site(self, written: V4Entered | HyperResidual, out: torch.Tensor, streams: torch.Tensor,
+                         p: HyperConnectionParams, norm: torch.Tensor, ctx: LayerContext
+                         ) -> tuple[V4Entered, torch.Tensor]:
+        """out [T, D] written back into streams [T, N, D] by `written`'s weights, then the site `p`, `norm`
+        -> (the site's output, the new streams)."""
+        v = _v4(ctx.config)
+        new, x, post, comb = ctx.ops.v4.hc_write_back_site(
+            written.post, written.comb, out, streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
+            hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        return V4Entered(x, post, comb), new
+
+    def enter(self, p: V4LayerParams, delta: torch.Tensor, residual: HyperResidual | None,
               ctx: LayerContext) -> tuple[V4Entered, torch.Tensor]:
-        """delta: the embedding [T, D] (first layer) or the last write-back [T, N, D] -> (entered, streams [T, N, D])."""
+        """delta: the embedding [T, D] (first layer, residual None) or the last layer's MoE output [T, D],
+        which `residual` writes back -> (entered, streams [T, N, D])."""
         if residual is None:
             streams = delta.unsqueeze(1).expand(-1, _v4(ctx.config).hc_mult, -1).contiguous()
-        else:
-            streams = residual + delta
-        return self._site(p.attn_hc, streams, p.attn_norm, ctx), streams
+            return self._site(p.attn_hc, p.attn_norm, streams, ctx), streams
+        return self._write_back_site(residual, delta, residual.streams, p.attn_hc, p.attn_norm, ctx)
 
     def body(self, p: V4LayerParams, entered: V4Entered, residual: torch.Tensor, cache: V4LayerCache,
-             ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, V4LayerCache]:
+             ctx: LayerContext) -> tuple[torch.Tensor, HyperResidual | torch.Tensor, V4LayerCache]:
+        """residual: the streams [T, N, D] -> (the MoE output [T, D], its pending write-back, cache); the last
+        layer: (the hyper head's output [T, D], zeros [T, D], cache)."""
         out, cache = v4_attention(p.attn, entered.x, cache, ctx.batch, ctx.mode, self.attention, ctx.config, ctx.ops,
                                   inplace=ctx.inplace)
-        delta, mixed = expand(entered.post, entered.comb, out, residual)
-        streams = mixed + delta
-        ffn = self._site(p.ffn_hc, streams, p.ffn_norm, ctx)
+        ffn, streams = self._write_back_site(entered, out, residual, p.ffn_hc, p.ffn_norm, ctx)
         y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config, ctx.ops)
-        delta, mixed = expand(ffn.post, ffn.comb, y, streams)
         if not self.head:
-            return delta, mixed, cache
+            return y, HyperResidual(streams, ffn.post, ffn.comb), cache
         if p.hc_head is None:
             raise ValueError("the last V4 layer's params must hold the hyper head (hc_head)")
         v = _v4(ctx.config)
-        final = hyper_head(p.hc_head, mixed + delta, ctx.ops, hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        streams = ctx.ops.v4.hc_write_back(ffn.post, ffn.comb, y, streams)
+        head = p.hc_head
+        final = ctx.ops.v4.hc_head(streams, head.fn, head.base, head.scale, hc_eps=v.hc_eps,
+                                   norm_eps=ctx.config.rms_norm_eps)
         return final, torch.zeros_like(final), cache
 
 

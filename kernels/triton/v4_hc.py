@@ -5,6 +5,8 @@ iteration (20 iterations at each of a layer's two sites): at decode sizes the
 launches, not the bytes, are the cost. Here one program takes BLOCK_T tokens and
 keeps each token's N x N mixing matrix in registers (N = hc_mult, padded to a power
 of two with inert zeros) through the row softmax and every Sinkhorn iteration.
+`hc_gates` is that math on values already in registers, which the fused site
+kernels (`v4_hc_site`) share.
 """
 
 from __future__ import annotations
@@ -19,6 +21,37 @@ from ._common import next_pow2
 _BLOCK_T = 16
 
 
+@triton.jit
+def hc_gates(pre, post, comb, base_ptr, scale_ptr, iters, eps, N: tl.constexpr, NP: tl.constexpr):
+    """An mHC site's weights from its logits, in registers: pre, post [BT, NP] and comb [BT, NP, NP]
+    (lanes past N any finite value) -> pre, post [BT, NP], comb [BT, NP, NP] (padding rows and
+    columns of comb exactly 0; pre's and post's padding lanes are not meaningful)."""
+    offs = tl.arange(0, NP)
+    n_mask = offs < N
+    s_pre = tl.load(scale_ptr).to(tl.float32)
+    s_post = tl.load(scale_ptr + 1).to(tl.float32)
+    s_comb = tl.load(scale_ptr + 2).to(tl.float32)
+    pre = tl.sigmoid(pre * s_pre + tl.load(base_ptr + offs, mask=n_mask, other=0.0)[None, :]) + eps
+    post = 2.0 * tl.sigmoid(post * s_post + tl.load(base_ptr + N + offs, mask=n_mask, other=0.0)[None, :])
+
+    r = offs[None, :, None]
+    c = offs[None, None, :]
+    inside = (r < N) & (c < N)                                                     # [1, NP, NP]
+    logits = comb * s_comb + tl.load(base_ptr + 2 * N + r * N + c, mask=inside, other=0.0)
+    logits = tl.where(inside, logits, float("-inf"))
+    row_max = tl.max(logits, axis=2, keep_dims=True)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    p = tl.exp(logits - row_max)
+    comb = p / tl.where(inside, tl.sum(p, axis=2, keep_dims=True), 1.0)
+    # Padding rows and columns stay exactly 0 through every normalisation.
+    comb = tl.where(inside, comb + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=1, keep_dims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=2, keep_dims=True) + eps)
+        comb = comb / (tl.sum(comb, axis=1, keep_dims=True) + eps)
+    return pre, post, comb
+
+
 @triton.jit(do_not_specialize=["num_tokens", "iters"])
 def _hc_kernel(
     mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
@@ -31,37 +64,17 @@ def _hc_kernel(
     t64 = tokens.to(tl.int64)
     offs = tl.arange(0, NP)
     n_mask = offs < N
-    s_pre = tl.load(scale_ptr).to(tl.float32)
-    s_post = tl.load(scale_ptr + 1).to(tl.float32)
-    s_comb = tl.load(scale_ptr + 2).to(tl.float32)
-
     mask2 = t_mask[:, None] & n_mask[None, :]
     row = mix_ptr + t64[:, None] * s_mt
-    pre = tl.load(row + offs[None, :] * s_md, mask=mask2, other=0.0) * s_pre
-    pre = tl.sigmoid(pre + tl.load(base_ptr + offs, mask=n_mask, other=0.0)[None, :]) + eps
-    post = tl.load(row + (N + offs[None, :]) * s_md, mask=mask2, other=0.0) * s_post
-    post = 2.0 * tl.sigmoid(post + tl.load(base_ptr + N + offs, mask=n_mask, other=0.0)[None, :])
-    tl.store(pre_ptr + t64[:, None] * s_pt + offs[None, :] * s_pn, pre, mask=mask2)
-    tl.store(post_ptr + t64[:, None] * s_qt + offs[None, :] * s_qn, post, mask=mask2)
-
+    pre = tl.load(row + offs[None, :] * s_md, mask=mask2, other=0.0)
+    post = tl.load(row + (N + offs[None, :]) * s_md, mask=mask2, other=0.0)
     r = offs[None, :, None]
     c = offs[None, None, :]
-    inside = (r < N) & (c < N)                                                     # [1, NP, NP]
-    mask3 = t_mask[:, None, None] & inside
-    flat = 2 * N + r * N + c
-    logits = tl.load(mix_ptr + t64[:, None, None] * s_mt + flat * s_md, mask=mask3, other=0.0) * s_comb
-    logits = logits + tl.load(base_ptr + flat, mask=inside, other=0.0)
-    logits = tl.where(inside, logits, float("-inf"))
-    row_max = tl.max(logits, axis=2, keep_dims=True)
-    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    p = tl.exp(logits - row_max)
-    comb = p / tl.where(inside, tl.sum(p, axis=2, keep_dims=True), 1.0)
-    # Padding rows and columns stay exactly 0 through every normalisation.
-    comb = tl.where(inside, comb + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=1, keep_dims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2, keep_dims=True) + eps)
-        comb = comb / (tl.sum(comb, axis=1, keep_dims=True) + eps)
+    mask3 = t_mask[:, None, None] & (r < N) & (c < N)
+    comb = tl.load(mix_ptr + t64[:, None, None] * s_mt + (2 * N + r * N + c) * s_md, mask=mask3, other=0.0)
+    pre, post, comb = hc_gates(pre, post, comb, base_ptr, scale_ptr, iters, eps, N, NP)
+    tl.store(pre_ptr + t64[:, None] * s_pt + offs[None, :] * s_pn, pre, mask=mask2)
+    tl.store(post_ptr + t64[:, None] * s_qt + offs[None, :] * s_qn, post, mask=mask2)
     tl.store(comb_ptr + t64[:, None, None] * s_ct + r * s_cr + c * s_cc, comb, mask=mask3)
 
 
