@@ -241,22 +241,12 @@ class CompressEntries(Protocol):
         ...
 
 
-class HcMixWeights(Protocol):
-    def __call__(self, mixes: Tensor, base: Tensor, scale: Tensor, /, *, hc_mult: int, iters: int,
-                 hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        """An mHC site's weights: mixes [T, (2 + N) * N] float32 (pre | post | comb logits), base
-        [(2 + N) * N], scale [3] -> pre [T, N] = sigmoid(s0 pre + b) + eps, post [T, N] =
-        2 sigmoid(s1 post + b), comb [T, N, N] = `iters` Sinkhorn steps of softmax_rows(s2 comb + b)
-        + eps (columns first), all float32."""
-        ...
-
-
 class HcSite(Protocol):
     def __call__(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_weight: Tensor, /, *,
                  iters: int, hc_eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
         """One mHC site: streams [T, N, D]; fn [(2 + N) * N, N * D], base [(2 + N) * N], scale [3] float32;
         norm_weight [D] -> (x [T, D] in promote(norm_weight, streams) dtype, post [T, N], comb [T, N, N]
-        float32): `HcMixWeights` of mixes = unit_rms(streams flattened, float32) @ fn^T, and x =
+        float32): `reference.v4_hc.hc_mix_weights` of mixes = unit_rms(streams flattened, float32) @ fn^T, and x =
         rms_norm(sum_n pre[:, n] streams[:, n] rounded to the streams' dtype, norm_weight); both norms
         take norm_eps."""
         ...

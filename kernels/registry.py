@@ -83,14 +83,13 @@ class DSAOps:
 @dataclass(frozen=True, slots=True)
 class V4Ops:
     """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
-    compressed entries with the sink, the compressors' update, the hyper-connection weights, whole mHC
-    sites, write-backs and the hyper head, and the clamped-SwiGLU experts."""
+    compressed entries with the sink, the compressors' update, whole mHC sites (with the write-back
+    before them), write-backs and the hyper head, and the clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
     window_entry_attention: c.WindowEntryAttention
     compress_entries: c.CompressEntries
-    hc_mix_weights: c.HcMixWeights
     hc_site: c.HcSite
     hc_write_back: c.HcWriteBack
     hc_write_back_site: c.HcWriteBackSite
@@ -145,7 +144,6 @@ REFERENCE = Ops(
         unit_rms=ref_v4_attention.unit_rms,
         window_entry_attention=ref_v4_paged.window_entry_attention,
         compress_entries=ref_v4_paged.compress_entries,
-        hc_mix_weights=ref_v4_hc.hc_mix_weights,
         hc_site=ref_v4_hc.hc_site,
         hc_write_back=ref_v4_hc.hc_write_back,
         hc_write_back_site=ref_v4_hc.hc_write_back_site,

@@ -22,7 +22,6 @@ from .routing import route
 from .v4_attention import window_entry_attention
 from .v4_compress import compress_entries
 from .v4_experts import clamped_experts
-from .v4_hc import hc_mix_weights
 from .v4_hc_site import hc_head, hc_site, hc_write_back, hc_write_back_site
 from .v4_norm import unit_rms
 from .v4_rope import rope_tail
@@ -33,7 +32,6 @@ __all__ = [
     "compress_entries",
     "fused_moe",
     "hc_head",
-    "hc_mix_weights",
     "hc_site",
     "hc_write_back",
     "hc_write_back_site",
@@ -76,7 +74,7 @@ def ops() -> Ops:
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
         v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
-                               hc_mix_weights=hc_mix_weights, hc_site=hc_site, hc_write_back=hc_write_back,
+                               hc_site=hc_site, hc_write_back=hc_write_back,
                                hc_write_back_site=hc_write_back_site, hc_head=hc_head,
                                clamped_experts=clamped_experts),
     )

@@ -1,12 +1,11 @@
-"""DeepSeek-V4's hyper-connection weights in one kernel: gates and the Sinkhorn projection of each token.
+"""DeepSeek-V4's hyper-connection weights: gates and the Sinkhorn projection of each token, in registers.
 
-The reference spends one launch per elementwise step and four per Sinkhorn
-iteration (20 iterations at each of a layer's two sites): at decode sizes the
-launches, not the bytes, are the cost. Here one program takes BLOCK_T tokens and
-keeps each token's N x N mixing matrix in registers (N = hc_mult, padded to a power
-of two with inert zeros) through the row softmax and every Sinkhorn iteration.
-`hc_gates` is that math on values already in registers, which the fused site
-kernels (`v4_hc_site`) share.
+`hc_gates` keeps each token's N x N mixing matrix in registers (N = hc_mult, padded
+to a power of two with inert zeros) through the row softmax and every Sinkhorn
+iteration, where the reference spends a launch per elementwise step and four per
+iteration. The fused site kernels (`v4_hc_site`) call it on logits they computed;
+`hc_mix_weights` runs it alone on given logits (one program per BLOCK_T tokens),
+which tests hold against the float64 reference.
 """
 
 from __future__ import annotations
