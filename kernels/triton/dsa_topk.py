@@ -395,6 +395,9 @@ def top_k_indices(
     check_same_device(scores=scores, key_lens=key_lens)
     device = scores.device
     config = config or top_k_config(device)
+    if not 1 <= config.block < 1 << 16:
+        # The emit's scan counts a block's keys in 16-bit halves of one int32.
+        raise ValueError(f"config.block: expected 1..{(1 << 16) - 1}, got {config.block}")
     chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=device)

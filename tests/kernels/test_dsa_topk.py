@@ -172,6 +172,8 @@ def test_rejects_bad_inputs(device):
         tri.top_k_indices(scores, lens, k=4, num_chunks=0)
     with pytest.raises(ValueError, match="num_chunks"):
         tri.top_k_indices(scores, lens, k=4, num_chunks=121)
+    with pytest.raises(ValueError, match="block"):
+        tri.top_k_indices(scores, lens, k=4, config=tri.TopKConfig(block=1 << 16, num_warps=4))
 
 
 def test_chunk_count_is_static(device):
