@@ -2,8 +2,9 @@
 
 Every row (a decode token or a prompt token alike) attends over the k positions
 its indexer selected. Stage 1 gives each (row, head group, split) program one
-contiguous slice of the row's index list: per tile of BLOCK_N indices it looks
-up their pages in the row's block table, gathers the whole 576-wide latent rows
+contiguous slice of the row's index list. It first looks up the pages of its
+indices in the row's block table, 16 tiles' worth at once; then, per tile of
+BLOCK_N indices, it gathers the whole 576-wide latent rows
 (each one contiguous, so every row is one coalesced read), and runs the online
 softmax with the scores and the value product on tensor cores; stage 2 merges
 the splits by LSE (`decode_merge`, the kernels of dense decode, W_UV included).
@@ -42,6 +43,11 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # Up to this many rows stage 2 also applies W_UV (as dense decode does).
 _FUSED_VALUE_MAX_ROWS = 8
+# Index slots located at once (index, then page) before their tiles are read: 16
+# tiles of 32 cover a split of 512 in one go (H200, B64 x 32K, 16 heads: 58 us; 32
+# tiles 65 us, spilling; locating one tile ahead inside the loop 68 us;
+# bench/results/logs/sparse-locate-sweep-h200-2026-11-23.log).
+_LOCATE_TILES = 16
 
 
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
@@ -75,12 +81,45 @@ def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int
 
 
 @triton.jit
-def _locate(idx_row, bt_row, kv_ptr, slot, end, num_positions, s_ik, s_btw, s_kn, s_kb, PAGE_SIZE: tl.constexpr):
-    """Cache row pointers of the index slots `slot` (< end), and which of them are valid keys."""
+def _cache_slots(idx_row, bt_row, slot, end, num_positions, s_ik, s_btw, PAGE_SIZE: tl.constexpr):
+    """Cache slots (page * PAGE_SIZE + offset) of the index slots `slot` (< end); -1 where no valid key."""
     pos = tl.load(idx_row + slot * s_ik, mask=slot < end, other=-1)
     valid = (pos >= 0) & (pos < num_positions)
     page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=valid, other=0).to(tl.int64)
-    return kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb, valid
+    return tl.where(valid, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
+
+
+@triton.jit
+def _attend_tile(q_nope, q_pe, row, key_mask, m_i, l_i, acc, scale_log2, s_kd,
+                 KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: the latent rows at `row` (where key_mask) folded into (m_i, l_i, acc)."""
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    if BLOCK_C == KV_LORA_RANK:
+        c_mask = key_mask[:, None]
+    else:
+        c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
+    if BLOCK_R == ROPE_DIM:
+        r_mask = key_mask[:, None]
+    else:
+        r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
+    k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
+    k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+
+    scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
+    scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A tile (or a whole split) may hold no valid index: while the maximum is
+    # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(scores - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 # The split count follows the row count, which eager steps vary: as a constexpr
@@ -97,7 +136,7 @@ def _sparse_split_kernel(
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -127,39 +166,22 @@ def _sparse_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     bt_row = bt_ptr + t64 * s_btt
     idx_row = idx_ptr + t64 * s_it
-    # The latent rows of a tile sit behind two dependent loads (index, then page):
-    # each tile's rows are located one iteration ahead, so the pipelined row loads
-    # depend only on loop-carried values and never wait on that chain.
-    row, key_mask = _locate(idx_row, bt_row, kv_ptr, start + offs_n, end, num_positions,
-                            s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
-    for n0 in range(start, end, BLOCK_N):
-        next_row, next_mask = _locate(idx_row, bt_row, kv_ptr, n0 + BLOCK_N + offs_n, end, num_positions,
-                                      s_ik, s_btw, s_kn, s_kb, PAGE_SIZE)
-        if BLOCK_C == KV_LORA_RANK:
-            c_mask = key_mask[:, None]
-        else:
-            c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
-        if BLOCK_R == ROPE_DIM:
-            r_mask = key_mask[:, None]
-        else:
-            r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
-        k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
-        k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
-
-        scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A tile (or a whole split) may hold no valid index: while the maximum is
-        # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-        row, key_mask = next_row, next_mask
+    # Each chunk's index and page loads happen once, up front: the row loads of the
+    # inner loop then depend only on registers and the loop counter, so they are
+    # prefetched stages ahead instead of waiting on two dependent loads a tile.
+    tile_ids = tl.arange(0, LOCATE_TILES)
+    for c0 in range(start, end, LOCATE_TILES * BLOCK_N):
+        slots = c0 + tile_ids[:, None] * BLOCK_N + offs_n[None, :]
+        cache_slots = _cache_slots(idx_row, bt_row, slots, end, num_positions, s_ik, s_btw, PAGE_SIZE)
+        for j in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(end - c0, BLOCK_N))):
+            cache_slot = tl.sum(tl.where(tile_ids[:, None] == j, cache_slots, 0), axis=0)
+            key_mask = cache_slot >= 0
+            cache_slot = tl.maximum(cache_slot, 0)
+            # Page and in-page offset times their strides (not one flat offset), so the
+            # compiler keeps the strides' alignment and copies rows asynchronously.
+            row = kv_ptr + (cache_slot // PAGE_SIZE) * s_kn + (cache_slot % PAGE_SIZE) * s_kb
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, row, key_mask, m_i, l_i, acc, scale_log2, s_kd,
+                                         KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -239,7 +261,7 @@ def sparse_mla_decode(
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if fused_value and w_uv is not None:
