@@ -53,12 +53,11 @@ def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torc
     if v is None:
         raise ValueError(f"v4_moe: expected a deepseek_v4 config, got {config.model_type!r}")
     weights, ids = route(p, x, input_ids, valid, config)
-    routed = p.num_routed
-    out = ops.v4.clamped_experts(x, p.w13[:routed], p.w2[:routed], weights, ids, limit=v.swiglu_limit)
-    num_shared = p.w13.shape[0] - routed
+    num_shared = p.w13.shape[0] - p.num_routed
     if num_shared:
-        # Every token takes every shared expert with weight 1.
-        shared = torch.arange(num_shared, device=x.device).expand(x.shape[0], -1)
-        out = out + ops.v4.clamped_experts(x, p.w13[routed:], p.w2[routed:], torch.ones_like(shared, dtype=weights.dtype),
-                                           shared, limit=v.swiglu_limit)
-    return out
+        # Every valid token also takes every shared expert (stacked after the routed
+        # ones) with weight 1: one launch over all experts, summed in float32.
+        shared = torch.arange(p.num_routed, p.w13.shape[0], device=x.device, dtype=ids.dtype).expand(x.shape[0], -1)
+        ids = torch.cat([ids, torch.where(valid.unsqueeze(1), shared, -1)], dim=1)
+        weights = torch.cat([weights, valid.unsqueeze(1).to(weights.dtype).expand(-1, num_shared)], dim=1)
+    return ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)

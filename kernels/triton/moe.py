@@ -46,6 +46,11 @@ class MoeConfig:
 # at 2048 tokens; 128-row tiles 1.73-2.64 ms).
 _GPU_DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
 _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+# Between the two (at most one 64-row tile per expert on average: V4's batch 64 over
+# 8 + 1 experts of 4096 x 2048) there are too few row tiles for 128-wide columns to
+# cover the multiprocessors: 64-wide ones double the programs (H200: 143 us vs 152 us
+# for 8 experts, 40 us vs 61 us for one; bench/results/logs/moe-sweep-h200-2026-11-23.log).
+_GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
@@ -59,7 +64,12 @@ def tiled_config(num_pairs: int, num_experts: int, device: torch.device,
     if device.type != "cuda":
         return _INTERPRETER
     # Rows per expert on average; below a 16-row tile the tall config only pads.
-    config = _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
+    if num_pairs <= 16 * num_experts:
+        config = _GPU_DECODE
+    elif num_pairs <= 64 * num_experts:
+        config = _GPU_FEW_ROWS
+    else:
+        config = _GPU_PREFILL
     # float32 tiles take twice the shared memory: one stage less keeps them in it.
     return replace(config, num_stages=2) if dtype == torch.float32 else config
 
