@@ -69,12 +69,15 @@ def routed_experts(model: mf.Model, state, batch_tensors, mode) -> list[int]:
     experts = ops.v4.clamped_experts
 
     def recording(x, w13, w2, topk_weights, topk_ids, *, limit):
-        if w13.shape[0] == model.params.layers[0].mlp.num_routed:   # the routed call (shared experts: the other)
-            seen.append(int(torch.unique(topk_ids[topk_ids >= 0]).numel()))
+        # One call a layer over routed and shared experts (stacked after the routed ones).
+        routed = model.params.layers[len(seen)].mlp.num_routed
+        seen.append(int(torch.unique(topk_ids[(topk_ids >= 0) & (topk_ids < routed)]).numel()))
         return experts(x, w13, w2, topk_weights, topk_ids, limit=limit)
 
     recorded = dataclasses.replace(ops, v4=dataclasses.replace(ops.v4, clamped_experts=recording))
     mf.forward(model.params, state.renewed(), batch_tensors, dataclasses.replace(mode, use_graph=False), ops=recorded)
+    if len(seen) != len(model.params.layers):
+        raise RuntimeError(f"routed_experts: recorded {len(seen)} expert calls for {len(model.params.layers)} layers")
     return seen
 
 
