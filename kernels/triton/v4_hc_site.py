@@ -6,13 +6,12 @@ collapse, the norm, and the write-back's casts, product, bmm and add), while the
 bytes it moves are the streams (N * D values a token) and fn ((2 + N) * N * N * D
 float32, read once). Here:
 
-* `_streams_kernel`, on a grid (token blocks, slices of D): for each D-chunk of its
-  slice, and every token of its block at once, optionally writes the new streams (comb^T-mixed
+* `_streams_kernel`, on a grid (token blocks, slices of D): for each token of its block
+  and each D-chunk of its slice, optionally writes the new streams (comb^T-mixed
   streams + post ⊗ out, rounded to the streams' dtype term by term as `expand` and the
   add are), and accumulates the slice's share of the row's sum of squares and of its
   (2 + N) * N dot products with fn into a workspace [T, S, 1 + (2 + N) * N] float32.
-  The fn tile of a chunk is loaded once and serves every token of the block (one float32
-  dot product).
+  The fn tile of a chunk is loaded once and serves every token of the block.
 * `_site_kernel` (`_head_kernel` for the hyper head's sigmoid weights and plain collapse),
   one program per token: sums the slices' partials, scales the dots by
   the row's inverse RMS (unit_rms(x) @ fn^T = rsqrt(mean(x^2) + eps) * (x @ fn^T)),
@@ -34,9 +33,7 @@ from ._common import check_float, next_pow2
 from .v4_hc import hc_gates
 
 _BLOCK_D = 64
-# Tokens a streams program takes at once: the fn tile it loads serves them all, and 16 is
-# the smallest row count of the dot product that applies it.
-_BLOCK_T = 16
+_MAX_BLOCK_T = 16
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
 # rows per program keep the workspace small (prefill).
 _TARGET_PROGRAMS = 512
@@ -57,46 +54,49 @@ def _streams_kernel(
     k_ok = kk < N
     mm = tl.arange(0, MP)
     m_ok = mm < M
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tokens < num_tokens
-    t64 = tokens.to(tl.int64)
+    rows = tl.arange(0, BLOCK_T)
     dots = tl.zeros([BLOCK_T, MP], tl.float32)
     squares = tl.zeros([BLOCK_T], tl.float32)
     for chunk in range(chunks):
         dd = (piece * chunks + chunk) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = dd < dim
-        # Every token of the block at once, [BLOCK_T, NP, BLOCK_D]: one round of loads
-        # a chunk, not one dependent round a token.
-        td_ok = t_ok[:, None] & d_ok[None, :]                                             # [BLOCK_T, BLOCK_D]
-        mask = td_ok[:, None, :] & k_ok[None, :, None]
-        if WRITE_BACK:
-            dtype = new_ptr.dtype.element_ty
-            tk_ok = t_ok[:, None] & k_ok[None, :]                                         # [BLOCK_T, NP]
-            mixed = tl.zeros([BLOCK_T, NP, BLOCK_D], tl.float32)
-            for j in tl.static_range(N):
-                s_j = tl.load(streams_ptr + t64[:, None] * s_st + j * s_sn + dd[None, :] * s_sd, mask=td_ok,
-                              other=0.0)
-                c_j = tl.load(comb_ptr + t64[:, None] * s_ct + j * s_cr + kk[None, :] * s_cc, mask=tk_ok, other=0.0)
-                mixed += c_j.to(dtype).to(tl.float32)[:, :, None] * s_j.to(tl.float32)[:, None, :]
-            p = tl.load(post_ptr + t64[:, None] * s_pt + kk[None, :] * s_pn, mask=tk_ok, other=0.0)
-            o = tl.load(out_ptr + t64[:, None] * s_ot + dd[None, :] * s_od, mask=td_ok, other=0.0)
-            delta = (p.to(dtype).to(tl.float32)[:, :, None] * o.to(dtype).to(tl.float32)[:, None, :]).to(dtype)
-            new = (mixed.to(dtype).to(tl.float32) + delta.to(tl.float32)).to(dtype)
-            tl.store(new_ptr + t64[:, None, None] * s_nt + kk[None, :, None] * s_nn + dd[None, None, :] * s_nd, new,
-                     mask=mask)
-            x = new.to(tl.float32)
-        else:
-            x = tl.load(streams_ptr + t64[:, None, None] * s_st + kk[None, :, None] * s_sn + dd[None, None, :] * s_sd,
-                        mask=mask, other=0.0).to(tl.float32)
+        tile_ok = k_ok[:, None] & d_ok[None, :]
         if PARTIALS:
             w = tl.load(fn_ptr + mm[:, None, None] * s_fm + (kk[None, :, None] * dim + dd[None, None, :]) * s_ff,
-                        mask=m_ok[:, None, None] & k_ok[None, :, None] & d_ok[None, None, :], other=0.0)
-            # The block's dot products with fn as one float32 product (exact products, no TF32).
-            dots = tl.dot(tl.reshape(x, [BLOCK_T, NP * BLOCK_D]), tl.trans(tl.reshape(w, [MP, NP * BLOCK_D])), dots,
-                          input_precision="ieee")
-            squares += tl.sum(tl.sum(x * x, axis=2), axis=1)
+                        mask=m_ok[:, None, None] & tile_ok[None, :, :], other=0.0)          # [MP, NP, BLOCK_D]
+        for i in range(BLOCK_T):
+            t = block * BLOCK_T + i
+            t64 = t.to(tl.int64)
+            # A token past the end masks everything through its limits (0 streams, 0 columns).
+            n_lim = tl.where(t < num_tokens, N, 0)
+            d_lim = tl.where(t < num_tokens, dim, 0)
+            kt_ok = kk < n_lim
+            dt_ok = dd < d_lim
+            mask = kt_ok[:, None] & dt_ok[None, :]
+            if WRITE_BACK:
+                dtype = new_ptr.dtype.element_ty
+                mixed = tl.zeros([NP, BLOCK_D], tl.float32)
+                for j in tl.static_range(N):
+                    s_j = tl.load(streams_ptr + t64 * s_st + j * s_sn + dd * s_sd, mask=dt_ok, other=0.0)
+                    c_j = tl.load(comb_ptr + t64 * s_ct + j * s_cr + kk * s_cc, mask=kt_ok, other=0.0)
+                    mixed += c_j.to(dtype).to(tl.float32)[:, None] * s_j.to(tl.float32)[None, :]
+                p = tl.load(post_ptr + t64 * s_pt + kk * s_pn, mask=kt_ok, other=0.0).to(dtype).to(tl.float32)
+                o = tl.load(out_ptr + t64 * s_ot + dd * s_od, mask=dt_ok, other=0.0).to(dtype).to(tl.float32)
+                delta = (p[:, None] * o[None, :]).to(dtype).to(tl.float32)
+                new = (mixed.to(dtype).to(tl.float32) + delta).to(dtype)
+                tl.store(new_ptr + t64 * s_nt + kk[:, None] * s_nn + dd[None, :] * s_nd, new, mask=mask)
+                x = new.to(tl.float32)
+            else:
+                x = tl.load(streams_ptr + t64 * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd, mask=mask,
+                            other=0.0).to(tl.float32)
+            if PARTIALS:
+                hit = rows == i
+                dots += tl.where(hit[:, None], tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)[None, :], 0.0)
+                squares += tl.where(hit, tl.sum(tl.sum(x * x, axis=1), axis=0), 0.0)
     if PARTIALS:
-        row = ws_ptr + t64 * s_wt + piece * s_ws
+        tokens = block * BLOCK_T + rows
+        t_ok = tokens < num_tokens
+        row = ws_ptr + tokens.to(tl.int64) * s_wt + piece * s_ws
         tl.store(row, squares, mask=t_ok)
         tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
 
@@ -192,7 +192,7 @@ def _head_kernel(
 
 def _geometry(num_tokens: int, dim: int) -> tuple[int, int, int]:
     """(BLOCK_T, slices of D, chunks of _BLOCK_D a slice) for the streams kernel; static shapes only."""
-    block_t = _BLOCK_T
+    block_t = min(_MAX_BLOCK_T, next_pow2(num_tokens))
     total = triton.cdiv(dim, _BLOCK_D)
     slices = max(1, min(total, triton.cdiv(_TARGET_PROGRAMS, triton.cdiv(num_tokens, block_t))))
     chunks = triton.cdiv(total, slices)
@@ -257,7 +257,7 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
         num_tokens, dim, chunks,
         *streams.stride(), *out.stride(), *post.stride(), *comb.stride(), *new.stride(),
         *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]),
-        N=n, NP=max(2, next_pow2(n)), M=width, MP=max(16, next_pow2(width)), BLOCK_T=block_t, BLOCK_D=_BLOCK_D,
+        N=n, NP=max(2, next_pow2(n)), M=width, MP=max(2, next_pow2(width)), BLOCK_T=block_t, BLOCK_D=_BLOCK_D,
         WRITE_BACK=write_back is not None, PARTIALS=fn is not None,
         num_warps=4,
     )
