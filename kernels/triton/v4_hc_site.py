@@ -11,7 +11,10 @@ float32, read once). Here:
   streams + post ⊗ out, rounded to the streams' dtype term by term as `expand` and the
   add are), and accumulates the slice's share of the row's sum of squares and of its
   (2 + N) * N dot products with fn into a workspace [T, S, 1 + (2 + N) * N] float32.
-  The fn tile of a chunk is loaded once and serves every token of the block.
+  The fn tile of a chunk is loaded once and serves every token of the block. From
+  `_DOT_MIN_TOKENS` tokens on, `_streams_dot_kernel` does the same for a block of 16
+  tokens at once, per stream a [16, BLOCK_D] tile, the dots as a float32-accurate
+  (three-pass TF32) dot product with the [BLOCK_D, (2 + N) * N] slice of fn.
 * `_site_kernel` (`_head_kernel` for the hyper head's sigmoid weights and plain collapse),
   one program per token: sums the slices' partials, scales the dots by
   the row's inverse RMS (unit_rms(x) @ fn^T = rsqrt(mean(x^2) + eps) * (x @ fn^T)),
@@ -34,6 +37,10 @@ from .v4_hc import hc_gates
 
 _BLOCK_D = 64
 _MAX_BLOCK_T = 16
+# From this many tokens the streams pass takes a block of 16 at once through a dot product
+# (`_streams_dot_kernel`); below, a token at a time (H200, N = 4, D = 4096: at 64 tokens 16 us
+# vs 46 us a launch, at one token 9.5 us vs 3.3 us; bench/results/logs/hc-streams-sweep-h200-2026-11-23.log).
+_DOT_MIN_TOKENS = 8
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
 # rows per program keep the workspace small (prefill).
 _TARGET_PROGRAMS = 512
@@ -97,6 +104,59 @@ def _streams_kernel(
         tokens = block * BLOCK_T + rows
         t_ok = tokens < num_tokens
         row = ws_ptr + tokens.to(tl.int64) * s_wt + piece * s_ws
+        tl.store(row, squares, mask=t_ok)
+        tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "dim", "chunks"])
+def _streams_dot_kernel(
+    streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr,
+    num_tokens, dim, chunks,
+    s_st, s_sn, s_sd, s_ot, s_od, s_pt, s_pn, s_ct, s_cr, s_cc, s_nt, s_nn, s_nd, s_fm, s_ff, s_wt, s_ws,
+    N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_BACK: tl.constexpr, PARTIALS: tl.constexpr,
+):
+    block = tl.program_id(0)
+    piece = tl.program_id(1)
+    mm = tl.arange(0, MP)
+    m_ok = mm < M
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    t64 = tokens.to(tl.int64)
+    dots = tl.zeros([BLOCK_T, MP], tl.float32)
+    squares = tl.zeros([BLOCK_T], tl.float32)
+    for chunk in range(chunks):
+        dd = (piece * chunks + chunk) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = dd < dim
+        mask = t_ok[:, None] & d_ok[None, :]                                              # [BLOCK_T, BLOCK_D]
+        if WRITE_BACK:
+            dtype = new_ptr.dtype.element_ty
+            o = tl.load(out_ptr + t64[:, None] * s_ot + dd[None, :] * s_od, mask=mask, other=0.0)
+            o = o.to(dtype).to(tl.float32)
+        for k in tl.static_range(N):
+            if WRITE_BACK:
+                mixed = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+                for j in tl.static_range(N):
+                    s_j = tl.load(streams_ptr + t64[:, None] * s_st + j * s_sn + dd[None, :] * s_sd, mask=mask,
+                                  other=0.0)
+                    c_jk = tl.load(comb_ptr + t64 * s_ct + j * s_cr + k * s_cc, mask=t_ok, other=0.0)
+                    mixed += c_jk.to(dtype).to(tl.float32)[:, None] * s_j.to(tl.float32)
+                p_k = tl.load(post_ptr + t64 * s_pt + k * s_pn, mask=t_ok, other=0.0).to(dtype).to(tl.float32)
+                delta = (p_k[:, None] * o).to(dtype).to(tl.float32)
+                new = (mixed.to(dtype).to(tl.float32) + delta).to(dtype)
+                tl.store(new_ptr + t64[:, None] * s_nt + k * s_nn + dd[None, :] * s_nd, new, mask=mask)
+                x = new.to(tl.float32)
+            else:
+                x = tl.load(streams_ptr + t64[:, None] * s_st + k * s_sn + dd[None, :] * s_sd, mask=mask,
+                            other=0.0).to(tl.float32)
+            if PARTIALS:
+                w = tl.load(fn_ptr + mm[None, :] * s_fm + (k * dim + dd)[:, None] * s_ff,
+                            mask=d_ok[:, None] & m_ok[None, :], other=0.0)              # [BLOCK_D, MP]
+                # Three TF32 products (hi * hi + hi * lo + lo * hi): float32 accuracy on tensor cores.
+                dots = tl.dot(x, w, dots, input_precision="tf32x3")
+                squares += tl.sum(x * x, axis=1)
+    if PARTIALS:
+        row = ws_ptr + t64 * s_wt + piece * s_ws
         tl.store(row, squares, mask=t_ok)
         tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
 
@@ -190,9 +250,14 @@ def _head_kernel(
         tl.store(y_ptr + t * s_yt + dd * s_yd, tl.sum(weights * tile, axis=0).to(y_ptr.dtype.element_ty), mask=d_ok)
 
 
+def _block_dot(num_tokens: int) -> bool:
+    """Whether the streams pass takes its tokens a block at a time (`_streams_dot_kernel`)."""
+    return num_tokens >= _DOT_MIN_TOKENS
+
+
 def _geometry(num_tokens: int, dim: int) -> tuple[int, int, int]:
     """(BLOCK_T, slices of D, chunks of _BLOCK_D a slice) for the streams kernel; static shapes only."""
-    block_t = min(_MAX_BLOCK_T, next_pow2(num_tokens))
+    block_t = _MAX_BLOCK_T if _block_dot(num_tokens) else min(_MAX_BLOCK_T, next_pow2(num_tokens))
     total = triton.cdiv(dim, _BLOCK_D)
     slices = max(1, min(total, triton.cdiv(_TARGET_PROGRAMS, triton.cdiv(num_tokens, block_t))))
     chunks = triton.cdiv(total, slices)
@@ -252,15 +317,17 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
     new = torch.empty_like(streams, memory_format=torch.contiguous_format) if write_back is not None else streams
     # Pointers a constexpr-disabled branch never reads are bound to `streams`.
     post, comb, out = write_back if write_back is not None else (streams[:, :, 0], streams, streams[:, 0])
-    _streams_kernel[(triton.cdiv(num_tokens, block_t), slices)](
-        streams, out, post, comb, new, streams if fn is None else fn, streams if ws is None else ws,
-        num_tokens, dim, chunks,
-        *streams.stride(), *out.stride(), *post.stride(), *comb.stride(), *new.stride(),
-        *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]),
-        N=n, NP=max(2, next_pow2(n)), M=width, MP=max(2, next_pow2(width)), BLOCK_T=block_t, BLOCK_D=_BLOCK_D,
-        WRITE_BACK=write_back is not None, PARTIALS=fn is not None,
-        num_warps=4,
-    )
+    args = (streams, out, post, comb, new, streams if fn is None else fn, streams if ws is None else ws,
+            num_tokens, dim, chunks,
+            *streams.stride(), *out.stride(), *post.stride(), *comb.stride(), *new.stride(),
+            *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]))
+    meta = dict(N=n, M=width, BLOCK_T=block_t, BLOCK_D=_BLOCK_D, WRITE_BACK=write_back is not None,
+                PARTIALS=fn is not None, num_warps=4)
+    if _block_dot(num_tokens):
+        _streams_dot_kernel[(triton.cdiv(num_tokens, block_t), slices)](*args, MP=max(16, next_pow2(width)), **meta)
+    else:
+        _streams_kernel[(triton.cdiv(num_tokens, block_t), slices)](
+            *args, NP=max(2, next_pow2(n)), MP=max(2, next_pow2(width)), **meta)
     return new
 
 

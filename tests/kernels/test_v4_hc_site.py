@@ -150,15 +150,18 @@ def test_head_equals_the_reference(device, dtype, tokens, n, dim):
         hc_head(streams, fn, base, scale.expand(3), hc_eps=HC_EPS, norm_eps=NORM_EPS)
 
 
-def test_many_chunks_a_slice_and_strided_inputs(device, monkeypatch):
+# 6 tokens take the per-token streams kernel, 20 the block kernel (its last block ragged).
+@pytest.mark.parametrize("tokens, geometry", [(6, (2, 3)), (20, (1, 5))])
+def test_many_chunks_a_slice_and_strided_inputs(device, monkeypatch, tokens, geometry):
     """Few programs (each slice several chunks, the last slice ragged) and non-contiguous inputs."""
     monkeypatch.setattr(v4_hc_site, "_TARGET_PROGRAMS", 2)
-    gen = generator(5, device)
-    n, dim, tokens = 4, 300, 6
+    gen = generator(5 + tokens, device)
+    n, dim = 4, 300
     fn, base, scale, norm_weight = _site_params(n, dim, torch.float32, device, gen)
     post, comb, out, streams = _write_back_inputs(tokens, n, dim, torch.float32, device, gen)
     post, comb, out, streams, fn = (strided(t, gen) for t in (post, comb, out, streams, fn))
-    assert v4_hc_site._geometry(tokens, dim)[1:] == (2, 3)
+    assert v4_hc_site._block_dot(tokens) == (tokens >= 8)
+    assert v4_hc_site._geometry(tokens, dim)[1:] == geometry
     kwargs = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     got = hc_write_back_site(post, comb, out, streams, fn, base, scale, norm_weight, **kwargs)
     want = ref.hc_write_back_site(post, comb, out, streams, fn, base, scale, norm_weight, **kwargs)
