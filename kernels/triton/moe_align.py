@@ -16,6 +16,12 @@ import triton.language as tl
 from ._common import next_pow2
 
 
+# The scatter ranks a tile's pairs by a scan down the tile, serial in its length: with
+# few experts the 16K-element rule alone gave 1024-pair tiles (V4's 9 experts at batch
+# 64: 20 us a launch), so longer tiles are split across programs instead.
+_MAX_TILE_PAIRS = 256
+
+
 def moe_sorted_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows of the sorted, padded order: each non-empty expert (at most min(E, T*k)) pads < BLOCK_M rows."""
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
@@ -130,7 +136,8 @@ def moe_align(
 
     topk_ids:   [T, k] int32/int64 in [-1, E)
     tile_pairs: pairs a counting program takes (a power of two; by default as many
-                as keep its [pairs, experts] one-hot tile at 16K elements)
+                as keep its [pairs, experts] one-hot tile at 16K elements, at most
+                _MAX_TILE_PAIRS)
     returns     sorted_pairs [R] int32: pair index t * k + j in expert order, T * k in
                 padding rows; block_expert [R / block_m] int32: the expert of each
                 block of rows, -1 for unused blocks. R = moe_sorted_size(T * k, E, block_m).
@@ -148,7 +155,7 @@ def moe_align(
     sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_e = max(2, next_pow2(num_experts))
-    tile = tile_pairs or max(16, 16384 // block_e)
+    tile = tile_pairs or max(16, min(_MAX_TILE_PAIRS, 16384 // block_e))
     if tile != next_pow2(tile):
         raise ValueError(f"tile_pairs: expected a power of two, got {tile}")
     num_tiles = max(1, triton.cdiv(num_pairs, tile))
