@@ -39,7 +39,7 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 # The routing rules by name: the one definition that the config checks and the ops read.
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 GROUP_LIMITED_METHODS = ("group_limited_greedy", "noaux_tc")
 TOPK_METHODS = ("greedy", *GROUP_LIMITED_METHODS)
 

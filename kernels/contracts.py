@@ -139,12 +139,14 @@ class PrefillAttention(Protocol):
 class Route(Protocol):
     def __call__(self, x: Tensor, gate: Tensor, e_score_correction_bias: Tensor | None, valid: Tensor, /, *,
                  top_k: int, scoring_func: str, topk_method: str, n_group: int | None, topk_group: int | None,
-                 norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0) -> tuple[Tensor, Tensor]:
+                 norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0,
+                 fixed_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Each token's top_k experts, then num_shared shared experts E .. E + S - 1 of weight 1.
         x [T, D]; gate [E, D] float32; e_score_correction_bias [E] or None (steers the choice
-        only); valid [T] bool -> topk_weights [T, k + S] float32, topk_ids [T, k + S] int64;
-        padded rows get id -1 and weight 0. Methods and scoring: `checks.TOPK_METHODS`,
-        `checks.SCORING_FUNCS`."""
+        only); valid [T] bool; fixed_ids [T, k] or None: experts chosen beforehand (hash
+        routing), weighted by their scores as a choice would be -> topk_weights [T, k + S]
+        float32, topk_ids [T, k + S] int64; padded rows get id -1 and weight 0. Methods and
+        scoring: `checks.TOPK_METHODS`, `checks.SCORING_FUNCS`."""
         ...
 
 

@@ -98,16 +98,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None, valid: torch.Tensor, *,
           top_k: int, scoring_func: str, topk_method: str, n_group: int | None, topk_group: int | None,
-          norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0,
+          fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.routing.route` on ROW_TILE-row tiles (the router logits are a product)."""
-    def tile(xt: torch.Tensor, vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile(xt: torch.Tensor, vt: torch.Tensor, *fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ref_routing.route(xt, gate, e_score_correction_bias, vt, top_k=top_k, scoring_func=scoring_func,
                                  topk_method=topk_method, n_group=n_group, topk_group=topk_group,
                                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-                                 num_shared=num_shared)
+                                 num_shared=num_shared, fixed_ids=fixed[0] if fixed else None)
 
-    weights, ids = _by_row_tiles(tile, x, valid)
+    rows = (x, valid) if fixed_ids is None else (x, valid, fixed_ids)
+    weights, ids = _by_row_tiles(tile, *rows)
     return weights, ids
 
 

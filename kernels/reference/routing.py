@@ -22,6 +22,7 @@ def route(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     num_shared: int = 0,
+    fixed_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each token's top_k experts (and, with num_shared, the shared experts after them).
 
@@ -32,15 +33,20 @@ def route(
     num_shared:              S shared experts to append to every row, as experts
                              E .. E + S - 1 of weight 1 (so that one fused MoE call
                              runs routed and shared experts together)
+    fixed_ids:               [T, k] int expert ids in [0, E) chosen beforehand (DeepSeek-V4's
+                             hash routing from the token id), or None to choose them here;
+                             with them the bias and the method play no part, and the weights
+                             are the chosen experts' scores as below
     returns                  topk_weights [T, k + S] (float32, or float64 for float64 x) and
                              topk_ids [T, k + S] int64; padded rows get id -1 and weight 0,
                              so they take no expert.
 
     Routing runs in at least float32 whatever x's dtype (bf16 scores would tie and
-    flip experts); float64 x routes in float64. Scores are the softmax or sigmoid
-    of x @ gate^T. `greedy` takes the plain top-k; `group_limited_greedy` first keeps
-    the topk_group groups (of E / n_group consecutive experts) with the best single
-    score, `noaux_tc` those with the best sum of their two best scores. The bias
+    flip experts); float64 x routes in float64. Scores are the softmax, sigmoid or
+    sqrt(softplus) (DeepSeek-V4's) of x @ gate^T. `greedy` takes the plain top-k;
+    `group_limited_greedy` first keeps the topk_group groups (of E / n_group
+    consecutive experts) with the best single score, `noaux_tc` those with the best
+    sum of their two best scores. The bias
     only steers the choice: weights are the raw scores of the chosen experts,
     optionally normalised to sum 1, then multiplied by routed_scaling_factor.
     """
@@ -52,14 +58,19 @@ def route(
         check_shape("e_score_correction_bias", e_score_correction_bias, (num_experts,))
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                      n_group=n_group, topk_group=topk_group, num_shared=num_shared)
+    if fixed_ids is not None:
+        check_shape("fixed_ids", fixed_ids, (num_tokens, top_k))
     acc = torch.promote_types(x.dtype, torch.float32)
     logits = F.linear(as_dtype(x, acc), as_dtype(gate, acc))  # [T, E]
-    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
-    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
-    # check_route_args made sure the group-limited methods have both group sizes.
-    if topk_method in GROUP_LIMITED_METHODS and n_group and topk_group:
-        choice = _limit_groups(choice, n_group, topk_group, top2=topk_method == "noaux_tc")
-    topk_ids = choice.topk(top_k, dim=-1).indices
+    scores = _scores(logits, scoring_func)
+    if fixed_ids is not None:
+        topk_ids = fixed_ids.long()
+    else:
+        choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+        # check_route_args made sure the group-limited methods have both group sizes.
+        if topk_method in GROUP_LIMITED_METHODS and n_group and topk_group:
+            choice = _limit_groups(choice, n_group, topk_group, top2=topk_method == "noaux_tc")
+        topk_ids = choice.topk(top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -73,6 +84,14 @@ def route(
     topk_weights = topk_weights.masked_fill(padded, 0.0)
     topk_ids = topk_ids.masked_fill(padded, -1)
     return topk_weights, topk_ids
+
+
+def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
 
 
 def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, *, top2: bool) -> torch.Tensor:

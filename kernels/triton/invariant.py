@@ -104,7 +104,7 @@ def invariant_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
                     valid: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str, n_group: int | None,
                     topk_group: int | None, norm_topk_prob: bool, routed_scaling_factor: float,
-                    num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_shared: int = 0, fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.routing.route`: one launch configuration for every batch size."""
     # The decode configuration (the kernel's own logits, D split in a fixed order),
     # whose sizes follow the model's shapes only: a token's sums over D and its
@@ -113,7 +113,8 @@ def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias
     config = route_config(_ROUTE_TILE_TOKENS, gate.shape[0], groups, top_k, gate.shape[1])
     return route(x, gate, e_score_correction_bias, valid, top_k=top_k, scoring_func=scoring_func,
                  topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                 routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, config=config)
+                 routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed_ids,
+                 config=config)
 
 
 # Selected keys a split of the sparse decode covers: top-k 2048 takes 4 splits at any batch size.

@@ -142,11 +142,11 @@ def _sum_partials(partial_ptr, tile_offs, tile_mask, split_d, stride_s,
 # arguments, or every new token count of an eager step would compile again.
 @triton.jit(do_not_specialize=["num_tokens", "split_d", "d_per_split"])
 def _route_kernel(
-    x_ptr, gate_ptr, logits_ptr, bias_ptr, valid_ptr, w_ptr, ids_ptr, partial_ptr, arrived_ptr,
+    x_ptr, gate_ptr, logits_ptr, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr, partial_ptr, arrived_ptr,
     num_tokens, hidden, split_d, d_per_split, scaling,
-    s_xt, s_xd, s_ge, s_gd, s_lt, s_le, s_b, s_v, s_wt, s_wk, s_it, s_ik,
+    s_xt, s_xd, s_ge, s_gd, s_lt, s_le, s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk,
     KERNEL_LOGITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
-    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FIXED: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -195,9 +195,9 @@ def _route_kernel(
         logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + experts[None, :] * s_le,
                          mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     if last:
-        route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
-                    s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
-                    TOP_K, SIGMOID, HAS_BIAS, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
+        route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr,
+                    s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling,
+                    TOP_K, SCORING, HAS_BIAS, HAS_FIXED, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
                     NORM, NUM_SHARED, BLOCK_T, BLOCK_K, BLOCK_G)
 
 
@@ -215,6 +215,7 @@ def route(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     num_shared: int = 0,
+    fixed_ids: torch.Tensor | None = None,
     config: RouteConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.routing.route`, in the routing kernel (see the module docstring).
@@ -224,6 +225,7 @@ def route(
     e_score_correction_bias: [E] bf16 / fp16 / fp32, or None
     valid:                   [T] bool
     num_shared:              S shared experts appended to every row (ids E .., weight 1)
+    fixed_ids:               [T, k] int32 / int64 experts chosen beforehand, or None
     returns                  topk_weights [T, k + S] float32, topk_ids [T, k + S] int64 (-1
                              and weight 0 in rows where valid is False)
     Logits, scores and weights are float32 throughout.
@@ -244,6 +246,10 @@ def route(
         check_same_device(x=x, gate=gate, valid=valid)
     check_route_args(num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                      n_group=n_group, topk_group=topk_group, num_shared=num_shared)
+    if fixed_ids is not None:
+        check_shape("fixed_ids", fixed_ids, (num_tokens, top_k))
+        check_dtype("fixed_ids", fixed_ids, (torch.int32, torch.int64))
+        check_same_device(x=x, fixed_ids=fixed_ids)
     device = x.device
     topk_weights = torch.empty((num_tokens, top_k + num_shared), dtype=torch.float32, device=device)
     topk_ids = torch.empty((num_tokens, top_k + num_shared), dtype=torch.int64, device=device)
@@ -252,14 +258,14 @@ def route(
     # check_route_args made sure the group-limited methods have n_group >= 1.
     groups = n_group if topk_method != "greedy" and n_group else 1
     config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
-    _launch(x, gate, bias, valid, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
+    _launch(x, gate, bias, valid, fixed_ids, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
             num_shared=num_shared, scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
             norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
     return topk_weights, topk_ids
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, valid: torch.Tensor,
-            topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: RouteConfig, *, groups: int, top_k: int,
+            fixed_ids: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: RouteConfig, *, groups: int, top_k: int,
             num_shared: int, scoring_func: str, topk_method: str, topk_group: int | None, norm_topk_prob: bool,
             routed_scaling_factor: float) -> None:
     num_tokens, hidden = x.shape
@@ -287,12 +293,13 @@ def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, vali
     grouped = topk_method != "greedy"
     use_pdl = pdl(device)
     _route_kernel[(num_tiles, split_d, block_e // block_c)](
-        x, gate, logits, bias if bias is not None else gate, valid, topk_weights, topk_ids, partial, arrived,
+        x, gate, logits, bias if bias is not None else gate, valid, topk_weights, topk_ids,
+        fixed_ids if fixed_ids is not None else topk_ids, partial, arrived,
         num_tokens, hidden, split_d, d_per_split, float(routed_scaling_factor),
         *x.stride(), *gate.stride(), *logits.stride(), bias.stride(0) if bias is not None else 0, valid.stride(0),
-        *topk_weights.stride(), *topk_ids.stride(),
+        *topk_weights.stride(), *topk_ids.stride(), *(fixed_ids.stride() if fixed_ids is not None else (0, 0)),
         KERNEL_LOGITS=config.kernel_logits, SPLIT=split_d > 1 or block_c < block_e, BLOCK_C=block_c,
-        TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None,
+        TOP_K=top_k, SCORING=scoring_func, HAS_BIAS=bias is not None, HAS_FIXED=fixed_ids is not None,
         GROUPED=grouped, TOP2=topk_method == "noaux_tc", GROUP_SIZE=num_experts // groups,
         GROUP_BLOCK=_group_block(num_experts, groups), N_GROUP=groups, TOPK_GROUP=topk_group if grouped else 1,
         NORM=bool(norm_topk_prob), NUM_SHARED=num_shared,

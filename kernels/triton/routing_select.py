@@ -1,13 +1,14 @@
 """Choosing each token's experts from its router logits, inside the routing kernel.
 
 One row of a [BLOCK_T, BLOCK_E] tile per token, so a token's whole choice
-happens in registers: softmax or sigmoid scores (the correction bias added for
-the choice only); group limiting, where a group scores its best
+happens in registers: softmax, sigmoid or sqrt(softplus) scores (the correction
+bias added for the choice only); group limiting, where a group scores its best
 (group_limited_greedy) or best two (noaux_tc) choice values and all but the
 topk_group best groups drop to -inf; top-k by k rounds of a max with its index
 (ties go to the lowest expert id); the weights are the raw scores of the picked
 experts, then normalised, scaled and masked by `valid`; shared experts, when
-asked for, follow in slots k .. k + S - 1 with weight 1.
+asked for, follow in slots k .. k + S - 1 with weight 1. Experts fixed beforehand
+(hash routing) replace the choice: their scores are gathered the same way.
 
 Columns of the tile are laid out by group: group g's experts sit at columns
 [g * GROUP_BLOCK, g * GROUP_BLOCK + E / n_group), so the tile reshapes to
@@ -29,10 +30,13 @@ def expert_of(cols, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr, N_GROUP
 
 
 @triton.jit
-def _scores(logits, col_mask, SIGMOID: tl.constexpr):
-    """Softmax or sigmoid of [BLOCK_T, BLOCK_E] logits; columns without an expert score 0."""
-    if SIGMOID:
+def _scores(logits, col_mask, SCORING: tl.constexpr):
+    """Softmax, sigmoid or sqrt(softplus) of [BLOCK_T, BLOCK_E] logits; columns without an expert score 0."""
+    if SCORING == "sigmoid":
         scores = 1.0 / (1.0 + tl.exp(-logits))
+    elif SCORING == "sqrtsoftplus":
+        # softplus(l) = max(l, 0) + log(1 + exp(-|l|)): no overflow for large logits.
+        scores = tl.sqrt(tl.maximum(logits, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(logits))))
     else:
         masked = tl.where(col_mask[None, :], logits, float("-inf"))
         e = tl.exp(masked - tl.max(masked, axis=1)[:, None])
@@ -92,9 +96,21 @@ def _top_k(choice, scores, cols, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr,
-                s_b, s_v, s_wt, s_wk, s_it, s_ik, scaling,
-                TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _fixed(fixed_ptr, rows, row_mask, scores, cols, s_ft, s_fk,
+           GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The experts fixed beforehand as tile columns [BLOCK_T, BLOCK_K] (-1 past TOP_K), and their scores."""
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.load(fixed_ptr + rows[:, None].to(tl.int64) * s_ft + slots[None, :] * s_fk,
+                  mask=row_mask[:, None] & (slots < TOP_K)[None, :], other=-1).to(tl.int32)
+    picked = tl.where(ids >= 0, (ids // GROUP_SIZE) * GROUP_BLOCK + ids % GROUP_SIZE, -1)
+    hit = cols[None, None, :] == picked[:, :, None]                                 # [BLOCK_T, BLOCK_K, BLOCK_E]
+    return tl.sum(tl.where(hit, scores[:, None, :], 0.0), axis=2), picked
+
+
+@triton.jit
+def route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr,
+                s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling,
+                TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FIXED: tl.constexpr,
                 GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr,
                 GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
@@ -104,14 +120,18 @@ def route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_pt
     Slots [TOP_K, TOP_K + NUM_SHARED) take the shared experts, ids E.., weight 1.
     """
     experts, _ = expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
-    scores = _scores(logits, col_mask, SIGMOID)
-    choice = scores
-    if HAS_BIAS:
-        choice += tl.load(bias_ptr + experts * s_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    choice = tl.where(col_mask[None, :], choice, float("-inf"))
-    if GROUPED:
-        choice = _limit_groups(choice, TOPK_GROUP, TOP2, BLOCK_T, BLOCK_G, GROUP_BLOCK)
-    weights, picked = _top_k(choice, scores, cols, TOP_K, HAS_BIAS, BLOCK_T, BLOCK_K)
+    scores = _scores(logits, col_mask, SCORING)
+    if HAS_FIXED:
+        weights, picked = _fixed(fixed_ptr, rows, row_mask, scores, cols, s_ft, s_fk,
+                                 GROUP_SIZE, GROUP_BLOCK, TOP_K, BLOCK_K)
+    else:
+        choice = scores
+        if HAS_BIAS:
+            choice += tl.load(bias_ptr + experts * s_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(col_mask[None, :], choice, float("-inf"))
+        if GROUPED:
+            choice = _limit_groups(choice, TOPK_GROUP, TOP2, BLOCK_T, BLOCK_G, GROUP_BLOCK)
+        weights, picked = _top_k(choice, scores, cols, TOP_K, HAS_BIAS, BLOCK_T, BLOCK_K)
     if NORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scaling

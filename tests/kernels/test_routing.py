@@ -22,6 +22,8 @@ V3_TINY = (8, dict(top_k=2, scoring_func="sigmoid", topk_method="noaux_tc", n_gr
                    norm_topk_prob=True, routed_scaling_factor=2.5))
 V3 = (256, dict(top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
                 norm_topk_prob=True, routed_scaling_factor=2.5))
+V4_MINI = (8, dict(top_k=6, scoring_func="sqrtsoftplus", topk_method="greedy", n_group=None, topk_group=None,
+                   norm_topk_prob=True, routed_scaling_factor=1.5))
 
 
 def _inputs(num_tokens, hidden, num_experts, dtype, device, seed, *, bias=False, padded_rows=0):
@@ -147,6 +149,41 @@ def test_shared_experts_follow_the_routed(method, num_tokens, device):
     shared = torch.tensor([num_experts, num_experts + 1], device=device)
     assert torch.equal(ids[valid, k:], shared.expand(int(valid.sum()), 2))
     assert torch.all(weights[valid, k:] == 1.0)
+    assert torch.all(ids[~valid] == -1) and torch.all(weights[~valid] == 0.0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])  # logits in the kernel, from a matmul
+@pytest.mark.parametrize("bias", [False, True])
+def test_sqrtsoftplus_choice_and_shared_experts(num_tokens, bias, device):
+    """DeepSeek-V4's score-routed layers: sqrt(softplus) scores, bias-steered top-k, a shared expert."""
+    num_experts, args = V4_MINI
+    inputs = _inputs(num_tokens, 64, num_experts, torch.float32, device, seed=23, bias=bias, padded_rows=1)
+    weights, ids = tri.route(*inputs, **args, num_shared=1)
+    expected_weights, expected_ids = ref.route(*inputs, **args, num_shared=1)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+    valid = inputs[3]
+    # Normalised to sum 1 before the scaling: the routed weights of a row sum to the factor.
+    torch.testing.assert_close(weights[valid, :6].sum(dim=1), torch.full((int(valid.sum()),), 1.5, device=device))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_fixed_ids_take_their_scores(num_tokens, dtype, device):
+    """DeepSeek-V4's hash-routed layers: the experts come from the token id; their scores weigh them."""
+    num_experts, args = V4_MINI
+    x, gate, bias, valid = _inputs(num_tokens, 64, num_experts, torch.float32, device, seed=24, padded_rows=1)
+    gen = generator(25, device)
+    fixed = torch.stack([torch.randperm(num_experts, generator=gen, device=device)[:6]
+                         for _ in range(num_tokens)]).to(dtype)
+    weights, ids = tri.route(x, gate, bias, valid, **args, num_shared=1, fixed_ids=fixed)
+    expected_weights, expected_ids = ref.route(x, gate, bias, valid, **args, num_shared=1, fixed_ids=fixed)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+    assert torch.equal(ids[valid, :6], fixed[valid].long())
+    scores = torch.nn.functional.softplus(x @ gate.T).sqrt().gather(1, fixed.long())
+    want = scores / scores.sum(dim=1, keepdim=True) * 1.5
+    torch.testing.assert_close(weights[valid, :6], want[valid])
     assert torch.all(ids[~valid] == -1) and torch.all(weights[~valid] == 0.0)
 
 
