@@ -44,7 +44,15 @@ _DOT_MIN_TOKENS = 8
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
 # rows per program keep the workspace small (prefill).
 _TARGET_PROGRAMS = 512
-_MAX_SITE_BLOCK_D = 1024
+# The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
+# round of loads instead of one a chunk and pass), with enough warps to hold it.
+_MAX_SITE_BLOCK_D = 4096
+
+
+def _site_tile(n: int, dim: int) -> tuple[int, int]:
+    """(BLOCK_D, num_warps) of the per-token kernels: at most 32 stream values a thread."""
+    block_d = min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim)))
+    return block_d, max(4, min(16, block_d * max(2, next_pow2(n)) // 1024))
 
 
 @triton.jit(do_not_specialize=["num_tokens", "dim", "chunks"])
@@ -166,7 +174,7 @@ def _site_kernel(
     ws_ptr, streams_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
     dim, slices, iters, hc_eps, norm_eps,
     s_wt, s_ws, s_st, s_sn, s_sd, s_w, s_xt, s_xd, s_pt, s_pn, s_ct, s_cr, s_cc,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, NP)
@@ -198,24 +206,35 @@ def _site_kernel(
     weights = tl.sum(pre, axis=0)[:, None]                                          # [NP, 1]
     dtype = streams_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
-    total = tl.zeros([BLOCK_D], tl.float32)
-    for d0 in range(0, dim, BLOCK_D):
-        dd = d0 + offs
-        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
-                       mask=k_ok[:, None] & (dd < dim)[None, :], other=0.0).to(tl.float32)
-        col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
-        total += col * col
-    inv = 1.0 / tl.sqrt(tl.sum(total, axis=0) / dim + norm_eps)
-    # The second pass recomputes the collapse (the same values) rather than reading back stores.
-    for d0 in range(0, dim, BLOCK_D):
-        dd = d0 + offs
-        d_ok = dd < dim
-        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
+    if ONE_TILE:
+        # The whole row (dim <= BLOCK_D) in one tile: the collapse stays in registers for the norm.
+        d_ok = offs < dim
+        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(col * col, axis=0) / dim + norm_eps)
         normed = (col * inv).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + dd * s_w, mask=d_ok, other=0.0).to(tl.float32)
-        tl.store(x_ptr + t * s_xt + dd * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
+        w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
+        tl.store(x_ptr + t * s_xt + offs * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        total = tl.zeros([BLOCK_D], tl.float32)
+        for d0 in range(0, dim, BLOCK_D):
+            dd = d0 + offs
+            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
+                           mask=k_ok[:, None] & (dd < dim)[None, :], other=0.0).to(tl.float32)
+            col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
+            total += col * col
+        inv = 1.0 / tl.sqrt(tl.sum(total, axis=0) / dim + norm_eps)
+        # The second pass recomputes the collapse (the same values) rather than reading back stores.
+        for d0 in range(0, dim, BLOCK_D):
+            dd = d0 + offs
+            d_ok = dd < dim
+            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
+                           mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
+            normed = (col * inv).to(dtype).to(tl.float32)
+            w = tl.load(w_ptr + dd * s_w, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(x_ptr + t * s_xt + dd * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["dim", "slices"])
@@ -340,13 +359,13 @@ def _site_pass(ws: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scal
                     device=streams.device)
     post = torch.empty((num_tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((num_tokens, n, n), dtype=torch.float32, device=streams.device)
+    block_d, num_warps = _site_tile(n, dim)
     _site_kernel[(num_tokens,)](
         ws, streams, base.contiguous(), scale.contiguous(), norm_weight, x, post, comb,
         dim, slices, iters, hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), norm_weight.stride(0), *x.stride(), *post.stride(), *comb.stride(),
         N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(slices)),
-        BLOCK_D=min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim))),
-        num_warps=4,
+        BLOCK_D=block_d, ONE_TILE=dim <= block_d, num_warps=num_warps,
     )
     return x, post, comb
 
@@ -417,12 +436,12 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return y
     ws = _workspace(streams, fn)
     _streams_pass(streams, None, fn, ws)
+    block_d, num_warps = _site_tile(n, dim)
     _head_kernel[(num_tokens,)](
         ws, streams, base.contiguous(), scale, y,
         dim, ws.shape[1], hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), *y.stride(),
         N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(ws.shape[1])),
-        BLOCK_D=min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim))),
-        num_warps=4,
+        BLOCK_D=block_d, num_warps=num_warps,
     )
     return y

@@ -153,8 +153,10 @@ def test_head_equals_the_reference(device, dtype, tokens, n, dim):
 # 6 tokens take the per-token streams kernel, 20 the block kernel (its last block ragged).
 @pytest.mark.parametrize("tokens, geometry", [(6, (2, 3)), (20, (1, 5))])
 def test_many_chunks_a_slice_and_strided_inputs(device, monkeypatch, tokens, geometry):
-    """Few programs (each slice several chunks, the last slice ragged) and non-contiguous inputs."""
+    """Few programs (each slice several chunks, the last slice ragged), the per-token kernel's two passes over
+    D in chunks (its row wider than one tile), and non-contiguous inputs."""
     monkeypatch.setattr(v4_hc_site, "_TARGET_PROGRAMS", 2)
+    monkeypatch.setattr(v4_hc_site, "_MAX_SITE_BLOCK_D", 64)
     gen = generator(5 + tokens, device)
     n, dim = 4, 300
     fn, base, scale, norm_weight = _site_params(n, dim, torch.float32, device, gen)
