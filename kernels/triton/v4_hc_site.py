@@ -45,14 +45,19 @@ _DOT_MIN_TOKENS = 8
 # rows per program keep the workspace small (prefill).
 _TARGET_PROGRAMS = 512
 # The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
-# round of loads instead of one a chunk and pass), with enough warps to hold it.
+# round of loads instead of one a chunk and pass).
 _MAX_SITE_BLOCK_D = 4096
 
 
 def _site_tile(n: int, dim: int) -> tuple[int, int]:
-    """(BLOCK_D, num_warps) of the per-token kernels: at most 32 stream values a thread."""
+    """(BLOCK_D, num_warps) of the per-token kernels: at most 64 stream values a thread.
+
+    H200, N = 4, D = 4096 (bench/results/logs/hc-site-warps-h200-2026-11-23.log): the whole row
+    on 8 warps takes 7.5 us a site kernel, 16 warps 9.9 us (its 20 Sinkhorn rounds of tiny
+    reductions cost more the more warps share them), 1024-wide chunks on 4 warps 8.6 us.
+    """
     block_d = min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim)))
-    return block_d, max(4, min(16, block_d * max(2, next_pow2(n)) // 1024))
+    return block_d, max(4, min(16, block_d * max(2, next_pow2(n)) // 2048))
 
 
 @triton.jit(do_not_specialize=["num_tokens", "dim", "chunks"])
