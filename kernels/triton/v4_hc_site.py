@@ -20,7 +20,8 @@ float32, read once). Here:
   the row's inverse RMS (unit_rms(x) @ fn^T = rsqrt(mean(x^2) + eps) * (x @ fn^T)),
   turns them into pre, post and comb (`v4_hc.hc_gates`, the same code as the
   weights-only kernel), collapses the streams with pre (rounded to the streams' dtype)
-  and applies the weighted RMS norm in two passes over D.
+  and applies the weighted RMS norm: in registers when the row fits one tile, else in
+  two passes over D.
 
 The workspace is sized by static shapes only, so the wrappers are graph-capturable.
 """
@@ -38,8 +39,9 @@ from .v4_hc import hc_gates
 _BLOCK_D = 64
 _MAX_BLOCK_T = 16
 # From this many tokens the streams pass takes a block of 16 at once through a dot product
-# (`_streams_dot_kernel`); below, a token at a time (H200, N = 4, D = 4096: at 64 tokens 16 us
-# vs 46 us a launch, at one token 9.5 us vs 3.3 us; bench/results/logs/hc-streams-sweep-h200-2026-11-23.log).
+# (`_streams_dot_kernel`); below, a token at a time. H200, N = 4, D = 4096, a whole write-back
+# and site (bench/results/logs/hc-streams-sweep-h200-2026-11-23.log): per token vs by blocks
+# 12.8 vs 18.8 us at 1 token, 20.4 vs 19.5 at 4, 28.8 vs 19.9 at 8, 56 vs 27 at 64.
 _DOT_MIN_TOKENS = 8
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
 # rows per program keep the workspace small (prefill).
