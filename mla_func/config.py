@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .v4_config import V4Config
 
-# The routing op validates the same names; one definition serves the config and the kernels.
-from .kernels.checks import GROUP_LIMITED_METHODS, SCORING_FUNCS, TOPK_METHODS
+# The routing op validates the same method names; one definition serves the config and the kernels.
+from .kernels.checks import GROUP_LIMITED_METHODS, TOPK_METHODS
 from .config_fields import ConfigError, check_bool, check_int, check_positive, is_int, is_number, refuse
 
 __all__ = ["MODEL_TYPES", "ConfigError", "ModelConfig", "RopeConfig", "is_int", "is_number", "refuse",
            "yarn_mscale"]
+
+# The scorings DeepSeek-V2/V3 define. The routing op also takes V4's sqrt(softplus),
+# which a V2/V3 checkpoint has no reference for.
+V3_SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +243,8 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
         # The reference implementations place an MoE block in every layer from
         # first_k_dense_replace on; other frequencies have no oracle to match.
         raise refuse("moe_layer_freq", c.moe_layer_freq, "only 1 is supported")
-    if c.scoring_func not in SCORING_FUNCS:
-        raise refuse("scoring_func", c.scoring_func, f"expected one of {SCORING_FUNCS}")
+    if c.scoring_func not in V3_SCORING_FUNCS:
+        raise refuse("scoring_func", c.scoring_func, f"expected one of {V3_SCORING_FUNCS}")
     if c.topk_method not in TOPK_METHODS:
         raise refuse("topk_method", c.topk_method, f"expected one of {TOPK_METHODS}")
     check_int("n_group", c.n_group, 1, optional=True)
