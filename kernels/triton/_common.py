@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton op wrappers: launch geometry and dtype rules."""
+"""Helpers shared by the Triton op wrappers (launch geometry, dtype rules) and by their kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import functools
 import math
 
 import torch
+import triton
 import triton.language as tl
 
 from ..checks import check_dtype
@@ -17,6 +18,22 @@ LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def online_softmax_fold(scores, values, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of a base-2 online softmax: scores [M, N] (scaled by LOG2E, -inf where masked) and
+    values [N, D] folded into the running maximum m_i [M], sum l_i [M] and output acc [M, D] float32."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A tile (or a whole split) may hold no valid key: while the maximum is
+    # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(scores - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(values.dtype), values, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 # Under TRITON_INTERPRET=1 (CPU tests) there is no device to size a grid for; a
 # small fixed count keeps the interpreted grids short while still giving

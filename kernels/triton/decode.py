@@ -134,6 +134,26 @@ def mla_decode_workspace(
 
 # The split count follows the batch size, and eager (mixed) steps meet every batch
 # size: as a constexpr or a specialised int it would compile a kernel per count mid-run.
+@triton.jit
+def latent_rows(row, key_mask, s_kd, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A tile of latent cache rows at pointers `row` [BLOCK_N] (zeros where not key_mask):
+    (k_latent [BLOCK_N, BLOCK_C], k_pe [BLOCK_N, BLOCK_R]). Dense and sparse decode share it."""
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    if BLOCK_C == KV_LORA_RANK:
+        c_mask = key_mask[:, None]
+    else:
+        c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
+    if BLOCK_R == ROPE_DIM:
+        r_mask = key_mask[:, None]
+    else:
+        r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
+    k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
+    k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+    return k_latent, k_pe
+
+
 @triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _split_kernel(
     q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
@@ -213,16 +233,7 @@ def _split_kernel(
         key_mask = pos < end
         page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
         row = kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb
-        if BLOCK_C == KV_LORA_RANK:
-            c_mask = key_mask[:, None]
-        else:
-            c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
-        if BLOCK_R == ROPE_DIM:
-            r_mask = key_mask[:, None]
-        else:
-            r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
-        k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
-        k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+        k_latent, k_pe = latent_rows(row, key_mask, s_kd, KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R)
 
         scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)

@@ -25,8 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
-from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
+from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_fold, pdl
+from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits, latent_rows
 from .decode_merge import merge_splits, merge_splits_value
 
 # Chosen on an H100 by `bench/dsa_kernels.py --sweep` (bf16, C=512, R=64, B=64, top-2048;
@@ -94,32 +94,12 @@ def _attend_tile(q_nope, q_pe, row, key_mask, m_i, l_i, acc, scale_log2, s_kd,
                  KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     """One tile of the online softmax: the latent rows at `row` (where key_mask) folded into (m_i, l_i, acc)."""
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
-    if BLOCK_C == KV_LORA_RANK:
-        c_mask = key_mask[:, None]
-    else:
-        c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
-    if BLOCK_R == ROPE_DIM:
-        r_mask = key_mask[:, None]
-    else:
-        r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
-    k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
-    k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
+    k_latent, k_pe = latent_rows(row, key_mask, s_kd, KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R)
 
     scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
     scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
     scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # A tile (or a whole split) may hold no valid index: while the maximum is
-    # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(scores - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(k_latent.dtype), k_latent, acc, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_fold(scores, k_latent, m_i, l_i, acc, DOT_PRECISION)
 
 
 # The split count follows the row count, which eager steps vary: as a constexpr

@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl
 from .decode import DecodeConfig, decode_config, fill_splits
 
 # Chosen on an H100 by `bench/v4_kernels.py --sweep` (bf16, D=512, 64 heads, B=64, 64K context,
@@ -183,15 +183,7 @@ def _v4_split_kernel(
         keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
         scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
         scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # While the maximum is still -inf (no key yet), shift by 0: weights exp2(-inf) = 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(keys.dtype), keys, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_fold(scores, keys, m_i, l_i, acc, DOT_PRECISION)
         row, key_mask = next_row, next_mask
 
     if FOLD_SINK:
