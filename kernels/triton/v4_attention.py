@@ -47,6 +47,9 @@ _PROGRAMS_PER_SM = 1
 # (window + entries), below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
+# Key tiles whose cache rows a program locates in one round before reading them (see the
+# sparse decode's `_LOCATE_TILES`): then the key loads are asynchronous copies, prefetched.
+_LOCATE_TILES = 16
 
 
 def v4_attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
@@ -86,16 +89,15 @@ def v4_attention_workspace(num_rows: int, num_heads: int, head_dim: int, max_key
 
 
 @triton.jit
-def _locate(j, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_row, win_ptr, ent_ptr,
-            s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
-            PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr):
-    """Cache row pointers of virtual key slots j (< end), and which of them are keys."""
+def _cache_codes(j, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_row, s_btw, s_etw, s_ik,
+                 PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr):
+    """Where the keys of virtual key slots j (< end) sit, as one int64 code each: a window cache
+    slot (page * PAGE + offset) as itself, an entry cache slot s as -2 - s, no key as -1."""
     in_range = j < end
     is_win = in_range & (j < n_win)
     pos = win_start + j
     page = tl.load(bt_row + (pos // PAGE) * s_btw, mask=is_win, other=0).to(tl.int64)
-    row = win_ptr + page * s_wn + (pos % PAGE).to(tl.int64) * s_wb
-    valid = is_win
+    code = tl.where(is_win, page * PAGE + pos % PAGE, -1)
     if HAS_ENTRIES:
         slot = j - n_win
         is_ent = in_range & (slot >= 0) & (slot < n_ent)
@@ -105,10 +107,22 @@ def _locate(j, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_ro
             e = slot
         is_ent = is_ent & (e >= 0) & (e < entry_count)
         e_page = tl.load(et_row + (e // ENTRY_PAGE) * s_etw, mask=is_ent, other=0).to(tl.int64)
-        e_row = ent_ptr + e_page * s_en + (e % ENTRY_PAGE).to(tl.int64) * s_eb
-        row = tl.where(is_ent, e_row, row)
-        valid = valid | is_ent
-    return row, valid
+        code = tl.where(is_ent, -2 - (e_page * ENTRY_PAGE + e % ENTRY_PAGE), code)
+    return code
+
+
+@triton.jit
+def _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
+              PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr):
+    """Row pointers of `_cache_codes` codes, and which of them are keys. Page and offset times
+    their strides (not one flat offset), so the compiler keeps the strides' alignment and
+    copies the rows asynchronously."""
+    w_slot = tl.maximum(code, 0)
+    row = win_ptr + (w_slot // PAGE) * s_wn + (w_slot % PAGE) * s_wb
+    if HAS_ENTRIES:
+        e_slot = tl.maximum(-2 - code, 0)
+        row = tl.where(code >= 0, row, ent_ptr + (e_slot // ENTRY_PAGE) * s_en + (e_slot % ENTRY_PAGE) * s_eb)
+    return row, code != -1
 
 
 # Lengths and the split count follow the batch, which eager steps vary: as
@@ -126,7 +140,7 @@ def _v4_split_kernel(
     s_plt, s_plh, s_pls,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr,
-    FOLD_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    FOLD_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -166,25 +180,26 @@ def _v4_split_kernel(
     bt_row = bt_ptr + t64 * s_btt
     et_row = et_ptr + t64 * s_ett
     idx_row = idx_ptr + t64 * s_it
-    # Each tile's rows are located one iteration ahead (table and index loads form
-    # a dependent chain), so the pipelined key loads wait only on loop-carried values.
-    row, key_mask = _locate(start + offs_n, end, n_win, win_start, n_ent, entry_count, bt_row, et_row, idx_row,
-                            win_ptr, ent_ptr, s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
-                            PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
-    for n0 in range(start, end, BLOCK_N):
-        next_row, next_mask = _locate(n0 + BLOCK_N + offs_n, end, n_win, win_start, n_ent, entry_count, bt_row,
-                                      et_row, idx_row, win_ptr, ent_ptr, s_btw, s_wn, s_wb, s_etw, s_en, s_eb, s_ik,
-                                      PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
-        if BLOCK_D == HEAD_DIM:
-            k_mask = key_mask[:, None]
-        else:
-            k_mask = key_mask[:, None] & d_mask[None, :]
-        # The window cache and the entries cache share the feature stride (both contiguous rows).
-        keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_fold(scores, keys, m_i, l_i, acc, DOT_PRECISION)
-        row, key_mask = next_row, next_mask
+    # The keys of 16 tiles are located in one round (table, index, table: a dependent
+    # chain) before they are read, so the key loads of the inner loop depend only on
+    # registers and the loop counter and are prefetched stages ahead.
+    tile_ids = tl.arange(0, LOCATE_TILES)
+    for c0 in range(start, end, LOCATE_TILES * BLOCK_N):
+        codes = _cache_codes(c0 + tile_ids[:, None] * BLOCK_N + offs_n[None, :], end, n_win, win_start, n_ent,
+                             entry_count, bt_row, et_row, idx_row, s_btw, s_etw, s_ik,
+                             PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
+        for jj in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(end - c0, BLOCK_N))):
+            code = tl.sum(tl.where(tile_ids[:, None] == jj, codes, 0), axis=0)
+            row, key_mask = _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+            if BLOCK_D == HEAD_DIM:
+                k_mask = key_mask[:, None]
+            else:
+                k_mask = key_mask[:, None] & d_mask[None, :]
+            # The window cache and the entries cache share the feature stride (both contiguous rows).
+            keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
+            scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
+            m_i, l_i, acc = online_softmax_fold(scores, keys, m_i, l_i, acc, DOT_PRECISION)
 
     if FOLD_SINK:
         # The only split: the sink joins here as one more logit with a zero value.
@@ -344,7 +359,7 @@ def window_entry_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         PAGE=window_cache.shape[1], ENTRY_PAGE=ents.shape[1], HAS_ENTRIES=has_entries,
         HAS_INDICES=has_entries and entry_indices is not None, FOLD_SINK=splits == 1,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if splits > 1:
