@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
+from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk, dsa_topk_row  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -125,6 +125,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
                score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
                chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
+               topk_path="row" if topk_chunks is None and dsa_topk_row.row_top_k_fits(context) else "chunked",
                topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
                bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
     if eager:
@@ -208,8 +209,8 @@ def main(argv=None) -> None:
         result["cases"].append(bench_sparse_decode(64, context, 16, ceilings))
         torch.cuda.empty_cache()
     result["cases"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
-    for num_rows in (64, 8):
-        result["cases"].append(bench_index_topk(num_rows, 128 * 1024, ceilings))
+    for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
+        result["cases"].append(bench_index_topk(num_rows, context, ceilings))
         torch.cuda.empty_cache()
     for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
         result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings))
@@ -225,7 +226,7 @@ def main(argv=None) -> None:
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("GBps", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
-                              ("topk_us", "topk us")])
+                              ("topk_us", "topk us"), ("topk_path", "top-k")])
 
 
 if __name__ == "__main__":

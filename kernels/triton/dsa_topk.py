@@ -49,6 +49,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2, pdl, sm_count
+from .dsa_topk_row import row_top_k_fits, row_top_k_indices
+from .sort_keys import load_keys
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
@@ -115,31 +117,6 @@ def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
     """
     chunks = top_k_num_chunks(num_rows, num_cols, device, config)
     return torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
-
-
-@triton.jit
-def _sortable_key(x):
-    """float32 -> uint32 ordered like the floats (-inf lowest, +inf highest); -0.0 keys as 0.0."""
-    bits = x.to(tl.int32, bitcast=True)
-    # -0.0 == 0.0 must tie (broken by position): a zero score times a negative head
-    # weight is -0.0, and zeros are the indexer's commonest score.
-    bits = tl.where(bits == -2147483648, 0, bits)
-    # Negative floats flip every bit (larger magnitude sorts lower); positive
-    # ones set the sign bit so they sort above every negative one.
-    flip = (bits >> 31) | -2147483648
-    return (bits ^ flip).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
-    """Keys of the scores at pos < end (other lanes hold junk that callers mask)."""
-    if ALIGNED:
-        # A bound rounded up to 4 keeps the mask constant over each 16-byte vector
-        # (the row holds a multiple of 4 scores, so the over-read stays inside it).
-        load_end = tl.multiple_of(tl.cdiv(end, 4) * 4, 4)
-    else:
-        load_end = end
-    return _sortable_key(tl.load(row + pos * s_sj, mask=pos < load_end, other=0.0))
 
 
 # Where a pass's state row (chunk row P of its workspace slice) keeps the row's selection.
@@ -285,7 +262,7 @@ def _histogram_kernel(
         hist = tl.zeros([BINS], dtype=tl.int32)
         for j0 in range(start, end, BLOCK):
             pos = j0 + offs
-            key = _load_keys(row, pos, end, s_sj, ALIGNED)
+            key = load_keys(row, pos, end, s_sj, ALIGNED)
             member = (pos < end) & ((key & hi_mask) == prefix)
             digit = ((key >> shift) & digit_mask).to(tl.int32)
             if SPARSE_PATH:
@@ -337,7 +314,7 @@ def _emit_kernel(
     for j0 in range(start, end, BLOCK):
         pos = j0 + offs
         valid = pos < end
-        key = _load_keys(row, pos, end, s_sj, ALIGNED)
+        key = load_keys(row, pos, end, s_sj, ALIGNED)
         is_above = (valid & (key > bucket_max)).to(tl.int32)
         tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
         # One scan counts both kinds before each key: above-bucket keys in the low 16
@@ -369,6 +346,7 @@ def top_k_indices(
     workspace: torch.Tensor | None = None,
     num_chunks: int | None = None,
     config: TopKConfig | None = None,
+    row_resident: bool | None = None,
 ) -> torch.Tensor:
     """The positions of each row's k largest scores, in ascending position order.
 
@@ -380,6 +358,10 @@ def top_k_indices(
                 allocates nothing), or None to allocate it here
     num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
     config:     overrides the block size and warps (benchmark sweeps)
+    row_resident: True selects with one program a row holding the row in registers
+                (`dsa_topk_row`; rows of at most 32K scores), False with the chunked radix
+                passes here; None (the default) takes the first wherever rows fit and no
+                num_chunks is given. The workspace is unused by the first.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
                 the lower position, listed in ascending order; when key_lens[t] < k every
                 visible position in order, then -1.
@@ -405,6 +387,12 @@ def top_k_indices(
         check_shape("out", out, (num_rows, k))
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
+    if row_resident is None:
+        row_resident = num_chunks is None and row_top_k_fits(num_cols)
+    if row_resident:
+        if num_chunks is not None:
+            raise ValueError(f"num_chunks: a row-resident top-k has no chunks, got {num_chunks}")
+        return row_top_k_indices(scores, key_lens, k, out)
     if workspace is None:
         workspace = torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
     else:

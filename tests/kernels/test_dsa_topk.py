@@ -7,6 +7,7 @@ import torch
 
 from kernel_cases import generator, strided
 from mla_func.kernels.triton import dsa_topk as tri
+from mla_func.kernels.triton import dsa_topk_row as row_topk
 
 
 def oracle_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int) -> torch.Tensor:
@@ -29,6 +30,12 @@ def oracle_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int) -> torch.
     return out
 
 
+@pytest.fixture(params=[True, False], ids=["row", "chunked"])
+def row_resident(request):
+    """Both algorithms: one program holding a row in registers, and the chunked radix passes."""
+    return request.param
+
+
 def _check(scores, key_lens, k, **kwargs):
     got = tri.top_k_indices(scores, key_lens, k=k, **kwargs)
     expected = oracle_top_k(scores, key_lens, k)
@@ -42,20 +49,20 @@ def _lens(values, device):
 
 
 @pytest.mark.parametrize("k", [1, 7, 16, 33])
-def test_random_scores(k, device):
+def test_random_scores(k, device, row_resident):
     gen = generator(k, device)
     scores = torch.randn((6, 150), generator=gen, device=device)
     # Longer than k, exactly k, shorter than k, a padded row, all of L, one key.
-    _check(scores, _lens([150, k, max(1, k - 3), 0, 97, 1], device), k)
+    _check(scores, _lens([150, k, max(1, k - 3), 0, 97, 1], device), k, row_resident=row_resident)
 
 
-def test_ties_go_to_lower_positions(device):
+def test_ties_go_to_lower_positions(device, row_resident):
     gen = generator(1, device)
     # Few distinct values: the k-th score is shared by many positions, and the
     # refinement runs through all four bytes before ties are broken by position.
     ints = torch.randint(0, 4, (5, 200), generator=gen, device=device).float()
     lens = _lens([200, 150, 64, 9, 0], device)
-    got = _check(ints, lens, 24)
+    got = _check(ints, lens, 24, row_resident=row_resident)
     assert torch.all(got[:3] >= 0) and torch.all(got[3, 9:] == -1)
 
 
@@ -73,7 +80,7 @@ def test_chunk_counts_agree(num_chunks, device):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shapes_and_distributions(seed, device):
+def test_random_shapes_and_distributions(seed, device, row_resident):
     # Random k, lengths, chunk counts and score distributions (continuous, few
     # values, zeros of both signs, a wide exponent range) against the oracle.
     gen = generator(100 + seed, device)
@@ -90,66 +97,69 @@ def test_random_shapes_and_distributions(seed, device):
         scores = torch.exp(torch.randn((num_rows, num_cols), generator=gen, device=device) * 20)
     lens = torch.randint(0, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
     chunks = int(torch.randint(1, 6, (1,), generator=gen, device=device))
-    got = tri.top_k_indices(scores, lens, k=k, num_chunks=chunks)
+    if row_resident:
+        got = tri.top_k_indices(scores, lens, k=k, row_resident=True)
+    else:
+        got = tri.top_k_indices(scores, lens, k=k, num_chunks=chunks)
     torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
 
 
-def test_all_equal_row_takes_the_first_positions(device):
+def test_all_equal_row_takes_the_first_positions(device, row_resident):
     scores = torch.full((2, 90), 0.5, device=device)
-    got = _check(scores, _lens([90, 40], device), 10)
+    got = _check(scores, _lens([90, 40], device), 10, row_resident=row_resident)
     assert got[0].tolist() == list(range(10))
 
 
-def test_negative_zero_ties_with_zero(device):
+def test_negative_zero_ties_with_zero(device, row_resident):
     # relu(q.k) = 0 times a negative head weight is -0.0: it must tie with 0.0.
     scores = torch.zeros((3, 70), device=device)
     scores[:, ::2] = -0.0
     scores[1, 50:] = 1.0
     scores[2, 5] = -1.0
-    got = _check(scores, _lens([70, 70, 70], device), 12)
+    got = _check(scores, _lens([70, 70, 70], device), 12, row_resident=row_resident)
     assert got[0].tolist() == list(range(12))
 
 
-def test_negative_and_infinite_visible_scores(device):
+def test_negative_and_infinite_visible_scores(device, row_resident):
     gen = generator(2, device)
     scores = -torch.rand((3, 80), generator=gen, device=device) * 100
     scores[0, 10:] = float("-inf")       # visible -inf scores are still candidates, taken in order
     scores[1, ::3] = float("inf")
     scores[2, :40] = float("-inf")
-    _check(scores, _lens([15, 80, 60], device), 12)
+    _check(scores, _lens([15, 80, 60], device), 12, row_resident=row_resident)
 
 
-def test_context_shorter_than_k_lists_every_position(device):
+def test_context_shorter_than_k_lists_every_position(device, row_resident):
     gen = generator(3, device)
     scores = torch.randn((3, 64), generator=gen, device=device)
-    got = _check(scores, _lens([5, 0, 64], device), 80)
+    got = _check(scores, _lens([5, 0, 64], device), 80, row_resident=row_resident)
     assert got[0, :5].tolist() == list(range(5)) and torch.all(got[0, 5:] == -1)
     assert torch.all(got[1] == -1)
     assert got[2, :64].tolist() == list(range(64)) and torch.all(got[2, 64:] == -1)
 
 
-def test_key_lens_past_the_row_are_clamped(device):
+def test_key_lens_past_the_row_are_clamped(device, row_resident):
     gen = generator(4, device)
     scores = torch.randn((2, 40), generator=gen, device=device)
-    got = tri.top_k_indices(scores, _lens([1000, -3], device), k=8)
+    got = tri.top_k_indices(scores, _lens([1000, -3], device), k=8, row_resident=row_resident)
     torch.testing.assert_close(got, oracle_top_k(scores, _lens([40, 0], device), 8), atol=0, rtol=0)
 
 
-def test_strided_scores_and_preallocated_out(device):
+def test_strided_scores_and_preallocated_out(device, row_resident):
     gen = generator(5, device)
     scores = strided(torch.randn((4, 100), generator=gen, device=device), gen)
     lens = strided(_lens([100, 3, 77, 0], device), gen)
     out = torch.full((4, 20), 99, dtype=torch.int32, device=device)
-    got = _check(scores, lens, 20, out=out)
+    got = _check(scores, lens, 20, out=out, row_resident=row_resident)
     assert got.data_ptr() == out.data_ptr()
 
 
-def test_bits_of_close_scores(device):
+def test_bits_of_close_scores(device, row_resident):
     # Scores that differ only in the last mantissa bits force every radix pass.
     base = torch.full((1, 128), 1.0, device=device)
     base = base + torch.arange(128, device=device).flip(0)[None, :] * 2.0 ** -23
     base[0, ::2] = base[0, 1]
-    _check(base, _lens([128], device), 31)
+    _check(base, _lens([128], device), 31, row_resident=row_resident)
 
 
 def test_rejects_bad_inputs(device):
@@ -186,9 +196,12 @@ def test_chunk_count_is_static(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("num_rows, num_cols", [(64, 128 * 1024), (1, 128 * 1024), (512, 4096)])
-def test_gpu_real_sizes(ties, num_rows, num_cols):
-    # Decode rows at 128K, one row in the most chunks, prompt-like rows in one chunk each.
+@pytest.mark.parametrize("num_rows, num_cols, row_resident", [
+    (64, 128 * 1024, False), (1, 128 * 1024, False), (64, 32 * 1024, False), (512, 4096, False),
+    (64, 32 * 1024, True), (1, 32 * 1024, True), (512, 4096, True), (64, 16 * 1024 - 3, True)])
+def test_gpu_real_sizes(ties, num_rows, num_cols, row_resident):
+    # Decode rows at 128K and 32K, one row in the most chunks, prompt-like rows in one
+    # chunk each; rows held in registers up to the longest that fits, and an odd length.
     device = torch.device("cuda")
     gen = generator(7 + ties, device)
     k = 2048
@@ -199,4 +212,27 @@ def test_gpu_real_sizes(ties, num_rows, num_cols):
         scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
     lens = torch.randint(1, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
     lens[:4] = torch.tensor([num_cols, 0, 1, k], dtype=torch.int32)[:num_rows]
-    _check(scores, lens, k)
+    _check(scores, lens, k, row_resident=row_resident)
+
+
+def test_row_resident_rows_at_the_register_limit(device):
+    # The longest row one program holds (64 keys a thread at 16 warps), at V3.2's k:
+    # a continuous row, and one whose k-th score is shared far past k.
+    gen = generator(20, device)
+    num_cols = row_topk.ROW_MAX_COLS
+    scores = torch.randn((2, num_cols), generator=gen, device=device)
+    scores[1] = torch.randint(0, 40, (num_cols,), generator=gen, device=device).float()
+    _check(scores, _lens([num_cols, num_cols - 5], device), 2048, row_resident=True)
+
+
+def test_row_resident_and_the_default_choice(device):
+    scores = torch.zeros(2, row_topk.ROW_MAX_COLS + 1, device=device)
+    lens = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="32768"):
+        tri.top_k_indices(scores, lens, k=4, row_resident=True)
+    with pytest.raises(ValueError, match="num_chunks"):
+        tri.top_k_indices(scores[:, :10], lens, k=4, row_resident=True, num_chunks=2)
+    # Rows that fit go to one program each unless chunks are asked for; longer rows are chunked.
+    assert row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS) and not row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS + 1)
+    got = tri.top_k_indices(scores, lens + row_topk.ROW_MAX_COLS + 1, k=4)
+    assert got[0].tolist() == [0, 1, 2, 3]
