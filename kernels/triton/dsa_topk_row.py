@@ -29,9 +29,10 @@ from .sort_keys import load_keys
 
 # The longest row held in registers: 64 keys a thread at 16 warps.
 ROW_MAX_COLS = 32768
-# Keys per step of the emit, which reads the row again (from L2) in tiles.
-_EMIT_TILE = 4096
 _FILL_BLOCK = 1024
+# The longest row whose prefix sum the emit takes in registers, beside its keys (at 16
+# warps; ptxas spills at 32K); longer rows are read again in tiles of this length.
+_EMIT_TILE = 16384
 
 
 def row_top_k_fits(num_cols: int) -> bool:
@@ -46,12 +47,30 @@ def _num_warps(row: int) -> int:
 
 
 @triton.jit
+def _emit_tile(out_row, s_ok, keys, pos, valid, kth, want, refine, take_all, above_seen, ties_seen,
+               K: tl.constexpr):
+    """Writes a tile's selected positions in order, after the above_seen keys above the k-th and
+    ties_seen equal to it in earlier tiles; returns both counts with this tile's added."""
+    # A row of at most K keys takes every one ("above" the empty bucket).
+    is_above = (valid & ((keys > kth) | take_all)).to(tl.int32)
+    tie = (valid & refine & (keys == kth)).to(tl.int32)
+    # Above-k-th keys counted in the low 16 bits, k-th-equal keys in the high ones.
+    packed = is_above | (tie << 16)
+    before_key = tl.cumsum(packed, axis=0) - packed
+    ties_before = ties_seen + (before_key >> 16)
+    chosen = (is_above != 0) | ((tie != 0) & (ties_before < want))
+    slot = above_seen + (before_key & 0xFFFF) + tl.minimum(ties_before, want)
+    tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
+    counts = tl.sum(packed, axis=0)
+    return above_seen + (counts & 0xFFFF), ties_seen + (counts >> 16)
+
+
+@triton.jit
 def _row_top_k_kernel(
     scores_ptr, key_lens_ptr, out_ptr,
     num_cols,
     s_st, s_sj, s_kl, s_ot, s_ok,
-    K: tl.constexpr, ROW: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    ALIGNED: tl.constexpr, GDC: tl.constexpr,
+    K: tl.constexpr, ROW: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     if GDC:
@@ -60,50 +79,68 @@ def _row_top_k_kernel(
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     out_row = out_ptr + t.to(tl.int64) * s_ot
+    pos = tl.arange(0, ROW)
+    valid = pos < n
+    # Hidden positions key as 0, below every candidate the search tries (each is >= 1).
+    keys = tl.where(valid, load_keys(row, pos, n, s_sj, ALIGNED), 0)
     refine = n > K
-    # The k-th largest key, and how many keys equal to it are taken (after every key above it).
-    kth = tl.zeros([], dtype=tl.uint32)
-    want = tl.zeros([], dtype=tl.int32)
-    if refine:
-        pos = tl.arange(0, ROW)
-        # Hidden positions key as 0, below every candidate (each has a bit set); only a
-        # NaN with every bit set keys as 0 too, and the emit still takes it by position.
-        keys = tl.where(pos < n, load_keys(row, pos, n, s_sj, ALIGNED), 0)
-        reached = n
-        bit = tl.full([], 31, tl.int32)
-        while (bit >= 0) & (reached != K):
-            candidate = kth | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
-            count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-            kth = tl.where(count >= K, candidate, kth)
-            reached = tl.where(count >= K, count, reached)
-            bit -= 1
-        want = K - tl.sum((keys > kth).to(tl.int32), axis=0)
-
-    offs = tl.arange(0, TILE)
-    above_seen = tl.zeros([], dtype=tl.int32)
-    ties_seen = tl.zeros([], dtype=tl.int32)
-    for j0 in range(0, n, TILE):
-        pos = j0 + offs
-        valid = pos < n
-        key = load_keys(row, pos, n, s_sj, ALIGNED)
-        # A row of at most k keys takes every one ("above" the empty bucket).
-        is_above = (valid & ((key > kth) | (n <= K))).to(tl.int32)
-        tie = (valid & refine & (key == kth)).to(tl.int32)
-        # Above-k-th keys counted in the low 16 bits, k-th-equal keys in the high ones.
-        packed = is_above | (tie << 16)
-        before_key = tl.cumsum(packed, axis=0) - packed
-        ties_before = ties_seen + (before_key >> 16)
-        chosen = (is_above != 0) | ((tie != 0) & (ties_before < want))
-        slot = above_seen + (before_key & 0xFFFF) + tl.minimum(ties_before, want)
-        tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
+    # The search keeps a bracket: at least K keys reach lo (c_lo of them), fewer than K
+    # reach hi (c_hi). Each round counts the keys reaching two candidates inside it in one
+    # block reduction (two 16-bit counts in one int32: a row holds at most 2^15 keys): the
+    # bracket's midpoint, which bounds the rounds by 32, and the point where a straight
+    # line through the bracket's counts crosses K - 1/2, which on smooth scores finds the
+    # gap between the k-th and the (k+1)-th key in a few rounds.
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = tl.full([], 1 << 32, tl.int64)
+    c_lo = n
+    c_hi = tl.zeros([], dtype=tl.int32)
+    while refine & (hi - lo > 1) & (c_lo != K):
+        mid = lo + (hi - lo) // 2
+        share = (c_lo.to(tl.float32) - (K - 0.5)) / (c_lo - c_hi).to(tl.float32)
+        line = lo + (share * (hi - lo).to(tl.float32)).to(tl.int64)
+        line = tl.minimum(tl.maximum(line, lo + 1), hi - 1)
+        a = tl.minimum(mid, line)
+        b = tl.maximum(mid, line)
+        packed = (keys >= a.to(tl.uint32)).to(tl.int32) + ((keys >= b.to(tl.uint32)).to(tl.int32) << 16)
         counts = tl.sum(packed, axis=0)
-        above_seen += counts & 0xFFFF
-        ties_seen += counts >> 16
-    selected = tl.minimum(above_seen + tl.minimum(ties_seen, want), K)
+        c_a = counts & 0xFFFF
+        c_b = counts >> 16
+        # a <= b, so c_a >= c_b: the bracket narrows to the neighbouring points around K.
+        lo_at_b = c_b >= K
+        lo_at_a = c_a >= K
+        hi_at_a = c_a < K
+        hi_at_b = c_b < K
+        lo = tl.where(lo_at_b, b, tl.where(lo_at_a, a, lo))
+        c_lo = tl.where(lo_at_b, c_b, tl.where(lo_at_a, c_a, c_lo))
+        hi = tl.where(hi_at_a, a, tl.where(hi_at_b, b, hi))
+        c_hi = tl.where(hi_at_a, c_a, tl.where(hi_at_b, c_b, c_hi))
+    # Exactly K keys reach lo: they are the selection (every key above lo - 1). Otherwise
+    # the bracket closed on lo, the k-th key itself, and K - c_hi of the keys equal to it
+    # are taken after the c_hi above it.
+    exact = c_lo == K
+    kth = tl.where(exact, lo - 1, lo).to(tl.uint32)
+    want = tl.where(exact, 0, K - c_hi)
+
+    take_all = n <= K
+    if TILE == ROW:
+        above, ties = _emit_tile(out_row, s_ok, keys, pos, valid, kth, want, refine, take_all, 0, 0, K)
+    else:
+        # A whole row's prefix sum beside its keys would not fit the registers: the
+        # emit reads the row again (from L2) in tiles.
+        above = tl.zeros([], dtype=tl.int32)
+        ties = tl.zeros([], dtype=tl.int32)
+        offs = tl.arange(0, TILE)
+        for j0 in range(0, n, TILE):
+            tile_pos = j0 + offs
+            tile_keys = load_keys(row, tile_pos, n, s_sj, ALIGNED)
+            above, ties = _emit_tile(out_row, s_ok, tile_keys, tile_pos, tile_pos < n, kth, want, refine, take_all,
+                                     above, ties, K)
+    selected = tl.minimum(above + tl.minimum(ties, want), K)
     fill = tl.arange(0, FILL_BLOCK)
     for s0 in range(0, K, FILL_BLOCK):
-        slot = s0 + fill
-        tl.store(out_row + slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32), mask=(slot >= selected) & (slot < K))
+        fill_slot = s0 + fill
+        tl.store(out_row + fill_slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32),
+                 mask=(fill_slot >= selected) & (fill_slot < K))
 
 
 def row_top_k_indices(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
