@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk, dsa_topk_row  # noqa: E402
+from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -125,7 +125,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
                score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
                chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
-               topk_path="row" if topk_chunks is None and dsa_topk_row.row_top_k_fits(context) else "chunked",
+               topk_path="row" if topk_chunks is None and dsa_topk.top_k_row_resident(num_rows, context, "cuda") else "chunked",
                topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
                bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
     if eager:

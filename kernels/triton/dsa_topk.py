@@ -87,6 +87,24 @@ _SPARSE_SHARE = 16
 _FIRST_SPARSE_PASS = 2
 
 
+# Where one program a row (`dsa_topk_row`) beats the chunked passes, on an H100 (132
+# multiprocessors; bench/results/logs/topk-row-h100-2026-11-23.log): rows up to 8K always
+# (one launch instead of five: B1 x 2K 7.5 vs 18 us, B512 x 4K 26 vs 45 us). A program's
+# search over a 32K row takes ~40 us however many rows run beside it (one a multiprocessor),
+# while the chunked passes grow with the rows (B8 x 32K 24 us, B64 x 32K 55 us, about
+# linearly): they cross near 50 rows, so longer rows go one a program from 3/8 of the
+# multiprocessor count on (B64 x 32K: 45 us).
+_ROW_ALWAYS_COLS = 8192
+
+
+def top_k_row_resident(num_rows: int, num_cols: int, device: torch.device | str) -> bool:
+    """Whether `top_k_indices` selects [num_rows, num_cols] scores one program a row by default."""
+    device = torch.device(device)
+    if not row_top_k_fits(num_cols):
+        return False
+    return num_cols <= _ROW_ALWAYS_COLS or 8 * num_rows >= 3 * sm_count(device)
+
+
 def top_k_config(device: torch.device) -> TopKConfig:
     return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
 
@@ -360,8 +378,8 @@ def top_k_indices(
     config:     overrides the block size and warps (benchmark sweeps)
     row_resident: True selects with one program a row holding the row in registers
                 (`dsa_topk_row`; rows of at most 32K scores), False with the chunked radix
-                passes here; None (the default) takes the first wherever rows fit and no
-                num_chunks is given. The workspace is unused by the first.
+                passes here; None (the default) picks by the static shape and the device
+                (`top_k_row_resident`) unless num_chunks is given. The first uses no workspace.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
                 the lower position, listed in ascending order; when key_lens[t] < k every
                 visible position in order, then -1.
@@ -388,7 +406,7 @@ def top_k_indices(
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
     if row_resident is None:
-        row_resident = num_chunks is None and row_top_k_fits(num_cols)
+        row_resident = num_chunks is None and top_k_row_resident(num_rows, num_cols, device)
     if row_resident:
         if num_chunks is not None:
             raise ValueError(f"num_chunks: a row-resident top-k has no chunks, got {num_chunks}")

@@ -41,9 +41,12 @@ def row_top_k_fits(num_cols: int) -> bool:
 
 
 def _num_warps(row: int) -> int:
-    # At least 32 keys a thread (fewer warps, shorter block reductions) and at most
-    # 16 warps: a 32K row is then 64 key registers a thread, within a 128-register budget.
-    return min(16, max(4, row // 1024))
+    # Swept on an H100 (bench/results/logs/topk-row-h100-2026-11-23.log): 8 warps from 4K
+    # keys (a 32K row is then 128 key registers a thread, no spills), 16 at 16K (5-10%
+    # faster there), 4 below 4K.
+    if row == 16384:
+        return 16
+    return 8 if row >= 4096 else 4
 
 
 @triton.jit
