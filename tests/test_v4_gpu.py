@@ -13,6 +13,8 @@ from mla_func.pytree import tree_map
 pytestmark = pytest.mark.gpu
 
 GREEDY = mf.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Two tokens whose logits are this share of the logits' range apart are a near-tie in bf16.
+_NEAR_TIE = 0.01
 
 
 def _prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -33,7 +35,7 @@ def test_v4_tiny_on_cuda_matches_cpu():
 
 
 def _prefill_logits(model: mf.Model, tokens: list[int]) -> torch.Tensor:
-    state = mf.init_state(model, num_blocks=32, block_size=4)
+    state = mf.init_state(model, num_blocks=max(32, -(-len(tokens) // 4) + 4), block_size=4)
     tables = [tuple(range(1, 1 + g.blocks_for(len(tokens)) + 1)) for g in state.groups]
     plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(tokens), 0, tables[0], len(tokens),
                                            group_block_tables=tuple(tables[1:])),))
@@ -54,5 +56,19 @@ def test_v4_mini_runs_in_bf16_and_decode_graphs_replay_eager():
         outputs.append([c.raise_for_error().token_ids for c in completions])
         if graphs:
             assert engine.step.captured_keys, "decode steps should have replayed a captured graph"
-    assert outputs[0] == outputs[1]
-    assert all(len(tokens) == GREEDY.max_tokens for tokens in outputs[0])
+        assert all(len(tokens) == GREEDY.max_tokens for tokens in outputs[-1])
+    # Graphs pad a decode batch to its ladder rung, the eager engine runs the exact size, and
+    # bf16 products of other shapes may round differently (graph = eager bit for bit holds at
+    # one static key: tests/test_v4_gpu_triton.py). So the two token streams must agree up to
+    # where a near-tie splits them, judged by a third forward (a prefill over the common
+    # prefix): a graph replaying wrong buffers would pick a token far from the eager one's.
+    for prompt, eager, graph in zip(prompts, *outputs):
+        split = next((i for i, (a, b) in enumerate(zip(eager, graph)) if a != b), None)
+        if split is None:
+            continue
+        logits = _prefill_logits(model, prompt + list(eager[:split]))[-1].float()
+        gap = float((logits[eager[split]] - logits[graph[split]]).abs())
+        spread = float(logits.max() - logits.min())
+        assert gap <= _NEAR_TIE * spread, (
+            f"token {split} of a {len(prompt)}-token prompt: eager took {eager[split]}, graphs {graph[split]}, "
+            f"{gap:.4f} apart in logits spanning {spread:.2f}")

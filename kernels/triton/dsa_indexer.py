@@ -76,6 +76,12 @@ _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 # _MIN_KEYS_PER_CHUNK, below which the query reload outweighs the parallelism.
 _WAVES = 8
 _MIN_KEYS_PER_CHUNK = 512
+# When those chunks are fewer than one wave (a batch of one or a few rows, V4's
+# compressed entries), shorter ones fill it: one row of 2K / 16K keys in 16 / 128
+# chunks of 128 takes 5.7 / 6.1 us instead of 12 (H100,
+# bench/results/logs/indexer-small-h100-2026-11-23.log). Where chunks of 512 already
+# fill a wave, shorter ones lose to the queries' reloads (B64 x 2K: 18.6 vs 14.8 us).
+_MIN_KEYS_PER_SHORT_CHUNK = 128
 
 
 def indexer_config(device: torch.device) -> IndexerConfig:
@@ -87,9 +93,15 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
     """Chunks per row: depends only on static shapes and the device's multiprocessor count."""
     device = torch.device(device)
     config = config or indexer_config(device)
-    wanted = triton.cdiv(_WAVES * sm_count(device), max(1, num_rows))
-    min_keys = _MIN_KEYS_PER_CHUNK if device.type == "cuda" else config.block_n
-    return max(1, min(wanted, triton.cdiv(num_cols, min_keys)))
+    num_rows = max(1, num_rows)
+    wanted = triton.cdiv(_WAVES * sm_count(device), num_rows)
+    if device.type != "cuda":
+        return max(1, min(wanted, triton.cdiv(num_cols, config.block_n)))
+    chunks = max(1, min(wanted, triton.cdiv(num_cols, _MIN_KEYS_PER_CHUNK)))
+    if num_rows * chunks < sm_count(device):
+        one_wave = triton.cdiv(sm_count(device), num_rows)
+        chunks = max(chunks, min(one_wave, triton.cdiv(num_cols, _MIN_KEYS_PER_SHORT_CHUNK)))
+    return chunks
 
 
 @triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
