@@ -377,7 +377,7 @@ def top_k_indices(
     num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
     config:     overrides the block size and warps (benchmark sweeps)
     row_resident: True selects with one program a row holding the row in registers
-                (`dsa_topk_row`; rows of at most 32K scores), False with the chunked radix
+                (`dsa_topk_row`; rows of at most 32K + 4K scores), False with the chunked radix
                 passes here; None (the default) picks by the static shape and the device
                 (`top_k_row_resident`) unless num_chunks is given. The first uses no workspace.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward

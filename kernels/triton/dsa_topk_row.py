@@ -1,20 +1,24 @@
-"""Top-k of rows short enough to sit in one program's registers: a bitwise search for the k-th key.
+"""Top-k of rows short enough to sit in one program's registers: a search for the k-th key.
 
-A row of at most 32K float32 scores is 64 values a thread at 16 warps, so one program
-can hold all of it and ask "how many keys are at or above c?" again and again without
-reading memory: a compare and an add a key, then one reduction over the block. The
-k-th largest key is found bit by bit, most significant first: a candidate keeps the
-bits fixed so far and sets the next one, and stays if at least k keys reach it. The
-search stops as soon as exactly k keys reach the value found (no tie left to break),
-which for continuous scores happens after ~20 of the 32 bits. An emit pass then
-writes the keys above the k-th, and of those equal to it the first by position, in
-ascending order through one prefix sum per tile (the chunked kernel's emit rule).
+A row of up to 32K float32 scores is 128 keys a thread at 8 warps (up to 4K more are
+held beside them: a decode row at 32K context has a block more), so one program can
+ask "how many keys reach c?" again and again without reading memory: a compare and an
+add a key, then one block reduction. The search keeps a bracket of keys around the
+k-th largest (at least k keys reach its low end, fewer than k its high end) and counts
+two candidates a round: the bracket's midpoint, which bounds the rounds by 32, and the
+point where a straight line through the bracket's counts crosses k, which on smooth
+scores finds the gap between the k-th and the (k+1)-th key in ~10 rounds. It stops
+when exactly k keys reach the low end (no tie left to break) or when the bracket
+closes on the k-th key itself. An emit pass then writes the keys above the k-th, and
+of those equal to it the first by position, in ascending order through one prefix sum
+per tile (the chunked kernel's emit rule).
 
 Why a second kernel beside the chunked radix select (`dsa_topk`): that one spreads a
-row over many programs, which long rows and few rows need, but pays five launches and
-a ballot histogram of ~100 instructions per key and pass. Here a key costs ~2
-instructions per bit searched and the whole selection is one launch: it pays wherever
-a row fits, i.e. at decode contexts up to 32K (V3.2) and for V4's compressed entries.
+row over many programs, which few long rows need, but pays five launches and a ballot
+histogram of ~100 instructions per key and pass. Here the selection is one launch. On
+an H100 a 32K row takes one program ~40 us (the search ~26 of them: integer compares
+run at half the float rate), whatever the batch; `dsa_topk.top_k_row_resident` says
+where that beats the chunked passes.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2, pdl
 from .sort_keys import load_keys
 
-# The longest row held in registers: 64 keys a thread at 16 warps.
-ROW_MAX_COLS = 32768
+# The longest power of two of keys held in registers (128 a thread at 8 warps), and the
+# most held beside it: a decode row at 32K context has 32K + a block of positions.
+_ROW_MAX_POW2 = 32768
+_MAX_TAIL = 4096
+ROW_MAX_COLS = _ROW_MAX_POW2 + _MAX_TAIL
 _FILL_BLOCK = 1024
 # The longest row whose prefix sum the emit takes in registers, beside its keys (at 16
 # warps; ptxas spills at 32K); longer rows are read again in tiles of this length.
@@ -37,7 +44,7 @@ _EMIT_TILE = 16384
 
 def row_top_k_fits(num_cols: int) -> bool:
     """Whether rows of num_cols scores fit one program of `row_top_k_indices`."""
-    return next_pow2(num_cols) <= ROW_MAX_COLS
+    return num_cols <= ROW_MAX_COLS
 
 
 def _num_warps(row: int) -> int:
@@ -69,11 +76,17 @@ def _emit_tile(out_row, s_ok, keys, pos, valid, kth, want, refine, take_all, abo
 
 
 @triton.jit
+def _count_two(keys, a, b):
+    """Keys reaching a (low 16 bits) and b (high 16 bits), as one uint32 (no sign bit to overflow into)."""
+    return tl.sum((keys >= a).to(tl.uint32) + ((keys >= b).to(tl.uint32) << 16), axis=0)
+
+
+@triton.jit
 def _row_top_k_kernel(
     scores_ptr, key_lens_ptr, out_ptr,
     num_cols,
     s_st, s_sj, s_kl, s_ot, s_ok,
-    K: tl.constexpr, ROW: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
+    K: tl.constexpr, ROW: tl.constexpr, TAIL: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     if GDC:
@@ -86,10 +99,15 @@ def _row_top_k_kernel(
     valid = pos < n
     # Hidden positions key as 0, below every candidate the search tries (each is >= 1).
     keys = tl.where(valid, load_keys(row, pos, n, s_sj, ALIGNED), 0)
+    if TAIL > 0:
+        # Positions past the power of two, held beside it (a decode row at 32K context
+        # has a block more); only the search needs them in registers.
+        tail_pos = ROW + tl.arange(0, TAIL)
+        tail_keys = tl.where(tail_pos < n, load_keys(row, tail_pos, n, s_sj, ALIGNED), 0)
     refine = n > K
     # The search keeps a bracket: at least K keys reach lo (c_lo of them), fewer than K
     # reach hi (c_hi). Each round counts the keys reaching two candidates inside it in one
-    # block reduction (two 16-bit counts in one int32: a row holds at most 2^15 keys): the
+    # block reduction (two 16-bit counts in one uint32: a row holds fewer than 2^16 keys): the
     # bracket's midpoint, which bounds the rounds by 32, and the point where a straight
     # line through the bracket's counts crosses K - 1/2, which on smooth scores finds the
     # gap between the k-th and the (k+1)-th key in a few rounds.
@@ -104,10 +122,11 @@ def _row_top_k_kernel(
         line = tl.minimum(tl.maximum(line, lo + 1), hi - 1)
         a = tl.minimum(mid, line)
         b = tl.maximum(mid, line)
-        packed = (keys >= a.to(tl.uint32)).to(tl.int32) + ((keys >= b.to(tl.uint32)).to(tl.int32) << 16)
-        counts = tl.sum(packed, axis=0)
-        c_a = counts & 0xFFFF
-        c_b = counts >> 16
+        counts = _count_two(keys, a.to(tl.uint32), b.to(tl.uint32))
+        if TAIL > 0:
+            counts += _count_two(tail_keys, a.to(tl.uint32), b.to(tl.uint32))
+        c_a = (counts & 0xFFFF).to(tl.int32)
+        c_b = (counts >> 16).to(tl.int32)
         # a <= b, so c_a >= c_b: the bracket narrows to the neighbouring points around K.
         lo_at_b = c_b >= K
         lo_at_a = c_a >= K
@@ -157,14 +176,15 @@ def row_top_k_indices(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out:
         raise ValueError(f"scores: rows of at most {ROW_MAX_COLS} scores fit one program, got {num_cols}")
     if num_rows == 0:
         return out
-    row = max(16, next_pow2(num_cols))
+    row = min(max(16, next_pow2(num_cols)), _ROW_MAX_POW2)
+    tail = next_pow2(num_cols - row) if num_cols > row else 0
     aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     use_pdl = pdl(scores.device)
     _row_top_k_kernel[(num_rows,)](
         scores, key_lens, out,
         num_cols,
         *scores.stride(), key_lens.stride(0), *out.stride(),
-        K=k, ROW=row, TILE=min(row, _EMIT_TILE), FILL_BLOCK=min(_FILL_BLOCK, next_pow2(k)),
+        K=k, ROW=row, TAIL=tail, TILE=min(row, _EMIT_TILE), FILL_BLOCK=min(_FILL_BLOCK, next_pow2(k)),
         ALIGNED=aligned, GDC=use_pdl, num_warps=_num_warps(row), launch_pdl=use_pdl,
     )
     return out

@@ -215,20 +215,38 @@ def test_gpu_real_sizes(ties, num_rows, num_cols, row_resident):
     _check(scores, lens, k, row_resident=row_resident)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_cols", [32768, 32768 + 64, 36864])
+def test_gpu_row_resident_whole_rows_reaching_a_candidate(num_cols):
+    # Every key reaching both candidates of a round: the two counts fill their 32-bit word
+    # (a sum that only a GPU's 32-bit accumulator overflows; the interpreter's is wider).
+    device = torch.device("cuda")
+    gen = generator(30, device)
+    scores = torch.full((3, num_cols), 1e38, device=device)
+    scores[1] = (torch.rand(num_cols, generator=gen, device=device) + 1) * 1e30
+    scores[2] = float("inf")
+    _check(scores, _lens([num_cols, num_cols, num_cols - 1], device), 2048, row_resident=True)
+
+
 def test_row_resident_rows_at_the_register_limit(device):
-    # The longest row one program holds (64 keys a thread at 16 warps), at V3.2's k:
-    # a continuous row, and one whose k-th score is shared far past k.
+    # The longest row one program holds (32K keys and a 4K tail beside them), at V3.2's
+    # k: a continuous row, one whose k-th score is shared far past k, and one of equal
+    # huge scores, where every candidate of the first rounds counts the whole row (the
+    # two counts of a round share one 32-bit word).
     gen = generator(20, device)
     num_cols = row_topk.ROW_MAX_COLS
-    scores = torch.randn((2, num_cols), generator=gen, device=device)
+    scores = torch.randn((3, num_cols), generator=gen, device=device)
     scores[1] = torch.randint(0, 40, (num_cols,), generator=gen, device=device).float()
-    _check(scores, _lens([num_cols, num_cols - 5], device), 2048, row_resident=True)
+    scores[2] = 1e38
+    _check(scores, _lens([num_cols, num_cols - 5, num_cols], device), 2048, row_resident=True)
+    # A decode row at 32K context: the power of two and a block more.
+    _check(scores[:2, :32768 + 67], _lens([32768 + 67, 32768 + 1], device), 2048, row_resident=True)
 
 
 def test_row_resident_and_the_default_choice(device):
     scores = torch.zeros(2, row_topk.ROW_MAX_COLS + 1, device=device)
     lens = torch.zeros(2, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="32768"):
+    with pytest.raises(ValueError, match=str(row_topk.ROW_MAX_COLS)):
         tri.top_k_indices(scores, lens, k=4, row_resident=True)
     with pytest.raises(ValueError, match="num_chunks"):
         tri.top_k_indices(scores[:, :10], lens, k=4, row_resident=True, num_chunks=2)
