@@ -50,7 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2, pdl, sm_count
 from .dsa_topk_row import row_top_k_fits, row_top_k_indices
-from .sort_keys import load_keys
+from .topk_shared import emit_tile, fill_unselected, load_keys
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
@@ -335,24 +335,9 @@ def _emit_kernel(
         key = load_keys(row, pos, end, s_sj, ALIGNED)
         is_above = (valid & (key > bucket_max)).to(tl.int32)
         tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
-        # One scan counts both kinds before each key: above-bucket keys in the low 16
-        # bits, bucket keys in the high ones (a block holds fewer than 2^16 keys).
-        packed = is_above | (tie << 16)
-        before_key = tl.cumsum(packed, axis=0) - packed
-        ties_before = ties_seen + (before_key >> 16)
-        chosen = (is_above != 0) | ((tie != 0) & (ties_before < want))
-        slot = above_seen + (before_key & 0xFFFF) + tl.minimum(ties_before, want)
-        tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
-        counts = tl.sum(packed, axis=0)
-        above_seen += counts & 0xFFFF
-        ties_seen += counts >> 16
+        above_seen, ties_seen = emit_tile(out_row, s_ok, pos, is_above, tie, want, above_seen, ties_seen, K)
     if chunk == 0:
-        selected = tl.minimum(n, K)
-        fill = tl.arange(0, FILL_BLOCK)
-        for s0 in range(0, K, FILL_BLOCK):
-            slot = s0 + fill
-            tl.store(out_row + slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32),
-                     mask=(slot >= selected) & (slot < K))
+        fill_unselected(out_row, s_ok, tl.minimum(n, K), K, FILL_BLOCK)
 
 
 def top_k_indices(

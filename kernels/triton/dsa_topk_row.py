@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, pdl
-from .sort_keys import load_keys
+from .topk_shared import emit_tile, fill_unselected, load_keys
 
 # The longest power of two of keys held in registers (128 a thread at 8 warps), and the
 # most held beside it: a decode row at 32K context has 32K + a block of positions.
@@ -57,22 +57,14 @@ def _num_warps(row: int) -> int:
 
 
 @triton.jit
-def _emit_tile(out_row, s_ok, keys, pos, valid, kth, want, refine, take_all, above_seen, ties_seen,
-               K: tl.constexpr):
-    """Writes a tile's selected positions in order, after the above_seen keys above the k-th and
-    ties_seen equal to it in earlier tiles; returns both counts with this tile's added."""
+def _above(keys, valid, kth, take_all):
     # A row of at most K keys takes every one ("above" the empty bucket).
-    is_above = (valid & ((keys > kth) | take_all)).to(tl.int32)
-    tie = (valid & refine & (keys == kth)).to(tl.int32)
-    # Above-k-th keys counted in the low 16 bits, k-th-equal keys in the high ones.
-    packed = is_above | (tie << 16)
-    before_key = tl.cumsum(packed, axis=0) - packed
-    ties_before = ties_seen + (before_key >> 16)
-    chosen = (is_above != 0) | ((tie != 0) & (ties_before < want))
-    slot = above_seen + (before_key & 0xFFFF) + tl.minimum(ties_before, want)
-    tl.store(out_row + slot * s_ok, pos, mask=chosen & (slot < K))
-    counts = tl.sum(packed, axis=0)
-    return above_seen + (counts & 0xFFFF), ties_seen + (counts >> 16)
+    return (valid & ((keys > kth) | take_all)).to(tl.int32)
+
+
+@triton.jit
+def _tie(keys, valid, kth, refine):
+    return (valid & refine & (keys == kth)).to(tl.int32)
 
 
 @triton.jit
@@ -86,7 +78,8 @@ def _row_top_k_kernel(
     scores_ptr, key_lens_ptr, out_ptr,
     num_cols,
     s_st, s_sj, s_kl, s_ot, s_ok,
-    K: tl.constexpr, ROW: tl.constexpr, TAIL: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
+    K: tl.constexpr, ROW: tl.constexpr, TAIL: tl.constexpr, TILE: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     if GDC:
@@ -145,7 +138,8 @@ def _row_top_k_kernel(
 
     take_all = n <= K
     if TILE == ROW:
-        above, ties = _emit_tile(out_row, s_ok, keys, pos, valid, kth, want, refine, take_all, 0, 0, K)
+        above, ties = emit_tile(out_row, s_ok, pos, _above(keys, valid, kth, take_all), _tie(keys, valid, kth, refine),
+                                want, 0, 0, K)
     else:
         # A whole row's prefix sum beside its keys would not fit the registers: the
         # emit reads the row again (from L2) in tiles.
@@ -155,14 +149,11 @@ def _row_top_k_kernel(
         for j0 in range(0, n, TILE):
             tile_pos = j0 + offs
             tile_keys = load_keys(row, tile_pos, n, s_sj, ALIGNED)
-            above, ties = _emit_tile(out_row, s_ok, tile_keys, tile_pos, tile_pos < n, kth, want, refine, take_all,
-                                     above, ties, K)
+            tile_valid = tile_pos < n
+            above, ties = emit_tile(out_row, s_ok, tile_pos, _above(tile_keys, tile_valid, kth, take_all),
+                                    _tie(tile_keys, tile_valid, kth, refine), want, above, ties, K)
     selected = tl.minimum(above + tl.minimum(ties, want), K)
-    fill = tl.arange(0, FILL_BLOCK)
-    for s0 in range(0, K, FILL_BLOCK):
-        fill_slot = s0 + fill
-        tl.store(out_row + fill_slot * s_ok, tl.full([FILL_BLOCK], -1, tl.int32),
-                 mask=(fill_slot >= selected) & (fill_slot < K))
+    fill_unselected(out_row, s_ok, selected, K, FILL_BLOCK)
 
 
 def row_top_k_indices(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:

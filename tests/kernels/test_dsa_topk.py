@@ -254,7 +254,8 @@ def test_row_resident_and_the_default_choice(device):
     # multiprocessors; longer rows are chunked.
     assert row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS) and not row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS + 1)
     assert tri.top_k_row_resident(1, 8192, device)
-    assert tri.top_k_row_resident(64, row_topk.ROW_MAX_COLS, device) != tri.top_k_row_resident(1, row_topk.ROW_MAX_COLS, device)
+    longest = row_topk.ROW_MAX_COLS
+    assert tri.top_k_row_resident(64, longest, device) != tri.top_k_row_resident(1, longest, device)
     assert not tri.top_k_row_resident(1000, row_topk.ROW_MAX_COLS + 1, device)
     got = tri.top_k_indices(scores, lens + 6, k=4)
     assert got.tolist() == [[0, 1, 2, 3]] * 2
