@@ -1,5 +1,8 @@
 """Top-k selection of the indexer's scores by radix select over row chunks: no sort.
 
+`top_k_indices` is the op; rows short enough for one program's registers are selected
+by `dsa_topk_row` where that is faster (`top_k_row_resident`), the rest here.
+
 A row's k best positions are found without ordering the scores. Each float32
 score maps to a uint32 key whose unsigned order is the float order; the k-th
 largest key is then pinned down one byte at a time, most significant first. A
@@ -383,7 +386,6 @@ def top_k_indices(
     if not 1 <= config.block < 1 << 16:
         # The emit's scan counts a block's keys in 16-bit halves of one int32.
         raise ValueError(f"config.block: expected 1..{(1 << 16) - 1}, got {config.block}")
-    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=device)
     else:
@@ -396,6 +398,7 @@ def top_k_indices(
         if num_chunks is not None:
             raise ValueError(f"num_chunks: a row-resident top-k has no chunks, got {num_chunks}")
         return row_top_k_indices(scores, key_lens, k, out)
+    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
     if workspace is None:
         workspace = torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
     else:

@@ -250,8 +250,8 @@ def test_row_resident_and_the_default_choice(device):
         tri.top_k_indices(scores, lens, k=4, row_resident=True)
     with pytest.raises(ValueError, match="num_chunks"):
         tri.top_k_indices(scores[:, :10], lens, k=4, row_resident=True, num_chunks=2)
-    # Short rows go to one program each, long rows that fit when they fill half the
-    # multiprocessors; longer rows are chunked.
+    # Short rows go to one program each, long rows that fit when there are at least 3/8 as
+    # many as multiprocessors; longer rows are chunked.
     assert row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS) and not row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS + 1)
     assert tri.top_k_row_resident(1, 8192, device)
     longest = row_topk.ROW_MAX_COLS
