@@ -66,6 +66,14 @@ class Rope(Protocol):
         ...
 
 
+class PartialRope(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *, rotary_dim: int,
+                 interleaved: bool) -> tuple[Tensor, Tensor]:
+        """`Rope` of the first rotary_dim dims of q [T, H, D] and k [T, D], the other dims passed
+        through -> new (q [T, H, D], k [T, D]); cos, sin [max_positions, rotary_dim / 2]."""
+        ...
+
+
 class MergeAttnStates(Protocol):
     def __call__(self, out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, /) -> tuple[Tensor, Tensor]:
         """Two partial attention results over disjoint key sets: out [T, H, D], lse [T, H]

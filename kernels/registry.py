@@ -47,6 +47,7 @@ class DenseOps:
     rms_norm: c.RmsNorm
     rms_norm_linear: c.RmsNormLinear
     rope: c.Rope
+    partial_rope: c.PartialRope
     merge_attn_states: c.MergeAttnStates
 
 
@@ -122,6 +123,7 @@ REFERENCE = Ops(
         rms_norm=ref_norm.rms_norm,
         rms_norm_linear=ref_linear.rms_norm_linear,
         rope=ref_rope.rope,
+        partial_rope=ref_rope.partial_rope,
         merge_attn_states=ref_attention.merge_attn_states,
     ),
     mla=MLAOps(

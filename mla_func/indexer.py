@@ -46,12 +46,9 @@ def index_query_key(
     heads, dim, rope_dim = p.weights_proj.shape[0], p.wk.shape[0], config.qk_rope_head_dim
     q = ops.dense.linear(q_resid, p.wq_b).view(x.shape[0], heads, dim)
     key = F.layer_norm(ops.dense.linear(x, p.wk), (dim,), p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
-    q_pe, k_pe = ops.dense.rope(q[..., :rope_dim], key[:, :rope_dim], positions, cos, sin, interleaved=False)
-    q = torch.cat([q_pe, q[..., rope_dim:]], dim=-1)
-    key = torch.cat([k_pe, key[:, rope_dim:]], dim=-1)
-    # The input is widened to the weights' dtype first (as the reference does), so every backend's
-    # linear sees one dtype.
-    head_weights = ops.dense.linear(x.to(p.weights_proj.dtype), p.weights_proj) * (heads * dim) ** -0.5
+    q, key = ops.dense.partial_rope(q, key, positions, cos, sin, rotary_dim=rope_dim, interleaved=False)
+    # Products in the weights' float32 (float64) with the input widened to it, as the reference computes.
+    head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype) * (heads * dim) ** -0.5
     return q, key, head_weights
 
 

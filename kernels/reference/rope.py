@@ -44,3 +44,22 @@ def rope(
     num_heads = q_pe.shape[1]
     rotated = _rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), c.unsqueeze(1), s.unsqueeze(1), interleaved)
     return rotated[:, :num_heads], rotated[:, num_heads]
+
+
+def partial_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of the first rotary_dim dims of q [T, H, D] and k [T, D]; the rest passed through.
+
+    cos, sin: [max_positions, rotary_dim / 2]. Returns new (q [T, H, D], k [T, D]); the
+    rotated dims come out half-split, as `rope` gives them (DeepSeek-V3.2's indexer).
+    """
+    q_pe, k_pe = rope(q[..., :rotary_dim], k[:, :rotary_dim], positions, cos, sin, interleaved=interleaved)
+    return torch.cat([q_pe, q[..., rotary_dim:]], dim=-1), torch.cat([k_pe, k[:, rotary_dim:]], dim=-1)

@@ -17,7 +17,7 @@ from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
 from .prefill import prefill_attention
-from .rope import rope
+from .rope import partial_rope, rope
 from .routing import route
 from .v4_attention import window_entry_attention
 from .v4_compress import compress_entries
@@ -42,6 +42,7 @@ __all__ = [
     "mla_decode_num_splits",
     "mla_decode_workspace",
     "ops",
+    "partial_rope",
     "prefill_attention",
     "rms_norm",
     "rms_norm_linear",
@@ -65,7 +66,8 @@ def ops() -> Ops:
         REFERENCE,
         backend="triton",
         dense=dataclasses.replace(REFERENCE.dense, linear=linear, rms_norm=rms_norm,
-                                  rms_norm_linear=rms_norm_linear, rope=rope, merge_attn_states=merge_attn_states),
+                                  rms_norm_linear=rms_norm_linear, rope=rope, partial_rope=partial_rope,
+                                  merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
                                 write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode, prefill_attention=prefill_attention),

@@ -139,7 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     """
     check_shape("weight", weight, (None, x.shape[1]))
     check_float("x", x)
-    check_dtype("weight", weight, (x.dtype,))
-    if out_dtype is not None and out_dtype != x.dtype:
+    if out_dtype is None:
+        check_dtype("weight", weight, (x.dtype,))
+    else:
+        check_float("weight", weight)
         x, weight = x.to(out_dtype), weight.to(out_dtype)
     return bmm(x.unsqueeze(0), weight.t().unsqueeze(0))[0]

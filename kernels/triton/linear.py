@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
+from .linear_widened import WIDENED_MAX_ROWS, widened_linear
 from .norm import rms_norm
 
 # Rows up to which the GEMV runs; each row is one more pass over the weight tile in registers.
@@ -83,18 +84,27 @@ def _linear_kernel(
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Contract of `reference.linear.linear`: the GEMV for up to LINEAR_MAX_ROWS rows, cuBLAS above.
 
-    x [T, K], weight [N, K] (any strides, one float dtype) -> y [T, N] in x's dtype
-    or `out_dtype`. The GEMV multiplies in float32 and rounds once, as cuBLAS does.
+    x [T, K], weight [N, K] (any strides) -> y [T, N] in x's dtype or `out_dtype`. One
+    float dtype, except with out_dtype float32, where the inputs may differ (a float32
+    router weight on bf16 activations) and both are widened. The GEMV multiplies in
+    float32 and rounds once, as cuBLAS does; float32 outputs of up to WIDENED_MAX_ROWS
+    rows that the GEMV does not take come from `linear_widened`.
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
     check_shape("weight", weight, (n_out, k_in))
     check_float("x", x)
-    check_dtype("weight", weight, (x.dtype,))
+    widened = out_dtype == torch.float32
+    if widened:
+        check_float("weight", weight)
+    else:
+        check_dtype("weight", weight, (x.dtype,))
     check_same_device(x=x, weight=weight)
     out_dtype = out_dtype or x.dtype
+    if widened and (x.dtype != weight.dtype or num_rows > LINEAR_MAX_ROWS) and num_rows <= WIDENED_MAX_ROWS:
+        return widened_linear(x, weight)
     if num_rows > LINEAR_MAX_ROWS:
-        if out_dtype == x.dtype:
+        if out_dtype == x.dtype == weight.dtype:
             return F.linear(x, weight)
         return F.linear(x.to(out_dtype), weight.to(out_dtype))
     y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)

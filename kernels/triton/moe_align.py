@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .moe_align_one import ALIGN_ONE_MAX_PAIRS, ALIGN_ONE_MIN_EXPERTS, align_one
 
 
 # The scatter ranks a tile's pairs by a scan down the tile, serial in its length: with
@@ -143,9 +144,11 @@ def moe_align(
                 block of rows, -1 for unused blocks. R = moe_sorted_size(T * k, E, block_m).
     Within one expert, pairs keep their original order.
 
-    Three launches, two of them over tiles of pairs: per-tile expert counts, one
-    program that turns them into run and tile offsets, then the scatter. A single
-    program sorting every pair took 0.18 ms at 256 tokens and grew with T.
+    Up to ALIGN_ONE_MAX_PAIRS pairs (decode) over at least ALIGN_ONE_MIN_EXPERTS expert
+    columns, one program sorts them all (`moe_align_one`). Above, three launches, two of them over tiles of pairs:
+    per-tile expert counts, one program that turns them into run and tile offsets,
+    then the scatter (a one-hot single program took 0.18 ms at 256 tokens and grew
+    with T).
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -155,6 +158,9 @@ def moe_align(
     sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_e = max(2, next_pow2(num_experts))
+    if tile_pairs is None and num_pairs <= ALIGN_ONE_MAX_PAIRS and block_e >= ALIGN_ONE_MIN_EXPERTS:
+        align_one(topk_ids, block_m, block_e, sorted_pairs, block_expert)
+        return sorted_pairs, block_expert
     tile = tile_pairs or max(16, min(_MAX_TILE_PAIRS, 16384 // block_e))
     if tile != next_pow2(tile):
         raise ValueError(f"tile_pairs: expected a power of two, got {tile}")

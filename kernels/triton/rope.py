@@ -50,6 +50,8 @@ def _rope_kernel(
     HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    REST: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -61,6 +63,43 @@ def _rope_kernel(
     k2 = tl.load(k_ptr + t * s_kt + second * s_kd).to(tl.float32)
     tl.store(k_out_ptr + t * s_kot + i, (k1 * c - k2 * s).to(k_out_ptr.dtype.element_ty))
     tl.store(k_out_ptr + t * s_kot + HALF + i, (k2 * c + k1 * s).to(k_out_ptr.dtype.element_ty))
+    if REST > 0:
+        # Dims past the rotated ones (`partial_rope`) are copied as they are.
+        j = 2 * HALF + tl.arange(0, BLOCK_REST)
+        j_mask = j < 2 * HALF + REST
+        heads = tl.arange(0, BLOCK_H)
+        mask = (heads < num_heads)[:, None] & j_mask[None, :]
+        qv = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + j[None, :] * s_qd, mask=mask)
+        tl.store(q_out_ptr + t * s_qot + heads[:, None] * s_qoh + j[None, :], qv, mask=mask)
+        kv = tl.load(k_ptr + t * s_kt + j * s_kd, mask=j_mask)
+        tl.store(k_out_ptr + t * s_kot + j, kv, mask=j_mask)
+
+
+def _check_tables(num_tokens: int, rope_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, name: str) -> int:
+    """half = rope_dim / 2, after checking the tables and that half is a power of two."""
+    half = rope_dim // 2
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("cos", cos, (None, half))
+    check_shape("sin", sin, tuple(cos.shape))
+    if rope_dim % 2 or half < 1 or half & (half - 1):
+        raise ValueError(f"{name}: expected a rope dim of twice a power of two, got {rope_dim}")
+    return half
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor, half: int, interleaved: bool) -> None:
+    num_tokens, num_heads, dim = q.shape
+    rest = dim - 2 * half
+    if num_tokens:
+        _rope_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos, sin,
+            num_heads,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), cos.stride(0), sin.stride(0),
+            HALF=half, INTERLEAVED=interleaved, BLOCK_H=next_pow2(num_heads),
+            REST=rest, BLOCK_REST=next_pow2(rest) if rest else 1,
+        )
 
 
 def rope(
@@ -78,25 +117,43 @@ def rope(
     returns   new contiguous (q_pe [T, H, R], k_pe [T, R]) in the half-split layout,
               as the reference: rotation in float32, rounded once to the input dtype.
     """
-    num_tokens, num_heads, rope_dim = q_pe.shape
-    half = rope_dim // 2
+    num_tokens, _, rope_dim = q_pe.shape
     check_shape("k_pe", k_pe, (num_tokens, rope_dim))
-    check_shape("positions", positions, (num_tokens,))
-    check_shape("cos", cos, (None, half))
-    check_shape("sin", sin, tuple(cos.shape))
-    if rope_dim % 2 or half & (half - 1):
-        raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
+    half = _check_tables(num_tokens, rope_dim, positions, cos, sin, "q_pe")
     check_float("q_pe", q_pe)
     check_float("k_pe", k_pe)
     check_same_device(q_pe=q_pe, k_pe=k_pe, positions=positions, cos=cos, sin=sin)
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     k_out = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
-    if num_tokens:
-        _rope_kernel[(num_tokens,)](
-            q_pe, k_pe, q_out, k_out, positions, cos, sin,
-            num_heads,
-            q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), cos.stride(0), sin.stride(0),
-            HALF=half, INTERLEAVED=interleaved, BLOCK_H=next_pow2(num_heads),
-        )
+    _launch(q_pe, k_pe, q_out, k_out, positions, cos, sin, half, interleaved)
+    return q_out, k_out
+
+
+def partial_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.rope.partial_rope`, in the same one launch as `rope`.
+
+    q [T, H, D], k [T, D] (any strides); the first rotary_dim dims rotated as `rope`
+    rotates them (half-split out), the others copied -> new contiguous (q, k). Where the
+    reference rotates slices and concatenates, this writes whole rows once.
+    """
+    num_tokens, _, dim = q.shape
+    check_shape("k", k, (num_tokens, dim))
+    if not 0 < rotary_dim <= dim:
+        raise ValueError(f"rotary_dim: expected 1..{dim} (the head dim), got {rotary_dim}")
+    half = _check_tables(num_tokens, rotary_dim, positions, cos, sin, "rotary_dim")
+    check_float("q", q)
+    check_float("k", k)
+    check_same_device(q=q, k=k, positions=positions, cos=cos, sin=sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(q, k, q_out, k_out, positions, cos, sin, half, interleaved)
     return q_out, k_out

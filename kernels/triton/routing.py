@@ -15,10 +15,11 @@ E / BLOCK_C slices of columns, one program each: each writes its partial logits
 to a workspace and bumps the tile's arrival counter (zeroed by `fill.zeros`, the
 one other launch); the last to arrive sums the partials in split order (so the
 result does not depend on the order of arrival) and routes. Larger batches take
-their logits from one float32 matmul beforehand, the reference's own: computing
-them in the kernel would re-read the router weight once per token tile, where a
-GEMM reads it once. Nothing is read back to the host, so the op can be captured
-in a graph.
+their logits from one float32 product beforehand (`linear` with a float32 output:
+the widened kernel of `linear_widened` up to a few hundred tokens, cuBLAS above):
+computing them in the kernel would re-read the router weight once per token tile,
+where a GEMM reads it once. Nothing is read back to the host, so the op can be
+captured in a graph.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -285,11 +285,9 @@ def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, vali
         if split_d > 1 or block_c < block_e:
             partial = torch.empty((split_d, num_tokens, block_e), dtype=torch.float32, device=device)
             arrived = zeros((num_tiles,), torch.int32, device)
-    elif gate.dtype == x.dtype:
+    else:
         # Float32 products of the inputs as they are, as the reference's float32 matmul computes.
         logits = linear(x, gate, out_dtype=torch.float32)
-    else:
-        logits = F.linear(x.float(), gate.float())
     grouped = topk_method != "greedy"
     use_pdl = pdl(device)
     _route_kernel[(num_tiles, split_d, block_e // block_c)](

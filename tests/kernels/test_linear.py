@@ -9,6 +9,7 @@ from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
 from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
+from mla_func.kernels.triton.linear_widened import WIDENED_MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,6 +34,21 @@ def test_linear_widened_output_and_strided_inputs(num_rows, device):
     assert got.dtype == torch.float32
     want = ref_linear(x, weight, out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 16, 37, WIDENED_MAX_ROWS, WIDENED_MAX_ROWS + 1])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_out, k_in", [(64, 200), (5, 7)])
+def test_linear_float32_weight_on_wider_or_narrower_rows(num_rows, x_dtype, n_out, k_in, device):
+    # A float32 router (or indexer head) weight on the model's activations: both widened,
+    # every product and sum in float32, whichever kernel the row count takes.
+    gen = generator(num_rows * 17 + n_out + k_in, device)
+    x = randn((num_rows, k_in), x_dtype, device, gen)
+    weight = randn((n_out, k_in), torch.float32, device, gen, scale=k_in ** -0.5)
+    got = linear(strided(x, gen), weight, out_dtype=torch.float32)
+    assert got.shape == (num_rows, n_out) and got.dtype == torch.float32
+    want = ref_linear(x.double(), weight.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_linear_rejects_bad_inputs(device):

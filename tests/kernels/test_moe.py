@@ -117,6 +117,22 @@ def test_align_groups_pairs_by_expert(tile_pairs, device):
     assert torch.equal(listed, torch.nonzero(flat >= 0).flatten())
 
 
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
+    (23, 3, 64, 16),         # few pairs over many experts
+    (64, 8, 66, 16),         # V2-Lite's batch 64 with its two shared experts
+    (128, 8, 257, 64),       # 1024 pairs, V3's 256 + 1 experts (a 512-wide expert tile)
+    (206, 5, 70, 16),        # 1030 pairs: past the one-program sort
+    (64, 7, 9, 64),          # V4's batch 64: few experts keep the counting tiles
+])
+def test_align_in_one_program_equals_the_tiled_counting_sort(num_tokens, top_k, num_experts, block_m, device):
+    gen = generator(num_tokens + num_experts, device)
+    ids = torch.randint(-1, num_experts, (num_tokens, top_k), generator=gen, device=device)
+    ids[num_tokens // 2] = -1                                    # a padded row
+    default = tri.moe_align(ids, num_experts, block_m)
+    tiled = tri.moe_align(ids, num_experts, block_m, tile_pairs=64)
+    assert torch.equal(default[0], tiled[0]) and torch.equal(default[1], tiled[1])
+
+
 def test_rejects_bad_inputs(device):
     x, w13, w2, weights, ids = _inputs(2, 64, 32, 4, 2, torch.float32, device, seed=7)
     with pytest.raises(ValueError, match="w2"):
