@@ -216,7 +216,7 @@ def sparse_mla_decode(
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
-        return (out if w_uv is None else torch.einsum("thc,hvc->thv", out, w_uv)), lse
+        return (out if w_uv is None else _times_w_uv(out, w_uv)), lse
     if splits == 1 and not fused_value:
         # One split is the whole answer: stage 1 writes the outputs (split stride 0).
         partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
@@ -251,8 +251,20 @@ def sparse_mla_decode(
     if splits > 1:
         merge_splits(partial_out, partial_lse, out, lse, use_pdl)
     if w_uv is not None:
-        out = torch.einsum("thc,hvc->thv", out, w_uv)
+        out = _times_w_uv(out, w_uv)
     return out, lse
+
+
+def _times_w_uv(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """latent [T, H, C] -> [T, H, Dv] = latent[:, h] @ w_uv[h]^T, by one batched GEMM over h.
+
+    The GEMM writes its [H, T, Dv] product straight into a [T, H, Dv] tensor (a row
+    stride of H * Dv), so the output projection can flatten it without the copy an
+    einsum's head-major result would need.
+    """
+    out = torch.empty((latent.shape[0], latent.shape[1], w_uv.shape[1]), dtype=latent.dtype, device=latent.device)
+    torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def sparse_decode_bytes(num_rows: int, num_heads: int, top_k: int, dim: int, kv_lora_rank: int,
