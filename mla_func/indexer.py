@@ -29,7 +29,8 @@ __all__ = ["index_query_key", "record_index_choice"]
 def index_query_key(
     p: IndexerParams,
     x: torch.Tensor,
-    q_resid: torch.Tensor,
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -38,14 +39,15 @@ def index_query_key(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The indexer's queries, keys and head weights of one step's rows.
 
-    x [T, D] the layer's normalised input; q_resid [T, Q] the normalised low-rank query
-    residual (q_a_layernorm(q_a_proj(x))); positions [T]; cos, sin [P, R / 2] the rope tables
+    x [T, D] the layer's normalised input; q_proj [T, Hi * Di] = wq_b(the normalised low-rank
+    query residual) and k_proj [T, Di] = wk(x), the rows of the attention's GEMMs that are the
+    indexer's (see `indexer_params`); positions [T]; cos, sin [P, R / 2] the rope tables
     -> q [T, Hi, Di] and key [T, Di] (first R dims rotated half-split), head_weights [T, Hi]
        float32 (float64 in a float64 model) with every scale factor folded in.
     """
-    heads, dim, rope_dim = p.weights_proj.shape[0], p.wk.shape[0], config.qk_rope_head_dim
-    q = ops.dense.linear(q_resid, p.wq_b).view(x.shape[0], heads, dim)
-    key = F.layer_norm(ops.dense.linear(x, p.wk), (dim,), p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
+    heads, dim, rope_dim = p.weights_proj.shape[0], p.k_norm.shape[0], config.qk_rope_head_dim
+    q = q_proj.view(x.shape[0], heads, dim)
+    key = F.layer_norm(k_proj, (dim,), p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
     q, key = ops.dense.partial_rope(q, key, positions, cos, sin, rotary_dim=rope_dim, interleaved=False)
     # Products in the weights' float32 (float64) with the input widened to it, as the reference computes.
     head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype) * (heads * dim) ** -0.5

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint_files import CheckpointError
 from .config import ModelConfig
-from .indexer_params import IndexerParams, indexer_params
+from .indexer_params import IndexerParams, indexer_params, indexer_projections
 from .pytree import register_dataclass, static_field
 from .rope_tables import rope_positions, rope_tables
 
@@ -31,17 +31,19 @@ class AttentionParams:
     """MLA projections of one layer (D hidden, H heads, C kv_lora_rank, R rope dim).
 
     Both projections of the hidden state, the query's first one and the latent's
-    (`kv_a_proj_with_mqa`), are one matrix: one GEMM reads both.
+    (`kv_a_proj_with_mqa`), are one matrix: one GEMM reads both. In a layer with an
+    indexer (DeepSeek-V3.2) its key projection `wk` [Di, D] follows them in that matrix,
+    and its query projection `wq_b` [Hi * Di, q_lora_rank] follows the query's in `q_b_proj`.
     """
 
-    qkv_a_proj: torch.Tensor              # [Q + C + R, D]: query rows (Q = H * (Dn + R), or
-                                          # q_lora_rank with a low-rank query), then latent rows
+    qkv_a_proj: torch.Tensor              # [Q + C + R (+ Di), D]: query rows (Q = H * (Dn + R), or
+                                          # q_lora_rank with a low-rank query), latent rows, indexer key rows
     kv_a_norm: torch.Tensor               # [C]
     w_uk: torch.Tensor                    # [H, Dn, C] key up-projection
     w_uv: torch.Tensor                    # [H, Dv, C] value up-projection
     o_proj: torch.Tensor                  # [D, H * Dv]
     q_a_norm: torch.Tensor | None = None  # [q_lora_rank], low-rank query only
-    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R), q_lora_rank], low-rank query only
+    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R) (+ Hi * Di), q_lora_rank], low-rank query only
 
 
 @register_dataclass
@@ -208,13 +210,17 @@ def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype
     p = f"model.layers.{i}."
     a = p + "self_attn."
     kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    # An indexer's projections become the last rows of the attention's (see AttentionParams).
+    index_proj = indexer_projections(c, a, get)
+    index_q_rows, index_k_rows = ([index_proj[0]], [index_proj[1]]) if index_proj is not None else ([], [])
     if c.q_lora_rank is None:
         q_a, q_parts = get(a + "q_proj.weight"), {}
     else:
         q_a = get(a + "q_a_proj.weight")
-        q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"), q_b_proj=get(a + "q_b_proj.weight"))
+        q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"),
+                       q_b_proj=torch.cat([get(a + "q_b_proj.weight"), *index_q_rows]))
     attn = AttentionParams(
-        qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight")]),
+        qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight"), *index_k_rows]),
         kv_a_norm=get(a + "kv_a_layernorm.weight"),
         w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
         w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),

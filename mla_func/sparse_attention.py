@@ -49,21 +49,25 @@ def sparse_mla_attention(
     returns (output [T, D], the latent cache and the indexer-key cache with this step's rows written)
     """
     a, config, ops, batch = p.attn, ctx.config, ctx.ops, ctx.batch
-    if p.indexer is None or a.q_a_norm is None or a.q_b_proj is None or config.index_topk is None:
+    if (p.indexer is None or a.q_a_norm is None or a.q_b_proj is None or config.index_topk is None
+            or config.q_lora_rank is None or config.index_head_dim is None):
         raise ValueError("sparse_mla_attention: a DeepSeek-V3.2 layer needs its indexer and a low-rank query "
                          f"(indexer: {p.indexer is not None}, q_b_proj: {a.q_b_proj is not None})")
-    num_rows = x.shape[0]
+    num_rows, index_dim = x.shape[0], config.index_head_dim
+    # One GEMM for each input: the indexer's key and query rows follow the attention's (AttentionParams).
     qkv_a = ops.dense.linear(x, a.qkv_a_proj)
-    q_a, latent = qkv_a.split([qkv_a.shape[1] - config.kv_cache_dim, config.kv_cache_dim], dim=-1)
+    q_a, latent, index_k = qkv_a.split([config.q_lora_rank, config.kv_cache_dim, index_dim], dim=-1)
     q_resid = ops.dense.rms_norm(q_a, a.q_a_norm, LATENT_NORM_EPS)                     # [T, Q]
-    q = ops.dense.linear(q_resid, a.q_b_proj).view(num_rows, config.num_attention_heads, config.qk_head_dim)
+    q_all = ops.dense.linear(q_resid, a.q_b_proj)
+    heads_dim = config.num_attention_heads * config.qk_head_dim
+    q = q_all[:, :heads_dim].view(num_rows, config.num_attention_heads, config.qk_head_dim)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
     # The writes come first, so that every row reads its own key from the caches like any other.
     kv_cache, _, q_absorbed = ops.mla.write_latent_absorb(
         kv_cache, batch.slot_mapping, latent, a.kv_a_norm, q_nope, q_pe, a.w_uk, batch.positions, ctx.rope_cos,
         ctx.rope_sin, eps=LATENT_NORM_EPS, interleaved=config.rope_interleave, absorb_from=0, inplace=ctx.inplace)
-    index_q, index_key, head_weights = index_query_key(p.indexer, x, q_resid, batch.positions, ctx.rope_cos,
-                                                       ctx.rope_sin, config, ops)
+    index_q, index_key, head_weights = index_query_key(p.indexer, x, q_all[:, heads_dim:], index_k, batch.positions,
+                                                       ctx.rope_cos, ctx.rope_sin, config, ops)
     index_cache = ops.dsa.write_index_key(index_cache, batch.slot_mapping, index_key, inplace=ctx.inplace)
     # Made once a step by the forward for models with sparse layers (here only if a caller's own context lacks it).
     rows = ctx.rows if ctx.rows is not None else row_metadata(batch, ctx.mode)

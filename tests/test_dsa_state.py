@@ -164,3 +164,24 @@ def test_both_names_of_the_sparse_attention_layer_are_read(folder):
     for name in ("indexed_attention", "deepseek_sparse_attention"):
         config = mf.ModelConfig.from_hf_dict({**raw, "layer_types": [name] * raw["num_hidden_layers"]})
         assert config.is_sparse and config.index_topk == 8
+
+
+def test_indexer_rows_live_in_the_attention_matrices_and_export_back(model, folder):
+    # The indexer's wq_b / wk are the last rows of q_b_proj / qkv_a_proj (one GEMM per input);
+    # exporting splits them out again under their checkpoint names, equal to the file's.
+    from mla_func.demo.export import params_to_hf
+    from mla_func.params import params_from_hf
+    from mla_func.pytree import tree_leaves
+
+    c = model.config
+    a, i = model.params.layers[0].attn, "model.layers.0.self_attn."
+    assert a.qkv_a_proj.shape[0] == c.q_lora_rank + c.kv_cache_dim + c.index_head_dim
+    assert a.q_b_proj.shape[0] == c.num_attention_heads * c.qk_head_dim + c.index_n_heads * c.index_head_dim
+    saved = load_file(str(next(folder.glob("*.safetensors"))))
+    tensors = params_to_hf(model.params)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == hf_tensor_shapes(c)
+    for name in ("indexer.wq_b.weight", "indexer.wk.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"):
+        assert torch.equal(tensors[i + name], saved[i + name].to(torch.float64)), name
+    rebuilt = params_from_hf(c, tensors.__getitem__, dtype=torch.float64, device="cpu")
+    for x, y in zip(tree_leaves(model.params), tree_leaves(rebuilt), strict=True):
+        assert torch.equal(x, y)

@@ -89,5 +89,6 @@ def align_one(topk_ids: torch.Tensor, block_m: int, block_e: int, sorted_pairs: 
         topk_ids, sorted_pairs, block_expert, work,
         num_pairs, num_rows, num_rows // block_m, *topk_ids.stride(),
         TOP_K=topk_ids.shape[1], BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=max(2, next_pow2(num_pairs)),
-        BLOCK_FILL=1024, BLOCK_B=max(2, 16384 // block_e), num_warps=4,
+        # 8 warps: 7.9 us for 512 pairs over 66 experts on an H200, 4: 9.1, 16: 8.1.
+        BLOCK_FILL=1024, BLOCK_B=max(2, 16384 // block_e), num_warps=8,
     )

@@ -31,7 +31,11 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
     out = {p + "input_layernorm.weight": layer.input_norm,
            p + "post_attention_layernorm.weight": layer.post_attention_norm}
     a, attn = p + "self_attn.", layer.attn
-    q_a, kv_a = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
+    # An indexer's key and query projections are the last rows of qkv_a_proj and q_b_proj.
+    index_k_rows = 0 if layer.indexer is None else layer.indexer.k_norm.shape[0]
+    index_q_rows = 0 if layer.indexer is None else layer.indexer.weights_proj.shape[0] * index_k_rows
+    qkv_a, index_k = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - index_k_rows, index_k_rows])
+    q_a, kv_a = qkv_a.split([qkv_a.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
     if attn.q_b_proj is None:
         out[a + "q_proj.weight"] = q_a
     else:
@@ -39,7 +43,13 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
         if attn.q_a_norm is None:
             raise ValueError("export: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
         out[a + "q_a_layernorm.weight"] = attn.q_a_norm
-        out[a + "q_b_proj.weight"] = attn.q_b_proj
+        q_b, index_q = attn.q_b_proj.split([attn.q_b_proj.shape[0] - index_q_rows, index_q_rows])
+        out[a + "q_b_proj.weight"] = q_b
+        if layer.indexer is not None:
+            i = a + "indexer."
+            out.update({i + "wq_b.weight": index_q, i + "wk.weight": index_k, i + "k_norm.weight": layer.indexer.k_norm,
+                        i + "k_norm.bias": layer.indexer.k_norm_bias,
+                        i + "weights_proj.weight": layer.indexer.weights_proj})
     out[a + "kv_a_proj_with_mqa.weight"] = kv_a
     out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
     # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
