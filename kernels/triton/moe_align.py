@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from .moe_align_one import ALIGN_ONE_MAX_PAIRS, ALIGN_ONE_MIN_EXPERTS, align_one
+from .moe_align_one import ALIGN_ONE_MAX_PAIRS, ALIGN_ONE_MIN_EXPERTS, align_one, store_block_experts
 
 
 # The scatter ranks a tile's pairs by a scan down the tile, serial in its length: with
@@ -78,14 +78,7 @@ def _align_offsets_kernel(
         tl.store(tile_offsets_ptr + tiles[:, None] * BLOCK_E + experts[None, :], carry[None, :] + before,
                  mask=in_range)
         carry += tl.sum(counts, axis=0)
-    offs_b = tl.arange(0, BLOCK_FILL)
-    for b0 in range(0, num_blocks, BLOCK_FILL):
-        blocks = b0 + offs_b
-        first_row = blocks * BLOCK_M
-        inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
-        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
-        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < num_blocks)
+    store_block_experts(block_expert_ptr, run_start, run_end, num_blocks, BLOCK_M, BLOCK_E, BLOCK_FILL)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

@@ -29,6 +29,21 @@ ALIGN_ONE_MAX_PAIRS = 1024
 ALIGN_ONE_MIN_EXPERTS = 64
 
 
+@triton.jit
+def store_block_experts(block_expert_ptr, run_start, run_end, num_blocks, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """block_expert[b] = the expert whose padded run [run_start, run_end) holds row b * BLOCK_M, else -1."""
+    experts = tl.arange(0, BLOCK_E)
+    offs_b = tl.arange(0, BLOCK_B)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + offs_b
+        first_row = blocks * BLOCK_M
+        inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
+        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
+        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
+        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < num_blocks)
+
+
 # Sizes that follow the step's token count are plain arguments (see `moe_align`).
 @triton.jit(do_not_specialize=["num_pairs", "num_rows", "num_blocks"])
 def _align_one_kernel(
@@ -55,14 +70,7 @@ def _align_one_kernel(
     for r0 in range(0, num_rows, BLOCK_FILL):
         rows = r0 + offs_f
         tl.store(sorted_ptr + rows, tl.full([BLOCK_FILL], 0, tl.int32) + num_pairs, mask=rows < num_rows)
-    offs_b = tl.arange(0, BLOCK_B)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + offs_b
-        first_row = blocks * BLOCK_M
-        inside = (first_row[:, None] >= run_start[None, :]) & (first_row[:, None] < run_end[None, :])
-        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
-        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + blocks, tl.where(owned, owner, -1), mask=blocks < num_blocks)
+    store_block_experts(block_expert_ptr, run_start, run_end, num_blocks, BLOCK_M, BLOCK_E, BLOCK_B)
     # Invalid pairs sort last: their key is past every expert's.
     key = tl.where(valid, ids * BLOCK_P + pairs, BLOCK_E * BLOCK_P)
     key = tl.sort(key)
