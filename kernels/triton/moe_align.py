@@ -138,10 +138,10 @@ def moe_align(
     Within one expert, pairs keep their original order.
 
     Up to ALIGN_ONE_MAX_PAIRS pairs (decode) over at least ALIGN_ONE_MIN_EXPERTS expert
-    columns, one program sorts them all (`moe_align_one`). Above, three launches, two of them over tiles of pairs:
-    per-tile expert counts, one program that turns them into run and tile offsets,
-    then the scatter (a one-hot single program took 0.18 ms at 256 tokens and grew
-    with T).
+    columns, one program sorts them all (`moe_align_one`). Otherwise three launches, two
+    of them over tiles of pairs: per-tile expert counts, one program that turns them
+    into run and tile offsets, then the scatter (a one-hot single program took 0.18 ms
+    at 256 tokens and grew with T).
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
