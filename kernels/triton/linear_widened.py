@@ -128,7 +128,7 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, config: WidenedConfig 
     Both inputs are widened to float32 and the products summed in float32, as
     `F.linear(x.float(), weight.float())` computes (up to the order of the sums and,
     above 32 rows, the three-pass TF32 rounding). Checked by the caller (`linear`);
-    meant for up to WIDENED_MAX_ROWS rows.
+    meant for up to WIDENED_MAX_ROWS rows. `config` overrides `widened_config` (sweeps).
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
