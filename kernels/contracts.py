@@ -211,9 +211,11 @@ class SparseMlaDecode(Protocol):
 
 
 class RopeTail(Protocol):
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, /, *, inverse: bool = False) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, /, *, positions: Tensor | None = None,
+                 inverse: bool = False) -> Tensor:
         """Rotate the trailing R channels of x [..., D] by interleaved pairs; cos, sin [..., R / 2]
-        broadcastable to x's leading dims; `inverse` rotates by the opposite angle -> [..., D]."""
+        broadcastable to x's leading dims, or with positions [T] (x [T, ..., D]) tables [P, R / 2] whose
+        row positions[t] rotates token t; `inverse` rotates by the opposite angle -> [..., D]."""
         ...
 
 

@@ -24,7 +24,7 @@ from .v4_params import CompressorParams
 
 def project_inputs(p: CompressorParams, x: torch.Tensor, ops: Ops) -> torch.Tensor:
     """x [T, D] -> the compressor's inputs [T, 2 * c * Dc]: kv projection, then gate projection."""
-    return torch.cat([ops.dense.linear(x, p.kv_proj), ops.dense.linear(x, p.gate_proj)], dim=-1)
+    return ops.dense.linear(x, p.kv_gate_proj)
 
 
 def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor,

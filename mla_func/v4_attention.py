@@ -95,7 +95,7 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
     if p.indexer is not None and cache.index_keys is not None:
         q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v, ops)
         counts = seg.key_lens // rate
-        chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, counts, v, ops).to(torch.int32)
+        chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, counts, v, ops)
     out, _ = ops.v4.window_entry_attention(q, cache.window, seg.block_table, seg.key_lens, p.sinks,
                                            softmax_scale=scale, sliding_window=v.sliding_window,
                                            entry_cache=cache.entries, entry_table=g_table, entry_indices=chosen,
@@ -111,11 +111,13 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
     eps = config.rms_norm_eps
     positions = batch.positions
-    cos, sin = p.rope_cos[positions], p.rope_sin[positions]                                 # [T, R / 2]
+    # The rope tables [P, R / 2] are read at each token's position inside the op.
+    cos, sin = p.rope_cos, p.rope_sin
     q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
     q = ops.v4.unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
-    q = ops.v4.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))                                   # [T, H, Dh]
-    kv = ops.v4.rope_tail(ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)  # [T, Dh]
+    q = ops.v4.rope_tail(q, cos, sin, positions=positions)                                 # [T, H, Dh]
+    kv = ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps)
+    kv = ops.v4.rope_tail(kv, cos, sin, positions=positions)                               # [T, Dh]
     # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
     # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
     segments = batch.rows if mode.group_widths else step_rows(batch, mode)
@@ -126,7 +128,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
         outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
-    out = ops.v4.rope_tail(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
     groups = v.o_groups
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
     grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]

@@ -12,7 +12,6 @@ keeps them all.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .kernels import Ops
 from .v4_config import V4Config
@@ -28,15 +27,16 @@ def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, pos
     the score, 1/sqrt(Hi) and 1/sqrt(Di), as the indexer ops expect.
     """
     n = x.shape[0]
-    q = F.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
-    q = ops.v4.rope_tail(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-    weights = F.linear(x, p.weights_proj).float() * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
-    return q, weights
+    q = ops.dense.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
+    q = ops.v4.rope_tail(q, cos, sin, positions=positions)
+    # Float32 products straight from the op: no bf16 rounding of the weights, no widening copy.
+    weights = ops.dense.linear(x, p.weights_proj, out_dtype=torch.float32)
+    return q, weights * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
 
 
 def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
                    counts: torch.Tensor, v: V4Config, ops: Ops) -> torch.Tensor:
-    """The entries each row attends to: [n, min(index_topk, L)] int64 entry numbers, -1 for none.
+    """The entries each row attends to: [n, min(index_topk, L)] int32 entry numbers, -1 for none.
 
     index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
     counts [n] entries complete at the row's position. A row with fewer than index_topk
@@ -45,4 +45,4 @@ def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torc
     key_lens = counts.to(torch.int32)
     # The same ops as V3.2's indexer (`ops.dsa`), over compressed entries instead of tokens.
     scores = ops.dsa.index_scores(q, head_weights, index_keys, group_table, key_lens)
-    return ops.dsa.top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1])).to(torch.int64)
+    return ops.dsa.top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1]))

@@ -50,8 +50,8 @@ class CompressorParams:
     c = 2 with overlap (CSA and its indexer: series Ca | Cb), 1 without (HCA).
     """
 
-    kv_proj: torch.Tensor        # [c * Dc, D]
-    gate_proj: torch.Tensor      # [c * Dc, D]
+    # The kv projection's rows [c * Dc], then the gate's (checkpoint `wkv`, `wgate`): one product, one launch.
+    kv_gate_proj: torch.Tensor   # [2 * c * Dc, D]
     position_bias: torch.Tensor  # [rate, c * Dc] float32
     kv_norm: torch.Tensor        # [Dc]
 

@@ -60,7 +60,7 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
         return tensor
 
     def compressor(prefix: str) -> CompressorParams:
-        return CompressorParams(kv_proj=get(prefix + "wkv.weight"), gate_proj=get(prefix + "wgate.weight"),
+        return CompressorParams(kv_gate_proj=torch.cat([get(prefix + "wkv.weight"), get(prefix + "wgate.weight")]),
                                 position_bias=get(prefix + "ape"), kv_norm=get(prefix + "norm.weight"))
 
     def hyper(prefix: str) -> HyperConnectionParams:

@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, positions: torch.Tensor | None = None,
+              inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing R channels of x [..., D] by interleaved pairs (x0, x1), (x2, x3), ...
 
-    cos, sin: [..., R / 2] broadcastable to x's leading dims (one angle per pair).
-    The rotated slice keeps its interleaved layout (the output projection reads it
-    as is); `inverse` rotates by the opposite angle (V4 undoes the value's rotation
-    on the attention output). Products in at least float32.
+    cos, sin: [..., R / 2] broadcastable to x's leading dims (one angle per pair); or,
+    with positions [T] (integers, x [T, ..., D]), tables [P, R / 2] whose row
+    positions[t] holds token t's angles. The rotated slice keeps its interleaved
+    layout (the output projection reads it as is); `inverse` rotates by the opposite
+    angle (V4 undoes the value's rotation on the attention output). Products in at
+    least float32.
     """
+    if positions is not None:
+        angles_shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos[positions].view(angles_shape), sin[positions].view(angles_shape)
     half = cos.shape[-1]
     nope, pe = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
     acc = torch.promote_types(x.dtype, torch.float32)

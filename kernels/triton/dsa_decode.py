@@ -38,8 +38,11 @@ _GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=32, num_wa
                                  64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)})
 # Splits fill about two programs per multiprocessor and no more (a partial second
 # wave runs at a fraction of the bandwidth); no split takes fewer than
-# _MIN_KEYS_PER_SPLIT indices, below which partial-result traffic outweighs the gain.
-_MIN_KEYS_PER_SPLIT = 256
+# _MIN_KEYS_PER_SPLIT indices. At few rows the gathers' latency, not the partial
+# results, bounds a split: H200, 16 heads, top-2048 with W_UV, 8 rows 31.9 us with
+# 8 splits of 256 and 25.8 with 32 of 64; one row 24.8 / 13.5 us; 16 rows equal at 8
+# and 16 (bench/results/logs/sparse-splits-h200-2026-11-24.log).
+_MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Up to this many rows stage 2 also applies W_UV (as dense decode does).
 _FUSED_VALUE_MAX_ROWS = 8

@@ -1,17 +1,19 @@
-"""Linear layers of a few rows (decode at small batch) as a weight-streaming GEMV.
+"""Linear layers of a few rows (decode at small batch): a weight-streaming GEMV, tensor-core tiles, cuBLAS.
 
-At one to four rows a projection is a read of its weight and little else;
-cuBLAS reaches under half the copy rate there (a 2048 x 2048 bf16 weight
-in 6.3 us on an H100). Here each program owns BLOCK_N output columns, loads the
-first BLOCK_K-wide slice of their weight rows into registers *before* it waits
-for the previous kernel (see `_common.pdl`), then multiplies every row of x by
-it: the weight's latency overlaps whatever ran before (3.8 us for the same
-weight in a chain of dependent projections). More rows than that go to cuBLAS,
-whose tensor-core tiles then win.
+At one row a projection is a read of its weight and little else; cuBLAS reaches
+under half the copy rate there (a 2048 x 2048 bf16 weight in 6.3 us on an H100).
+Here each program owns a few output columns, loads the first slice of their weight
+rows into registers *before* it waits for the previous kernel (see `_common.pdl`),
+then multiplies every row of x by it: the weight's latency overlaps whatever ran
+before. From two rows of 16-bit floats on, `linear_rows` streams the weight through
+tensor-core tiles instead (this GEMV's float32 pass a row costs more than the read);
+float32 rows keep the GEMV up to LINEAR_MAX_ROWS. Longer inputs go to cuBLAS, whose
+tiles then fill the GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import overload
 
 import torch
@@ -22,16 +24,37 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
+from .linear_rows import ROWS_MAX_ROWS, rows_linear, takes_rows
 from .linear_widened import WIDENED_MAX_ROWS, widened_linear
 from .norm import rms_norm
 
-# Rows up to which the GEMV runs; each row is one more pass over the weight tile in registers.
+# Rows up to which the GEMV runs for float32 rows; each row is one more pass over the weight tile in registers.
 LINEAR_MAX_ROWS = 4
-# A [BLOCK_N, BLOCK_K] weight tile per program: 16 x 2048 bf16 is 64 registers a thread at 8 warps.
-_BLOCK_N = 16
-_MAX_BLOCK_K = 2048
-_NUM_WARPS = 8
 _INTERPRETER_BLOCK_K = 64
+
+
+@dataclass(frozen=True, slots=True)
+class GemvTiles:
+    """A program's [block_n, block_k] weight tile and its warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def gemv_tiles(k_in: int, on_gpu: bool) -> GemvTiles:
+    """The GEMV's tiles for rows of k_in values.
+
+    Swept on an H200 (bench/results/logs/gemv-tiles-h200-2026-11-24.log; one row, with and
+    without programmatic dependent launch): about 8K weights a program, whole rows of K up
+    to 4096, 4 warps. Against the earlier 16 x 2048 tiles at 8 warps: [4096] x [1024, 4096]^T
+    3.4 us from 5.1, [4096] x [129280, 4096]^T (an LM head) 234 us from 279, [8192] x
+    [4096, 8192]^T 18.2 from 21.3. Narrow tiles mean many programs: a weight of few columns
+    still spreads over the multiprocessors.
+    """
+    if not on_gpu:
+        return GemvTiles(block_n=4, block_k=min(_INTERPRETER_BLOCK_K, next_pow2(k_in)), num_warps=4)
+    return GemvTiles(block_n=2 if k_in > 2048 else 4, block_k=min(4096, next_pow2(k_in)), num_warps=4)
 
 
 @triton.jit
@@ -82,13 +105,15 @@ def _linear_kernel(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Contract of `reference.linear.linear`: the GEMV for up to LINEAR_MAX_ROWS rows, cuBLAS above.
+    """Contract of `reference.linear.linear`: the GEMV, tensor-core tiles or cuBLAS, by rows and dtype.
 
     x [T, K], weight [N, K] (any strides) -> y [T, N] in x's dtype or `out_dtype`. One
     float dtype, except with out_dtype float32, where the inputs may differ (a float32
-    router weight on bf16 activations) and both are widened. The GEMV multiplies in
-    float32 and rounds once, as cuBLAS does; float32 outputs of up to WIDENED_MAX_ROWS
-    rows that the GEMV does not take come from `linear_widened`.
+    router weight on bf16 activations) and both are widened. Every path multiplies in
+    float32 (or exactly, 16-bit products on tensor cores) and rounds once, as cuBLAS
+    does. One row takes the GEMV; 2..ROWS_MAX_ROWS rows of bf16 / fp16 `linear_rows`
+    (up to 4 of them only on large weights: `takes_rows`); other rows up to LINEAR_MAX_ROWS the GEMV; float32 outputs of up to
+    WIDENED_MAX_ROWS rows that those do not take `linear_widened`; the rest cuBLAS.
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
@@ -101,24 +126,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
         check_dtype("weight", weight, (x.dtype,))
     check_same_device(x=x, weight=weight)
     out_dtype = out_dtype or x.dtype
+    same_dtype = out_dtype == x.dtype == weight.dtype
+    if same_dtype and takes_rows(num_rows, n_out, k_in, x.dtype):
+        return rows_linear(x, weight)
     if widened and (x.dtype != weight.dtype or num_rows > LINEAR_MAX_ROWS) and num_rows <= WIDENED_MAX_ROWS:
         return widened_linear(x, weight)
     if num_rows > LINEAR_MAX_ROWS:
-        if out_dtype == x.dtype == weight.dtype:
+        if same_dtype:
             return F.linear(x, weight)
         return F.linear(x.to(out_dtype), weight.to(out_dtype))
     y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return y
-    on_gpu = x.device.type == "cuda"
-    block_k = min(_MAX_BLOCK_K if on_gpu else _INTERPRETER_BLOCK_K, next_pow2(k_in))
+    tiles = gemv_tiles(k_in, x.device.type == "cuda")
     use_pdl = pdl(x.device)
-    _linear_kernel[(triton.cdiv(n_out, _BLOCK_N),)](
+    _linear_kernel[(triton.cdiv(n_out, tiles.block_n),)](
         x, weight, y,
         num_rows, n_out, k_in,
         *x.stride(), *weight.stride(), *y.stride(),
-        BLOCK_T=next_pow2(num_rows), BLOCK_N=_BLOCK_N, BLOCK_K=block_k, GDC=use_pdl,
-        num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+        BLOCK_T=next_pow2(num_rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GDC=use_pdl,
+        num_warps=tiles.num_warps, launch_pdl=use_pdl,
     )
     return y
 
@@ -246,14 +273,13 @@ def rms_norm_linear(
     y = torch.empty((num_rows, n_out), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((num_rows, k_in), dtype=sum_dtype, device=x.device) if residual is not None else y
     res = residual if residual is not None else x
-    on_gpu = x.device.type == "cuda"
-    block_k = min(_MAX_BLOCK_K if on_gpu else _INTERPRETER_BLOCK_K, next_pow2(k_in))
+    tiles = gemv_tiles(k_in, x.device.type == "cuda")
     use_pdl = pdl(x.device)
-    _norm_linear_kernel[(triton.cdiv(n_out, _BLOCK_N),)](
+    _norm_linear_kernel[(triton.cdiv(n_out, tiles.block_n),)](
         x, res, norm_weight, weight, y, res_out,
         num_rows, n_out, k_in, float(eps),
         *x.stride(), *res.stride(), norm_weight.stride(0), *weight.stride(), *y.stride(), res_out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_T=next_pow2(num_rows), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
-        GDC=use_pdl, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK_T=next_pow2(num_rows), BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, GDC=use_pdl, num_warps=tiles.num_warps, launch_pdl=use_pdl,
     )
     return y if residual is None else (y, res_out)

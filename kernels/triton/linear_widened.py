@@ -110,7 +110,7 @@ def _widened_kernel(
 
 @triton.jit
 def _sum_splits_kernel(part_ptr, y_ptr, numel, num_splits, s_ps, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    """y = the sum of the splits' partial products, in split order (the same bits every run)."""
+    """y = the sum of the splits' partial products, in split order (the same bits every run), in y's dtype."""
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -119,7 +119,7 @@ def _sum_splits_kernel(part_ptr, y_ptr, numel, num_splits, s_ps, BLOCK: tl.const
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for split in range(1, num_splits):
         acc += tl.load(part_ptr + split * s_ps + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc, mask=mask)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, config: WidenedConfig | None = None) -> torch.Tensor:
@@ -149,9 +149,15 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, config: WidenedConfig 
         num_warps=4, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if split_k > 1:
-        block = min(1024, next_pow2(num_rows * n_out))
-        _sum_splits_kernel[(triton.cdiv(num_rows * n_out, block),)](
-            out, y, num_rows * n_out, split_k, num_rows * n_out, BLOCK=block, GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+        sum_splits(out, y, use_pdl)
     return y
+
+
+def sum_splits(partial: torch.Tensor, y: torch.Tensor, use_pdl: bool) -> None:
+    """y [T, N] (contiguous, any float dtype) = the sum over splits of partial [S, T, N] float32, in split order."""
+    numel = y.numel()
+    block = min(1024, next_pow2(numel))
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](
+        partial, y, numel, partial.shape[0], partial.stride(0), BLOCK=block, GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
+    )

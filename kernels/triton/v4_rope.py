@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_same_device
+from ..checks import check_same_device, check_shape
 from ._common import check_float, next_pow2
 
 _BLOCK_M = 4
@@ -21,20 +21,23 @@ _BLOCK_M = 4
 
 @triton.jit(do_not_specialize=["rows"])
 def _rope_tail_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
     rows, sign,
     s_xt, s_xm, s_xd, s_ct, s_cd, s_st, s_sd, s_ot, s_om, s_od,
     PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # The angles' row: the token's position in the tables, or the token itself.
+    angle_row = tl.load(pos_ptr + t).to(tl.int64) if HAS_POSITIONS else t
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.arange(0, BLOCK_P)
     p_mask = pairs < PAIRS
     mask = (ms < rows)[:, None] & p_mask[None, :]
     angle = pairs - (PAIRS - ROPE_PAIRS)
     is_pe = (angle >= 0) & p_mask
-    cos = tl.load(cos_ptr + t * s_ct + angle * s_cd, mask=is_pe, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * s_st + angle * s_sd, mask=is_pe, other=0.0).to(tl.float32) * sign
+    cos = tl.load(cos_ptr + angle_row * s_ct + angle * s_cd, mask=is_pe, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + angle_row * s_st + angle * s_sd, mask=is_pe, other=0.0).to(tl.float32) * sign
     src = x_ptr + t * s_xt + ms[:, None] * s_xm
     even = tl.load(src + (2 * pairs)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(src + (2 * pairs + 1)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
@@ -45,11 +48,14 @@ def _rope_tail_kernel(
     tl.store(dst + (2 * pairs + 1)[None, :] * s_od, rot_odd.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, positions: torch.Tensor | None = None,
+              inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing R channels of x [T, ..., D] by interleaved pairs (see `reference.v4_attention.rope_tail`).
 
     cos, sin: [T, 1, ..., R / 2] or [T, R / 2]: one angle per token and pair, shared by x's middle dims
-    (the layouts the model passes); D and R even. Returns a new tensor in x's dtype.
+    (the layouts the model passes); or, with positions [T] (integers), tables [P, R / 2] read at row
+    positions[t] for token t, in the kernel (no gathered copy). D and R even. Returns a new tensor in
+    x's dtype.
     """
     check_float("x", x)
     check_same_device(x=x, cos=cos, sin=sin)
@@ -57,22 +63,30 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
         raise ValueError(f"x: expected [T, ..., D], got shape {tuple(x.shape)}")
     num_tokens, dim = x.shape[0], x.shape[-1]
     half = cos.shape[-1]
-    if tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != num_tokens or any(s != 1 for s in cos.shape[1:-1]):
+    if positions is not None:
+        check_same_device(x=x, positions=positions)
+        check_shape("positions", positions, (num_tokens,))
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions: expected int32 or int64, got {positions.dtype}")
+        if tuple(sin.shape) != tuple(cos.shape) or cos.dim() != 2:
+            raise ValueError(f"cos, sin: expected tables [P, R / 2] with positions, got {tuple(cos.shape)} and "
+                             f"{tuple(sin.shape)}")
+    elif tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != num_tokens or any(s != 1 for s in cos.shape[1:-1]):
         raise ValueError(f"cos, sin: expected [{num_tokens}, 1, ..., R / 2] or [{num_tokens}, R / 2] sharing one angle "
                          f"per token, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if dim % 2 or 2 * half > dim:
         raise ValueError(f"x: expected an even last dim with room for {2 * half} rotated channels, got {dim}")
     x3 = x.reshape(num_tokens, -1, dim)
-    cos2, sin2 = cos.reshape(num_tokens, half), sin.reshape(num_tokens, half)
+    cos2, sin2 = cos.reshape(-1, half), sin.reshape(-1, half)
     out = torch.empty_like(x3)
     rows = x3.shape[1]
     if num_tokens == 0 or rows == 0:
         return out.view(x.shape)
     _rope_tail_kernel[(num_tokens, triton.cdiv(rows, _BLOCK_M))](
-        x3, cos2, sin2, out,
+        x3, cos2, sin2, cos2 if positions is None else positions, out,
         rows, -1.0 if inverse else 1.0,
         *x3.stride(), *cos2.stride(), *sin2.stride(), *out.stride(),
         PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=_BLOCK_M,
-        num_warps=4,
+        HAS_POSITIONS=positions is not None, num_warps=4,
     )
     return out.view(x.shape)

@@ -9,6 +9,7 @@ from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
 from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
+from mla_func.kernels.triton.linear_rows import ROWS_MAX_ROWS, RowsConfig, rows_config, rows_linear, takes_rows
 from mla_func.kernels.triton.linear_widened import WIDENED_MAX_ROWS
 
 
@@ -22,6 +23,44 @@ def test_linear_matches_reference(dtype, num_rows, n_out, k_in, device):
     got = linear(x, weight)
     assert got.shape == (num_rows, n_out) and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref_linear(x.double(), weight.double()), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows", [2, 7, ROWS_MAX_ROWS, ROWS_MAX_ROWS + 1])  # tensor-core tiles, then cuBLAS
+@pytest.mark.parametrize("n_out, k_in", [(40, 200), (300, 72), (5, 7)])
+def test_linear_rows_match_reference(dtype, num_rows, n_out, k_in, device):
+    # (40, 200): K split over programs (few column tiles), ragged K; (300, 72): one split, ragged columns.
+    gen = generator(num_rows * 7 + n_out + k_in, device)
+    x = randn((num_rows, k_in), dtype, device, gen)
+    weight = randn((n_out, k_in), dtype, device, gen, scale=k_in ** -0.5)
+    want = ref_linear(x.double(), weight.double())
+    got = linear(strided(x, gen), strided(weight, gen))
+    assert got.shape == (num_rows, n_out) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+    if num_rows <= ROWS_MAX_ROWS:   # the tiles themselves, where `linear` gives few rows of a small weight to the GEMV
+        torch.testing.assert_close(rows_linear(strided(x, gen), weight).double(), want, **TOLERANCE[dtype])
+
+
+def test_linear_takes_tiles_by_rows_weight_and_dtype():
+    assert not takes_rows(1, 4096, 4096, torch.bfloat16)                 # one row: the GEMV
+    assert not takes_rows(4, 1024, 4096, torch.bfloat16)                 # few rows of a small weight: the GEMV
+    assert takes_rows(2, 2048, 4096, torch.bfloat16) and takes_rows(5, 8, 8, torch.float16)
+    assert not takes_rows(ROWS_MAX_ROWS + 1, 2048, 4096, torch.bfloat16)  # cuBLAS
+    assert not takes_rows(8, 2048, 4096, torch.float32)
+
+
+def test_linear_rows_splits_sum_in_order(device):
+    # Every split count gives the float32 sum rounded once; the rule splits few column tiles only.
+    on_gpu = device.type == "cuda"
+    assert rows_config(40, 200, on_gpu).split_k > 1 and rows_config(5000, 200, on_gpu).split_k == 1
+    gen = generator(11, device)
+    x = randn((5, 256), torch.bfloat16, device, gen)
+    weight = randn((24, 256), torch.bfloat16, device, gen, scale=0.0625)
+    want = ref_linear(x.double(), weight.double())
+    for split_k in (1, 2, 8):
+        got = rows_linear(x, weight, RowsConfig(block_n=16, block_k=32, split_k=split_k, num_stages=1))
+        torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.bfloat16])
+        assert torch.equal(got, rows_linear(x, weight, RowsConfig(16, 32, split_k, 1)))
 
 
 @pytest.mark.parametrize("num_rows", [2, LINEAR_MAX_ROWS + 3])

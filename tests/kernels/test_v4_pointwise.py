@@ -26,6 +26,27 @@ def test_rope_tail_equals_the_reference(device, dtype, inverse, shape, half):
     assert torch.equal(got[..., :nope], x[..., :nope])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 6, 32), (7, 48)])
+def test_rope_tail_reads_tables_at_positions(device, dtype, shape):
+    # The tables' rows at each token's position, read in the op, rotate as the gathered angles do.
+    gen = generator(shape[-1] + len(shape), device)
+    x = randn(shape, dtype, device, gen)
+    angles = torch.rand((40, 8), generator=gen, device=device) * 6
+    positions = torch.randint(0, 40, (shape[0],), generator=gen, device=device)
+    gathered = angles[positions].view(shape[0], *([1] * (len(shape) - 2)), 8)
+    for inverse in (False, True):
+        got = rope_tail(x, angles.cos(), angles.sin(), positions=positions.to(torch.int32), inverse=inverse)
+        want = ref.rope_tail(x.double(), angles.cos().double(), angles.sin().double(), positions=positions,
+                             inverse=inverse)
+        assert_close(got, want, dtype)
+        assert torch.equal(got, rope_tail(x, gathered.cos(), gathered.sin(), inverse=inverse))
+    with pytest.raises(ValueError, match="positions"):
+        rope_tail(x, angles.cos(), angles.sin(), positions=positions[:-1])
+    with pytest.raises(ValueError, match="positions"):
+        rope_tail(x, angles.cos(), angles.sin(), positions=positions.float())
+
+
 def test_rope_tail_of_strided_input_and_bad_angles(device):
     gen = generator(3, device)
     x = strided(randn((4, 3, 16), torch.float32, device, gen), gen)

@@ -1,0 +1,130 @@
+"""Products of 2 to 16 rows of 16-bit floats on tensor cores: decode projections at small batch.
+
+The register GEMV in `linear` holds a weight tile and runs one float32 pass over
+it a row; from two rows on that costs more than reading the weight, and cuBLAS
+picks tiles that reach under half the copy rate on weights of a few MB. Here a
+program owns BLOCK_N output columns and streams their weight rows through
+`tl.dot` against all the rows at once (padded to 16, the narrowest tensor-core
+tile), pipelined over K. A weight of few column tiles splits K over programs as
+well; a second launch sums their partial products in split order
+(`linear_widened`'s reduction), so the bits do not depend on timing. 16-bit
+products are exact and summed in float32, as cuBLAS sums them.
+
+Swept on an H200 (graph replays; bench/results/logs/gemv-tiles-h200-2026-11-24.log),
+rows x [N, K]^T in bf16, 8 rows, us (cuBLAS): [2240, 2048] 5.4 (6.1), [11264, 1536]
+10.4 (11.2), [2048, 2048] 5.2 (6.1), [576, 2048] 4.1 (5.7), [32768, 1024] 18.7 (19.9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import next_pow2, pdl
+from .linear_widened import sum_splits
+
+# Rows this kernel takes (from 2: one row is the GEMV's); more go to cuBLAS.
+ROWS_MAX_ROWS = 16
+_ROWS_DTYPES = (torch.bfloat16, torch.float16)
+# Column tiles below which K is split: fewer would leave most multiprocessors idle.
+_SPLIT_BELOW_TILES = 16
+_SPLIT_K = 4
+# Few rows of a small weight: the register GEMV's (see `takes_rows`).
+_GEMV_MAX_ROWS = 4
+_GEMV_MAX_WEIGHT = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class RowsConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_stages: int
+
+
+def takes_rows(num_rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
+    """Whether `rows_linear` is the product for num_rows rows of dtype times an [n_out, k_in] weight.
+
+    Up to 4 rows a weight of up to 4M values stays with the register GEMV: these tiles
+    cost ~4 us whatever the weight, the GEMV's extra passes less (H200, 4 rows: [1024, 4096]
+    4.7 us against 5.6, [2048, 2048] 4.9 against 5.3; [3072, 2048] 8.0 against 5.7).
+    """
+    if dtype not in _ROWS_DTYPES or not 2 <= num_rows <= ROWS_MAX_ROWS:
+        return False
+    return num_rows > _GEMV_MAX_ROWS or n_out * k_in > _GEMV_MAX_WEIGHT
+
+
+def rows_config(n_out: int, k_in: int, on_gpu: bool) -> RowsConfig:
+    """Tiles for a [T, k_in] x [n_out, k_in]^T product (the H200 sweep's best, rounded to one rule)."""
+    if not on_gpu:
+        return RowsConfig(16, 32, _SPLIT_K if triton.cdiv(n_out, 16) <= _SPLIT_BELOW_TILES else 1, 1)
+    # Short rows take shorter K steps, three deep: [11264, 1536] 10.4 us, 12.1 with 4 stages.
+    block_k, num_stages = (256, 4) if k_in >= 2048 else (128, 3)
+    split_k = _SPLIT_K if triton.cdiv(n_out, 64) <= _SPLIT_BELOW_TILES else 1
+    return RowsConfig(64, block_k, split_k, num_stages)
+
+
+# The row count follows the step's batch: a plain argument, not one compile per count.
+@triton.jit(do_not_specialize=["num_rows"])
+def _rows_kernel(
+    x_ptr, w_ptr, y_ptr,
+    num_rows, n_out, k_in, k_per_split,
+    s_xt, s_xk, s_wn, s_wk, s_ys, s_yt, s_yn,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_T)
+    col_mask = cols < n_out
+    row_mask = rows < num_rows
+    # Split s sums K in [s * k_per_split, (s + 1) * k_per_split) into its own slice of y.
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k_in)
+    y_ptr += tl.program_id(1).to(tl.int64) * s_ys
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    # The weight as the product's rows: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_T], so a
+    # handful of rows fills the narrow side of the tile.
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_hi
+        w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * s_xt + ks[None, :] * s_xk, mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+    tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[None, :] & col_mask[:, None])
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None = None) -> torch.Tensor:
+    """x [T, K], weight [N, K] (one 16-bit dtype, any strides; T <= ROWS_MAX_ROWS) -> y [T, N] in that dtype.
+
+    Checked by the caller (`linear`). `config` overrides `rows_config` (sweeps).
+    """
+    num_rows, k_in = x.shape
+    n_out = weight.shape[0]
+    y = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n_out == 0:
+        return y
+    c = config or rows_config(n_out, k_in, x.device.type == "cuda")
+    # Each split's share of K is a whole number of BLOCK_K steps.
+    k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), c.block_k) * c.block_k
+    split_k = triton.cdiv(k_in, k_per_split)
+    out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
+    use_pdl = pdl(x.device)
+    _rows_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
+        x, weight, out,
+        num_rows, n_out, k_in, k_per_split,
+        *x.stride(), *weight.stride(), num_rows * n_out, *y.stride(),
+        BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=c.block_k, GDC=use_pdl,
+        num_warps=4, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    if split_k > 1:
+        sum_splits(out, y, use_pdl)
+    return y
