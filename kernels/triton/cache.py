@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 
 
 @triton.jit
@@ -16,9 +17,12 @@ def _write_kv_kernel(
     dim, block_size, stride_slot,
     stride_cn, stride_cb, stride_cd,
     stride_kt, stride_kd,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, GDC: tl.constexpr,
 ):
     token = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
     if slot >= 0:
         cols = tl.arange(0, BLOCK_D)
@@ -64,12 +68,13 @@ def write_kv(
         return kv_cache
     # One program per token row; a 576-wide row fits one 1024-lane block.
     block_d = min(1024, next_pow2(dim))
+    use_pdl = pdl(kv.device)
     _write_kv_kernel[(num_tokens,)](
         kv_cache, slot_mapping, kv,
         dim, block_size, slot_mapping.stride(0),
         *kv_cache.stride(),
         *kv.stride(),
-        BLOCK_D=block_d,
-        num_warps=4,
+        BLOCK_D=block_d, GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
     )
     return kv_cache

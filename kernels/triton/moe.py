@@ -95,7 +95,6 @@ def _gate_up_kernel(
     block = tl.program_id(0)
     if GDC:
         gdc_wait()
-        gdc_launch_dependents()
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     if INLINE_ALIGN:
         # Few pairs (decode): every program sorts them itself, which saves the
@@ -132,6 +131,9 @@ def _gate_up_kernel(
                 up = tl.load(w_up + ks[:, None] * s_wd, mask=w_mask, other=0.0)
             acc_gate = tl.dot(xa, gate, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(xa, up, acc_up, input_precision=DOT_PRECISION)
+        if GDC:
+            # After the weights' waves (see `linear._linear_kernel`); programs without an expert exit.
+            gdc_launch_dependents()
         if CLAMP:
             # DeepSeek-V4's clamped SwiGLU: the pre-activations rounded to x's dtype first, as
             # the reference's projections are, then the gate clamped from above, up both ways.
@@ -153,7 +155,6 @@ def _down_kernel(
     block = tl.program_id(0)
     if GDC:
         gdc_wait()
-        gdc_launch_dependents()
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,6 +174,8 @@ def _down_kernel(
             else:
                 w = tl.load(w_cols + ks[:, None] * s_wk, mask=(ks[:, None] < inter) & col_mask[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GDC:
+            gdc_launch_dependents()
         router = tl.load(weights_ptr + (pairs // TOP_K) * s_tw_t + (pairs % TOP_K) * s_tw_k, mask=row_mask, other=0.0)
         acc = acc * router[:, None]
         tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * s_pr + cols[None, :], acc,

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 
 _INTERPRETER_BLOCK_S = 8
 _GPU_BLOCK_S = 16
@@ -49,9 +50,12 @@ def _compress_kernel(
     s_btt, s_btw, s_bias_r, s_bias_c, s_cos, s_cos_c, s_sin, s_sin_c,
     OVERLAP: tl.constexpr, C: tl.constexpr, ROUND_NORMED: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.load(slot_ptr + t)
     writes = slot >= 0
     key_len = tl.load(klen_ptr + t)
@@ -167,7 +171,7 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
         # A norm weight wider than the cache (float32) keeps the normalised entry wide until the final store.
         OVERLAP=overlap, C=c, ROUND_NORMED=torch.promote_types(kv_norm.dtype, inputs.dtype) == inputs.dtype,
         ROPE_PAIRS=rope_pairs, PAGE=inputs.shape[1], ENTRY_PAGE=out.shape[1],
-        BLOCK_S=block_s, BLOCK_P=block_p,
+        BLOCK_S=block_s, BLOCK_P=block_p, GDC=pdl(inputs.device), launch_pdl=pdl(inputs.device),
         # Six [BLOCK_S, BLOCK_P] float32 tiles live at once: wide entries (512) take eight warps to hold them.
         num_warps=8 if block_p >= 256 else 4,
     )

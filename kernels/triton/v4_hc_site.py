@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 from .v4_hc import hc_gates
 
 _BLOCK_D = 64
@@ -68,10 +69,13 @@ def _streams_kernel(
     num_tokens, dim, chunks,
     s_st, s_sn, s_sd, s_ot, s_od, s_pt, s_pn, s_ct, s_cr, s_cc, s_nt, s_nn, s_nd, s_fm, s_ff, s_wt, s_ws,
     N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, WRITE_BACK: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_BACK: tl.constexpr, PARTIALS: tl.constexpr, GDC: tl.constexpr,
 ):
     block = tl.program_id(0)
     piece = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     kk = tl.arange(0, NP)
     k_ok = kk < N
     mm = tl.arange(0, MP)
@@ -129,10 +133,13 @@ def _streams_dot_kernel(
     num_tokens, dim, chunks,
     s_st, s_sn, s_sd, s_ot, s_od, s_pt, s_pn, s_ct, s_cr, s_cc, s_nt, s_nn, s_nd, s_fm, s_ff, s_wt, s_ws,
     N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, WRITE_BACK: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_BACK: tl.constexpr, PARTIALS: tl.constexpr, GDC: tl.constexpr,
 ):
     block = tl.program_id(0)
     piece = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     mm = tl.arange(0, MP)
     m_ok = mm < M
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -182,8 +189,12 @@ def _site_kernel(
     dim, slices, iters, hc_eps, norm_eps,
     s_wt, s_ws, s_st, s_sn, s_sd, s_w, s_xt, s_xd, s_pt, s_pn, s_ct, s_cr, s_cc,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     kk = tl.arange(0, NP)
     k_ok = kk < N
     r = kk[:, None]
@@ -249,9 +260,12 @@ def _head_kernel(
     ws_ptr, streams_ptr, base_ptr, scale_ptr, y_ptr,
     dim, slices, hc_eps, norm_eps,
     s_wt, s_ws, s_st, s_sn, s_sd, s_yt, s_yd,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     kk = tl.arange(0, NP)
     k_ok = kk < N
     ss = tl.arange(0, BLOCK_S)
@@ -348,7 +362,7 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
             *streams.stride(), *out.stride(), *post.stride(), *comb.stride(), *new.stride(),
             *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]))
     meta = dict(N=n, M=width, BLOCK_T=block_t, BLOCK_D=_BLOCK_D, WRITE_BACK=write_back is not None,
-                PARTIALS=fn is not None, num_warps=4)
+                PARTIALS=fn is not None, GDC=pdl(streams.device), num_warps=4, launch_pdl=pdl(streams.device))
     if _block_dot(num_tokens):
         _streams_dot_kernel[(triton.cdiv(num_tokens, block_t), slices)](*args, MP=max(16, next_pow2(width)), **meta)
     else:
@@ -372,7 +386,8 @@ def _site_pass(ws: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scal
         dim, slices, iters, hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), norm_weight.stride(0), *x.stride(), *post.stride(), *comb.stride(),
         N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(slices)),
-        BLOCK_D=block_d, ONE_TILE=dim <= block_d, num_warps=num_warps,
+        BLOCK_D=block_d, ONE_TILE=dim <= block_d, GDC=pdl(streams.device), num_warps=num_warps,
+        launch_pdl=pdl(streams.device),
     )
     return x, post, comb
 
@@ -449,6 +464,6 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         dim, ws.shape[1], hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), *y.stride(),
         N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(ws.shape[1])),
-        BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_D=block_d, GDC=pdl(streams.device), num_warps=num_warps, launch_pdl=pdl(streams.device),
     )
     return y

@@ -11,15 +11,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 
 _MAX_BLOCK_D = 2048
 
 
 @triton.jit
-def _unit_rms_kernel(x_ptr, out_ptr, dim, eps, s_xr, s_xd, s_or, s_od, BLOCK_D: tl.constexpr):
+def _unit_rms_kernel(x_ptr, out_ptr, dim, eps, s_xr, s_xd, s_or, s_od, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, BLOCK_D)
     total = tl.zeros([BLOCK_D], tl.float32)
     for d0 in range(0, dim, BLOCK_D):
@@ -43,6 +47,7 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
         return out.view(x.shape)
     _unit_rms_kernel[(x2.shape[0],)](
         x2, out, dim, eps, *x2.stride(), *out.stride(),
-        BLOCK_D=min(_MAX_BLOCK_D, max(16, next_pow2(dim))), num_warps=4,
+        BLOCK_D=min(_MAX_BLOCK_D, max(16, next_pow2(dim))), GDC=pdl(x.device), num_warps=4,
+        launch_pdl=pdl(x.device),
     )
     return out.view(x.shape)

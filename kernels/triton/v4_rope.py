@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_same_device, check_shape
-from ._common import check_float, next_pow2
+from ._common import check_float, next_pow2, pdl
 
 _BLOCK_M = 4
 
@@ -25,9 +26,12 @@ def _rope_tail_kernel(
     rows, sign,
     s_xt, s_xm, s_xd, s_ct, s_cd, s_st, s_sd, s_ot, s_om, s_od,
     PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     # The angles' row: the token's position in the tables, or the token itself.
     angle_row = tl.load(pos_ptr + t).to(tl.int64) if HAS_POSITIONS else t
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,6 +91,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
         rows, -1.0 if inverse else 1.0,
         *x3.stride(), *cos2.stride(), *sin2.stride(), *out.stride(),
         PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=_BLOCK_M,
-        HAS_POSITIONS=positions is not None, num_warps=4,
+        HAS_POSITIONS=positions is not None, GDC=pdl(x.device), num_warps=4, launch_pdl=pdl(x.device),
     )
     return out.view(x.shape)
