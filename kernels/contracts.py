@@ -212,10 +212,18 @@ class SparseMlaDecode(Protocol):
 
 class RopeTail(Protocol):
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, /, *, positions: Tensor | None = None,
-                 inverse: bool = False) -> Tensor:
+                 unit_rms_eps: float | None = None, inverse: bool = False) -> Tensor:
         """Rotate the trailing R channels of x [..., D] by interleaved pairs; cos, sin [..., R / 2]
         broadcastable to x's leading dims, or with positions [T] (x [T, ..., D]) tables [P, R / 2] whose
-        row positions[t] rotates token t; `inverse` rotates by the opposite angle -> [..., D]."""
+        row positions[t] rotates token t; with unit_rms_eps, x is `UnitRms`'d first (the rows as
+        rounded to x's dtype are rotated); `inverse` rotates by the opposite angle -> [..., D]."""
+        ...
+
+
+class GroupedLinear(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, /) -> Tensor:
+        """x [T, G, I] times each group's own weight [G, O, I]^T -> [T, G, O] in x's dtype (V4's grouped
+        output projection), products summed in float32."""
         ...
 
 

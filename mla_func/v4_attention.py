@@ -114,8 +114,8 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     # The rope tables [P, R / 2] are read at each token's position inside the op.
     cos, sin = p.rope_cos, p.rope_sin
     q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
-    q = ops.v4.unit_rms(ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh), eps)
-    q = ops.v4.rope_tail(q, cos, sin, positions=positions)                                 # [T, H, Dh]
+    q = ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh)
+    q = ops.v4.rope_tail(q, cos, sin, positions=positions, unit_rms_eps=eps)               # [T, H, Dh]
     kv = ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps)
     kv = ops.v4.rope_tail(kv, cos, sin, positions=positions)                               # [T, Dh]
     # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
@@ -131,7 +131,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
     groups = v.o_groups
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
-    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
+    grouped = ops.v4.grouped_linear(out.reshape(t, groups, -1), o_a)                       # [T, G, Og]
     return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
 
 

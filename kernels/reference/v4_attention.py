@@ -13,16 +13,19 @@ import torch
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, positions: torch.Tensor | None = None,
-              inverse: bool = False) -> torch.Tensor:
+              unit_rms_eps: float | None = None, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing R channels of x [..., D] by interleaved pairs (x0, x1), (x2, x3), ...
 
     cos, sin: [..., R / 2] broadcastable to x's leading dims (one angle per pair); or,
     with positions [T] (integers, x [T, ..., D]), tables [P, R / 2] whose row
-    positions[t] holds token t's angles. The rotated slice keeps its interleaved
+    positions[t] holds token t's angles. With unit_rms_eps, x is first `unit_rms(x,
+    unit_rms_eps)` (V4's queries: normalised per head, then rotated). The rotated slice keeps its interleaved
     layout (the output projection reads it as is); `inverse` rotates by the opposite
     angle (V4 undoes the value's rotation on the attention output). Products in at
     least float32.
     """
+    if unit_rms_eps is not None:
+        x = unit_rms(x, unit_rms_eps)
     if positions is not None:
         angles_shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos[positions].view(angles_shape), sin[positions].view(angles_shape)
@@ -35,6 +38,11 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
         s = -s
     rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, G, I], weight [G, O, I] -> [T, G, O]: group g of each row times weight[g]^T."""
+    return torch.einsum("tgi,goi->tgo", x, weight)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -192,14 +192,23 @@ def _site_kernel(
     GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
     kk = tl.arange(0, NP)
     k_ok = kk < N
     r = kk[:, None]
     c = kk[None, :]
     inside = (r < N) & (c < N)
+    offs = tl.arange(0, BLOCK_D)
+    if ONE_TILE:
+        # The norm weight depends on no earlier kernel, and the row's streams on no gate: both
+        # loads are in flight while the partials are summed and the gates computed.
+        d_ok = offs < dim
+        w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    if ONE_TILE:
+        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
+                       mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     ss = tl.arange(0, BLOCK_S)
     squares = tl.zeros([BLOCK_S], tl.float32)
     pre = tl.zeros([BLOCK_S, NP], tl.float32)
@@ -223,16 +232,11 @@ def _site_kernel(
 
     weights = tl.sum(pre, axis=0)[:, None]                                          # [NP, 1]
     dtype = streams_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK_D)
     if ONE_TILE:
         # The whole row (dim <= BLOCK_D) in one tile: the collapse stays in registers for the norm.
-        d_ok = offs < dim
-        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
-                       mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(col * col, axis=0) / dim + norm_eps)
         normed = (col * inv).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
         tl.store(x_ptr + t * s_xt + offs * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
     else:
         total = tl.zeros([BLOCK_D], tl.float32)

@@ -23,10 +23,10 @@ _BLOCK_M = 4
 @triton.jit(do_not_specialize=["rows"])
 def _rope_tail_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
-    rows, sign,
+    rows, sign, eps,
     s_xt, s_xm, s_xd, s_ct, s_cd, s_st, s_sd, s_ot, s_om, s_od,
     PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, GDC: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, UNIT_RMS: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     if GDC:
@@ -45,6 +45,13 @@ def _rope_tail_kernel(
     src = x_ptr + t * s_xt + ms[:, None] * s_xm
     even = tl.load(src + (2 * pairs)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(src + (2 * pairs + 1)[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_RMS:
+        # `unit_rms` first, rounded as it rounds: the scale to x's dtype, then each product.
+        dtype = x_ptr.dtype.element_ty
+        mean_sq = (tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1)) / (2 * PAIRS)
+        scale = (1.0 / tl.sqrt(mean_sq + eps)).to(dtype).to(tl.float32)[:, None]
+        even = (even * scale).to(dtype).to(tl.float32)
+        odd = (odd * scale).to(dtype).to(tl.float32)
     rot_even = tl.where(is_pe[None, :], even * cos[None, :] - odd * sin[None, :], even)
     rot_odd = tl.where(is_pe[None, :], odd * cos[None, :] + even * sin[None, :], odd)
     dst = out_ptr + t * s_ot + ms[:, None] * s_om
@@ -53,13 +60,14 @@ def _rope_tail_kernel(
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, positions: torch.Tensor | None = None,
-              inverse: bool = False) -> torch.Tensor:
+              unit_rms_eps: float | None = None, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing R channels of x [T, ..., D] by interleaved pairs (see `reference.v4_attention.rope_tail`).
 
     cos, sin: [T, 1, ..., R / 2] or [T, R / 2]: one angle per token and pair, shared by x's middle dims
     (the layouts the model passes); or, with positions [T] (integers), tables [P, R / 2] read at row
-    positions[t] for token t, in the kernel (no gathered copy). D and R even. Returns a new tensor in
-    x's dtype.
+    positions[t] for token t, in the kernel (no gathered copy). With unit_rms_eps each row of D is
+    first scaled to unit RMS (`unit_rms`, fused: one launch for V4's queries). D and R even. Returns a
+    new tensor in x's dtype.
     """
     check_float("x", x)
     check_same_device(x=x, cos=cos, sin=sin)
@@ -88,9 +96,9 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
         return out.view(x.shape)
     _rope_tail_kernel[(num_tokens, triton.cdiv(rows, _BLOCK_M))](
         x3, cos2, sin2, cos2 if positions is None else positions, out,
-        rows, -1.0 if inverse else 1.0,
+        rows, -1.0 if inverse else 1.0, 0.0 if unit_rms_eps is None else float(unit_rms_eps),
         *x3.stride(), *cos2.stride(), *sin2.stride(), *out.stride(),
         PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=_BLOCK_M,
-        HAS_POSITIONS=positions is not None, GDC=pdl(x.device), num_warps=4, launch_pdl=pdl(x.device),
+        HAS_POSITIONS=positions is not None, UNIT_RMS=unit_rms_eps is not None, GDC=pdl(x.device), num_warps=4, launch_pdl=pdl(x.device),
     )
     return out.view(x.shape)

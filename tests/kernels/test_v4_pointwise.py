@@ -47,6 +47,21 @@ def test_rope_tail_reads_tables_at_positions(device, dtype, shape):
         rope_tail(x, angles.cos(), angles.sin(), positions=positions.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tail_after_unit_rms_equals_the_two_ops(device, dtype):
+    # V4's queries: normalised per head, then rotated, in one launch.
+    gen = generator(17, device)
+    x = randn((3, 5, 48), dtype, device, gen, scale=4.0)
+    angles = torch.rand((9, 8), generator=gen, device=device) * 6
+    positions = torch.tensor([8, 0, 4], device=device)
+    got = rope_tail(x, angles.cos(), angles.sin(), positions=positions, unit_rms_eps=1e-6)
+    two_ops = rope_tail(unit_rms(x, 1e-6), angles.cos(), angles.sin(), positions=positions)
+    want = ref.rope_tail(x.double(), angles.cos().double(), angles.sin().double(), positions=positions,
+                         unit_rms_eps=1e-6)
+    assert_close(got, want, dtype)
+    assert_close(got, two_ops, dtype)   # the same roundings; only the sum of squares' order differs
+
+
 def test_rope_tail_of_strided_input_and_bad_angles(device):
     gen = generator(3, device)
     x = strided(randn((4, 3, 16), torch.float32, device, gen), gen)
