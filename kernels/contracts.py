@@ -220,13 +220,6 @@ class RopeTail(Protocol):
         ...
 
 
-class GroupedLinear(Protocol):
-    def __call__(self, x: Tensor, weight: Tensor, /) -> Tensor:
-        """x [T, G, I] times each group's own weight [G, O, I]^T -> [T, G, O] in x's dtype (V4's grouped
-        output projection), products summed in float32."""
-        ...
-
-
 class UnitRms(Protocol):
     def __call__(self, x: Tensor, eps: float, /) -> Tensor:
         """x / sqrt(mean(x^2) + eps) over the last dim (no weight), statistics in at least float32."""

@@ -83,13 +83,12 @@ class DSAOps:
 
 @dataclass(frozen=True, slots=True)
 class V4Ops:
-    """DeepSeek-V4's own math: partial rope, the unweighted norm, the grouped output projection, attention over the window and the
+    """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
     compressed entries with the sink, the compressors' update, whole mHC sites (with the write-back
     before them), write-backs and the hyper head, and the clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
-    grouped_linear: c.GroupedLinear
     window_entry_attention: c.WindowEntryAttention
     compress_entries: c.CompressEntries
     hc_site: c.HcSite
@@ -145,7 +144,6 @@ REFERENCE = Ops(
     v4=V4Ops(
         rope_tail=ref_v4_attention.rope_tail,
         unit_rms=ref_v4_attention.unit_rms,
-        grouped_linear=ref_v4_attention.grouped_linear,
         window_entry_attention=ref_v4_paged.window_entry_attention,
         compress_entries=ref_v4_paged.compress_entries,
         hc_site=ref_v4_hc.hc_site,

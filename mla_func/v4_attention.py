@@ -131,7 +131,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
     groups = v.o_groups
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
-    grouped = ops.v4.grouped_linear(out.reshape(t, groups, -1), o_a)                       # [T, G, Og]
+    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
     return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
 
 

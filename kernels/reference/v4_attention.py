@@ -40,11 +40,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, G, I], weight [G, O, I] -> [T, G, O]: group g of each row times weight[g]^T."""
-    return torch.einsum("tgi,goi->tgo", x, weight)
-
-
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, statistics in at least float32 (no weight)."""
     acc = torch.promote_types(x.dtype, torch.float32)

@@ -12,7 +12,7 @@ from .dsa_decode import sparse_mla_decode
 from .dsa_indexer import index_scores, write_index_key
 from .dsa_topk import top_k_indices
 from .latent import write_latent, write_latent_absorb
-from .linear import grouped_linear, linear, rms_norm_linear
+from .linear import linear, rms_norm_linear
 from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import rms_norm
@@ -36,7 +36,6 @@ __all__ = [
     "hc_write_back",
     "hc_write_back_site",
     "index_scores",
-    "grouped_linear",
     "linear",
     "merge_attn_states",
     "mla_decode",
@@ -75,7 +74,7 @@ def ops() -> Ops:
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
-        v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms, grouped_linear=grouped_linear,
+        v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
                                hc_site=hc_site, hc_write_back=hc_write_back,
                                hc_write_back_site=hc_write_back_site, hc_head=hc_head,

@@ -80,13 +80,10 @@ def _weight_tile(w_rows, col_mask, ks, k_in, s_wk):
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr,
-    num_rows, n_out, k_in, cols_per_group,
-    s_xt, s_xg, s_xk, s_wn, s_wk, s_yt, s_yn,
+    num_rows, n_out, k_in,
+    s_xt, s_xk, s_wn, s_wk, s_yt, s_yn,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
 ):
-    # Output columns come in groups of cols_per_group (a multiple of BLOCK_N), each the product
-    # with its own slice of x's row (`grouped_linear`); a plain product is one group.
-    x_ptr += (tl.program_id(0) * BLOCK_N // cols_per_group) * s_xg
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
     ks = tl.arange(0, BLOCK_K)
@@ -146,40 +143,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     use_pdl = pdl(x.device)
     _linear_kernel[(triton.cdiv(n_out, tiles.block_n),)](
         x, weight, y,
-        num_rows, n_out, k_in, n_out,
-        x.stride(0), 0, x.stride(1), *weight.stride(), *y.stride(),
+        num_rows, n_out, k_in,
+        *x.stride(), *weight.stride(), *y.stride(),
         BLOCK_T=next_pow2(num_rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GDC=use_pdl,
-        num_warps=tiles.num_warps, launch_pdl=use_pdl,
-    )
-    return y
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Contract of `reference.v4_attention.grouped_linear`: x [T, G, I], weight [G, O, I] -> [T, G, O].
-
-    One row takes the GEMV over the groups' weights as one [G * O, I] matrix, each program
-    reading its group's slice of x (one launch, where the batched GEMM took cuBLAS's and
-    broke the chain of programmatic launches); more rows, the batched GEMM.
-    """
-    num_rows, groups, k_in = x.shape
-    check_shape("weight", weight, (groups, None, k_in))
-    check_float("x", x)
-    check_dtype("weight", weight, (x.dtype,))
-    check_same_device(x=x, weight=weight)
-    cols_per_group = weight.shape[1]
-    tiles = gemv_tiles(k_in, x.device.type == "cuda")
-    flat = weight.stride(0) == cols_per_group * weight.stride(1)
-    if num_rows != 1 or cols_per_group % tiles.block_n or not flat:
-        return torch.einsum("tgi,goi->tgo", x, weight)
-    y = torch.empty((num_rows, groups, cols_per_group), dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    use_pdl = pdl(x.device)
-    _linear_kernel[(groups * cols_per_group // tiles.block_n,)](
-        x, weight, y,
-        num_rows, groups * cols_per_group, k_in, cols_per_group,
-        *x.stride(), weight.stride(1), weight.stride(2), y.stride(0), y.stride(2),
-        BLOCK_T=1, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GDC=use_pdl,
         num_warps=tiles.num_warps, launch_pdl=use_pdl,
     )
     return y

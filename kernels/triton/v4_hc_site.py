@@ -47,6 +47,10 @@ _DOT_MIN_TOKENS = 8
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
 # rows per program keep the workspace small (prefill).
 _TARGET_PROGRAMS = 512
+# From this many tokens the site kernel loads its row's streams before the gates, not after: H200,
+# V4-mini steps, batch 64 x 64K 2.21 ms against 2.23; at one token the row held through the gates
+# costs more (9.1 us a site against 8.1), so a lone token loads it after.
+_PRELOAD_MIN_TOKENS = 2
 # The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
 # round of loads instead of one a chunk and pass).
 _MAX_SITE_BLOCK_D = 4096
@@ -189,7 +193,7 @@ def _site_kernel(
     dim, slices, iters, hc_eps, norm_eps,
     s_wt, s_ws, s_st, s_sn, s_sd, s_w, s_xt, s_xd, s_pt, s_pn, s_ct, s_cr, s_cc,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
-    GDC: tl.constexpr,
+    PRELOAD: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, NP)
@@ -198,15 +202,15 @@ def _site_kernel(
     c = kk[None, :]
     inside = (r < N) & (c < N)
     offs = tl.arange(0, BLOCK_D)
-    if ONE_TILE:
+    d_ok = offs < dim
+    if PRELOAD:
         # The norm weight depends on no earlier kernel, and the row's streams on no gate: both
         # loads are in flight while the partials are summed and the gates computed.
-        d_ok = offs < dim
         w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    if ONE_TILE:
+    if PRELOAD:
         tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     ss = tl.arange(0, BLOCK_S)
@@ -234,6 +238,10 @@ def _site_kernel(
     dtype = streams_ptr.dtype.element_ty
     if ONE_TILE:
         # The whole row (dim <= BLOCK_D) in one tile: the collapse stays in registers for the norm.
+        if not PRELOAD:
+            w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
+            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
+                           mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(col * col, axis=0) / dim + norm_eps)
         normed = (col * inv).to(dtype).to(tl.float32)
@@ -390,7 +398,8 @@ def _site_pass(ws: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scal
         dim, slices, iters, hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), norm_weight.stride(0), *x.stride(), *post.stride(), *comb.stride(),
         N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(slices)),
-        BLOCK_D=block_d, ONE_TILE=dim <= block_d, GDC=pdl(streams.device), num_warps=num_warps,
+        BLOCK_D=block_d, ONE_TILE=dim <= block_d, PRELOAD=dim <= block_d and num_tokens >= _PRELOAD_MIN_TOKENS,
+        GDC=pdl(streams.device), num_warps=num_warps,
         launch_pdl=pdl(streams.device),
     )
     return x, post, comb

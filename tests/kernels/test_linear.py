@@ -8,8 +8,7 @@ import torch
 from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
-from mla_func.kernels.reference.v4_attention import grouped_linear as ref_grouped_linear
-from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, grouped_linear, linear, rms_norm_linear
+from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
 from mla_func.kernels.triton.linear_rows import ROWS_MAX_ROWS, RowsConfig, rows_config, rows_linear, takes_rows
 from mla_func.kernels.triton.linear_widened import WIDENED_MAX_ROWS
 
@@ -89,20 +88,6 @@ def test_linear_float32_weight_on_wider_or_narrower_rows(num_rows, x_dtype, n_ou
     assert got.shape == (num_rows, n_out) and got.dtype == torch.float32
     want = ref_linear(x.double(), weight.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows, cols", [(1, 8), (1, 6), (3, 8)])   # one GEMV launch; columns off the tile; GEMM
-def test_grouped_linear_matches_reference(dtype, num_rows, cols, device):
-    gen = generator(num_rows * 10 + cols, device)
-    x = randn((num_rows, 3, 72), dtype, device, gen)
-    weight = randn((3, cols, 72), dtype, device, gen, scale=72 ** -0.5)
-    got = grouped_linear(strided(x, gen), weight)
-    assert got.shape == (num_rows, 3, cols) and got.dtype == dtype
-    want = ref_grouped_linear(x.double(), weight.double())
-    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
-    with pytest.raises(ValueError, match="weight"):
-        grouped_linear(x, weight[:2])
 
 
 def test_linear_rejects_bad_inputs(device):
