@@ -18,11 +18,11 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
 
     cos, sin: [..., R / 2] broadcastable to x's leading dims (one angle per pair); or,
     with positions [T] (integers, x [T, ..., D]), tables [P, R / 2] whose row
-    positions[t] holds token t's angles. With unit_rms_eps, x is first `unit_rms(x,
-    unit_rms_eps)` (V4's queries: normalised per head, then rotated). The rotated slice keeps its interleaved
-    layout (the output projection reads it as is); `inverse` rotates by the opposite
-    angle (V4 undoes the value's rotation on the attention output). Products in at
-    least float32.
+    positions[t] holds token t's angles. With unit_rms_eps, x is first
+    `unit_rms(x, unit_rms_eps)` (V4's queries: normalised per head, then rotated).
+    The rotated slice keeps its interleaved layout (the output projection reads it
+    as is); `inverse` rotates by the opposite angle (V4 undoes the value's rotation
+    on the attention output). Products in at least float32.
     """
     if unit_rms_eps is not None:
         x = unit_rms(x, unit_rms_eps)

@@ -28,7 +28,8 @@ from .linear_rows import ROWS_MAX_ROWS, rows_linear, takes_rows
 from .linear_widened import WIDENED_MAX_ROWS, widened_linear
 from .norm import rms_norm
 
-# Rows up to which the GEMV runs for float32 rows; each row is one more pass over the weight tile in registers.
+# Rows up to which the GEMV runs (16-bit rows of large weights go to `linear_rows` from two on); each row
+# is one more pass over the weight tile in registers.
 LINEAR_MAX_ROWS = 4
 _INTERPRETER_BLOCK_K = 64
 
@@ -48,8 +49,8 @@ def gemv_tiles(k_in: int, on_gpu: bool) -> GemvTiles:
     Swept on an H200 (bench/results/logs/gemv-tiles-h200-2026-11-24.log; one row, with and
     without programmatic dependent launch): about 8K weights a program, whole rows of K up
     to 4096, 4 warps. Against the earlier 16 x 2048 tiles at 8 warps: [4096] x [1024, 4096]^T
-    3.4 us from 5.1, [4096] x [129280, 4096]^T (an LM head) 234 us from 279, [8192] x
-    [4096, 8192]^T 18.2 from 21.3. Narrow tiles mean many programs: a weight of few columns
+    3.3 us from 5.1, [4096] x [129280, 4096]^T (an LM head) 234 us from 279, [8192] x
+    [4096, 8192]^T 17.9 from 20.8. Narrow tiles mean many programs: a weight of few columns
     still spreads over the multiprocessors.
     """
     if not on_gpu:

@@ -1,7 +1,8 @@
 """Products of 2 to 16 rows of 16-bit floats on tensor cores: decode projections at small batch.
 
 The register GEMV in `linear` holds a weight tile and runs one float32 pass over
-it a row; from two rows on that costs more than reading the weight, and cuBLAS
+it a row; from two rows on, on weights of more than a few MB, that costs more
+than reading the weight (see `takes_rows`), and cuBLAS
 picks tiles that reach under half the copy rate on weights of a few MB. Here a
 program owns BLOCK_N output columns and streams their weight rows through
 `tl.dot` against all the rows at once (padded to 16, the narrowest tensor-core
@@ -11,8 +12,9 @@ well; a second launch sums their partial products in split order
 products are exact and summed in float32, as cuBLAS sums them.
 
 Swept on an H200 (graph replays; bench/results/logs/gemv-tiles-h200-2026-11-24.log),
-rows x [N, K]^T in bf16, 8 rows, us (cuBLAS): [2240, 2048] 5.4 (6.1), [11264, 1536]
-10.4 (11.2), [2048, 2048] 5.2 (6.1), [576, 2048] 4.1 (5.7), [32768, 1024] 18.7 (19.9).
+rows x [N, K]^T in bf16, 8 rows, us (cuBLAS), with the tiles `rows_config` picks: [2240, 2048]
+5.4 (6.1), [11264, 1536] 10.5 (11.2), [2048, 2048] 5.3 (6.0), [576, 2048] 4.1 (5.7),
+[32768, 1024] 19.2 (19.9).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def rows_config(n_out: int, k_in: int, on_gpu: bool) -> RowsConfig:
     """Tiles for a [T, k_in] x [n_out, k_in]^T product (the H200 sweep's best, rounded to one rule)."""
     if not on_gpu:
         return RowsConfig(16, 32, _SPLIT_K if triton.cdiv(n_out, 16) <= _SPLIT_BELOW_TILES else 1, 1)
-    # Short rows take shorter K steps, three deep: [11264, 1536] 10.4 us, 12.1 with 4 stages.
+    # Short rows take shorter K steps, three deep: [11264, 1536] at 8 rows 10.5 us, 12.1 with 4 stages.
     block_k, num_stages = (256, 4) if k_in >= 2048 else (128, 3)
     split_k = _SPLIT_K if triton.cdiv(n_out, 64) <= _SPLIT_BELOW_TILES else 1
     return RowsConfig(64, block_k, split_k, num_stages)
