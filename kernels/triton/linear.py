@@ -5,10 +5,11 @@ under half the copy rate there (a 2048 x 2048 bf16 weight in 6.3 us on an H100).
 Here each program owns a few output columns, loads the first slice of their weight
 rows into registers *before* it waits for the previous kernel (see `_common.pdl`),
 then multiplies every row of x by it: the weight's latency overlaps whatever ran
-before. From two rows of 16-bit floats on, `linear_rows` streams the weight through
-tensor-core tiles instead (this GEMV's float32 pass a row costs more than the read);
-float32 rows keep the GEMV up to LINEAR_MAX_ROWS. Longer inputs go to cuBLAS, whose
-tiles then fill the GPU.
+before. From two rows of 16-bit floats on (of large weights; from five rows of any),
+`linear_rows` streams the weight through tensor-core tiles instead (this GEMV's
+float32 pass a row costs more than the read, see `linear_rows.takes_rows`); float32
+rows keep the GEMV up to LINEAR_MAX_ROWS. Longer inputs go to cuBLAS, whose tiles
+then fill the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
-from .linear_rows import ROWS_MAX_ROWS, rows_linear, takes_rows
+from .linear_rows import rows_linear, takes_rows
 from .linear_widened import WIDENED_MAX_ROWS, widened_linear
 from .norm import rms_norm
 
@@ -112,7 +113,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     float dtype, except with out_dtype float32, where the inputs may differ (a float32
     router weight on bf16 activations) and both are widened. Every path multiplies in
     float32 (or exactly, 16-bit products on tensor cores) and rounds once, as cuBLAS
-    does. One row takes the GEMV; 2..ROWS_MAX_ROWS rows of bf16 / fp16 `linear_rows`
+    does. One row takes the GEMV; 2..`linear_rows.ROWS_MAX_ROWS` rows of bf16 / fp16 `linear_rows`
     (up to 4 of them only on large weights: `takes_rows`); other rows up to
     LINEAR_MAX_ROWS the GEMV; float32 outputs of up to WIDENED_MAX_ROWS rows that
     those do not take `linear_widened`; the rest cuBLAS.
