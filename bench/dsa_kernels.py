@@ -98,14 +98,16 @@ def _index_setup(num_rows, context):
     return num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices
 
 
-def _topk_workspace(num_rows, context, topk_config=None):
-    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config)
+def _topk_workspace(num_rows, context, topk_config=None, path=None):
+    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config, path)
 
 
-def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True):
+def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True,
+                     topk_path=None):
     num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
     tables = _tables(num_rows, context, num_blocks, 1)
-    topk_workspace = None if topk_chunks else _topk_workspace(num_rows, context, topk_config)
+    topk_path = topk_path or ("passes" if topk_chunks else dsa_topk.top_k_path(num_rows, context, "cuda"))
+    topk_workspace = None if topk_chunks else _topk_workspace(num_rows, context, topk_config, topk_path)
 
     def score(table):
         return dsa_indexer.index_scores(index_q, head_weights, index_cache, table, key_lens, out=scores,
@@ -113,7 +115,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
 
     def select():
         return dsa_topk.top_k_indices(scores, key_lens, k=TOP_K, out=indices, workspace=topk_workspace,
-                                      num_chunks=topk_chunks, config=topk_config)
+                                      num_chunks=topk_chunks, config=topk_config, path=topk_path)
 
     score_ms = common.time_graph([lambda: score(tables[0])])
     topk_ms = common.time_graph([select])
@@ -125,8 +127,9 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
                score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
                chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
-               topk_path="row" if topk_chunks is None and dsa_topk.top_k_row_resident(num_rows, context, "cuda") else "chunked",
-               topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config),
+               topk_path=topk_path,
+               topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config,
+                                                                    topk_path),
                bytes_counted="indexer keys read (scores written once and read by top-k not counted)")
     if eager:
         row["eager_ms"] = common.time_eager(lambda: (score(tables[0]), select()))
@@ -189,6 +192,9 @@ def sweep(ceilings):
         for chunks in chunk_counts:
             r = bench_index_topk(num_rows, 128 * 1024, ceilings, topk_chunks=chunks, eager=False)
             rows.append(dict(r, config=f"{chunks} chunks", case=f"topk B{num_rows} ctx128K"))
+    for num_rows in (1, 8, 64):
+        r = bench_index_topk(num_rows, 128 * 1024, ceilings, topk_path="synced", eager=False)
+        rows.append(dict(r, config=f"synced, {r['topk_chunks']} chunks", case=f"topk B{num_rows} ctx128K"))
     common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("us", "us"),
                               ("score_ms", "score ms"), ("topk_us", "topk us"), ("pct_copy", "%copy"),
                               ("copy_time_ratio", "t/t_copy"), ("error", "error")])

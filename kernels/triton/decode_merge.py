@@ -15,7 +15,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2
 
-_VALUE_BLOCK_V = 32
+# W_UV's output columns per program, and warps: a (row, head) of 128 value columns in one
+# program reads its split partials once, where 32-column programs read them four times;
+# few (row, head) pairs take narrow programs so that enough run. H200, 8 rows x 16 heads x
+# 32 splits (sparse decode of 2048 keys, both stages): 21.8 us with [128, 8 warps], 26.2
+# with [32, 4 warps] (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log).
+_VALUE_WIDE = (128, 8)
+_VALUE_NARROW = (32, 4)
+_VALUE_WIDE_MIN_PROGRAMS = 128
 # Splits merged per step of stage 2's loop: a [_MERGE_SPLITS, C] float32 tile
 # (16 covers batch 1 up to 2K keys of table in one step).
 _MERGE_SPLITS = 16
@@ -143,12 +150,15 @@ def merge_splits_value(partial_out: torch.Tensor, partial_lse: torch.Tensor, w_u
     """
     num_rows, num_heads, splits, kv_lora_rank = partial_out.shape
     value_dim = w_uv.shape[1]
-    _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, _VALUE_BLOCK_V))](
+    wide = num_rows * num_heads >= _VALUE_WIDE_MIN_PROGRAMS
+    block_v, num_warps = _VALUE_WIDE if wide else _VALUE_NARROW
+    block_v = min(block_v, max(16, next_pow2(value_dim)))
+    _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, block_v))](
         partial_out, partial_lse, w_uv, out, lse,
         num_heads, splits, value_dim,
         *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
         *out.stride(), *lse.stride(),
         KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
-        BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=_VALUE_BLOCK_V, GDC=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=block_v, GDC=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )

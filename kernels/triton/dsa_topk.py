@@ -1,7 +1,9 @@
 """Top-k selection of the indexer's scores by radix select over row chunks: no sort.
 
-`top_k_indices` is the op; rows short enough for one program's registers are selected
-by `dsa_topk_row` where that is faster (`top_k_row_resident`), the rest here.
+`top_k_indices` is the op; `top_k_path` says which kernel selects a shape by default:
+rows short enough for one program's registers `dsa_topk_row` where that is faster,
+other rows on a GPU the radix select below in one launch (`dsa_topk_synced`), and the
+rest this module's launch per radix pass.
 
 A row's k best positions are found without ordering the scores. Each float32
 score maps to a uint32 key whose unsigned order is the float order; the k-th
@@ -44,6 +46,7 @@ most 1/16 of a tile's keys, so equal digits serialise little there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -53,7 +56,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2, pdl, sm_count
 from .dsa_topk_row import row_top_k_fits, row_top_k_indices
-from .topk_shared import emit_tile, fill_unselected, load_keys
+from .dsa_topk_synced import synced_max_chunks, synced_top_k
+from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
@@ -65,10 +69,12 @@ _FILL_BLOCK = 1024
 
 @dataclass(frozen=True, slots=True)
 class TopKConfig:
-    """Scores per step of a program, and its warps."""
+    """Scores per step of a program, its warps, and (synced path) the registers a thread may use:
+    at 8 warps and 128, two programs a multiprocessor stay resident."""
 
     block: int
     num_warps: int
+    max_registers: int = 128
 
 
 # 16 scores a thread at 8 warps (four 16-byte loads).
@@ -82,6 +88,12 @@ _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 # multiprocessor keep its four schedulers busy.
 _PROGRAMS_PER_SM = 4
 _MAX_CHUNKS = 32
+# The synced path's chunks a row: at most 64 (they trade their counts once, in one tile),
+# and by default at least 16 or the row's tiles, else the passes path. H200, k 2048, rows of
+# 128K + 64 scores, us, synced (chunks) vs passes: B1 20.6 (33) vs 30.1, B8 31.0 (33) vs
+# 46.9, B64 162.7 (4) vs 147.8 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log).
+_MAX_SYNCED_CHUNKS = 64
+_MIN_SYNCED_CHUNKS = 16
 # A tile whose bucket members are at most 1/_SPARSE_SHARE of its keys counts them
 # with atomics, from the third pass on. The first two digits are the sign, the
 # exponent and the mantissa's top bits: after the first, the bucket still holds the
@@ -100,44 +112,72 @@ _FIRST_SPARSE_PASS = 2
 _ROW_ALWAYS_COLS = 8192
 
 
-def top_k_row_resident(num_rows: int, num_cols: int, device: torch.device | str) -> bool:
-    """Whether `top_k_indices` selects [num_rows, num_cols] scores one program a row by default."""
+TopKPath = Literal["row", "passes", "synced"]
+TOP_K_PATHS: tuple[TopKPath, ...] = ("row", "passes", "synced")
+
+
+def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopKPath:
+    """The path `top_k_indices` selects [num_rows, num_cols] scores by, by default.
+
+    "row": one program a row holding it in registers (`dsa_topk_row`); "synced": the radix
+    passes in one launch (`dsa_topk_synced`), on a GPU when every row fits resident;
+    "passes": a launch per radix pass (here).
+    """
     device = torch.device(device)
-    if not row_top_k_fits(num_cols):
-        return False
-    return num_cols <= _ROW_ALWAYS_COLS or 8 * num_rows >= 3 * sm_count(device)
+    if row_top_k_fits(num_cols) and (num_cols <= _ROW_ALWAYS_COLS or 8 * num_rows >= 3 * sm_count(device)):
+        return "row"
+    c = _GPU_CONFIG
+    if (device.type == "cuda" and synced_max_chunks(num_rows, device, c.num_warps, c.max_registers)
+            >= min(triton.cdiv(num_cols, c.block), _MIN_SYNCED_CHUNKS)):
+        return "synced"
+    return "passes"
 
 
 def top_k_config(device: torch.device) -> TopKConfig:
     return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
 
 
-def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig,
+def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig, path: TopKPath,
               num_chunks: int | None) -> tuple[int, int]:
     """(chunks per row, scores per chunk, a multiple of the block): static shapes and the device only."""
     if num_chunks is None:
-        wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
-        num_chunks = max(1, min(wanted, triton.cdiv(num_cols, config.block), _MAX_CHUNKS))
+        tiles = triton.cdiv(num_cols, config.block)
+        if path == "synced":
+            # As many as stay resident: each program's passes are bound by its histogram's instructions.
+            num_chunks = max(1, min(synced_max_chunks(num_rows, device, config.num_warps, config.max_registers),
+                                    tiles, _MAX_SYNCED_CHUNKS))
+        else:
+            wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
+            num_chunks = max(1, min(wanted, tiles, _MAX_CHUNKS))
     chunk_len = triton.cdiv(triton.cdiv(max(1, num_cols), num_chunks), config.block) * config.block
     return triton.cdiv(max(1, num_cols), chunk_len), chunk_len
 
 
 def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
-                     config: TopKConfig | None = None) -> int:
-    """Chunks per row of `top_k_indices`: depends only on static shapes and the device."""
+                     config: TopKConfig | None = None, path: TopKPath | None = None) -> int:
+    """Chunks per row of `top_k_indices` on `path` (by default `top_k_path`'s; "row" has one):
+    depends only on static shapes and the device."""
     device = torch.device(device)
-    return _chunking(num_rows, num_cols, device, config or top_k_config(device), None)[0]
+    path = path or top_k_path(num_rows, num_cols, device)
+    return _chunking(num_rows, num_cols, device, config or top_k_config(device), path, None)[0]
 
 
 def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
-                    config: TopKConfig | None = None) -> torch.Tensor:
+                    config: TopKConfig | None = None, path: TopKPath | None = None) -> torch.Tensor:
     """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
 
-    returns [T, 4, P + 1, 256] int32, P = top_k_num_chunks(T, L, device): per pass, the chunk
-    histograms and the row's state after that pass.
+    returns [T, 4, P + 1, 256] int32 ([T, 5, P + 1, 256] for the synced path), P =
+    top_k_num_chunks(T, L, device, config, path): per pass, the chunk histograms and the
+    row's state (or histogram) after that pass.
     """
-    chunks = top_k_num_chunks(num_rows, num_cols, device, config)
-    return torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
+    path = path or top_k_path(num_rows, num_cols, device)
+    chunks = top_k_num_chunks(num_rows, num_cols, device, config, path)
+    return torch.empty(_workspace_shape(num_rows, chunks, path), dtype=torch.int32, device=device)
+
+
+def _workspace_shape(num_rows: int, chunks: int, path: TopKPath) -> tuple[int, int, int, int]:
+    # The synced path trades its chunks' counts and counts arrivals in a plane of its own.
+    return num_rows, _PASSES + (path == "synced"), chunks + 1, _BINS
 
 
 # Where a pass's state row (chunk row P of its workspace slice) keeps the row's selection.
@@ -145,19 +185,6 @@ _STATE_ABOVE = tl.constexpr(8)
 _STATE_TIES = tl.constexpr(128)
 # Chunks a state row has room for.
 _MAX_STATE_CHUNKS = 128 - 8
-
-
-@triton.jit
-def _initial_state(n, K, chunk_len, BLOCK_P: tl.constexpr):
-    """A row's selection before any pass: the bucket is every visible key."""
-    chunks = tl.arange(0, BLOCK_P)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    hi_mask = tl.zeros([], dtype=tl.uint32)
-    want = tl.minimum(n, K)
-    refining = n > K
-    ties = tl.minimum(tl.maximum(n - chunks * chunk_len, 0), chunk_len)
-    above = tl.zeros([BLOCK_P], dtype=tl.int32)
-    return prefix, hi_mask, want, refining, above, ties
 
 
 @triton.jit
@@ -188,40 +215,6 @@ def _store_state(state_ptr, num_chunks, prefix, hi_mask, want, refining, above, 
 
 
 @triton.jit
-def _fold_pass(hist_ptr, s_wc, num_chunks, prefix, hi_mask, want, refining, above, ties,
-               PASS: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """A row's selection after pass PASS, from the one before it and that pass's chunk histograms.
-
-    The bucket is the keys whose bits under hi_mask equal prefix; `want` of its keys are
-    still to be taken after every key above it; refining says whether another pass is
-    needed; per chunk, `above` counts its keys above the bucket and `ties` its keys in it.
-    A row that has stopped refining has no histograms for the pass, and keeps its state.
-    """
-    if refining:
-        chunks = tl.arange(0, BLOCK_P)
-        bins = tl.arange(0, BINS)
-        hist = tl.load(hist_ptr + chunks[:, None] * s_wc + bins[None, :],
-                       mask=(chunks < num_chunks)[:, None], other=0)                        # [BLOCK_P, BINS]
-        total = tl.sum(hist, axis=0)
-        # at_least[b]: bucket keys whose next digit is >= b (non-increasing in b);
-        # the k-th largest lies in the highest bin where it reaches `want`.
-        at_least = tl.cumsum(total, axis=0, reverse=True)
-        chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-        in_bin = tl.sum(tl.where(bins == chosen, total, 0), axis=0)
-        want -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin
-        above += tl.sum(tl.where(bins[None, :] > chosen, hist, 0), axis=1)
-        ties = tl.sum(tl.where(bins[None, :] == chosen, hist, 0), axis=1)
-        # Digit PASS covers bits [shift, shift + width): the last digit is narrower.
-        below = 32 - RADIX_BITS * (PASS + 1)
-        shift = below * (below > 0)
-        width = 32 - RADIX_BITS * PASS - shift
-        prefix = prefix | (chosen.to(tl.uint32) << shift)
-        hi_mask = hi_mask | (tl.full([], (1 << width) - 1, tl.uint32) << shift)
-        refining = in_bin > want
-    return prefix, hi_mask, want, refining, above, ties
-
-
-@triton.jit
 def _state_before(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk,
                   PASS: tl.constexpr, STORE: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr,
                   RADIX_BITS: tl.constexpr):
@@ -232,14 +225,14 @@ def _state_before(ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk,
     program waits for another), and its chunk-0 program stores the result for the next.
     """
     if PASS == 0:
-        prefix, hi_mask, want, refining, above, ties = _initial_state(n, K, chunk_len, BLOCK_P)
+        prefix, hi_mask, want, refining, above, ties = initial_state(n, K, chunk_len, BLOCK_P)
     else:
         if PASS == 1:
-            prefix, hi_mask, want, refining, above, ties = _initial_state(n, K, chunk_len, BLOCK_P)
+            prefix, hi_mask, want, refining, above, ties = initial_state(n, K, chunk_len, BLOCK_P)
         else:
             prefix, hi_mask, want, refining, above, ties = _load_state(
                 ws_row + (PASS - 1) * s_wp + num_chunks * s_wc, num_chunks, BLOCK_P)
-        prefix, hi_mask, want, refining, above, ties = _fold_pass(
+        prefix, hi_mask, want, refining, above, ties = fold_pass(
             ws_row + (PASS - 1) * s_wp, s_wc, num_chunks, prefix, hi_mask, want, refining, above, ties,
             PASS - 1, BLOCK_P, BINS, RADIX_BITS)
         if STORE and chunk == 0:
@@ -267,40 +260,10 @@ def _histogram_kernel(
     prefix, hi_mask, want, refining, above, ties = _state_before(
         ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASS, True, BLOCK_P, BINS, RADIX_BITS)
     if refining:
-        row = scores_ptr + t.to(tl.int64) * s_st
-        offs = tl.arange(0, BLOCK)
         start = tl.multiple_of(chunk * chunk_len, BLOCK)
-        end = tl.minimum(start + chunk_len, n)
-        below = 32 - RADIX_BITS * (PASS + 1)
-        shift = below * (below > 0)
-        digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
-        slot = ws_row + PASS * s_wp + chunk * s_wc
-        bins = tl.arange(0, BINS)
-        if SPARSE_PATH:
-            # The program's own histogram slot takes the sparse tiles' atomic adds.
-            tl.store(slot + bins, tl.zeros([BINS], dtype=tl.int32))
-            tl.debug_barrier()
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        for j0 in range(start, end, BLOCK):
-            pos = j0 + offs
-            key = load_keys(row, pos, end, s_sj, ALIGNED)
-            member = (pos < end) & ((key & hi_mask) == prefix)
-            digit = ((key >> shift) & digit_mask).to(tl.int32)
-            if SPARSE_PATH:
-                # Past the first digit a bucket is usually a small share of the row: a
-                # tile with few members adds them one by one (an atomic per member, where
-                # the histogram costs its instructions for every key of the tile).
-                if tl.sum(member.to(tl.int32), axis=0) * SPARSE_SHARE <= BLOCK:
-                    tl.atomic_add(slot + digit, tl.full([BLOCK], 1, tl.int32), mask=member, sem="relaxed")
-                else:
-                    hist += tl.histogram(digit, BINS, mask=member)
-            else:
-                hist += tl.histogram(digit, BINS, mask=member)
-        if SPARSE_PATH:
-            tl.debug_barrier()
-            tl.atomic_add(slot + bins, hist, sem="relaxed")
-        else:
-            tl.store(slot + bins, hist)
+        chunk_histogram(scores_ptr + t.to(tl.int64) * s_st, s_sj, start, tl.minimum(start + chunk_len, n),
+                        prefix, hi_mask, ws_row + PASS * s_wp + chunk * s_wc, PASS, BLOCK, BINS, RADIX_BITS,
+                        ALIGNED, SPARSE_PATH, SPARSE_SHARE)
 
 
 @triton.jit
@@ -321,26 +284,8 @@ def _emit_kernel(
     prefix, hi_mask, want, refining, above, ties = _state_before(
         ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASSES, False, BLOCK_P,
         BINS, RADIX_BITS)
-    bucket_max = prefix | ~hi_mask
-    before = tl.arange(0, BLOCK_P) < chunk
-    # Keys above the bucket are all taken; of the bucket's, the first `want` by position.
-    above_seen = tl.sum(tl.where(before, above, 0), axis=0)
-    ties_seen = tl.sum(tl.where(before, ties, 0), axis=0)
-
-    row = scores_ptr + t.to(tl.int64) * s_st
-    out_row = out_ptr + t.to(tl.int64) * s_ot
-    offs = tl.arange(0, BLOCK)
-    start = tl.multiple_of(chunk * chunk_len, BLOCK)
-    end = tl.minimum(start + chunk_len, n)
-    for j0 in range(start, end, BLOCK):
-        pos = j0 + offs
-        valid = pos < end
-        key = load_keys(row, pos, end, s_sj, ALIGNED)
-        is_above = (valid & (key > bucket_max)).to(tl.int32)
-        tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
-        above_seen, ties_seen = emit_tile(out_row, s_ok, pos, is_above, tie, want, above_seen, ties_seen, K)
-    if chunk == 0:
-        fill_unselected(out_row, s_ok, tl.minimum(n, K), K, FILL_BLOCK)
+    emit_chunk(scores_ptr + t.to(tl.int64) * s_st, s_sj, out_ptr + t.to(tl.int64) * s_ot, s_ok, n, chunk, chunk_len,
+               prefix, hi_mask, want, above, ties, K, BLOCK, BLOCK_P, FILL_BLOCK, ALIGNED)
 
 
 def top_k_indices(
@@ -352,7 +297,7 @@ def top_k_indices(
     workspace: torch.Tensor | None = None,
     num_chunks: int | None = None,
     config: TopKConfig | None = None,
-    row_resident: bool | None = None,
+    path: TopKPath | None = None,
 ) -> torch.Tensor:
     """The positions of each row's k largest scores, in ascending position order.
 
@@ -360,14 +305,14 @@ def top_k_indices(
     key_lens:   [T] int32 candidates per row (clamped to [0, L]); 0 marks a padded row
     k:          positions per row, >= 1
     out:        [T, k] int32 to write into, or None
-    workspace:  [T, 4, P + 1, 256] int32 from `top_k_workspace` (a captured graph then
-                allocates nothing), or None to allocate it here
-    num_chunks: overrides `top_k_num_chunks` (tests); must match the workspace
+    workspace:  int32 from `top_k_workspace` for the same path (a captured graph then
+                allocates nothing), or None to allocate it here; the row path uses none
+    num_chunks: overrides `top_k_num_chunks` (tests, sweeps); must match the workspace
     config:     overrides the block size and warps (benchmark sweeps)
-    row_resident: True selects with one program a row holding the row in registers
-                (`dsa_topk_row`; rows of at most 32K + 4K scores), False with the chunked radix
-                passes here; None (the default) picks by the static shape and the device
-                (`top_k_row_resident`) unless num_chunks is given. The first uses no workspace.
+    path:       "row" (one program a row holding it in registers, `dsa_topk_row`: rows of at
+                most 32K + 4K scores), "passes" (a launch per radix pass) or "synced" (the
+                passes in one launch, `dsa_topk_synced`); None (the default) takes
+                `top_k_path`'s, or "passes" when num_chunks is given.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
                 the lower position, listed in ascending order; when key_lens[t] < k every
                 visible position in order, then -1.
@@ -392,25 +337,33 @@ def top_k_indices(
         check_shape("out", out, (num_rows, k))
         check_dtype("out", out, (torch.int32,))
         check_same_device(scores=scores, out=out)
-    if row_resident is None:
-        row_resident = num_chunks is None and top_k_row_resident(num_rows, num_cols, device)
-    if row_resident:
+    if path is None:
+        path = "passes" if num_chunks is not None else top_k_path(num_rows, num_cols, device)
+    if path not in TOP_K_PATHS:
+        raise ValueError(f"path: expected one of {TOP_K_PATHS}, got {path!r}")
+    if path == "row":
         if num_chunks is not None:
-            raise ValueError(f"num_chunks: a row-resident top-k has no chunks, got {num_chunks}")
+            raise ValueError(f"num_chunks: the row path has no chunks, got {num_chunks}")
         return row_top_k_indices(scores, key_lens, k, out)
-    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, num_chunks)
+    chunks, chunk_len = _chunking(num_rows, num_cols, device, config, path, num_chunks)
+    shape = _workspace_shape(num_rows, chunks, path)
     if workspace is None:
-        workspace = torch.empty((num_rows, _PASSES, chunks + 1, _BINS), dtype=torch.int32, device=device)
+        workspace = torch.empty(shape, dtype=torch.int32, device=device)
     else:
-        check_shape("workspace", workspace, (num_rows, _PASSES, chunks + 1, _BINS))
+        check_shape("workspace", workspace, shape)
         check_dtype("workspace", workspace, (torch.int32,))
         check_same_device(scores=scores, workspace=workspace)
         if workspace.stride(3) != 1:
             raise ValueError(f"workspace: expected unit stride along its bins, got strides {workspace.stride()}")
     if num_rows == 0:
         return out
-    aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     use_pdl = pdl(device)
+    if path == "synced":
+        return synced_top_k(scores, key_lens, k, out, workspace, chunks, chunk_len, block=config.block,
+                            num_warps=config.num_warps, max_registers=config.max_registers, passes=_PASSES,
+                            bins=_BINS, radix_bits=_RADIX_BITS, fill_block=_FILL_BLOCK,
+                            first_sparse_pass=_FIRST_SPARSE_PASS, sparse_share=_SPARSE_SHARE, use_pdl=use_pdl)
+    aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     grid = (num_rows, chunks)
     common = dict(BLOCK=config.block, BLOCK_P=max(2, next_pow2(chunks)), BINS=_BINS, RADIX_BITS=_RADIX_BITS,
                   ALIGNED=aligned, GDC=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)

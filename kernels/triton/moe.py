@@ -39,12 +39,13 @@ class MoeConfig:
     num_stages: int
 
 
-# Chosen on an H100 by `bench/kernels.py --sweep` for V2-Lite shapes (D=2048,
-# I=1408, bf16). Decode: one live row per expert, so the GEMMs stream weights;
-# narrow column tiles give enough programs to cover every multiprocessor (all
-# candidates ran 47-70 us, this one the fastest). Prefill: 64-row tiles (1.62 ms
-# at 2048 tokens; 128-row tiles 1.73-2.64 ms).
-_GPU_DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+# Chosen for V2-Lite shapes (D=2048, I=1408, bf16). Decode: few live rows per expert,
+# so the GEMMs stream weights. 64-wide column tiles still give every multiprocessor
+# programs: H200, 64 routed + 2 shared experts, top-6 + 2, batch 8: 166 us a layer
+# (gate/up 108, down 54; ~3.8 TB/s of the 4.24 copy) against 175 with 32-wide tiles;
+# batch 64 281 vs 285 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log). Prefill:
+# 64-row tiles (H100: 1.62 ms at 2048 tokens; 128-row tiles 1.73-2.64 ms).
+_GPU_DECODE = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 # Between the two (at most one 64-row tile per expert on average: V4's batch 64 over
 # 8 + 1 experts of 4096 x 2048) there are too few row tiles for 128-wide columns to

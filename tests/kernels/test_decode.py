@@ -161,3 +161,20 @@ def test_value_projection(dtype, num_splits, num_seqs, device):
     with pytest.raises(ValueError, match="w_uv"):
         tri.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=scale, kv_lora_rank=kv_lora_rank,
                        w_uv=w_uv[:, :, :-1])
+
+
+def test_value_projection_one_program_a_head(device):
+    # 8 rows x 16 heads: each (row, head) merges its splits through all of W_UV in one program.
+    gen = generator(91, device)
+    num_seqs, heads, kv_lora_rank, rope_dim, value_dim, block_size = tri._FUSED_VALUE_MAX_SEQS, 16, 32, 16, 40, 16
+    lens = [(29 * i + 11) % 70 for i in range(num_seqs)]
+    kv_cache, block_table = paged_cache(lens, block_size, kv_lora_rank + rope_dim, torch.float32, device, gen)
+    q = randn((num_seqs, heads, kv_lora_rank + rope_dim), torch.float32, device, gen)
+    w_uv = randn((heads, value_dim, kv_lora_rank), torch.float32, device, gen, scale=kv_lora_rank ** -0.5)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out, lse = tri.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=0.2, kv_lora_rank=kv_lora_rank,
+                              num_splits=5, w_uv=w_uv)
+    latent, ref_lse = ref.mla_decode(q.double(), kv_cache.double(), block_table, seq_lens,
+                                     softmax_scale=0.2, kv_lora_rank=kv_lora_rank)
+    assert_close(out, torch.einsum("bhc,hvc->bhv", latent, w_uv.double()), torch.float32)
+    assert_close(lse, ref_lse, torch.float32, LSE_TOLERANCE)

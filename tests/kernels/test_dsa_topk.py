@@ -30,9 +30,10 @@ def oracle_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int) -> torch.
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["row", "chunked"])
-def row_resident(request):
-    """Both algorithms: one program holding a row in registers, and the chunked radix passes."""
+@pytest.fixture(params=tri.TOP_K_PATHS)
+def path(request):
+    """Every path: one program holding a row in registers, the radix passes a launch each, and
+    the radix passes in one launch (a row one chunk in the interpreter, which runs programs in turn)."""
     return request.param
 
 
@@ -49,20 +50,20 @@ def _lens(values, device):
 
 
 @pytest.mark.parametrize("k", [1, 7, 16, 33])
-def test_random_scores(k, device, row_resident):
+def test_random_scores(k, device, path):
     gen = generator(k, device)
     scores = torch.randn((6, 150), generator=gen, device=device)
     # Longer than k, exactly k, shorter than k, a padded row, all of L, one key.
-    _check(scores, _lens([150, k, max(1, k - 3), 0, 97, 1], device), k, row_resident=row_resident)
+    _check(scores, _lens([150, k, max(1, k - 3), 0, 97, 1], device), k, path=path)
 
 
-def test_ties_go_to_lower_positions(device, row_resident):
+def test_ties_go_to_lower_positions(device, path):
     gen = generator(1, device)
     # Few distinct values: the k-th score is shared by many positions, and the
     # refinement runs through all four bytes before ties are broken by position.
     ints = torch.randint(0, 4, (5, 200), generator=gen, device=device).float()
     lens = _lens([200, 150, 64, 9, 0], device)
-    got = _check(ints, lens, 24, row_resident=row_resident)
+    got = _check(ints, lens, 24, path=path)
     assert torch.all(got[:3] >= 0) and torch.all(got[3, 9:] == -1)
 
 
@@ -80,7 +81,7 @@ def test_chunk_counts_agree(num_chunks, device):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shapes_and_distributions(seed, device, row_resident):
+def test_random_shapes_and_distributions(seed, device, path):
     # Random k, lengths, chunk counts and score distributions (continuous, few
     # values, zeros of both signs, a wide exponent range) against the oracle.
     gen = generator(100 + seed, device)
@@ -97,69 +98,69 @@ def test_random_shapes_and_distributions(seed, device, row_resident):
         scores = torch.exp(torch.randn((num_rows, num_cols), generator=gen, device=device) * 20)
     lens = torch.randint(0, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
     chunks = int(torch.randint(1, 6, (1,), generator=gen, device=device))
-    if row_resident:
-        got = tri.top_k_indices(scores, lens, k=k, row_resident=True)
-    else:
+    if path == "passes":
         got = tri.top_k_indices(scores, lens, k=k, num_chunks=chunks)
+    else:
+        got = tri.top_k_indices(scores, lens, k=k, path=path)
     torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
 
 
-def test_all_equal_row_takes_the_first_positions(device, row_resident):
+def test_all_equal_row_takes_the_first_positions(device, path):
     scores = torch.full((2, 90), 0.5, device=device)
-    got = _check(scores, _lens([90, 40], device), 10, row_resident=row_resident)
+    got = _check(scores, _lens([90, 40], device), 10, path=path)
     assert got[0].tolist() == list(range(10))
 
 
-def test_negative_zero_ties_with_zero(device, row_resident):
+def test_negative_zero_ties_with_zero(device, path):
     # relu(q.k) = 0 times a negative head weight is -0.0: it must tie with 0.0.
     scores = torch.zeros((3, 70), device=device)
     scores[:, ::2] = -0.0
     scores[1, 50:] = 1.0
     scores[2, 5] = -1.0
-    got = _check(scores, _lens([70, 70, 70], device), 12, row_resident=row_resident)
+    got = _check(scores, _lens([70, 70, 70], device), 12, path=path)
     assert got[0].tolist() == list(range(12))
 
 
-def test_negative_and_infinite_visible_scores(device, row_resident):
+def test_negative_and_infinite_visible_scores(device, path):
     gen = generator(2, device)
     scores = -torch.rand((3, 80), generator=gen, device=device) * 100
     scores[0, 10:] = float("-inf")       # visible -inf scores are still candidates, taken in order
     scores[1, ::3] = float("inf")
     scores[2, :40] = float("-inf")
-    _check(scores, _lens([15, 80, 60], device), 12, row_resident=row_resident)
+    _check(scores, _lens([15, 80, 60], device), 12, path=path)
 
 
-def test_context_shorter_than_k_lists_every_position(device, row_resident):
+def test_context_shorter_than_k_lists_every_position(device, path):
     gen = generator(3, device)
     scores = torch.randn((3, 64), generator=gen, device=device)
-    got = _check(scores, _lens([5, 0, 64], device), 80, row_resident=row_resident)
+    got = _check(scores, _lens([5, 0, 64], device), 80, path=path)
     assert got[0, :5].tolist() == list(range(5)) and torch.all(got[0, 5:] == -1)
     assert torch.all(got[1] == -1)
     assert got[2, :64].tolist() == list(range(64)) and torch.all(got[2, 64:] == -1)
 
 
-def test_key_lens_past_the_row_are_clamped(device, row_resident):
+def test_key_lens_past_the_row_are_clamped(device, path):
     gen = generator(4, device)
     scores = torch.randn((2, 40), generator=gen, device=device)
-    got = tri.top_k_indices(scores, _lens([1000, -3], device), k=8, row_resident=row_resident)
+    got = tri.top_k_indices(scores, _lens([1000, -3], device), k=8, path=path)
     torch.testing.assert_close(got, oracle_top_k(scores, _lens([40, 0], device), 8), atol=0, rtol=0)
 
 
-def test_strided_scores_and_preallocated_out(device, row_resident):
+def test_strided_scores_and_preallocated_out(device, path):
     gen = generator(5, device)
     scores = strided(torch.randn((4, 100), generator=gen, device=device), gen)
     lens = strided(_lens([100, 3, 77, 0], device), gen)
     out = torch.full((4, 20), 99, dtype=torch.int32, device=device)
-    got = _check(scores, lens, 20, out=out, row_resident=row_resident)
+    got = _check(scores, lens, 20, out=out, path=path)
     assert got.data_ptr() == out.data_ptr()
 
 
-def test_bits_of_close_scores(device, row_resident):
+def test_bits_of_close_scores(device, path):
     # Scores that differ only in the last mantissa bits force every radix pass.
     base = torch.full((1, 128), 1.0, device=device)
     base = base + torch.arange(128, device=device).flip(0)[None, :] * 2.0 ** -23
     base[0, ::2] = base[0, 1]
-    _check(base, _lens([128], device), 31, row_resident=row_resident)
+    _check(base, _lens([128], device), 31, path=path)
 
 
 def test_rejects_bad_inputs(device):
@@ -190,18 +191,23 @@ def test_chunk_count_is_static(device):
     a = tri.top_k_num_chunks(64, 128 * 1024, device)
     assert a == tri.top_k_num_chunks(64, 128 * 1024, device) >= 1
     assert tri.top_k_num_chunks(1, 10, device) == 1
-    # Per pass: the chunk histograms, then the row's state.
-    assert tri.top_k_workspace(3, 100, device).shape == (3, 4, tri.top_k_num_chunks(3, 100, device) + 1, 256)
+    # Per pass: the chunk histograms, then the row's state; the synced path has a plane more.
+    assert tri.top_k_workspace(3, 100, device, path="passes").shape == (
+        3, 4, tri.top_k_num_chunks(3, 100, device, path="passes") + 1, 256)
+    assert tri.top_k_workspace(3, 100, device, path="synced").shape == (
+        3, 5, tri.top_k_num_chunks(3, 100, device, path="synced") + 1, 256)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("num_rows, num_cols, row_resident", [
-    (64, 128 * 1024, False), (1, 128 * 1024, False), (64, 32 * 1024, False), (512, 4096, False),
-    (64, 32 * 1024, True), (1, 32 * 1024, True), (512, 4096, True), (64, 16 * 1024 - 3, True)])
-def test_gpu_real_sizes(ties, num_rows, num_cols, row_resident):
+@pytest.mark.parametrize("num_rows, num_cols, path", [
+    (64, 128 * 1024, "passes"), (1, 128 * 1024, "passes"), (64, 32 * 1024, "passes"), (512, 4096, "passes"),
+    (64, 128 * 1024, "synced"), (8, 128 * 1024 + 64, "synced"), (1, 128 * 1024, "synced"), (64, 32 * 1024, "synced"),
+    (64, 32 * 1024, "row"), (1, 32 * 1024, "row"), (512, 4096, "row"), (64, 16 * 1024 - 3, "row")])
+def test_gpu_real_sizes(ties, num_rows, num_cols, path):
     # Decode rows at 128K and 32K, one row in the most chunks, prompt-like rows in one
-    # chunk each; rows held in registers up to the longest that fits, and an odd length.
+    # chunk each; rows held in registers up to the longest that fits, and an odd length;
+    # the passes in one launch over as many chunks as stay resident.
     device = torch.device("cuda")
     gen = generator(7 + ties, device)
     k = 2048
@@ -212,7 +218,7 @@ def test_gpu_real_sizes(ties, num_rows, num_cols, row_resident):
         scores = torch.randn((num_rows, num_cols), generator=gen, device=device)
     lens = torch.randint(1, num_cols + 1, (num_rows,), generator=gen, device=device).to(torch.int32)
     lens[:4] = torch.tensor([num_cols, 0, 1, k], dtype=torch.int32)[:num_rows]
-    _check(scores, lens, k, row_resident=row_resident)
+    _check(scores, lens, k, path=path)
 
 
 @pytest.mark.gpu
@@ -225,7 +231,7 @@ def test_gpu_row_resident_whole_rows_reaching_a_candidate(num_cols):
     scores = torch.full((3, num_cols), 1e38, device=device)
     scores[1] = (torch.rand(num_cols, generator=gen, device=device) + 1) * 1e30
     scores[2] = float("inf")
-    _check(scores, _lens([num_cols, num_cols, num_cols - 1], device), 2048, row_resident=True)
+    _check(scores, _lens([num_cols, num_cols, num_cols - 1], device), 2048, path="row")
 
 
 def test_row_resident_rows_at_the_register_limit(device):
@@ -238,24 +244,64 @@ def test_row_resident_rows_at_the_register_limit(device):
     scores = torch.randn((3, num_cols), generator=gen, device=device)
     scores[1] = torch.randint(0, 40, (num_cols,), generator=gen, device=device).float()
     scores[2] = 1e38
-    _check(scores, _lens([num_cols, num_cols - 5, num_cols], device), 2048, row_resident=True)
+    _check(scores, _lens([num_cols, num_cols - 5, num_cols], device), 2048, path="row")
     # A decode row at 32K context: the power of two and a block more.
-    _check(scores[:2, :32768 + 67], _lens([32768 + 67, 32768 + 1], device), 2048, row_resident=True)
+    _check(scores[:2, :32768 + 67], _lens([32768 + 67, 32768 + 1], device), 2048, path="row")
 
 
-def test_row_resident_and_the_default_choice(device):
+def test_row_path_and_the_default_choice(device):
     scores = torch.zeros(2, row_topk.ROW_MAX_COLS + 1, device=device)
     lens = torch.zeros(2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=str(row_topk.ROW_MAX_COLS)):
-        tri.top_k_indices(scores, lens, k=4, row_resident=True)
+        tri.top_k_indices(scores, lens, k=4, path="row")
     with pytest.raises(ValueError, match="num_chunks"):
-        tri.top_k_indices(scores[:, :10], lens, k=4, row_resident=True, num_chunks=2)
+        tri.top_k_indices(scores[:, :10], lens, k=4, path="row", num_chunks=2)
     # Short rows go to one program each, long rows that fit when there are at least 3/8 as
-    # many as multiprocessors; longer rows are chunked.
+    # many as multiprocessors; longer rows in one launch on a GPU when they fit resident,
+    # else a launch per pass.
     assert row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS) and not row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS + 1)
-    assert tri.top_k_row_resident(1, 8192, device)
+    assert tri.top_k_path(1, 8192, device) == "row"
     longest = row_topk.ROW_MAX_COLS
-    assert tri.top_k_row_resident(64, longest, device) != tri.top_k_row_resident(1, longest, device)
-    assert not tri.top_k_row_resident(1000, row_topk.ROW_MAX_COLS + 1, device)
+    assert tri.top_k_path(64, longest, device) == "row" != tri.top_k_path(1, longest, device)
+    long_rows = "synced" if device.type == "cuda" else "passes"
+    assert tri.top_k_path(1, longest + 1, device) == long_rows
+    assert tri.top_k_path(100_000, longest + 1, device) == "passes"
     got = tri.top_k_indices(scores, lens + 6, k=4)
     assert got.tolist() == [[0, 1, 2, 3]] * 2
+    with pytest.raises(ValueError, match="path"):
+        tri.top_k_indices(scores, lens, k=4, path="sorted")
+
+
+def test_synced_rows_wait_only_for_resident_chunks(device):
+    # The one-launch path needs a row's chunks resident together: the interpreter runs
+    # programs one after another, so there a row is one chunk, and more is refused by name.
+    scores = torch.randn(3, 300, device=device)
+    lens = _lens([300, 200, 0], device)
+    config = tri.top_k_config(device)
+    most = tri.synced_max_chunks(3, device, config.num_warps, config.max_registers)
+    assert most >= 1 and tri.top_k_num_chunks(3, 300, device, path="synced") <= most
+    if device.type != "cuda":
+        assert most == 1
+        with pytest.raises(ValueError, match="num_chunks"):
+            tri.top_k_indices(scores, lens, k=5, path="synced", num_chunks=2)
+    _check(scores, lens, 5, path="synced")
+
+
+@pytest.mark.gpu
+def test_gpu_synced_counters_count_every_arrival():
+    # Rows of four values refine through all four passes: each chunk program adds one
+    # arrival a pass to its row's counter and one when the chunks trade their counts, and
+    # a row that needs no pass adds none. A scalar atomic taken by every thread (not one a
+    # program) would show here.
+    device = torch.device("cuda")
+    gen = generator(40, device)
+    num_rows, num_cols, k = 8, 64 * 1024, 2048
+    scores = torch.randint(0, 4, (num_rows, num_cols), generator=gen, device=device).float()
+    lens = _lens([num_cols] * (num_rows - 1) + [k], device)
+    chunks = tri.top_k_num_chunks(num_rows, num_cols, device, path="synced")
+    assert chunks > 1
+    workspace = tri.top_k_workspace(num_rows, num_cols, device, path="synced")
+    got = tri.top_k_indices(scores, lens, k=k, path="synced", workspace=workspace)
+    torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
+    counters = workspace[:, 4, chunks, 0]
+    assert counters.tolist() == [5 * chunks] * (num_rows - 1) + [0]
