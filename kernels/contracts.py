@@ -42,6 +42,14 @@ class RmsNorm(Protocol):
         ...
 
 
+class LayerNorm(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, /) -> Tensor:
+        """x [T, D] (any strides); weight, bias [D] -> y = (x - mean(x)) / sqrt(var(x) + eps) * weight
+        + bias [T, D] in promote(x, weight) dtype, statistics and the affine map in at least float32
+        (`torch.nn.functional.layer_norm`'s rounding: once, at the end)."""
+        ...
+
+
 class RmsNormLinear(Protocol):
     @overload
     def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /, residual: None = None

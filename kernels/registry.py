@@ -45,6 +45,7 @@ class DenseOps:
 
     linear: c.Linear
     rms_norm: c.RmsNorm
+    layer_norm: c.LayerNorm
     rms_norm_linear: c.RmsNormLinear
     rope: c.Rope
     partial_rope: c.PartialRope
@@ -121,6 +122,7 @@ REFERENCE = Ops(
     dense=DenseOps(
         linear=ref_linear.linear,
         rms_norm=ref_norm.rms_norm,
+        layer_norm=ref_norm.layer_norm,
         rms_norm_linear=ref_linear.rms_norm_linear,
         rope=ref_rope.rope,
         partial_rope=ref_rope.partial_rope,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from .config import ModelConfig
 from .indexer_params import INDEX_KEY_NORM_EPS, IndexerParams
@@ -47,7 +46,7 @@ def index_query_key(
     """
     heads, dim, rope_dim = p.weights_proj.shape[0], p.k_norm.shape[0], config.qk_rope_head_dim
     q = q_proj.view(x.shape[0], heads, dim)
-    key = F.layer_norm(k_proj, (dim,), p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
+    key = ops.dense.layer_norm(k_proj, p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
     q, key = ops.dense.partial_rope(q, key, positions, cos, sin, rotary_dim=rope_dim, interleaved=False)
     # Products in the weights' float32 (float64) with the input widened to it, as the reference computes.
     head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype) * (heads * dim) ** -0.5

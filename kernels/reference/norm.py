@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import overload
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import as_dtype
 
@@ -37,3 +38,8 @@ def rms_norm(
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * as_dtype(normed, x.dtype)
     return y if residual is None else (y, x)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim of x [T, D]; weight, bias [D]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

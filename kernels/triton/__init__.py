@@ -15,7 +15,7 @@ from .latent import write_latent, write_latent_absorb
 from .linear import linear, rms_norm_linear
 from .merge import merge_attn_states
 from .moe import fused_moe
-from .norm import rms_norm
+from .norm import layer_norm, rms_norm
 from .prefill import prefill_attention
 from .rope import partial_rope, rope
 from .routing import route
@@ -36,6 +36,7 @@ __all__ = [
     "hc_write_back",
     "hc_write_back_site",
     "index_scores",
+    "layer_norm",
     "linear",
     "merge_attn_states",
     "mla_decode",
@@ -65,7 +66,7 @@ def ops() -> Ops:
     return dataclasses.replace(
         REFERENCE,
         backend="triton",
-        dense=dataclasses.replace(REFERENCE.dense, linear=linear, rms_norm=rms_norm,
+        dense=dataclasses.replace(REFERENCE.dense, linear=linear, rms_norm=rms_norm, layer_norm=layer_norm,
                                   rms_norm_linear=rms_norm_linear, rope=rope, partial_rope=partial_rope,
                                   merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,

@@ -57,11 +57,13 @@ def write_index_key(
 
 @dataclass(frozen=True, slots=True)
 class IndexerConfig:
-    """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth."""
+    """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth, and the tiles whose
+    pages are looked up at once (0: each tile's with its keys)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    locate_tiles: int = 0
 
 
 # 64 heads x 128 dims: a [64, 64] fp32 product tile per step is 32 registers a
@@ -69,6 +71,11 @@ class IndexerConfig:
 # Swept on an H200 at B64 x 32K / 128K: 85% / 87% of copy bandwidth, where
 # 128 keys a step at 8 warps and 3 stages gave 77% / 75%.
 _GPU_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=5)
+# Chunks of at most 16 tiles (few rows: each row in many chunks) look their pages up at once,
+# in one group of tiles. H200, 64 heads, us: B8 x 128K (16 tiles a chunk) 77.3 against 80.6,
+# B1 x 128K (8) 11.1 against 15.5; at B64 x 32K (30 tiles, two groups) 154 against 146
+# (bench/results/logs/indexer-locate-sweep-h200-2026-11-24.log).
+_GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 
 # Programs per multiprocessor aimed for: several waves, so rows of unequal key
@@ -84,8 +91,14 @@ _MIN_KEYS_PER_CHUNK = 512
 _MIN_KEYS_PER_SHORT_CHUNK = 128
 
 
-def indexer_config(device: torch.device) -> IndexerConfig:
-    return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
+def indexer_config(device: torch.device, keys_per_chunk: int | None = None) -> IndexerConfig:
+    """The scoring kernel's tiles on `device`, for chunks of keys_per_chunk keys where known."""
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    short = _GPU_SHORT_CHUNKS
+    if keys_per_chunk is not None and keys_per_chunk <= short.locate_tiles * short.block_n:
+        return short
+    return _GPU_CONFIG
 
 
 def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
@@ -104,6 +117,23 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
     return chunks
 
 
+@triton.jit
+def _score_tile(q, weights, rows, pos, key_mask, out_row, s_cd, s_oj,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of one tile of keys (row pointers [BLOCK_N]) against the row's queries [BLOCK_H, BLOCK_D]."""
+    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        k_mask = key_mask[:, None]
+    else:
+        k_mask = key_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    keys = tl.load(rows[:, None] + offs_d[None, :] * s_cd, mask=k_mask, other=0.0)
+    # Keys as the product's rows: the sum over heads then runs along the
+    # accumulator's columns, inside each warp, not across warps.
+    logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
+    score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
+    tl.store(out_row + pos * s_oj, score, mask=key_mask)
+
+
 @triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
@@ -111,7 +141,7 @@ def _index_scores_kernel(
     s_qt, s_qh, s_qd, s_wt, s_wh,
     s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -138,21 +168,25 @@ def _index_scores_kernel(
     bt_row = bt_ptr + t64 * s_btt
     out_row = out_ptr + t64 * s_ot
 
-    for n0 in range(start, visible_end, BLOCK_N):
-        pos = n0 + offs_n
-        key_mask = pos < visible_end
-        page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
-        row = cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb
-        if BLOCK_D == HEAD_DIM:
-            k_mask = key_mask[:, None]
-        else:
-            k_mask = key_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-        keys = tl.load(row[:, None] + offs_d[None, :] * s_cd, mask=k_mask, other=0.0)
-        # Keys as the product's rows: the sum over heads then runs along the
-        # accumulator's columns, inside each warp, not across warps.
-        logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
-        score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
-        tl.store(out_row + pos * s_oj, score, mask=key_mask)
+    if LOCATE_TILES == 0:
+        for n0 in range(start, visible_end, BLOCK_N):
+            pos = n0 + offs_n
+            key_mask = pos < visible_end
+            page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
+            _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos, key_mask, out_row,
+                        s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    else:
+        # The pages of LOCATE_TILES tiles are looked up at once, so the key loads of the
+        # inner loop depend only on registers and the loop counter (as in `dsa_decode`).
+        tile_ids = tl.arange(0, LOCATE_TILES)
+        for c0 in range(start, visible_end, LOCATE_TILES * BLOCK_N):
+            located = c0 + tile_ids[:, None] * BLOCK_N + offs_n[None, :]
+            pages = tl.load(bt_row + (located // PAGE_SIZE) * s_btw, mask=located < visible_end, other=0)
+            for j in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(visible_end - c0, BLOCK_N))):
+                pos = c0 + j * BLOCK_N + offs_n
+                page = tl.sum(tl.where(tile_ids[:, None] == j, pages, 0), axis=0).to(tl.int64)
+                _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos,
+                            pos < visible_end, out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
     hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
         pos = n0 + offs_n
@@ -204,10 +238,12 @@ def index_scores(
     if num_rows == 0 or num_cols == 0:
         return out
     device = q.device
-    config = config or indexer_config(device)
-    chunks = index_scores_num_chunks(num_rows, num_cols, device, config)
-    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n) * config.block_n
+    tiles = config or indexer_config(device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, tiles)
+    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), tiles.block_n) * tiles.block_n
     chunks = triton.cdiv(num_cols, keys_per_chunk)
+    # Both GPU configs step 64 keys, so the chunking above holds for the one picked here.
+    config = config or indexer_config(device, keys_per_chunk)
     use_pdl = pdl(device)
     _index_scores_kernel[(num_rows, chunks)](
         q, head_weights, index_cache, block_table, key_lens, out,
@@ -216,7 +252,7 @@ def index_scores(
         *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
         HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=config.locate_tiles,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; LayerNorm of strided rows."""
 
 from __future__ import annotations
 
@@ -95,3 +95,53 @@ def rms_norm(
             num_warps=max(1, min(16, block_d // 512)),
         )
     return y if residual is None else (y, res_out)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    dim, eps,
+    stride_xt, stride_xd, stride_w, stride_b, stride_yt,
+    BLOCK_D: tl.constexpr, GDC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / dim
+    centred = tl.where(mask, x - mean, 0.0)
+    inv_std = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / dim + eps)
+    tl.store(y_ptr + row * stride_yt + cols, (centred * inv_std * w + b).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """Contract of `reference.norm.layer_norm`, one program a row, rows read in place.
+
+    x [T, D] (any strides: the indexer normalises its key columns of a wider projection
+    without the copy torch's layer_norm makes first); weight, bias [D] -> y [T, D] contiguous
+    in promote(x, weight) dtype.
+    """
+    num_tokens, dim = x.shape
+    check_shape("weight", weight, (dim,))
+    check_shape("bias", bias, (dim,))
+    check_float("x", x)
+    check_float("weight", weight)
+    check_float("bias", bias)
+    check_same_device(x=x, weight=weight, bias=bias)
+    y = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if num_tokens > 0:
+        block_d = next_pow2(dim)
+        use_pdl = pdl(x.device)
+        _layer_norm_kernel[(num_tokens,)](
+            x, weight, bias, y,
+            dim, float(eps),
+            *x.stride(), weight.stride(0), bias.stride(0), y.stride(0),
+            BLOCK_D=block_d, GDC=use_pdl, launch_pdl=use_pdl,
+            num_warps=max(1, min(16, block_d // 512)),
+        )
+    return y

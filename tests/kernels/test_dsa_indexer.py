@@ -27,7 +27,8 @@ def oracle_index_scores(q, head_weights, index_cache, block_table, key_lens) -> 
     return out
 
 
-def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_contiguous=False, out=False):
+def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_contiguous=False, out=False,
+           config=None):
     gen = generator(seed, device)
     index_cache, block_table = paged_cache(key_lens, block_size, head_dim, dtype, device, gen)
     q = randn((len(key_lens), num_heads, head_dim), dtype, device, gen)
@@ -36,7 +37,7 @@ def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_c
     if non_contiguous:
         q, index_cache, block_table = strided(q, gen), strided(index_cache, gen), strided(block_table, gen)
         head_weights, lens = strided(head_weights, gen), strided(lens, gen)
-    kwargs = {}
+    kwargs = {} if config is None else {"config": config}
     if out:
         kwargs["out"] = torch.full((len(key_lens), block_table.shape[1] * block_size), 7.0, device=device)
     got = tri.index_scores(q, head_weights, index_cache, block_table, lens, **kwargs)
@@ -68,6 +69,14 @@ def test_head_dims(head_dim, device):
 def test_large_pages_and_many_chunks(device):
     # Chunks of one row (each 16 keys here) cover visible and hidden positions alike.
     _check([200, 64, 129, 0], 2, 32, 64, torch.float32, device, seed=3)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 8])
+def test_pages_located_ahead(block_size, device):
+    # Pages of several tiles looked up at once: tiles within a page, across pages (8 keys a
+    # page, 16 a tile), a chunk's last group of tiles ragged.
+    config = tri.IndexerConfig(block_n=16, num_warps=4, num_stages=1, locate_tiles=4)
+    _check([200, 64, 129, 0, 17], 4, 32, block_size, torch.float32, device, seed=block_size, config=config)
 
 
 def test_non_contiguous_inputs_and_out(device):
@@ -157,9 +166,11 @@ def test_write_index_key_rejects_bad_inputs(device):
 # --- GPU, real sizes ----------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("locate_tiles", [0, 16])
 @pytest.mark.parametrize("num_heads", [16, 64])
-def test_gpu_real_sizes(num_heads):
+def test_gpu_real_sizes(num_heads, locate_tiles):
     device = torch.device("cuda")
     context = 128 * 1024
     lens = [context, 1, 0, 64, 65, 2048, 100_000, 32 * 1024]
-    _check(lens, num_heads, 128, 64, torch.bfloat16, device, seed=num_heads)
+    config = tri.IndexerConfig(64, 4, 5, locate_tiles)
+    _check(lens, num_heads, 128, 64, torch.bfloat16, device, seed=num_heads, config=config)

@@ -1,4 +1,4 @@
-"""Triton write_kv, rms_norm, merge_attn_states and zeros against the reference."""
+"""Triton write_kv, rms_norm, layer_norm, merge_attn_states and zeros against the reference."""
 
 from __future__ import annotations
 
@@ -115,6 +115,34 @@ def test_rms_norm_float32_input_onto_bf16_residual(device):
     torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=2e-2)
 
 
+# --- layer_norm -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [128, 100])
+def test_layer_norm_of_strided_columns(dtype, dim, device):
+    # The indexer's key: columns of a wider projection's output, normalised in place.
+    gen = generator(dim, device)
+    wide = randn((9, dim + 70), dtype, device, gen, scale=3.0) + 1.5
+    x = wide[:, 50:50 + dim]
+    weight = randn((dim,), dtype, device, gen)
+    bias = randn((dim,), dtype, device, gen)
+    got = norm.layer_norm(x, weight, bias, 1e-6)
+    expected = ref_norm.layer_norm(x, weight, bias, 1e-6)
+    assert got.dtype == expected.dtype == dtype and got.is_contiguous()
+    # One rounding at the end on both sides; only the float32 sums' order differs.
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    exact = ref_norm.layer_norm(x.double(), weight.double(), bias.double(), 1e-6)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_layer_norm_rejects_bad_shapes(device):
+    x = torch.zeros(2, 8, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        norm.layer_norm(x, torch.zeros(9, device=device), torch.zeros(8, device=device), 1e-6)
+    with pytest.raises(ValueError, match="bias"):
+        norm.layer_norm(x, torch.zeros(8, device=device), torch.zeros(7, device=device), 1e-6)
+
+
 # --- merge_attn_states ------------------------------------------------------------------
 
 def _merge_inputs(num_tokens, num_heads, dim, dtype, device, gen):
@@ -176,6 +204,10 @@ def test_gpu_small_ops_real_sizes():
     ref_y, ref_res = ref_norm.rms_norm(x, weight, 1e-6, residual)
     assert torch.equal(res, ref_res)
     torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=2e-2)
+    keys = randn((4096, 2240), torch.bfloat16, device, gen)[:, 2112:]
+    ln_weight, ln_bias = randn((128,), torch.bfloat16, device, gen), randn((128,), torch.bfloat16, device, gen)
+    torch.testing.assert_close(norm.layer_norm(keys, ln_weight, ln_bias, 1e-6),
+                               ref_norm.layer_norm(keys, ln_weight, ln_bias, 1e-6), atol=1e-5, rtol=1e-2)
     inputs = _merge_inputs(1024, 128, 512, torch.bfloat16, device, gen)
     out, lse = merge.merge_attn_states(*inputs)
     ref_out, ref_lse = ref_attention.merge_attn_states(*(t.double() for t in inputs))
