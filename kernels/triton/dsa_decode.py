@@ -46,11 +46,12 @@ _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Up to this many rows stage 2 also applies W_UV (as dense decode does).
 _FUSED_VALUE_MAX_ROWS = 8
-# Index slots located at once (index, then page) before their tiles are read: 16
-# tiles of 32 cover a split of 512 in one go (H200, B64 x 32K, 16 heads: 58 us; 32
-# tiles 65 us, spilling; locating one tile ahead inside the loop 68 us;
-# bench/results/logs/sparse-locate-sweep-h200-2026-11-23.log).
-_LOCATE_TILES = 16
+# Index slots located at once (index, then page) before their tiles are read: 8 tiles of
+# 32, a split of 512 in two rounds. H200, 16 heads, us: B64 x 32K 55.0 (16 tiles 58.3, 32
+# tiles 64.4, spilling), B8 x 128K with W_UV 20.5 (22.0, 23.7); locating one tile ahead
+# inside the loop was 68 at B64 (bench/results/logs/sparse-locate-sweep-h200-2026-11-23.log,
+# bench/results/logs/sparse-tiles-sweep-h200-2026-11-24.log).
+_LOCATE_TILES = 8
 
 
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:

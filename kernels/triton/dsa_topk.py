@@ -79,6 +79,9 @@ class TopKConfig:
 
 # 16 scores a thread at 8 warps (four 16-byte loads).
 _GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
+# The synced path's where more rows share the GPU: four 4-warp programs a multiprocessor.
+_GPU_NARROW_CONFIG = TopKConfig(block=2048, num_warps=4)
+_NARROW_MAX_TILES = 4
 # The interpreter's cost is per step, and test rows are short.
 _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 
@@ -88,12 +91,8 @@ _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 # multiprocessor keep its four schedulers busy.
 _PROGRAMS_PER_SM = 4
 _MAX_CHUNKS = 32
-# The synced path's chunks a row: at most 64 (they trade their counts once, in one tile),
-# and by default at least 16 or the row's tiles, else the passes path. H200, k 2048, rows of
-# 128K + 64 scores, us, synced (chunks) vs passes: B1 20.6 (33) vs 30.1, B8 31.0 (33) vs
-# 46.9, B64 162.7 (4) vs 147.8 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log).
+# The synced path's chunks a row: at most 64 (they trade their counts once, in one tile).
 _MAX_SYNCED_CHUNKS = 64
-_MIN_SYNCED_CHUNKS = 16
 # A tile whose bucket members are at most 1/_SPARSE_SHARE of its keys counts them
 # with atomics, from the third pass on. The first two digits are the sign, the
 # exponent and the mantissa's top bits: after the first, the bucket still holds the
@@ -110,31 +109,58 @@ _FIRST_SPARSE_PASS = 2
 # linearly): they cross near 50 rows, so longer rows go one a program from 3/8 of the
 # multiprocessor count on (B64 x 32K: 45 us).
 _ROW_ALWAYS_COLS = 8192
+_ROW_MANY_COLS = 16384
 
 
 TopKPath = Literal["row", "passes", "synced"]
 TOP_K_PATHS: tuple[TopKPath, ...] = ("row", "passes", "synced")
 
 
+def _synced_gpu_config(num_rows: int, num_cols: int, device: torch.device) -> TopKConfig | None:
+    """The synced path's tiles on a GPU by default: None where it should not take the shape.
+
+    Every 4K tile a program of 8 warps where all of them stay resident (few rows); else 2K
+    tiles, at most 4 a program of 4 warps. H200, k 2048, decode rows (ctx + 64 scores), us,
+    synced vs row / passes: B1 x 128K 20.6 (8 warps) vs - / 30.1; B8 x 128K 31.0 (8 warps;
+    33.1 at 4) vs - / 46.9; B16 x 128K 40.6 vs - / 56.0; B32 x 32K 32.4 vs 58.0 / 44.9; B64 x
+    32K 49.6 vs 58.1 / 62.7; B64 x 64K 87.5 vs - / 89.1; B64 x 128K (8 tiles a program) 162.7
+    (4K tiles) vs - / 147.8 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log,
+    bench/results/logs/topk-synced-tiles-h200-2026-11-24.log).
+    """
+    for config, most_tiles in ((_GPU_CONFIG, 1), (_GPU_NARROW_CONFIG, _NARROW_MAX_TILES)):
+        resident = synced_max_chunks(1, device, config.num_warps, config.max_registers)
+        if num_rows * triton.cdiv(num_cols, config.block) <= most_tiles * resident:
+            return config
+    return None
+
+
 def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopKPath:
     """The path `top_k_indices` selects [num_rows, num_cols] scores by, by default.
 
     "row": one program a row holding it in registers (`dsa_topk_row`); "synced": the radix
-    passes in one launch (`dsa_topk_synced`), on a GPU when every row fits resident;
-    "passes": a launch per radix pass (here).
+    passes in one launch (`dsa_topk_synced`), on a GPU when few tiles fall to each resident
+    program; "passes": a launch per radix pass (here).
     """
     device = torch.device(device)
-    if row_top_k_fits(num_cols) and (num_cols <= _ROW_ALWAYS_COLS or 8 * num_rows >= 3 * sm_count(device)):
+    fits = row_top_k_fits(num_cols)
+    many_rows = 8 * num_rows >= 3 * sm_count(device)
+    # Rows of up to 16K among many (V4's compressed entries) stay one a program, as measured
+    # before the synced path; it was not timed against them.
+    if fits and (num_cols <= _ROW_ALWAYS_COLS or (many_rows and num_cols <= _ROW_MANY_COLS)):
         return "row"
-    c = _GPU_CONFIG
-    if (device.type == "cuda" and synced_max_chunks(num_rows, device, c.num_warps, c.max_registers)
-            >= min(triton.cdiv(num_cols, c.block), _MIN_SYNCED_CHUNKS)):
+    if device.type == "cuda" and _synced_gpu_config(num_rows, num_cols, device) is not None:
         return "synced"
-    return "passes"
+    return "row" if fits and many_rows else "passes"
 
 
-def top_k_config(device: torch.device) -> TopKConfig:
-    return _GPU_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
+def top_k_config(device: torch.device, num_rows: int = 0, num_cols: int = 0,
+                 path: TopKPath = "passes") -> TopKConfig:
+    """The tiles `top_k_indices` takes by default on `path` for [num_rows, num_cols] scores."""
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    if path == "synced":
+        return _synced_gpu_config(num_rows, num_cols, device) or _GPU_CONFIG
+    return _GPU_CONFIG
 
 
 def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKConfig, path: TopKPath,
@@ -159,7 +185,8 @@ def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
     depends only on static shapes and the device."""
     device = torch.device(device)
     path = path or top_k_path(num_rows, num_cols, device)
-    return _chunking(num_rows, num_cols, device, config or top_k_config(device), path, None)[0]
+    config = config or top_k_config(device, num_rows, num_cols, path)
+    return _chunking(num_rows, num_cols, device, config, path, None)[0]
 
 
 def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
@@ -308,7 +335,7 @@ def top_k_indices(
     workspace:  int32 from `top_k_workspace` for the same path (a captured graph then
                 allocates nothing), or None to allocate it here; the row path uses none
     num_chunks: overrides `top_k_num_chunks` (tests, sweeps); must match the workspace
-    config:     overrides the block size and warps (benchmark sweeps)
+    config:     overrides the tiles of `top_k_config` (benchmark sweeps)
     path:       "row" (one program a row holding it in registers, `dsa_topk_row`: rows of at
                 most 32K + 4K scores), "passes" (a launch per radix pass) or "synced" (the
                 passes in one launch, `dsa_topk_synced`); None (the default) takes
@@ -327,8 +354,7 @@ def top_k_indices(
     check_dtype("key_lens", key_lens, (torch.int32,))
     check_same_device(scores=scores, key_lens=key_lens)
     device = scores.device
-    config = config or top_k_config(device)
-    if not 1 <= config.block < 1 << 16:
+    if config is not None and not 1 <= config.block < 1 << 16:
         # The emit's scan counts a block's keys in 16-bit halves of one int32.
         raise ValueError(f"config.block: expected 1..{(1 << 16) - 1}, got {config.block}")
     if out is None:
@@ -345,6 +371,7 @@ def top_k_indices(
         if num_chunks is not None:
             raise ValueError(f"num_chunks: the row path has no chunks, got {num_chunks}")
         return row_top_k_indices(scores, key_lens, k, out)
+    config = config or top_k_config(device, num_rows, num_cols, path)
     chunks, chunk_len = _chunking(num_rows, num_cols, device, config, path, num_chunks)
     shape = _workspace_shape(num_rows, chunks, path)
     if workspace is None:

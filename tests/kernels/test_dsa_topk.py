@@ -256,16 +256,22 @@ def test_row_path_and_the_default_choice(device):
         tri.top_k_indices(scores, lens, k=4, path="row")
     with pytest.raises(ValueError, match="num_chunks"):
         tri.top_k_indices(scores[:, :10], lens, k=4, path="row", num_chunks=2)
-    # Short rows go to one program each, long rows that fit when there are at least 3/8 as
-    # many as multiprocessors; longer rows in one launch on a GPU when they fit resident,
-    # else a launch per pass.
+    # Short rows go to one program each, and rows up to 16K when there are at least 3/8 as
+    # many as multiprocessors; longer rows in one launch on a GPU when few tiles fall to
+    # each resident program, else one a program where they fit and are many, else a launch
+    # per pass.
     assert row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS) and not row_topk.row_top_k_fits(row_topk.ROW_MAX_COLS + 1)
     assert tri.top_k_path(1, 8192, device) == "row"
+    assert tri.top_k_path(1000, 16384, device) == "row"
     longest = row_topk.ROW_MAX_COLS
-    assert tri.top_k_path(64, longest, device) == "row" != tri.top_k_path(1, longest, device)
     long_rows = "synced" if device.type == "cuda" else "passes"
-    assert tri.top_k_path(1, longest + 1, device) == long_rows
+    assert tri.top_k_path(1, longest, device) == tri.top_k_path(1, longest + 1, device) == long_rows
+    assert tri.top_k_path(10_000, longest, device) == "row"
     assert tri.top_k_path(100_000, longest + 1, device) == "passes"
+    if device.type == "cuda":
+        # Few rows: a 4K tile per 8-warp program; more rows: up to four 2K tiles per 4-warp one.
+        assert tri.top_k_config(device, 8, 128 * 1024, "synced") == tri.TopKConfig(4096, 8)
+        assert tri.top_k_config(device, 64, 32 * 1024 + 64, "synced") == tri.TopKConfig(2048, 4)
     got = tri.top_k_indices(scores, lens + 6, k=4)
     assert got.tolist() == [[0, 1, 2, 3]] * 2
     with pytest.raises(ValueError, match="path"):
