@@ -79,7 +79,7 @@ class TopKConfig:
 
 # 16 scores a thread at 8 warps (four 16-byte loads).
 _GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
-# The synced path's where more rows share the GPU: four 4-warp programs a multiprocessor.
+# The synced path's tiles where more rows share the GPU: four 4-warp programs a multiprocessor.
 _GPU_NARROW_CONFIG = TopKConfig(block=2048, num_warps=4)
 _NARROW_MAX_TILES = 4
 # The interpreter's cost is per step, and test rows are short.
@@ -180,10 +180,12 @@ def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKCo
 
 def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
                      config: TopKConfig | None = None, path: TopKPath | None = None) -> int:
-    """Chunks per row of `top_k_indices` on `path` (by default `top_k_path`'s; "row" has one):
-    depends only on static shapes and the device."""
+    """Chunks per row of `top_k_indices` on `path` (by default `top_k_path`'s; the row path has
+    one): depends only on static shapes and the device."""
     device = torch.device(device)
     path = path or top_k_path(num_rows, num_cols, device)
+    if path == "row":
+        return 1
     config = config or top_k_config(device, num_rows, num_cols, path)
     return _chunking(num_rows, num_cols, device, config, path, None)[0]
 
