@@ -51,7 +51,10 @@ _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 # 8 + 1 experts of 4096 x 2048) there are too few row tiles for 128-wide columns to
 # cover the multiprocessors: 64-wide ones double the programs (H200: 143 us vs 152 us
 # for 8 experts, 40 us vs 61 us for one; bench/results/logs/moe-sweep-h200-2026-11-23.log).
-_GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+# 64-deep K steps keep three stages in half the shared memory, so more programs stay
+# resident: 142 us against 154 with 128-deep ones for V4's batch 64, top-6 + 1
+# (bench/results/logs/v4-moe-b64-sweep-h200-2026-11-24.log).
+_GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
