@@ -76,6 +76,11 @@ _GPU_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=5)
 # B1 x 128K (8) 11.1 against 15.5; at B64 x 32K (30 tiles, two groups) 154 against 146
 # (bench/results/logs/indexer-locate-sweep-h200-2026-11-24.log).
 _GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16)
+# Chunks of 17 to 32 tiles look theirs up in one group of 32. H200, B8 x 128K in 64 chunks
+# of 2K keys: 72.4 us (87% of copy), where 132 chunks of 1K (the short ones' config) took
+# 77.2; B64 x 32K in 17 chunks of ~30 tiles 145.7 against 144.4 without the lookup
+# (bench/results/logs/indexer-chunks-sweep-h200-2026-11-26.log).
+_GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 
 # Programs per multiprocessor aimed for: several waves, so rows of unequal key
@@ -83,6 +88,10 @@ _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 # _MIN_KEYS_PER_CHUNK, below which the query reload outweighs the parallelism.
 _WAVES = 8
 _MIN_KEYS_PER_CHUNK = 512
+# Where chunks of this many keys still give every multiprocessor two programs (the most
+# resident), the chunks are no shorter: a program's query load and pipeline fill then
+# weigh half as much (B8 x 128K, above).
+_LONG_CHUNK_KEYS = 2048
 # When those chunks are fewer than one wave (a batch of one or a few rows, V4's
 # compressed entries), shorter ones fill it: one row of 2K / 16K keys in 16 / 128
 # chunks of 128 takes 5.7 / 6.1 us instead of 12 (H100,
@@ -95,9 +104,9 @@ def indexer_config(device: torch.device, keys_per_chunk: int | None = None) -> I
     """The scoring kernel's tiles on `device`, for chunks of keys_per_chunk keys where known."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    short = _GPU_SHORT_CHUNKS
-    if keys_per_chunk is not None and keys_per_chunk <= short.locate_tiles * short.block_n:
-        return short
+    for located in (_GPU_SHORT_CHUNKS, _GPU_MEDIUM_CHUNKS):
+        if keys_per_chunk is not None and keys_per_chunk <= located.locate_tiles * located.block_n:
+            return located
     return _GPU_CONFIG
 
 
@@ -110,6 +119,9 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
     wanted = triton.cdiv(_WAVES * sm_count(device), num_rows)
     if device.type != "cuda":
         return max(1, min(wanted, triton.cdiv(num_cols, config.block_n)))
+    long_chunks = max(1, min(wanted, triton.cdiv(num_cols, _LONG_CHUNK_KEYS)))
+    if num_rows * long_chunks >= 2 * sm_count(device):
+        return long_chunks
     chunks = max(1, min(wanted, triton.cdiv(num_cols, _MIN_KEYS_PER_CHUNK)))
     if num_rows * chunks < sm_count(device):
         one_wave = triton.cdiv(sm_count(device), num_rows)
@@ -242,7 +254,7 @@ def index_scores(
     chunks = index_scores_num_chunks(num_rows, num_cols, device, tiles)
     keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), tiles.block_n) * tiles.block_n
     chunks = triton.cdiv(num_cols, keys_per_chunk)
-    # Both GPU configs step 64 keys, so the chunking above holds for the one picked here.
+    # The GPU configs all step 64 keys, so the chunking above holds for the one picked here.
     config = config or indexer_config(device, keys_per_chunk)
     use_pdl = pdl(device)
     _index_scores_kernel[(num_rows, chunks)](

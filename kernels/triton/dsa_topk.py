@@ -81,7 +81,7 @@ class TopKConfig:
 _GPU_CONFIG = TopKConfig(block=4096, num_warps=8)
 # The synced path's tiles where more rows share the GPU: four 4-warp programs a multiprocessor.
 _GPU_NARROW_CONFIG = TopKConfig(block=2048, num_warps=4)
-_NARROW_MAX_TILES = 4
+_NARROW_MAX_TILES = 3
 # The interpreter's cost is per step, and test rows are short.
 _INTERPRETER_CONFIG = TopKConfig(block=32, num_warps=4)
 
@@ -119,12 +119,11 @@ def _synced_gpu_config(num_rows: int, num_cols: int, device: torch.device) -> To
     """The synced path's tiles on a GPU by default: None where it should not take the shape.
 
     Every 4K tile a program of 8 warps where all of them stay resident (few rows); else 2K
-    tiles, at most 4 a program of 4 warps. H200, k 2048, decode rows (ctx + 64 scores), us,
-    synced vs row / passes: B1 x 128K 20.6 (8 warps) vs - / 30.1; B8 x 128K 31.0 (8 warps;
-    33.1 at 4) vs - / 46.9; B16 x 128K 40.6 vs - / 56.0; B32 x 32K 32.4 vs 58.0 / 44.9; B64 x
-    32K 49.6 vs 58.1 / 62.7; B64 x 64K 87.5 vs - / 89.1; B64 x 128K (8 tiles a program) 162.7
-    (4K tiles) vs - / 147.8 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log,
-    bench/results/logs/topk-synced-tiles-h200-2026-11-24.log).
+    tiles, at most 3 a program of 4 warps. H200, k 2048, decode rows (ctx + 64 scores),
+    indexer scores, us, synced vs a launch a pass: B1 x 128K 18.2 vs 30.3; B8 x 128K 26.8
+    vs 46.1; B16 x 128K 42.9 vs 57.5; B32 x 32K 31.4 vs 44.7; B64 x 16K 31.2 vs 43.7; B64 x
+    32K (3 tiles a program) 47.1 vs 62.2; B64 x 64K (4) 92.4 vs 89.7; B64 x 128K (8) 168.8 vs
+    147.0 (bench/results/logs/topk-synced-sums-h200-2026-11-26.log).
     """
     for config, most_tiles in ((_GPU_CONFIG, 1), (_GPU_NARROW_CONFIG, _NARROW_MAX_TILES)):
         resident = synced_max_chunks(1, device, config.num_warps, config.max_registers)
@@ -194,9 +193,9 @@ def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
                     config: TopKConfig | None = None, path: TopKPath | None = None) -> torch.Tensor:
     """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
 
-    returns [T, 4, P + 1, 256] int32 ([T, 5, P + 1, 256] for the synced path), P =
-    top_k_num_chunks(T, L, device, config, path): per pass, the chunk histograms and the
-    row's state (or histogram) after that pass.
+    returns [T, 4, P + 1, 256] int32, P = top_k_num_chunks(T, L, device, config, path): per
+    pass, the chunk histograms and the row's state after that pass; for the synced path
+    [T, 5, 1, 256]: per pass the row's histogram, then the chunks' final counts.
     """
     path = path or top_k_path(num_rows, num_cols, device)
     chunks = top_k_num_chunks(num_rows, num_cols, device, config, path)
@@ -204,8 +203,10 @@ def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
 
 
 def _workspace_shape(num_rows: int, chunks: int, path: TopKPath) -> tuple[int, int, int, int]:
-    # The synced path trades its chunks' counts and counts arrivals in a plane of its own.
-    return num_rows, _PASSES + (path == "synced"), chunks + 1, _BINS
+    if path == "synced":
+        # Its chunks add into the row's histograms, and trade their counts in a plane more.
+        return num_rows, _PASSES + 1, 1, _BINS
+    return num_rows, _PASSES, chunks + 1, _BINS
 
 
 # Where a pass's state row (chunk row P of its workspace slice) keeps the row's selection.

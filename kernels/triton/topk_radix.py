@@ -81,14 +81,44 @@ def fold_pass(hist_ptr, s_wc, num_chunks, prefix, hi_mask, want, refining, above
 
 
 @triton.jit
+def digit_of(key, PASS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Digit PASS of each key (int32), most significant first; the last digit is narrower
+    when the width does not divide 32."""
+    below = 32 - RADIX_BITS * (PASS + 1)
+    shift = below * (below > 0)
+    digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
+    return ((key >> shift) & digit_mask).to(tl.int32)
+
+
+@triton.jit
+def add_tile_histogram(key, valid, prefix, hi_mask, hist, sparse_bins,
+                       PASS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr,
+                       SPARSE_PATH: tl.constexpr, SPARSE_SHARE: tl.constexpr):
+    """hist [BINS] plus the histogram of digit PASS over the tile's bucket keys (valid lanes of key [BLOCK]).
+
+    With SPARSE_PATH a tile whose members are at most 1/SPARSE_SHARE of it adds them to the
+    int32 bins at sparse_bins in memory instead, an atomic a member: past the first digit a
+    bucket is usually a small share of the row, and the histogram costs its instructions for
+    every key of the tile.
+    """
+    member = valid & ((key & hi_mask) == prefix)
+    digit = digit_of(key, PASS, RADIX_BITS)
+    if SPARSE_PATH:
+        if tl.sum(member.to(tl.int32), axis=0) * SPARSE_SHARE <= BLOCK:
+            tl.atomic_add(sparse_bins + digit, tl.full([BLOCK], 1, tl.int32), mask=member, sem="relaxed")
+        else:
+            hist += tl.histogram(digit, BINS, mask=member)
+    else:
+        hist += tl.histogram(digit, BINS, mask=member)
+    return hist
+
+
+@triton.jit
 def chunk_histogram(row, s_sj, start, end, prefix, hi_mask, slot,
                     PASS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, RADIX_BITS: tl.constexpr,
                     ALIGNED: tl.constexpr, SPARSE_PATH: tl.constexpr, SPARSE_SHARE: tl.constexpr):
     """Writes to slot [BINS] the histogram of digit PASS over the bucket's keys at positions [start, end)."""
     offs = tl.arange(0, BLOCK)
-    below = 32 - RADIX_BITS * (PASS + 1)
-    shift = below * (below > 0)
-    digit_mask = (1 << (32 - RADIX_BITS * PASS - shift)) - 1
     bins = tl.arange(0, BINS)
     if SPARSE_PATH:
         # The program's own histogram slot takes the sparse tiles' atomic adds.
@@ -98,18 +128,8 @@ def chunk_histogram(row, s_sj, start, end, prefix, hi_mask, slot,
     for j0 in range(start, end, BLOCK):
         pos = j0 + offs
         key = load_keys(row, pos, end, s_sj, ALIGNED)
-        member = (pos < end) & ((key & hi_mask) == prefix)
-        digit = ((key >> shift) & digit_mask).to(tl.int32)
-        if SPARSE_PATH:
-            # Past the first digit a bucket is usually a small share of the row: a
-            # tile with few members adds them one by one (an atomic per member, where
-            # the histogram costs its instructions for every key of the tile).
-            if tl.sum(member.to(tl.int32), axis=0) * SPARSE_SHARE <= BLOCK:
-                tl.atomic_add(slot + digit, tl.full([BLOCK], 1, tl.int32), mask=member, sem="relaxed")
-            else:
-                hist += tl.histogram(digit, BINS, mask=member)
-        else:
-            hist += tl.histogram(digit, BINS, mask=member)
+        hist = add_tile_histogram(key, pos < end, prefix, hi_mask, hist, slot, PASS, BLOCK, BINS, RADIX_BITS,
+                                  SPARSE_PATH, SPARSE_SHARE)
     if SPARSE_PATH:
         tl.debug_barrier()
         tl.atomic_add(slot + bins, hist, sem="relaxed")
@@ -118,24 +138,43 @@ def chunk_histogram(row, s_sj, start, end, prefix, hi_mask, slot,
 
 
 @triton.jit
+def count_bucket(key, valid, prefix, hi_mask):
+    """(keys above the bucket, keys in it) among the valid lanes of key."""
+    above = tl.sum((valid & (key > (prefix | ~hi_mask))).to(tl.int32), axis=0)
+    ties = tl.sum((valid & ((key & hi_mask) == prefix)).to(tl.int32), axis=0)
+    return above, ties
+
+
+@triton.jit
+def emit_keys(out_row, s_ok, pos, key, valid, prefix, hi_mask, want, above_seen, ties_seen, K: tl.constexpr):
+    """Writes the selected positions of one tile (keys at pos, valid lanes) after the row's earlier
+    tiles' (above_seen, ties_seen), and returns those counts with this tile's added."""
+    is_above = (valid & (key > (prefix | ~hi_mask))).to(tl.int32)
+    tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
+    return emit_tile(out_row, s_ok, pos, is_above, tie, want, above_seen, ties_seen, K)
+
+
+@triton.jit
+def chunk_start(above, ties, chunk, BLOCK_P: tl.constexpr):
+    """(keys above the bucket, bucket keys) in the chunks before `chunk`: where its selections start."""
+    before = tl.arange(0, BLOCK_P) < chunk
+    return tl.sum(tl.where(before, above, 0), axis=0), tl.sum(tl.where(before, ties, 0), axis=0)
+
+
+@triton.jit
 def emit_chunk(row, s_sj, out_row, s_ok, n, chunk, chunk_len, prefix, hi_mask, want, above, ties,
                K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, FILL_BLOCK: tl.constexpr,
                ALIGNED: tl.constexpr):
     """Writes a chunk's selected positions, from the row's final state, after the chunks before it."""
-    bucket_max = prefix | ~hi_mask
-    before = tl.arange(0, BLOCK_P) < chunk
     # Keys above the bucket are all taken; of the bucket's, the first `want` by position.
-    above_seen = tl.sum(tl.where(before, above, 0), axis=0)
-    ties_seen = tl.sum(tl.where(before, ties, 0), axis=0)
+    above_seen, ties_seen = chunk_start(above, ties, chunk, BLOCK_P)
     offs = tl.arange(0, BLOCK)
     start = tl.multiple_of(chunk * chunk_len, BLOCK)
     end = tl.minimum(start + chunk_len, n)
     for j0 in range(start, end, BLOCK):
         pos = j0 + offs
-        valid = pos < end
         key = load_keys(row, pos, end, s_sj, ALIGNED)
-        is_above = (valid & (key > bucket_max)).to(tl.int32)
-        tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
-        above_seen, ties_seen = emit_tile(out_row, s_ok, pos, is_above, tie, want, above_seen, ties_seen, K)
+        above_seen, ties_seen = emit_keys(out_row, s_ok, pos, key, pos < end, prefix, hi_mask, want,
+                                          above_seen, ties_seen, K)
     if chunk == 0:
         fill_unselected(out_row, s_ok, tl.minimum(n, K), K, FILL_BLOCK)

@@ -191,11 +191,11 @@ def test_chunk_count_is_static(device):
     a = tri.top_k_num_chunks(64, 128 * 1024, device)
     assert a == tri.top_k_num_chunks(64, 128 * 1024, device) >= 1
     assert tri.top_k_num_chunks(1, 10, device) == 1
-    # Per pass: the chunk histograms, then the row's state; the synced path has a plane more.
+    # Per pass: the chunk histograms, then the row's state; the synced path's chunks add
+    # into the row's histogram of each pass, and trade their counts in a plane more.
     assert tri.top_k_workspace(3, 100, device, path="passes").shape == (
         3, 4, tri.top_k_num_chunks(3, 100, device, path="passes") + 1, 256)
-    assert tri.top_k_workspace(3, 100, device, path="synced").shape == (
-        3, 5, tri.top_k_num_chunks(3, 100, device, path="synced") + 1, 256)
+    assert tri.top_k_workspace(3, 100, device, path="synced").shape == (3, 5, 1, 256)
 
 
 @pytest.mark.gpu
@@ -269,7 +269,7 @@ def test_row_path_and_the_default_choice(device):
     assert tri.top_k_path(10_000, longest, device) == "row"
     assert tri.top_k_path(100_000, longest + 1, device) == "passes"
     if device.type == "cuda":
-        # Few rows: a 4K tile per 8-warp program; more rows: up to four 2K tiles per 4-warp one.
+        # Few rows: a 4K tile per 8-warp program; more rows: up to three 2K tiles per 4-warp one.
         assert tri.top_k_config(device, 8, 128 * 1024, "synced") == tri.TopKConfig(4096, 8)
         assert tri.top_k_config(device, 64, 32 * 1024 + 64, "synced") == tri.TopKConfig(2048, 4)
     got = tri.top_k_indices(scores, lens + 6, k=4)
@@ -291,23 +291,37 @@ def test_synced_rows_wait_only_for_resident_chunks(device):
         with pytest.raises(ValueError, match="num_chunks"):
             tri.top_k_indices(scores, lens, k=5, path="synced", num_chunks=2)
     _check(scores, lens, 5, path="synced")
+    # A chunk of one tile keeps its keys in registers from the first pass to the emit; ties
+    # broken by position there too.
+    _check(scores, lens, 5, path="synced", config=tri.TopKConfig(block=512, num_warps=4))
+    ints = torch.randint(0, 3, (3, 300), generator=generator(41, device), device=device).float()
+    _check(ints, lens, 50, path="synced", config=tri.TopKConfig(block=512, num_warps=4))
 
 
 @pytest.mark.gpu
-def test_gpu_synced_counters_count_every_arrival():
-    # Rows of four values refine through all four passes: each chunk program adds one
-    # arrival a pass to its row's counter and one when the chunks trade their counts, and
-    # a row that needs no pass adds none. A scalar atomic taken by every thread (not one a
-    # program) would show here.
+def test_gpu_synced_histograms_count_every_bucket_key_once():
+    # Rows of four values refine through all four passes. A program waits until its row's
+    # histogram of a pass adds up to the bucket's size: a chunk's counts added twice (an
+    # atomic taken by every thread that holds a bin) would end the wait early with a wrong
+    # digit, and one missing would never end it. A row that needs no pass adds nothing.
     device = torch.device("cuda")
     gen = generator(40, device)
     num_rows, num_cols, k = 8, 64 * 1024, 2048
     scores = torch.randint(0, 4, (num_rows, num_cols), generator=gen, device=device).float()
     lens = _lens([num_cols] * (num_rows - 1) + [k], device)
-    chunks = tri.top_k_num_chunks(num_rows, num_cols, device, path="synced")
-    assert chunks > 1
+    assert tri.top_k_num_chunks(num_rows, num_cols, device, path="synced") > 1
     workspace = tri.top_k_workspace(num_rows, num_cols, device, path="synced")
     got = tri.top_k_indices(scores, lens, k=k, path="synced", workspace=workspace)
     torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
-    counters = workspace[:, 4, chunks, 0]
-    assert counters.tolist() == [5 * chunks] * (num_rows - 1) + [0]
+    histograms = workspace[:, :4, 0].sum(-1)                                     # [rows, passes]
+    # Pass p's bucket: the keys whose first p bytes are the k-th key's (scores >= 0 key as
+    # their bits with the sign bit set).
+    keys = scores[:-1].view(torch.int32).long() + (1 << 31)
+    kth_key = keys.sort(dim=1, descending=True).values[:, k - 1:k]
+    bucket = [((keys >> (32 - 8 * p)) == (kth_key >> (32 - 8 * p))).sum(1) for p in range(4)]
+    assert histograms[:-1].tolist() == torch.stack(bucket, 1).tolist()
+    assert histograms[-1].tolist() == [0] * 4
+    # The chunks' final counts: keys above the k-th value and those equal to it, the row's.
+    kth = scores[:-1].sort(dim=1, descending=True).values[:, k - 1:k]
+    traded = workspace[:-1, 4, 0].sum(-1)
+    assert traded.tolist() == ((scores[:-1] >= kth).sum(1)).tolist()
