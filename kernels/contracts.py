@@ -186,12 +186,14 @@ class WriteIndexKey(Protocol):
 
 class IndexScores(Protocol):
     def __call__(self, q: Tensor, head_weights: Tensor, index_cache: Tensor, block_table: Tensor,
-                 key_lens: Tensor, /) -> Tensor:
+                 key_lens: Tensor, /, *, weight_scale: float = 1.0) -> Tensor:
         """The lightning indexer's score of every key position of each row's sequence.
-        q [T, Hi, Di]; head_weights [T, Hi] float32 (every scale factor folded in); index_cache
-        [num_blocks, bs, Di]; block_table [T, W] int32 (row t's sequence's); key_lens [T] int32
-        -> scores [T, W * bs] float32: sum_h head_weights[t, h] * relu(q[t, h] . key_j) (dot in
-        float32) for j < key_lens[t], -inf for j >= key_lens[t] (padded rows: key_lens 0)."""
+        q [T, Hi, Di]; head_weights [T, Hi] float32; index_cache [num_blocks, bs, Di];
+        block_table [T, W] int32 (row t's sequence's); key_lens [T] int32; weight_scale the
+        score's constant factor -> scores [T, W * bs] float32: sum_h w[t, h] * relu(q[t, h] .
+        key_j) (dot in float32), w = head_weights * weight_scale rounded as that product is in
+        head_weights' dtype, for j < key_lens[t]; -inf for j >= key_lens[t] (padded rows:
+        key_lens 0)."""
         ...
 
 

@@ -7,7 +7,7 @@ For row t (a query token) and key position j of its sequence:
 with q from the low-rank query residual (`wq_b`), one key per token (`wk`, a
 LayerNorm with bias, then rope), and w = weights_proj(x) * Hi^-0.5 * Di^-0.5 (the
 reference scales each dot by Di^-0.5 before the ReLU; a positive factor passes
-through it, so it is folded into the weights). The rope of the indexer rotates
+through it, so it goes with the weights, and `ops.dsa.index_scores` applies it). The rope of the indexer rotates
 the first qk_rope_head_dim dims of q and k in the half-split layout (x_i paired
 with x_{i + R/2}), unlike MLA's interleaved pairs, with the same angle tables.
 """
@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .indexer_params import INDEX_KEY_NORM_EPS, IndexerParams
 from .kernels import Ops
 
-__all__ = ["index_query_key", "record_index_choice"]
+__all__ = ["index_query_key", "index_weight_scale", "record_index_choice"]
 
 
 def index_query_key(
@@ -42,15 +42,21 @@ def index_query_key(
     query residual) and k_proj [T, Di] = wk(x), the rows of the attention's GEMMs that are the
     indexer's (see `indexer_params`); positions [T]; cos, sin [P, R / 2] the rope tables
     -> q [T, Hi, Di] and key [T, Di] (first R dims rotated half-split), head_weights [T, Hi]
-       float32 (float64 in a float64 model) with every scale factor folded in.
+       float32 (float64 in a float64 model) to be scaled by `index_weight_scale` (the
+       indexer op applies it).
     """
     heads, dim, rope_dim = p.weights_proj.shape[0], p.k_norm.shape[0], config.qk_rope_head_dim
     q = q_proj.view(x.shape[0], heads, dim)
     key = ops.dense.layer_norm(k_proj, p.k_norm, p.k_norm_bias, INDEX_KEY_NORM_EPS)
     q, key = ops.dense.partial_rope(q, key, positions, cos, sin, rotary_dim=rope_dim, interleaved=False)
     # Products in the weights' float32 (float64) with the input widened to it, as the reference computes.
-    head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype) * (heads * dim) ** -0.5
+    head_weights = ops.dense.linear(x, p.weights_proj, out_dtype=p.weights_proj.dtype)
     return q, key, head_weights
+
+
+def index_weight_scale(p: IndexerParams) -> float:
+    """The scores' constant factor Hi^-0.5 * Di^-0.5, which `ops.dsa.index_scores` applies to the head weights."""
+    return (p.weights_proj.shape[0] * p.k_norm.shape[0]) ** -0.5
 
 
 def record_index_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:

@@ -22,7 +22,7 @@ import torch
 
 from .attention import LATENT_NORM_EPS
 from .config import ModelConfig
-from .indexer import index_query_key
+from .indexer import index_query_key, index_weight_scale
 from .moe import feed_forward
 from .params import LayerParams
 from .rows import row_metadata
@@ -71,7 +71,8 @@ def sparse_mla_attention(
     index_cache = ops.dsa.write_index_key(index_cache, batch.slot_mapping, index_key, inplace=ctx.inplace)
     # Made once a step by the forward for models with sparse layers (here only if a caller's own context lacks it).
     rows = ctx.rows if ctx.rows is not None else row_metadata(batch, ctx.mode)
-    scores = ops.dsa.index_scores(index_q, head_weights, index_cache, rows.block_table, rows.key_lens)
+    scores = ops.dsa.index_scores(index_q, head_weights, index_cache, rows.block_table, rows.key_lens,
+                                  weight_scale=index_weight_scale(p.indexer))
     indices = ops.dsa.top_k_indices(scores, rows.key_lens, k=config.index_topk)       # [T, k]
     out, _ = ops.dsa.sparse_mla_decode(q_absorbed, kv_cache, rows.block_table, indices,
                                        softmax_scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,

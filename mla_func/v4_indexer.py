@@ -23,26 +23,26 @@ def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, pos
     """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32).
 
     q_residual [n, Q] the attention's normalised query latent; x [n, D] the layer's input;
-    cos, sin [P, R / 2] the compress rope tables. The head weights carry both scales of
-    the score, 1/sqrt(Hi) and 1/sqrt(Di), as the indexer ops expect.
+    cos, sin [P, R / 2] the compress rope tables. The score's scales, 1/sqrt(Hi) and
+    1/sqrt(Di), are left to `select_entries` (the indexer op applies them to the weights).
     """
     n = x.shape[0]
     q = ops.dense.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
     q = ops.v4.rope_tail(q, cos, sin, positions=positions)
     # Float32 products straight from the op: no bf16 rounding of the weights, no widening copy.
-    weights = ops.dense.linear(x, p.weights_proj, out_dtype=torch.float32)
-    return q, weights * (v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
+    return q, ops.dense.linear(x, p.weights_proj, out_dtype=torch.float32)
 
 
 def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
                    counts: torch.Tensor, v: V4Config, ops: Ops) -> torch.Tensor:
     """The entries each row attends to: [n, min(index_topk, L)] int32 entry numbers, -1 for none.
 
-    index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
+    q, head_weights from `index_query`; index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
     counts [n] entries complete at the row's position. A row with fewer than index_topk
     complete entries keeps all of them.
     """
     key_lens = counts.to(torch.int32)
     # The same ops as V3.2's indexer (`ops.dsa`), over compressed entries instead of tokens.
-    scores = ops.dsa.index_scores(q, head_weights, index_keys, group_table, key_lens)
+    scores = ops.dsa.index_scores(q, head_weights, index_keys, group_table, key_lens,
+                                  weight_scale=v.index_n_heads ** -0.5 * v.index_head_dim ** -0.5)
     return ops.dsa.top_k_indices(scores, key_lens, k=min(v.index_topk, scores.shape[1]))

@@ -76,8 +76,8 @@ def record_scores(ops: mf.kernels.Ops) -> tuple[mf.kernels.Ops, list[tuple[torch
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     index_scores = ops.dsa.index_scores
 
-    def recording(q, head_weights, index_cache, block_table, key_lens, /):
-        scores = index_scores(q, head_weights, index_cache, block_table, key_lens)
+    def recording(q, head_weights, index_cache, block_table, key_lens, /, *, weight_scale=1.0):
+        scores = index_scores(q, head_weights, index_cache, block_table, key_lens, weight_scale=weight_scale)
         seen.append((scores, key_lens))
         return scores
 

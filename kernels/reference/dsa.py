@@ -47,18 +47,22 @@ def index_scores(
     index_cache: torch.Tensor,
     block_table: torch.Tensor,
     key_lens: torch.Tensor,
+    *,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    """scores[t, j] = sum_h head_weights[t, h] * relu(q[t, h] . key_j) for j < key_lens[t], else -inf.
+    """scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j) for j < key_lens[t], else -inf.
 
-    q [T, Hi, Di]; head_weights [T, Hi] float32; index_cache [num_blocks, bs, Di];
-    block_table [T, W] int32; key_lens [T] int32 -> scores [T, W * bs] float32
-    (dot products and the head sum in float32, or float64 for float64 inputs).
+    q [T, Hi, Di]; head_weights [T, Hi] float32, w = head_weights * weight_scale (in
+    head_weights' dtype); index_cache [num_blocks, bs, Di]; block_table [T, W] int32;
+    key_lens [T] int32 -> scores [T, W * bs] float32 (dot products and the head sum in
+    float32, or float64 for float64 inputs).
     """
     num_rows, num_heads, dim = q.shape
     check_shape("head_weights", head_weights, (num_rows, num_heads))
     check_shape("index_cache", index_cache, (None, None, dim))
     check_shape("block_table", block_table, (num_rows, None))
     check_shape("key_lens", key_lens, (num_rows,))
+    head_weights = head_weights * weight_scale
     acc = torch.promote_types(_acc_dtype(q.dtype), head_weights.dtype)
     width, block_size = block_table.shape[1], index_cache.shape[1]
     num_keys = width * block_size

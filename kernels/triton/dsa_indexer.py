@@ -1,7 +1,7 @@
 """The lightning indexer of DeepSeek sparse attention: its key cache write and its scores.
 
 `index_scores` scores every visible position of a row's paged indexer cache:
-scores[t, j] = sum_h head_weights[t, h] * relu(q[t, h] . key_j). A program owns
+scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale. A program owns
 one row and one contiguous chunk of its positions; it keeps the row's queries
 [Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di] through
 one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
@@ -88,10 +88,13 @@ _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 # _MIN_KEYS_PER_CHUNK, below which the query reload outweighs the parallelism.
 _WAVES = 8
 _MIN_KEYS_PER_CHUNK = 512
-# Where chunks of this many keys still give every multiprocessor two programs (the most
-# resident), the chunks are no shorter: a program's query load and pipeline fill then
-# weigh half as much (B8 x 128K, above).
+# Where rows of chunks this long still have _LONG_ROW_CHUNKS of them each, and the programs
+# give every multiprocessor two (the most resident), chunks are no shorter: a program's
+# query load and pipeline fill then weigh half as much (B8 x 128K, above). Rows of fewer
+# such chunks keep the shorter ones: V4's CSA indexer at B64 over 16K entries in 8 chunks
+# of 2K made v4-mini's step 2.14 ms against 2.11 in 17 (bench/results/logs/v4-long-chunks-ab-h200-2026-11-26.log).
 _LONG_CHUNK_KEYS = 2048
+_LONG_ROW_CHUNKS = 32
 # When those chunks are fewer than one wave (a batch of one or a few rows, V4's
 # compressed entries), shorter ones fill it: one row of 2K / 16K keys in 16 / 128
 # chunks of 128 takes 5.7 / 6.1 us instead of 12 (H100,
@@ -120,7 +123,7 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
     if device.type != "cuda":
         return max(1, min(wanted, triton.cdiv(num_cols, config.block_n)))
     long_chunks = max(1, min(wanted, triton.cdiv(num_cols, _LONG_CHUNK_KEYS)))
-    if num_rows * long_chunks >= 2 * sm_count(device):
+    if long_chunks >= _LONG_ROW_CHUNKS and num_rows * long_chunks >= 2 * sm_count(device):
         return long_chunks
     chunks = max(1, min(wanted, triton.cdiv(num_cols, _MIN_KEYS_PER_CHUNK)))
     if num_rows * chunks < sm_count(device):
@@ -149,7 +152,7 @@ def _score_tile(q, weights, rows, pos, key_mask, out_row, s_cd, s_oj,
 @triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
-    num_heads, num_cols, keys_per_chunk,
+    weight_scale, num_heads, num_cols, keys_per_chunk,
     s_qt, s_qh, s_qd, s_wt, s_wh,
     s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -175,8 +178,9 @@ def _index_scores_kernel(
     else:
         q_mask = head_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + t64 * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
-    # Heads past num_heads weigh 0, so their zero scores add nothing.
-    weights = tl.load(w_ptr + t64 * s_wt + heads * s_wh, mask=head_mask, other=0.0)
+    # Heads past num_heads weigh 0, so their zero scores add nothing. The scale is applied
+    # as torch's float32 product would (one rounding), where a launch of its own took 1.1 us.
+    weights = tl.load(w_ptr + t64 * s_wt + heads * s_wh, mask=head_mask, other=0.0) * weight_scale
     bt_row = bt_ptr + t64 * s_btt
     out_row = out_ptr + t64 * s_ot
 
@@ -212,19 +216,21 @@ def index_scores(
     block_table: torch.Tensor,
     key_lens: torch.Tensor,
     *,
+    weight_scale: float = 1.0,
     out: torch.Tensor | None = None,
     config: IndexerConfig | None = None,
 ) -> torch.Tensor:
     """Indexer scores of every position of each row's paged indexer cache.
 
     q:            [T, Hi, Di] indexer queries (any strides), bf16 / fp16 / fp32
-    head_weights: [T, Hi] float32, every scale factor folded in
+    head_weights: [T, Hi] float32
+    weight_scale: the scores' constant factor, applied to head_weights (in float32)
     index_cache:  [num_blocks, bs, Di], same dtype as q
     block_table:  [T, W] int32, one table per row
     key_lens:     [T] int32 keys the row sees (clamped to [0, W * bs]); 0 marks a padded row
     out:          [T, W * bs] float32 to write into (a captured graph allocates nothing), or None
     config:       overrides the tile sizes (benchmark sweeps)
-    returns       scores [T, W * bs] float32: sum_h head_weights[t, h] * relu(q[t, h] . key_j)
+    returns       scores [T, W * bs] float32: sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale
                   (products and sums in float32) for j < key_lens[t], -inf after.
     """
     num_rows, num_heads, head_dim = q.shape
@@ -259,7 +265,7 @@ def index_scores(
     use_pdl = pdl(device)
     _index_scores_kernel[(num_rows, chunks)](
         q, head_weights, index_cache, block_table, key_lens, out,
-        num_heads, num_cols, keys_per_chunk,
+        float(weight_scale), num_heads, num_cols, keys_per_chunk,
         *q.stride(), *head_weights.stride(),
         *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
         HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),

@@ -28,7 +28,7 @@ def oracle_index_scores(q, head_weights, index_cache, block_table, key_lens) -> 
 
 
 def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_contiguous=False, out=False,
-           config=None):
+           config=None, weight_scale=None):
     gen = generator(seed, device)
     index_cache, block_table = paged_cache(key_lens, block_size, head_dim, dtype, device, gen)
     q = randn((len(key_lens), num_heads, head_dim), dtype, device, gen)
@@ -38,10 +38,14 @@ def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_c
         q, index_cache, block_table = strided(q, gen), strided(index_cache, gen), strided(block_table, gen)
         head_weights, lens = strided(head_weights, gen), strided(lens, gen)
     kwargs = {} if config is None else {"config": config}
+    if weight_scale is not None:
+        kwargs["weight_scale"] = weight_scale
     if out:
         kwargs["out"] = torch.full((len(key_lens), block_table.shape[1] * block_size), 7.0, device=device)
     got = tri.index_scores(q, head_weights, index_cache, block_table, lens, **kwargs)
-    expected = oracle_index_scores(q, head_weights, index_cache, block_table, lens)
+    # The scale is applied to the weights as torch's float32 product rounds it.
+    scaled = head_weights if weight_scale is None else head_weights * weight_scale
+    expected = oracle_index_scores(q, scaled, index_cache, block_table, lens)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     hidden = torch.isinf(expected)
     assert torch.equal(torch.isinf(got), hidden) and torch.all(got[hidden] < 0)
@@ -81,6 +85,11 @@ def test_pages_located_ahead(block_size, device):
 
 def test_non_contiguous_inputs_and_out(device):
     _check([40, 0, 17], 3, 32, 16, torch.bfloat16, device, seed=4, non_contiguous=True, out=True)
+
+
+def test_weight_scale(device):
+    # V3.2's score factor Hi^-0.5 * Di^-0.5 (not a power of two), applied to the weights.
+    _check([40, 0, 17], 16, 128, 16, torch.bfloat16, device, seed=8, weight_scale=(16 * 128) ** -0.5)
 
 
 def test_all_rows_padded(device):

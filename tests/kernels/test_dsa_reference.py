@@ -24,6 +24,12 @@ def test_index_scores_and_top_k_match_the_reference():
     key_lens = torch.tensor([0, 1, 7, 13, 29, 40], device=DEV, dtype=torch.int32)
     got, want = (ops.index_scores(q, weights, cache, table, key_lens) for ops in (TRITON, REF))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The scores' constant factor goes with the weights, rounded as their float32 product.
+    scale = (heads * 32) ** -0.5
+    got_scaled, want_scaled = (ops.index_scores(q, weights, cache, table, key_lens, weight_scale=scale)
+                               for ops in (TRITON, REF))
+    torch.testing.assert_close(got_scaled, want_scaled, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(want_scaled, REF.index_scores(q, weights * scale, cache, table, key_lens), rtol=0, atol=0)
     # Top-k of the same (reference) scores: positions, ascending, -1 filled.
     for k in (1, 8, 50):
         assert torch.equal(TRITON.top_k_indices(want, key_lens, k=k), REF.top_k_indices(want, key_lens, k=k)), k
