@@ -4,8 +4,9 @@
 A row's selection is its state: the bucket (the keys whose bits under hi_mask equal
 prefix), `want` (how many of the bucket's keys are still to be taken after every key
 above it), whether another pass is needed, and per chunk the keys above the bucket and
-the keys in it. A pass writes one 256-bin histogram of the next digit per chunk; folding
-a pass's histograms into the state narrows the bucket by that digit.
+the keys in it. A pass counts a 256-bin histogram of the next digit per chunk (the synced
+plan adds them into one per row); folding a pass's histograms into the state narrows the
+bucket by that digit.
 """
 
 from __future__ import annotations
