@@ -7,9 +7,10 @@ For row t (a query token) and key position j of its sequence:
 with q from the low-rank query residual (`wq_b`), one key per token (`wk`, a
 LayerNorm with bias, then rope), and w = weights_proj(x) * Hi^-0.5 * Di^-0.5 (the
 reference scales each dot by Di^-0.5 before the ReLU; a positive factor passes
-through it, so it goes with the weights, and `ops.dsa.index_scores` applies it). The rope of the indexer rotates
-the first qk_rope_head_dim dims of q and k in the half-split layout (x_i paired
-with x_{i + R/2}), unlike MLA's interleaved pairs, with the same angle tables.
+through it, so it goes with the weights, and `ops.dsa.index_scores` applies it).
+The rope of the indexer rotates the first qk_rope_head_dim dims of q and k in the
+half-split layout (x_i paired with x_{i + R/2}), unlike MLA's interleaved pairs,
+with the same angle tables.
 """
 
 from __future__ import annotations

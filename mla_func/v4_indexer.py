@@ -37,7 +37,8 @@ def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torc
                    counts: torch.Tensor, v: V4Config, ops: Ops) -> torch.Tensor:
     """The entries each row attends to: [n, min(index_topk, L)] int32 entry numbers, -1 for none.
 
-    q, head_weights from `index_query`; index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg] int32 (L = Wg * bs_g candidates);
+    q, head_weights from `index_query`; index_keys [num_blocks_g, bs_g, Di]; group_table [n, Wg]
+    int32 (L = Wg * bs_g candidates);
     counts [n] entries complete at the row's position. A row with fewer than index_topk
     complete entries keeps all of them.
     """

@@ -1,10 +1,10 @@
 """The lightning indexer of DeepSeek sparse attention: its key cache write and its scores.
 
 `index_scores` scores every visible position of a row's paged indexer cache:
-scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale. A program owns
-one row and one contiguous chunk of its positions; it keeps the row's queries
-[Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di] through
-one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
+scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale.
+A program owns one row and one contiguous chunk of its positions; it keeps the
+row's queries [Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di]
+through one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
 accumulation), so every key byte is read once per row and the work is bound by
 the key reads. Positions at or past the row's key count get -inf, written by the
 chunk's programs without reading any key.

@@ -29,7 +29,8 @@ def test_index_scores_and_top_k_match_the_reference():
     got_scaled, want_scaled = (ops.index_scores(q, weights, cache, table, key_lens, weight_scale=scale)
                                for ops in (TRITON, REF))
     torch.testing.assert_close(got_scaled, want_scaled, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(want_scaled, REF.index_scores(q, weights * scale, cache, table, key_lens), rtol=0, atol=0)
+    torch.testing.assert_close(want_scaled, REF.index_scores(q, weights * scale, cache, table, key_lens),
+                               rtol=0, atol=0)
     # Top-k of the same (reference) scores: positions, ascending, -1 filled.
     for k in (1, 8, 50):
         assert torch.equal(TRITON.top_k_indices(want, key_lens, k=k), REF.top_k_indices(want, key_lens, k=k)), k
