@@ -139,19 +139,25 @@ def chunk_histogram(row, s_sj, start, end, prefix, hi_mask, slot,
 
 
 @triton.jit
+def bucket_lanes(key, valid, prefix, hi_mask):
+    """(is_above, tie) int32 per lane: valid keys above the bucket, and valid keys in it."""
+    is_above = (valid & (key > (prefix | ~hi_mask))).to(tl.int32)
+    tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
+    return is_above, tie
+
+
+@triton.jit
 def count_bucket(key, valid, prefix, hi_mask):
     """(keys above the bucket, keys in it) among the valid lanes of key."""
-    above = tl.sum((valid & (key > (prefix | ~hi_mask))).to(tl.int32), axis=0)
-    ties = tl.sum((valid & ((key & hi_mask) == prefix)).to(tl.int32), axis=0)
-    return above, ties
+    is_above, tie = bucket_lanes(key, valid, prefix, hi_mask)
+    return tl.sum(is_above, axis=0), tl.sum(tie, axis=0)
 
 
 @triton.jit
 def emit_keys(out_row, s_ok, pos, key, valid, prefix, hi_mask, want, above_seen, ties_seen, K: tl.constexpr):
     """Writes the selected positions of one tile (keys at pos, valid lanes) after the row's earlier
     tiles' (above_seen, ties_seen), and returns those counts with this tile's added."""
-    is_above = (valid & (key > (prefix | ~hi_mask))).to(tl.int32)
-    tie = (valid & ((key & hi_mask) == prefix)).to(tl.int32)
+    is_above, tie = bucket_lanes(key, valid, prefix, hi_mask)
     return emit_tile(out_row, s_ok, pos, is_above, tie, want, above_seen, ties_seen, K)
 
 
