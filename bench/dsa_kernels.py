@@ -99,7 +99,7 @@ def _index_setup(num_rows, context):
 
 
 def _topk_workspace(num_rows, context, topk_config=None, path=None):
-    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config, path)
+    return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config, path, k=TOP_K)
 
 
 def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True,

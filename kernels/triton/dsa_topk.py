@@ -1,9 +1,9 @@
 """Top-k selection of the indexer's scores by radix select over row chunks: no sort.
 
 `top_k_indices` is the op; `top_k_path` says which kernel selects a shape by default:
-rows short enough for one program's registers `dsa_topk_row` where that is faster,
-other rows on a GPU the radix select below in one launch (`dsa_topk_synced`), and the
-rest this module's launch per radix pass.
+rows of up to 8K one program each (`dsa_topk_row`); on a GPU, longer rows by the keys
+above a sampled threshold (`dsa_topk_filtered`), or a lone row by the radix select below
+in one launch (`dsa_topk_synced`); in the interpreter, this module's launch per radix pass.
 
 A row's k best positions are found without ordering the scores. Each float32
 score maps to a uint32 key whose unsigned order is the float order; the k-th
@@ -55,6 +55,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2, pdl, sm_count
+from .dsa_topk_filtered import MAX_CHUNKS as _MAX_FILTERED_CHUNKS
+from .dsa_topk_filtered import filtered_top_k, filtered_workspace_width
 from .dsa_topk_row import row_top_k_fits, row_top_k_indices
 from .dsa_topk_synced import synced_max_chunks, synced_top_k
 from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
@@ -106,13 +108,43 @@ _FIRST_SPARSE_PASS = 2
 # (one launch instead of five: B1 x 2K 7.5 vs 18 us, B512 x 4K 26 vs 45 us). A program's
 # search over a 32K row takes ~40 us however many rows run beside it (one a multiprocessor),
 # while the chunked passes grow with the rows (B8 x 32K 24 us, B64 x 32K 55 us, about
-# linearly): they cross near 50 rows, so longer rows go one a program from 3/8 of the
-# multiprocessor count on (B64 x 32K: 45 us).
+# linearly): they cross near 50 rows. On a GPU the filtered path now beats both on longer
+# rows (`top_k_path`); the interpreter's default keeps the crossing.
 _ROW_ALWAYS_COLS = 8192
 
 
-TopKPath = Literal["row", "passes", "synced"]
-TOP_K_PATHS: tuple[TopKPath, ...] = ("row", "passes", "synced")
+# The filtered path's count and compact launches: light per key (a compare, a scan), so
+# 4-warp programs of 1K-key tiles, several a multiprocessor.
+_GPU_FILTER_CONFIG = TopKConfig(block=1024, num_warps=4)
+# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log): about four
+# programs a multiprocessor, each loop's loads three tiles ahead (B64 x 128K 69 us, 89 with
+# none ahead), a search of 8 warps over up to 8K candidates (16 were no faster), and the
+# next launch let in only once a program's reads are done (B64 x 128K 56.4 us, 60.1 us
+# when let in at the start, where its waiting programs hold the multiprocessors' slots).
+_FILTER_PROGRAMS_PER_SM = 4
+_FILTER_STAGES = 3
+_FILTER_SELECT_WARPS = 8
+_FILTER_EARLY_DEPENDENTS = False
+# The sample reads runs of 8 neighbours, a 32-byte sector each: a row's programs all
+# read it, and 2048 single keys would be 2048 sectors (B64 x 128K 68.1 -> 60.1 us).
+_SAMPLE_SEGMENT = 8
+# The synced path takes a lone row: its passes beat the filtered path's one-program search.
+_SYNCED_MAX_ROWS = 2
+# Its sample of a row: 2048 keys put the k-th key's share of a 32K row (k 2048) at 128 of them.
+_GPU_SAMPLE = 2048
+_INTERPRETER_SAMPLE = 64
+# Its fallback (a whole row by one program) reads tiles of this many keys.
+_GPU_FALLBACK_BLOCK = 1024
+
+
+def filter_sizes(k: int, device: torch.device) -> tuple[int, int]:
+    """The filtered path's (cap, sample): candidates a row may keep (a power of two, >= 4k) and sampled keys."""
+    cap = max(1024 if device.type == "cuda" else 32, 4 * next_pow2(k))
+    return cap, min(cap, _GPU_SAMPLE if device.type == "cuda" else _INTERPRETER_SAMPLE)
+
+
+TopKPath = Literal["row", "passes", "synced", "filtered"]
+TOP_K_PATHS: tuple[TopKPath, ...] = ("row", "passes", "synced", "filtered")
 
 
 def _synced_gpu_config(num_rows: int, num_cols: int, device: torch.device) -> TopKConfig | None:
@@ -136,19 +168,28 @@ def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopK
     """The path `top_k_indices` selects [num_rows, num_cols] scores by, by default.
 
     "row": one program a row holding it in registers (`dsa_topk_row`); "synced": the radix
-    passes in one launch (`dsa_topk_synced`), on a GPU when few tiles fall to each resident
-    program; "passes": a launch per radix pass (here).
+    passes in one launch (`dsa_topk_synced`), on a GPU when few rows' tiles fall to each
+    resident program; "filtered": a sampled threshold's candidates, then a search over them
+    (`dsa_topk_filtered`), on a GPU otherwise; "passes": a launch per radix pass (here).
     """
     device = torch.device(device)
     fits = row_top_k_fits(num_cols)
-    # One program a row costs the same whatever the batch while the GPU has room for the
-    # rows, the synced path grows with the batch: H200, 16K + 64 scores, B64 33.8 us synced
-    # vs 41.8 a row a program, B128 49.9 vs 43.5; 32K + 64, B64 49.4 vs 58.3, B128 93.3 vs 56.1.
-    if fits and (num_cols <= _ROW_ALWAYS_COLS or 4 * num_rows >= 3 * sm_count(device)):
+    if device.type != "cuda":
+        if fits and (num_cols <= _ROW_ALWAYS_COLS or 8 * num_rows >= 3 * sm_count(device)):
+            return "row"
+        return "passes"
+    if num_cols <= _ROW_ALWAYS_COLS:
         return "row"
-    if device.type == "cuda" and _synced_gpu_config(num_rows, num_cols, device) is not None:
+    # The filtered path reads the scores twice and histograms none; only a lone row's
+    # selection, one program's search over a few thousand candidates, is slower than the
+    # synced path's passes. H200, k 2048 unless noted, indexer scores, us, filtered against
+    # the default before it (synced, passes or row): B1 x 128K 20.9 / 17.9; B8 x 128K 22.8
+    # / 24.4; B16 x 128K 27.2 / 42.3; B32 x 32K 24.9 / 30.9; B64 x 32K 31.4 / 46.4; B64 x
+    # 128K 56.4 / 148.6 (passes); B128 x 32K 41.3 / 59.6 (row); B64 x 16K, k 512: 19.7 /
+    # 30.4; B128 x 16K, k 512: 25.2 / 38.8 (row) (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    if num_rows < _SYNCED_MAX_ROWS and _synced_gpu_config(num_rows, num_cols, device) is not None:
         return "synced"
-    return "row" if fits and 8 * num_rows >= 3 * sm_count(device) else "passes"
+    return "filtered"
 
 
 def top_k_config(device: torch.device, num_rows: int = 0, num_cols: int = 0,
@@ -158,6 +199,8 @@ def top_k_config(device: torch.device, num_rows: int = 0, num_cols: int = 0,
         return _INTERPRETER_CONFIG
     if path == "synced":
         return _synced_gpu_config(num_rows, num_cols, device) or _GPU_CONFIG
+    if path == "filtered":
+        return _GPU_FILTER_CONFIG
     return _GPU_CONFIG
 
 
@@ -170,6 +213,9 @@ def _chunking(num_rows: int, num_cols: int, device: torch.device, config: TopKCo
             # As many as stay resident: each program's passes are bound by its histogram's instructions.
             num_chunks = max(1, min(synced_max_chunks(num_rows, device, config.num_warps, config.max_registers),
                                     tiles, _MAX_SYNCED_CHUNKS))
+        elif path == "filtered":
+            wanted = triton.cdiv(_FILTER_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
+            num_chunks = max(1, min(wanted, tiles, _MAX_FILTERED_CHUNKS))
         else:
             wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(1, num_rows))
             num_chunks = max(1, min(wanted, tiles, _MAX_CHUNKS))
@@ -190,22 +236,30 @@ def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
 
 
 def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
-                    config: TopKConfig | None = None, path: TopKPath | None = None) -> torch.Tensor:
+                    config: TopKConfig | None = None, path: TopKPath | None = None, k: int = 0) -> torch.Tensor:
     """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
 
     returns [T, 4, P + 1, 256] int32, P = top_k_num_chunks(T, L, device, config, path): per
     pass, the chunk histograms and the row's state after that pass; for the synced path
-    [T, 5, 1, 256]: per pass the row's histogram, then the chunks' final counts.
+    [T, 5, 1, 256]: per pass the row's histogram, then the chunks' final counts; for the
+    filtered path (which needs k) [T, 1, 1, W]: a row's threshold, chunk counts, candidates
+    and fallback histograms (`dsa_topk_filtered`).
     """
+    device = torch.device(device)
     path = path or top_k_path(num_rows, num_cols, device)
     chunks = top_k_num_chunks(num_rows, num_cols, device, config, path)
-    return torch.empty(_workspace_shape(num_rows, chunks, path), dtype=torch.int32, device=device)
+    return torch.empty(_workspace_shape(num_rows, chunks, path, k, device), dtype=torch.int32, device=device)
 
 
-def _workspace_shape(num_rows: int, chunks: int, path: TopKPath) -> tuple[int, int, int, int]:
+def _workspace_shape(num_rows: int, chunks: int, path: TopKPath, k: int,
+                     device: torch.device) -> tuple[int, int, int, int]:
     if path == "synced":
         # Its chunks add into the row's histograms, and trade their counts in a plane more.
         return num_rows, _PASSES + 1, 1, _BINS
+    if path == "filtered":
+        if k < 1:
+            raise ValueError(f"k: the filtered path's workspace is sized by k >= 1, got {k}")
+        return num_rows, 1, 1, filtered_workspace_width(filter_sizes(k, device)[0], _PASSES, _BINS)
     return num_rows, _PASSES, chunks + 1, _BINS
 
 
@@ -339,8 +393,9 @@ def top_k_indices(
     num_chunks: overrides `top_k_num_chunks` (tests, sweeps); must match the workspace
     config:     overrides the tiles of `top_k_config` (benchmark sweeps)
     path:       "row" (one program a row holding it in registers, `dsa_topk_row`: rows of at
-                most 32K + 4K scores), "passes" (a launch per radix pass) or "synced" (the
-                passes in one launch, `dsa_topk_synced`); None (the default) takes
+                most 32K + 4K scores), "passes" (a launch per radix pass), "synced" (the
+                passes in one launch, `dsa_topk_synced`) or "filtered" (the keys above a
+                sampled threshold, then a search over them: `dsa_topk_filtered`); None (the default) takes
                 `top_k_path`'s, or "passes" when num_chunks is given.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
                 the lower position, listed in ascending order; when key_lens[t] < k every
@@ -375,7 +430,7 @@ def top_k_indices(
         return row_top_k_indices(scores, key_lens, k, out)
     config = config or top_k_config(device, num_rows, num_cols, path)
     chunks, chunk_len = _chunking(num_rows, num_cols, device, config, path, num_chunks)
-    shape = _workspace_shape(num_rows, chunks, path)
+    shape = _workspace_shape(num_rows, chunks, path, k, device)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.int32, device=device)
     else:
@@ -392,6 +447,16 @@ def top_k_indices(
                             num_warps=config.num_warps, max_registers=config.max_registers, passes=_PASSES,
                             bins=_BINS, radix_bits=_RADIX_BITS, fill_block=_FILL_BLOCK,
                             first_sparse_pass=_FIRST_SPARSE_PASS, sparse_share=_SPARSE_SHARE, use_pdl=use_pdl)
+    if path == "filtered":
+        cap, sample = filter_sizes(k, device)
+        on_gpu = device.type == "cuda"
+        return filtered_top_k(scores, key_lens, k, out, workspace, chunks, chunk_len, block=config.block,
+                              num_warps=config.num_warps, cap=cap, sample=sample,
+                              select_warps=_FILTER_SELECT_WARPS if cap >= 4096 else 4, stages=_FILTER_STAGES,
+                              segment=min(_SAMPLE_SEGMENT, sample), early_dependents=_FILTER_EARLY_DEPENDENTS,
+                              fallback_block=_GPU_FALLBACK_BLOCK if on_gpu else config.block, passes=_PASSES,
+                              bins=_BINS, radix_bits=_RADIX_BITS, first_sparse_pass=_FIRST_SPARSE_PASS,
+                              sparse_share=_SPARSE_SHARE, fill_block=_FILL_BLOCK, use_pdl=use_pdl)
     aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     grid = (num_rows, chunks)
     common = dict(BLOCK=config.block, BLOCK_P=max(2, next_pow2(chunks)), BINS=_BINS, RADIX_BITS=_RADIX_BITS,

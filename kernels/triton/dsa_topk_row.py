@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, pdl
-from .topk_shared import emit_tile, fill_unselected, load_keys
+from .topk_shared import above_kth, bracket_search, emit_tile, fill_unselected, load_keys, tie_kth
 
 # The longest power of two of keys held in registers (128 a thread at 8 warps), and the
 # most held beside it: a decode row at 32K context has 32K + a block of positions.
@@ -57,23 +57,6 @@ def _num_warps(row: int) -> int:
 
 
 @triton.jit
-def _above(keys, valid, kth, take_all):
-    # A row of at most K keys takes every one ("above" the empty bucket).
-    return (valid & ((keys > kth) | take_all)).to(tl.int32)
-
-
-@triton.jit
-def _tie(keys, valid, kth, refine):
-    return (valid & refine & (keys == kth)).to(tl.int32)
-
-
-@triton.jit
-def _count_two(keys, a, b):
-    """Keys reaching a (low 16 bits) and b (high 16 bits), as one uint32 (no sign bit to overflow into)."""
-    return tl.sum((keys >= a).to(tl.uint32) + ((keys >= b).to(tl.uint32) << 16), axis=0)
-
-
-@triton.jit
 def _row_top_k_kernel(
     scores_ptr, key_lens_ptr, out_ptr,
     num_cols,
@@ -97,38 +80,11 @@ def _row_top_k_kernel(
         # has a block more); only the search needs them in registers.
         tail_pos = ROW + tl.arange(0, TAIL)
         tail_keys = tl.where(tail_pos < n, load_keys(row, tail_pos, n, s_sj, ALIGNED), 0)
+    else:
+        tail_keys = keys
     refine = n > K
-    # The search keeps a bracket: at least K keys reach lo (c_lo of them), fewer than K
-    # reach hi (c_hi). Each round counts the keys reaching two candidates inside it in one
-    # block reduction (two 16-bit counts in one uint32: a row holds fewer than 2^16 keys): the
-    # bracket's midpoint, which bounds the rounds by 32, and the point where a straight
-    # line through the bracket's counts crosses K - 1/2, which on smooth scores finds the
-    # gap between the k-th and the (k+1)-th key in a few rounds.
-    lo = tl.zeros([], dtype=tl.int64)
-    hi = tl.full([], 1 << 32, tl.int64)
-    c_lo = n
-    c_hi = tl.zeros([], dtype=tl.int32)
-    while refine & (hi - lo > 1) & (c_lo != K):
-        mid = lo + (hi - lo) // 2
-        share = (c_lo.to(tl.float32) - (K - 0.5)) / (c_lo - c_hi).to(tl.float32)
-        line = lo + (share * (hi - lo).to(tl.float32)).to(tl.int64)
-        line = tl.minimum(tl.maximum(line, lo + 1), hi - 1)
-        a = tl.minimum(mid, line)
-        b = tl.maximum(mid, line)
-        counts = _count_two(keys, a.to(tl.uint32), b.to(tl.uint32))
-        if TAIL > 0:
-            counts += _count_two(tail_keys, a.to(tl.uint32), b.to(tl.uint32))
-        c_a = (counts & 0xFFFF).to(tl.int32)
-        c_b = (counts >> 16).to(tl.int32)
-        # a <= b, so c_a >= c_b: the bracket narrows to the neighbouring points around K.
-        lo_at_b = c_b >= K
-        lo_at_a = c_a >= K
-        hi_at_a = c_a < K
-        hi_at_b = c_b < K
-        lo = tl.where(lo_at_b, b, tl.where(lo_at_a, a, lo))
-        c_lo = tl.where(lo_at_b, c_b, tl.where(lo_at_a, c_a, c_lo))
-        hi = tl.where(hi_at_a, a, tl.where(hi_at_b, b, hi))
-        c_hi = tl.where(hi_at_a, c_a, tl.where(hi_at_b, c_b, c_hi))
+    lo, c_lo, c_hi = bracket_search(keys, tail_keys, n, K, K, refine, tl.zeros([], dtype=tl.int64),
+                                    tl.full([], 1 << 32, tl.int64), TAIL > 0)
     # Exactly K keys reach lo: they are the selection (every key above lo - 1). Otherwise
     # the bracket closed on lo, the k-th key itself, and K - c_hi of the keys equal to it
     # are taken after the c_hi above it.
@@ -138,7 +94,7 @@ def _row_top_k_kernel(
 
     take_all = n <= K
     if TILE == ROW:
-        above, ties = emit_tile(out_row, s_ok, pos, _above(keys, valid, kth, take_all), _tie(keys, valid, kth, refine),
+        above, ties = emit_tile(out_row, s_ok, pos, above_kth(keys, valid, kth, take_all), tie_kth(keys, valid, kth, refine),
                                 want, 0, 0, K)
     else:
         # A whole row's prefix sum beside its keys would not fit the registers: the
@@ -150,8 +106,8 @@ def _row_top_k_kernel(
             tile_pos = j0 + offs
             tile_keys = load_keys(row, tile_pos, n, s_sj, ALIGNED)
             tile_valid = tile_pos < n
-            above, ties = emit_tile(out_row, s_ok, tile_pos, _above(tile_keys, tile_valid, kth, take_all),
-                                    _tie(tile_keys, tile_valid, kth, refine), want, above, ties, K)
+            above, ties = emit_tile(out_row, s_ok, tile_pos, above_kth(tile_keys, tile_valid, kth, take_all),
+                                    tie_kth(tile_keys, tile_valid, kth, refine), want, above, ties, K)
     selected = tl.minimum(above + tl.minimum(ties, want), K)
     fill_unselected(out_row, s_ok, selected, K, FILL_BLOCK)
 

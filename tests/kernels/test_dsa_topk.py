@@ -203,7 +203,9 @@ def test_chunk_count_is_static(device):
 @pytest.mark.parametrize("num_rows, num_cols, path", [
     (64, 128 * 1024, "passes"), (1, 128 * 1024, "passes"), (64, 32 * 1024, "passes"), (512, 4096, "passes"),
     (64, 128 * 1024, "synced"), (8, 128 * 1024 + 64, "synced"), (1, 128 * 1024, "synced"), (64, 32 * 1024, "synced"),
-    (64, 32 * 1024, "row"), (1, 32 * 1024, "row"), (512, 4096, "row"), (64, 16 * 1024 - 3, "row")])
+    (64, 32 * 1024, "row"), (1, 32 * 1024, "row"), (512, 4096, "row"), (64, 16 * 1024 - 3, "row"),
+    (64, 128 * 1024, "filtered"), (8, 128 * 1024 + 64, "filtered"), (1, 128 * 1024, "filtered"),
+    (64, 32 * 1024, "filtered"), (128, 16 * 1024 + 1, "filtered")])
 def test_gpu_real_sizes(ties, num_rows, num_cols, path):
     # Decode rows at 128K and 32K, one row in the most chunks, prompt-like rows in one
     # chunk each; rows held in registers up to the longest that fits, and an odd length;

@@ -1,0 +1,264 @@
+"""Top-k of long rows by a threshold from a sample: the few keys above it, then a search over those.
+
+The radix select (`dsa_topk`, `dsa_topk_synced`) counts a ballot histogram over every key
+of a row at least twice, since its first byte (the sign and most of the exponent) leaves
+a bucket of one or two binades: a large share of the row. Here a row's keys are read
+twice and histogrammed never:
+
+1. `_count_kernel`, (row, chunk) programs: each takes the same strided sample of its row
+   (`sample` keys at positions i * n // sample) and searches it, in registers, for a key
+   tau that a few more sample keys reach than the k-th key's expected share of the
+   sample, mu = sample * k / n: between r = mu + 5 sqrt(mu) + 2 and 1.5 r of them. Then it
+   counts its chunk's keys reaching tau. A row of at most `cap` keys takes tau = 0: every key.
+2. `_compact_kernel`: each chunk writes its keys reaching tau, with their positions, after
+   those of the chunks before it, into the row's candidate list: ascending positions.
+3. `_select_kernel`, a program a row: when the list holds at least min(n, k) keys and at most
+   `cap`, every key from the k-th up is in it (at least k keys reach tau), so the row's
+   top-k is the list's: the bracket search of `dsa_topk_row` over the list in registers
+   finds the k-th key, and the emit writes the positions of the keys above it and of the
+   first ones equal to it, in order (the other kernels' rule). Otherwise (a sample far off
+   its expectation, about a 5-sigma event on smooth scores; or a row of mostly equal keys)
+   the program runs the radix select over its whole row alone: slow, and exact.
+
+The sample's margin puts tau below the k-th key unless more than r sample keys lie above
+the k-th where mu are expected, and the list stays near 1.25 r * n / sample keys: 3.0K of
+32K and 4.0K of 128K at k = 2048, with cap 8192.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import next_pow2
+from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
+from .topk_shared import (above_kth, bracket_search, emit_tile, fill_unselected, load_keys, sortable_key,
+                          tie_kth)
+
+# A row's workspace (int32): tau, then the chunks' counts, then the candidate keys and
+# their positions (cap each), then the fallback's radix histograms (a pass each).
+MAX_CHUNKS = 64
+_TAU = tl.constexpr(0)
+_COUNTS = tl.constexpr(1)
+_KEYS = tl.constexpr(1 + 64)
+
+
+def filtered_workspace_width(cap: int, passes: int, bins: int) -> int:
+    """Int32 slots a row's workspace holds: tau, MAX_CHUNKS counts, cap keys, cap positions, the fallback's
+    histograms."""
+    return _KEYS.value + 2 * cap + passes * bins
+
+
+@triton.jit
+def sample_positions(n, SAMPLE: tl.constexpr, SEGMENT: tl.constexpr):
+    """[SAMPLE] positions of a row of n keys that its sample reads: SAMPLE // SEGMENT runs of SEGMENT
+    neighbours (a 32-byte sector at 8), spread evenly over the row; all < n when n >= SAMPLE."""
+    i = tl.arange(0, SAMPLE)
+    return ((i // SEGMENT).to(tl.int64) * n) // (SAMPLE // SEGMENT) + i % SEGMENT
+
+
+@triton.jit
+def _threshold(row, n, s_sj, K: tl.constexpr, SAMPLE: tl.constexpr, SEGMENT: tl.constexpr, CAP: tl.constexpr):
+    """tau: a key that a few more than the k-th key's share of the row's sample reach (0: keep all)."""
+    tau = tl.zeros([], dtype=tl.uint32)
+    if n > CAP:
+        keys = sortable_key(tl.load(row + sample_positions(n, SAMPLE, SEGMENT) * s_sj))
+        mu = (SAMPLE * K) / n.to(tl.float32)
+        r = tl.minimum(tl.ceil(mu + 5.0 * tl.sqrt(mu) + 2.0).to(tl.int32), SAMPLE)
+        # The sample's own extremes bound the search: every key reaches its least, none passes its greatest.
+        lo, c_lo, c_hi = bracket_search(keys, keys, SAMPLE, r, r + r // 2, True, tl.min(keys, axis=0).to(tl.int64),
+                                        tl.max(keys, axis=0).to(tl.int64) + 1, False)
+        tau = lo.to(tl.uint32)
+    return tau
+
+
+@triton.jit
+def _count_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr,
+    num_cols, chunk_len,
+    s_st, s_sj, s_kl, s_wt,
+    K: tl.constexpr, SAMPLE: tl.constexpr, SEGMENT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    row = scores_ptr + t.to(tl.int64) * s_st
+    ws_row = ws_ptr + t.to(tl.int64) * s_wt
+    tau = _threshold(row, n, s_sj, K, SAMPLE, SEGMENT, CAP)
+    start = tl.multiple_of(chunk * chunk_len, BLOCK)
+    end = tl.minimum(start + chunk_len, n)
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([], dtype=tl.int32)
+    for j0 in tl.range(start, end, BLOCK, num_stages=STAGES):
+        pos = j0 + offs
+        key = load_keys(row, pos, end, s_sj, ALIGNED)
+        count += tl.sum(((pos < end) & (key >= tau)).to(tl.int32), axis=0)
+    tl.store(ws_row + _COUNTS + chunk, count)
+    if chunk == 0:
+        tl.store(ws_row + _TAU, tau.to(tl.int32, bitcast=True))
+    if GDC and not EARLY:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _row_list(ws_row, n, num_chunks, K: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(chunk counts [BLOCK_P], their total, whether the candidate list holds the row's top-k)."""
+    chunks = tl.arange(0, BLOCK_P)
+    counts = tl.load(ws_row + _COUNTS + chunks, mask=chunks < num_chunks, other=0)
+    total = tl.sum(counts, axis=0)
+    return counts, total, (total <= CAP) & (total >= tl.minimum(n, K))
+
+
+@triton.jit
+def _compact_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr,
+    num_cols, chunk_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt,
+    K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr,
+    STAGES: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if GDC:
+        gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    row = scores_ptr + t.to(tl.int64) * s_st
+    ws_row = ws_ptr + t.to(tl.int64) * s_wt
+    counts, total, listed = _row_list(ws_row, n, num_chunks, K, CAP, BLOCK_P)
+    if listed:
+        tau = tl.load(ws_row + _TAU).to(tl.uint32, bitcast=True)
+        slot = tl.sum(tl.where(tl.arange(0, BLOCK_P) < chunk, counts, 0), axis=0)
+        start = tl.multiple_of(chunk * chunk_len, BLOCK)
+        end = tl.minimum(start + chunk_len, n)
+        offs = tl.arange(0, BLOCK)
+        for j0 in tl.range(start, end, BLOCK, num_stages=STAGES):
+            pos = j0 + offs
+            key = load_keys(row, pos, end, s_sj, ALIGNED)
+            member = ((pos < end) & (key >= tau)).to(tl.int32)
+            at = slot + tl.cumsum(member, axis=0) - member
+            tl.store(ws_row + _KEYS + at, key.to(tl.int32, bitcast=True), mask=member != 0)
+            tl.store(ws_row + _KEYS + CAP + at, pos, mask=member != 0)
+            slot += tl.sum(member, axis=0)
+    if GDC and not EARLY:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr, key_lens_ptr, ws_ptr, out_ptr,
+    num_cols, row_len, num_chunks,
+    s_st, s_sj, s_kl, s_wt, s_ot, s_ok,
+    K: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr, PASSES: tl.constexpr, BINS: tl.constexpr,
+    RADIX_BITS: tl.constexpr, FIRST_SPARSE_PASS: tl.constexpr, SPARSE_SHARE: tl.constexpr,
+    FALLBACK_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
+    EARLY: tl.constexpr,
+):
+    t = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
+    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    row = scores_ptr + t.to(tl.int64) * s_st
+    ws_row = ws_ptr + t.to(tl.int64) * s_wt
+    out_row = out_ptr + t.to(tl.int64) * s_ot
+    counts, total, listed = _row_list(ws_row, n, num_chunks, K, CAP, BLOCK_P)
+    if GDC and not EARLY:
+        gdc_launch_dependents()
+    if listed:
+        # Most lists fill well under the cap: half as many lanes halve the search's work.
+        if total <= CAP // 2:
+            _select_listed(ws_row, out_row, s_ok, total, K, CAP // 2, CAP, FILL_BLOCK)
+        else:
+            _select_listed(ws_row, out_row, s_ok, total, K, CAP, CAP, FILL_BLOCK)
+    else:
+        _select_whole_row(row, s_sj, ws_row + _KEYS + 2 * CAP, out_row, s_ok, n, row_len, K, PASSES, BINS,
+                          RADIX_BITS, FIRST_SPARSE_PASS, SPARSE_SHARE, FALLBACK_BLOCK, FILL_BLOCK, ALIGNED)
+
+
+@triton.jit
+def _select_listed(ws_row, out_row, s_ok, total, K: tl.constexpr, LANES: tl.constexpr, CAP: tl.constexpr,
+                   FILL_BLOCK: tl.constexpr):
+    """The row's top-k from its candidate list of `total` (<= LANES) keys, which holds it: positions in order,
+    then -1."""
+    lane = tl.arange(0, LANES)
+    valid = lane < total
+    # Lanes past the list key as 0, below every point the search tries.
+    keys = tl.where(valid, tl.load(ws_row + _KEYS + lane, mask=valid, other=0).to(tl.uint32, bitcast=True), 0)
+    positions = tl.load(ws_row + _KEYS + CAP + lane, mask=valid, other=0)
+    refine = total > K
+    # Every listed key reaches tau; none passes the greatest of them.
+    tau = tl.load(ws_row + _TAU).to(tl.uint32, bitcast=True).to(tl.int64)
+    lo, c_lo, c_hi = bracket_search(keys, keys, total, K, K, refine, tau, tl.max(keys, axis=0).to(tl.int64) + 1,
+                                    False)
+    exact = c_lo == K
+    kth = tl.where(exact, lo - 1, lo).to(tl.uint32)
+    want = tl.where(exact, 0, K - c_hi)
+    above, ties = emit_tile(out_row, s_ok, positions, above_kth(keys, valid, kth, total <= K),
+                            tie_kth(keys, valid, kth, refine), want, 0, 0, K)
+    fill_unselected(out_row, s_ok, tl.minimum(above + tl.minimum(ties, want), K), K, FILL_BLOCK)
+
+
+@triton.jit
+def _select_whole_row(row, s_sj, hist, out_row, s_ok, n, row_len, K: tl.constexpr, PASSES: tl.constexpr,
+                      BINS: tl.constexpr, RADIX_BITS: tl.constexpr, FIRST_SPARSE_PASS: tl.constexpr,
+                      SPARSE_SHARE: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+                      ALIGNED: tl.constexpr):
+    """The row's top-k by the radix select, this program its one chunk (hist: a pass's 256 bins each)."""
+    prefix, hi_mask, want, refining, above, ties = initial_state(n, K, row_len, 2)
+    for p in tl.static_range(PASSES):
+        if refining:
+            chunk_histogram(row, s_sj, 0, n, prefix, hi_mask, hist + p * BINS, p, BLOCK, BINS, RADIX_BITS, ALIGNED,
+                            p >= FIRST_SPARSE_PASS, SPARSE_SHARE)
+            # The histogram's other lanes wrote it: the block's barrier makes their stores visible.
+            tl.debug_barrier()
+        prefix, hi_mask, want, refining, above, ties = fold_pass(
+            hist + p * BINS, BINS, 1, prefix, hi_mask, want, refining, above, ties, p, 2, BINS, RADIX_BITS)
+    emit_chunk(row, s_sj, out_row, s_ok, n, 0, row_len, prefix, hi_mask, want, above, ties, K, BLOCK, 2,
+               FILL_BLOCK, ALIGNED)
+
+
+def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: torch.Tensor, workspace: torch.Tensor,
+                   num_chunks: int, chunk_len: int, *, block: int, num_warps: int, cap: int, sample: int,
+                   select_warps: int, stages: int, segment: int, early_dependents: bool, fallback_block: int, passes: int, bins: int, radix_bits: int,
+                   first_sparse_pass: int, sparse_share: int, fill_block: int, use_pdl: bool) -> torch.Tensor:
+    """`dsa_topk.top_k_indices` by a sampled threshold, in three launches; arguments checked by it.
+
+    scores [T, L] float32, key_lens [T] int32, out [T, k] int32, workspace [T, W] int32 with unit
+    stride along W = `filtered_workspace_width(cap, passes, bins)`; num_chunks <= MAX_CHUNKS chunks
+    of chunk_len scores (a multiple of block) a row; cap (a power of two, < 2^16) candidates a row
+    at most; sample (a power of two) keys of a row's sample.
+    """
+    num_rows, num_cols = scores.shape
+    if not 1 <= num_chunks <= MAX_CHUNKS:
+        raise ValueError(f"num_chunks: expected 1..{MAX_CHUNKS}, got {num_chunks}")
+    if cap & (cap - 1) or not k <= cap < 1 << 16:
+        raise ValueError(f"cap: expected a power of two in [k, 2^16), got {cap} (k = {k})")
+    if sample & (sample - 1) or sample < 1:
+        raise ValueError(f"sample: expected a power of two, got {sample}")
+    aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
+    strides = (*scores.stride(), key_lens.stride(0), workspace.stride(0))
+    common = dict(K=k, CAP=cap, ALIGNED=aligned, GDC=use_pdl, EARLY=early_dependents, launch_pdl=use_pdl)
+    grid = (num_rows, num_chunks)
+    _count_kernel[grid](scores, key_lens, workspace, num_cols, chunk_len, *strides, SAMPLE=sample, SEGMENT=segment,
+                        BLOCK=block, STAGES=stages, num_warps=num_warps, **common)
+    block_p = max(2, next_pow2(num_chunks))
+    _compact_kernel[grid](scores, key_lens, workspace, num_cols, chunk_len, num_chunks, *strides, BLOCK=block,
+                          BLOCK_P=block_p, STAGES=stages, num_warps=num_warps, **common)
+    row_len = triton.cdiv(max(1, num_cols), fallback_block) * fallback_block
+    _select_kernel[(num_rows,)](
+        scores, key_lens, workspace, out, num_cols, row_len, num_chunks, *strides, *out.stride(),
+        BLOCK_P=block_p, PASSES=passes, BINS=bins, RADIX_BITS=radix_bits, FIRST_SPARSE_PASS=first_sparse_pass,
+        SPARSE_SHARE=sparse_share, FALLBACK_BLOCK=fallback_block, FILL_BLOCK=fill_block, num_warps=select_warps,
+        **common,
+    )
+    return out
