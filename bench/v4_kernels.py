@@ -133,7 +133,7 @@ def bench_csa_decode(num_rows, context, ceilings, eager=True):
     candidates = index_tables[0].shape[1] * index_cache.shape[1]
     scores = torch.empty(num_rows, candidates, device="cuda")
     indices = torch.empty(num_rows, TOP_K, dtype=torch.int32, device="cuda")
-    topk_workspace = dsa_topk.top_k_workspace(num_rows, candidates, "cuda")
+    topk_workspace = dsa_topk.top_k_workspace(num_rows, candidates, "cuda", k=TOP_K)
     max_keys = WINDOW + TOP_K
     workspace = v4_attention.v4_attention_workspace(num_rows, HEADS, HEAD_DIM, max_keys, "cuda")
 

@@ -56,7 +56,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2, pdl, sm_count
 from .dsa_topk_filtered import MAX_CHUNKS as _MAX_FILTERED_CHUNKS
-from .dsa_topk_filtered import filtered_top_k, filtered_workspace_width
+from .dsa_topk_filtered import filtered_region, filtered_top_k, filtered_workspace_width
 from .dsa_topk_row import row_top_k_fits, row_top_k_indices
 from .dsa_topk_synced import synced_max_chunks, synced_top_k
 from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
@@ -116,20 +116,21 @@ _ROW_ALWAYS_COLS = 8192
 # The filtered path's count and compact launches: light per key (a compare, a scan), so
 # 4-warp programs of 1K-key tiles, several a multiprocessor.
 _GPU_FILTER_CONFIG = TopKConfig(block=1024, num_warps=4)
-# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log): about four
-# programs a multiprocessor, each loop's loads three tiles ahead (B64 x 128K 69 us, 89 with
-# none ahead), a search of 8 warps over up to 8K candidates (16 were no faster), and the
-# next launch let in only once a program's reads are done (B64 x 128K 56.4 us, 60.1 us
-# when let in at the start, where its waiting programs hold the multiprocessors' slots).
+# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log; figures from the
+# path's three-launch form, a count and a compaction before the select): about four
+# programs a multiprocessor (two: B64 x 128K 55.1 us against 49.8), each loop's loads three
+# tiles ahead (69 us against 89 with none ahead), a search of 8 warps over up to 8K
+# candidates (16 were no faster), and the next launch let in only once a program's reads
+# are done (56.4 us, 60.1 us when let in at the start, where its waiting programs hold the
+# multiprocessors' slots).
 _FILTER_PROGRAMS_PER_SM = 4
 _FILTER_STAGES = 3
 _FILTER_SELECT_WARPS = 8
-_FILTER_EARLY_DEPENDENTS = False
 # The sample reads runs of 8 neighbours, a 32-byte sector each: a row's programs all
 # read it, and 2048 single keys would be 2048 sectors (B64 x 128K 68.1 -> 60.1 us).
 _SAMPLE_SEGMENT = 8
-# The synced path takes a lone row: its passes beat the filtered path's one-program search.
-_SYNCED_MAX_ROWS = 2
+# The synced path takes fewer rows than this where it fits (`top_k_path`).
+_SYNCED_MAX_ROWS = 16
 # Its sample of a row: 2048 keys put the k-th key's share of a 32K row (k 2048) at 128 of them.
 _GPU_SAMPLE = 2048
 _INTERPRETER_SAMPLE = 64
@@ -180,13 +181,12 @@ def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopK
         return "passes"
     if num_cols <= _ROW_ALWAYS_COLS:
         return "row"
-    # The filtered path reads the scores twice and histograms none; only a lone row's
-    # selection, one program's search over a few thousand candidates, is slower than the
-    # synced path's passes. H200, k 2048 unless noted, indexer scores, us, filtered against
-    # the default before it (synced, passes or row): B1 x 128K 20.9 / 17.9; B8 x 128K 22.8
-    # / 24.4; B16 x 128K 27.2 / 42.3; B32 x 32K 24.9 / 30.9; B64 x 32K 31.4 / 46.4; B64 x
-    # 128K 56.4 / 148.6 (passes); B128 x 32K 41.3 / 59.6 (row); B64 x 16K, k 512: 19.7 /
-    # 30.4; B128 x 16K, k 512: 25.2 / 38.8 (row) (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    # The filtered path reads the scores once and histograms none; only few rows, each one
+    # program's search over a few thousand candidates after a launch over the row's
+    # chunks, are slower than the synced path's passes. H200, k 2048, indexer scores, us,
+    # filtered against the default before it: B1 x 128K 19.8 / 17.9 (synced); B8 x 128K
+    # 26.1 / 24.2 (synced); B64 x 32K 30.9 / 45.4 (synced); B64 x 128K 49.8 / 147.4
+    # (passes) (bench/results/logs/topk-filtered-h200-2026-11-26.log, which has more rows).
     if num_rows < _SYNCED_MAX_ROWS and _synced_gpu_config(num_rows, num_cols, device) is not None:
         return "synced"
     return "filtered"
@@ -236,30 +236,35 @@ def top_k_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
 
 
 def top_k_workspace(num_rows: int, num_cols: int, device: torch.device | str,
-                    config: TopKConfig | None = None, path: TopKPath | None = None, k: int = 0) -> torch.Tensor:
+                    config: TopKConfig | None = None, path: TopKPath | None = None, *, k: int) -> torch.Tensor:
     """Chunk histograms for `top_k_indices(..., workspace=...)`, to allocate once per static shape.
 
     returns [T, 4, P + 1, 256] int32, P = top_k_num_chunks(T, L, device, config, path): per
     pass, the chunk histograms and the row's state after that pass; for the synced path
     [T, 5, 1, 256]: per pass the row's histogram, then the chunks' final counts; for the
-    filtered path (which needs k) [T, 1, 1, W]: a row's threshold, chunk counts, candidates
-    and fallback histograms (`dsa_topk_filtered`).
+    filtered path [T, 1, 1, W]: a row's threshold, chunk counts, candidates (their room
+    depends on k) and fallback histograms (`dsa_topk_filtered`).
     """
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
     device = torch.device(device)
     path = path or top_k_path(num_rows, num_cols, device)
-    chunks = top_k_num_chunks(num_rows, num_cols, device, config, path)
-    return torch.empty(_workspace_shape(num_rows, chunks, path, k, device), dtype=torch.int32, device=device)
+    chunks, chunk_len = 1, num_cols
+    if path != "row":
+        config = config or top_k_config(device, num_rows, num_cols, path)
+        chunks, chunk_len = _chunking(num_rows, num_cols, device, config, path, None)
+    return torch.empty(_workspace_shape(num_rows, chunks, chunk_len, path, k, device), dtype=torch.int32,
+                       device=device)
 
 
-def _workspace_shape(num_rows: int, chunks: int, path: TopKPath, k: int,
+def _workspace_shape(num_rows: int, chunks: int, chunk_len: int, path: TopKPath, k: int,
                      device: torch.device) -> tuple[int, int, int, int]:
     if path == "synced":
         # Its chunks add into the row's histograms, and trade their counts in a plane more.
         return num_rows, _PASSES + 1, 1, _BINS
     if path == "filtered":
-        if k < 1:
-            raise ValueError(f"k: the filtered path's workspace is sized by k >= 1, got {k}")
-        return num_rows, 1, 1, filtered_workspace_width(filter_sizes(k, device)[0], _PASSES, _BINS)
+        region = filtered_region(chunk_len, filter_sizes(k, device)[0])
+        return num_rows, 1, 1, filtered_workspace_width(chunks, region, _PASSES, _BINS)
     return num_rows, _PASSES, chunks + 1, _BINS
 
 
@@ -430,7 +435,7 @@ def top_k_indices(
         return row_top_k_indices(scores, key_lens, k, out)
     config = config or top_k_config(device, num_rows, num_cols, path)
     chunks, chunk_len = _chunking(num_rows, num_cols, device, config, path, num_chunks)
-    shape = _workspace_shape(num_rows, chunks, path, k, device)
+    shape = _workspace_shape(num_rows, chunks, chunk_len, path, k, device)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.int32, device=device)
     else:
@@ -453,7 +458,7 @@ def top_k_indices(
         return filtered_top_k(scores, key_lens, k, out, workspace, chunks, chunk_len, block=config.block,
                               num_warps=config.num_warps, cap=cap, sample=sample,
                               select_warps=_FILTER_SELECT_WARPS if cap >= 4096 else 4, stages=_FILTER_STAGES,
-                              segment=min(_SAMPLE_SEGMENT, sample), early_dependents=_FILTER_EARLY_DEPENDENTS,
+                              segment=min(_SAMPLE_SEGMENT, sample),
                               fallback_block=_GPU_FALLBACK_BLOCK if on_gpu else config.block, passes=_PASSES,
                               bins=_BINS, radix_bits=_RADIX_BITS, first_sparse_pass=_FIRST_SPARSE_PASS,
                               sparse_share=_SPARSE_SHARE, fill_block=_FILL_BLOCK, use_pdl=use_pdl)

@@ -3,26 +3,27 @@
 The radix select (`dsa_topk`, `dsa_topk_synced`) counts a ballot histogram over every key
 of a row at least twice, since its first byte (the sign and most of the exponent) leaves
 a bucket of one or two binades: a large share of the row. Here a row's keys are read
-twice and histogrammed never:
+once and histogrammed never, in two launches:
 
-1. `_count_kernel`, (row, chunk) programs: each takes the same strided sample of its row
-   (`sample` keys at positions i * n // sample) and searches it, in registers, for a key
-   tau that a few more sample keys reach than the k-th key's expected share of the
-   sample, mu = sample * k / n: between r = mu + 5 sqrt(mu) + 2 and 1.5 r of them. Then it
-   counts its chunk's keys reaching tau. A row of at most `cap` keys takes tau = 0: every key.
-2. `_compact_kernel`: each chunk writes its keys reaching tau, with their positions, after
-   those of the chunks before it, into the row's candidate list: ascending positions.
-3. `_select_kernel`, a program a row: when the list holds at least min(n, k) keys and at most
-   `cap`, every key from the k-th up is in it (at least k keys reach tau), so the row's
-   top-k is the list's: the bracket search of `dsa_topk_row` over the list in registers
-   finds the k-th key, and the emit writes the positions of the keys above it and of the
-   first ones equal to it, in order (the other kernels' rule). Otherwise (a sample far off
-   its expectation, about a 5-sigma event on smooth scores; or a row of mostly equal keys)
-   the program runs the radix select over its whole row alone: slow, and exact.
+1. `_list_kernel`, (row, chunk) programs: each takes the same sample of its row
+   (`sample_positions`) and searches it, in registers, for a key tau that a few more
+   sample keys reach than the k-th key's expected share of the sample, mu = sample * k / n:
+   between r = mu + 5 sqrt(mu) + 2 and 1.5 r of them. A row of at most `cap` keys takes
+   tau = 0: every key. Then it writes its chunk's keys reaching tau, with their positions,
+   in order into the chunk's own region of the workspace, and their count.
+2. `_select_kernel`, a program a row: when the chunks' lists hold at least min(n, k) keys
+   and at most `cap` together, every key from the k-th up is in them (at least k keys reach
+   tau), so the row's top-k is theirs. The program gathers them into registers in position
+   order (each lane finds its chunk by a binary search over the chunks' running counts),
+   the bracket search of `dsa_topk_row` finds the k-th key among them, and the emit writes
+   the positions of the keys above it and of the first ones equal to it, in order (the
+   other kernels' rule). Otherwise (a sample far off its expectation, about a 5-sigma
+   event on smooth scores; or a row of mostly equal keys) the program runs the radix
+   select over its whole row alone: slow, and exact.
 
 The sample's margin puts tau below the k-th key unless more than r sample keys lie above
-the k-th where mu are expected, and the list stays near 1.25 r * n / sample keys: 3.0K of
-32K and 4.0K of 128K at k = 2048, with cap 8192.
+the k-th where mu are expected, and a row's list stays near 1.25 r * n / sample keys: 3.0K
+of 32K and 4.0K of 128K at k = 2048, with cap 8192.
 """
 
 from __future__ import annotations
@@ -37,18 +38,19 @@ from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
 from .topk_shared import (above_kth, bracket_search, emit_tile, fill_unselected, load_keys, sortable_key,
                           tie_kth)
 
-# A row's workspace (int32): tau, then the chunks' counts, then the candidate keys and
-# their positions (cap each), then the fallback's radix histograms (a pass each).
+# A row's workspace (int32): tau, the chunks' counts, the counts before each chunk, the
+# fallback's radix histograms (a pass each), then per chunk a region of candidate keys
+# and one of their positions.
 MAX_CHUNKS = 64
 _TAU = tl.constexpr(0)
 _COUNTS = tl.constexpr(1)
-_KEYS = tl.constexpr(1 + 64)
+_BEFORE = tl.constexpr(1 + 64)
+_HIST = tl.constexpr(1 + 2 * 64)
 
 
-def filtered_workspace_width(cap: int, passes: int, bins: int) -> int:
-    """Int32 slots a row's workspace holds: tau, MAX_CHUNKS counts, cap keys, cap positions, the fallback's
-    histograms."""
-    return _KEYS.value + 2 * cap + passes * bins
+def filtered_workspace_width(num_chunks: int, region: int, passes: int, bins: int) -> int:
+    """Int32 slots a row's workspace holds with num_chunks chunks of `region` candidates at most each."""
+    return _HIST.value + passes * bins + 2 * num_chunks * region
 
 
 @triton.jit
@@ -75,23 +77,21 @@ def _threshold(row, n, s_sj, K: tl.constexpr, SAMPLE: tl.constexpr, SEGMENT: tl.
 
 
 @triton.jit
-def _count_kernel(
+def _list_kernel(
     scores_ptr, key_lens_ptr, ws_ptr,
-    num_cols, chunk_len,
+    num_cols, chunk_len, num_chunks, region,
     s_st, s_sj, s_kl, s_wt,
     K: tl.constexpr, SAMPLE: tl.constexpr, SEGMENT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-    ALIGNED: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
+    ALIGNED: tl.constexpr, STAGES: tl.constexpr, DEPENDENTS: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
-    if GDC:
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     tau = _threshold(row, n, s_sj, K, SAMPLE, SEGMENT, CAP)
+    keys_out = ws_row + _HIST + chunk * region
+    positions_out = keys_out + num_chunks * region
     start = tl.multiple_of(chunk * chunk_len, BLOCK)
     end = tl.minimum(start + chunk_len, n)
     offs = tl.arange(0, BLOCK)
@@ -99,17 +99,26 @@ def _count_kernel(
     for j0 in tl.range(start, end, BLOCK, num_stages=STAGES):
         pos = j0 + offs
         key = load_keys(row, pos, end, s_sj, ALIGNED)
-        count += tl.sum(((pos < end) & (key >= tau)).to(tl.int32), axis=0)
+        member = ((pos < end) & (key >= tau)).to(tl.int32)
+        # A chunk past its region's room makes the row's list longer than cap: the row
+        # falls back, so what did not fit is never read.
+        at = count + tl.cumsum(member, axis=0) - member
+        kept = (member != 0) & (at < region)
+        tl.store(keys_out + at, key.to(tl.int32, bitcast=True), mask=kept)
+        tl.store(positions_out + at, pos, mask=kept)
+        count += tl.sum(member, axis=0)
     tl.store(ws_row + _COUNTS + chunk, count)
     if chunk == 0:
         tl.store(ws_row + _TAU, tau.to(tl.int32, bitcast=True))
-    if GDC and not EARLY:
+    if DEPENDENTS:
+        # The select's programs let in only now: waiting early, they would hold the
+        # multiprocessors' slots while these programs stream.
         gdc_launch_dependents()
 
 
 @triton.jit
 def _row_list(ws_row, n, num_chunks, K: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(chunk counts [BLOCK_P], their total, whether the candidate list holds the row's top-k)."""
+    """(chunk counts [BLOCK_P], their total, whether the chunks' lists hold the row's top-k)."""
     chunks = tl.arange(0, BLOCK_P)
     counts = tl.load(ws_row + _COUNTS + chunks, mask=chunks < num_chunks, other=0)
     total = tl.sum(counts, axis=0)
@@ -117,84 +126,58 @@ def _row_list(ws_row, n, num_chunks, K: tl.constexpr, CAP: tl.constexpr, BLOCK_P
 
 
 @triton.jit
-def _compact_kernel(
-    scores_ptr, key_lens_ptr, ws_ptr,
-    num_cols, chunk_len, num_chunks,
-    s_st, s_sj, s_kl, s_wt,
-    K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr,
-    STAGES: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
-):
-    t = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if GDC:
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
-    row = scores_ptr + t.to(tl.int64) * s_st
-    ws_row = ws_ptr + t.to(tl.int64) * s_wt
-    counts, total, listed = _row_list(ws_row, n, num_chunks, K, CAP, BLOCK_P)
-    if listed:
-        tau = tl.load(ws_row + _TAU).to(tl.uint32, bitcast=True)
-        slot = tl.sum(tl.where(tl.arange(0, BLOCK_P) < chunk, counts, 0), axis=0)
-        start = tl.multiple_of(chunk * chunk_len, BLOCK)
-        end = tl.minimum(start + chunk_len, n)
-        offs = tl.arange(0, BLOCK)
-        for j0 in tl.range(start, end, BLOCK, num_stages=STAGES):
-            pos = j0 + offs
-            key = load_keys(row, pos, end, s_sj, ALIGNED)
-            member = ((pos < end) & (key >= tau)).to(tl.int32)
-            at = slot + tl.cumsum(member, axis=0) - member
-            tl.store(ws_row + _KEYS + at, key.to(tl.int32, bitcast=True), mask=member != 0)
-            tl.store(ws_row + _KEYS + CAP + at, pos, mask=member != 0)
-            slot += tl.sum(member, axis=0)
-    if GDC and not EARLY:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def _select_kernel(
     scores_ptr, key_lens_ptr, ws_ptr, out_ptr,
-    num_cols, row_len, num_chunks,
+    num_cols, row_len, num_chunks, region,
     s_st, s_sj, s_kl, s_wt, s_ot, s_ok,
-    K: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr, PASSES: tl.constexpr, BINS: tl.constexpr,
-    RADIX_BITS: tl.constexpr, FIRST_SPARSE_PASS: tl.constexpr, SPARSE_SHARE: tl.constexpr,
+    K: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr, LOG_P: tl.constexpr, PASSES: tl.constexpr,
+    BINS: tl.constexpr, RADIX_BITS: tl.constexpr, FIRST_SPARSE_PASS: tl.constexpr, SPARSE_SHARE: tl.constexpr,
     FALLBACK_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr, ALIGNED: tl.constexpr, GDC: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     t = tl.program_id(0)
     if GDC:
         gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     out_row = out_ptr + t.to(tl.int64) * s_ot
     counts, total, listed = _row_list(ws_row, n, num_chunks, K, CAP, BLOCK_P)
-    if GDC and not EARLY:
-        gdc_launch_dependents()
     if listed:
+        # The candidates before each chunk's, for the lanes' search; past the last chunk the
+        # total, above every lane. The block's barrier makes them visible to every lane.
+        chunks = tl.arange(0, BLOCK_P)
+        before = tl.where(chunks < num_chunks, tl.cumsum(counts, axis=0) - counts, total)
+        tl.store(ws_row + _BEFORE + chunks, before)
+        tl.debug_barrier()
         # Most lists fill well under the cap: half as many lanes halve the search's work.
         if total <= CAP // 2:
-            _select_listed(ws_row, out_row, s_ok, total, K, CAP // 2, CAP, FILL_BLOCK)
+            _select_listed(ws_row, out_row, s_ok, total, num_chunks, region, K, CAP // 2, BLOCK_P, LOG_P,
+                           FILL_BLOCK)
         else:
-            _select_listed(ws_row, out_row, s_ok, total, K, CAP, CAP, FILL_BLOCK)
+            _select_listed(ws_row, out_row, s_ok, total, num_chunks, region, K, CAP, BLOCK_P, LOG_P, FILL_BLOCK)
     else:
-        _select_whole_row(row, s_sj, ws_row + _KEYS + 2 * CAP, out_row, s_ok, n, row_len, K, PASSES, BINS,
-                          RADIX_BITS, FIRST_SPARSE_PASS, SPARSE_SHARE, FALLBACK_BLOCK, FILL_BLOCK, ALIGNED)
+        _select_whole_row(row, s_sj, ws_row + _HIST, out_row, s_ok, n, row_len, K, PASSES, BINS, RADIX_BITS,
+                          FIRST_SPARSE_PASS, SPARSE_SHARE, FALLBACK_BLOCK, FILL_BLOCK, ALIGNED)
 
 
 @triton.jit
-def _select_listed(ws_row, out_row, s_ok, total, K: tl.constexpr, LANES: tl.constexpr, CAP: tl.constexpr,
-                   FILL_BLOCK: tl.constexpr):
-    """The row's top-k from its candidate list of `total` (<= LANES) keys, which holds it: positions in order,
+def _select_listed(ws_row, out_row, s_ok, total, num_chunks, region, K: tl.constexpr, LANES: tl.constexpr,
+                   BLOCK_P: tl.constexpr, LOG_P: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """The row's top-k from its chunks' lists, `total` (<= LANES) keys that hold it: positions in order,
     then -1."""
     lane = tl.arange(0, LANES)
     valid = lane < total
+    # Each lane's chunk: the last whose candidates start at or before the lane (an empty
+    # chunk starts where the next one does, so it is never the last such).
+    chunk = tl.zeros([LANES], dtype=tl.int32)
+    for b in tl.static_range(LOG_P):
+        probe = chunk + (BLOCK_P >> (b + 1))
+        chunk = tl.where(tl.load(ws_row + _BEFORE + probe) <= lane, probe, chunk)
+    at = ws_row + _HIST + chunk * region + lane - tl.load(ws_row + _BEFORE + chunk)
     # Lanes past the list key as 0, below every point the search tries.
-    keys = tl.where(valid, tl.load(ws_row + _KEYS + lane, mask=valid, other=0).to(tl.uint32, bitcast=True), 0)
-    positions = tl.load(ws_row + _KEYS + CAP + lane, mask=valid, other=0)
+    keys = tl.where(valid, tl.load(at, mask=valid, other=0).to(tl.uint32, bitcast=True), 0)
+    positions = tl.load(at + num_chunks * region, mask=valid, other=0)
     refine = total > K
     # Every listed key reaches tau; none passes the greatest of them.
     tau = tl.load(ws_row + _TAU).to(tl.uint32, bitcast=True).to(tl.int64)
@@ -227,16 +210,23 @@ def _select_whole_row(row, s_sj, hist, out_row, s_ok, n, row_len, K: tl.constexp
                FILL_BLOCK, ALIGNED)
 
 
+def filtered_region(chunk_len: int, cap: int) -> int:
+    """Candidates a chunk's list has room for: all of its keys, or cap (more and the row falls back anyway)."""
+    return min(chunk_len, cap)
+
+
 def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: torch.Tensor, workspace: torch.Tensor,
                    num_chunks: int, chunk_len: int, *, block: int, num_warps: int, cap: int, sample: int,
-                   select_warps: int, stages: int, segment: int, early_dependents: bool, fallback_block: int, passes: int, bins: int, radix_bits: int,
-                   first_sparse_pass: int, sparse_share: int, fill_block: int, use_pdl: bool) -> torch.Tensor:
-    """`dsa_topk.top_k_indices` by a sampled threshold, in three launches; arguments checked by it.
+                   segment: int, stages: int, select_warps: int, fallback_block: int, passes: int, bins: int,
+                   radix_bits: int, first_sparse_pass: int, sparse_share: int, fill_block: int,
+                   use_pdl: bool) -> torch.Tensor:
+    """`dsa_topk.top_k_indices` by a sampled threshold, in two launches; arguments checked by it.
 
     scores [T, L] float32, key_lens [T] int32, out [T, k] int32, workspace [T, W] int32 with unit
-    stride along W = `filtered_workspace_width(cap, passes, bins)`; num_chunks <= MAX_CHUNKS chunks
-    of chunk_len scores (a multiple of block) a row; cap (a power of two, < 2^16) candidates a row
-    at most; sample (a power of two) keys of a row's sample.
+    stride along W = `filtered_workspace_width(num_chunks, filtered_region(chunk_len, cap), passes,
+    bins)`; num_chunks <= MAX_CHUNKS chunks of chunk_len scores (a multiple of block) a row; cap (a
+    power of two, < 2^16) candidates a row at most; sample (a power of two) keys of a row's sample,
+    in runs of `segment` neighbours (a power of two at most sample).
     """
     num_rows, num_cols = scores.shape
     if not 1 <= num_chunks <= MAX_CHUNKS:
@@ -245,20 +235,27 @@ def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: to
         raise ValueError(f"cap: expected a power of two in [k, 2^16), got {cap} (k = {k})")
     if sample & (sample - 1) or sample < 1:
         raise ValueError(f"sample: expected a power of two, got {sample}")
+    if segment & (segment - 1) or not 1 <= segment <= sample:
+        raise ValueError(f"segment: expected a power of two in [1, sample = {sample}], got {segment}")
+    region = filtered_region(chunk_len, cap)
     aligned = num_cols % 4 == 0 and scores.stride(1) == 1 and scores.stride(0) % 4 == 0
     strides = (*scores.stride(), key_lens.stride(0), workspace.stride(0))
-    common = dict(K=k, CAP=cap, ALIGNED=aligned, GDC=use_pdl, EARLY=early_dependents, launch_pdl=use_pdl)
-    grid = (num_rows, num_chunks)
-    _count_kernel[grid](scores, key_lens, workspace, num_cols, chunk_len, *strides, SAMPLE=sample, SEGMENT=segment,
-                        BLOCK=block, STAGES=stages, num_warps=num_warps, **common)
-    block_p = max(2, next_pow2(num_chunks))
-    _compact_kernel[grid](scores, key_lens, workspace, num_cols, chunk_len, num_chunks, *strides, BLOCK=block,
-                          BLOCK_P=block_p, STAGES=stages, num_warps=num_warps, **common)
+    # The list launch waits for the whole of the kernel before it (the scores' writer)
+    # anyway; launched as its dependent, its programs would sit on the multiprocessors
+    # while that kernel still streams. H200, indexer + top-k + sparse decode, B8 x 128K:
+    # 116.8 / 121.7 us against 124.2 / 127.4 us with it a dependent
+    # (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    _list_kernel[(num_rows, num_chunks)](
+        scores, key_lens, workspace, num_cols, chunk_len, num_chunks, region, *strides,
+        K=k, SAMPLE=sample, SEGMENT=segment, CAP=cap, BLOCK=block, ALIGNED=aligned, STAGES=stages,
+        DEPENDENTS=use_pdl, num_warps=num_warps,
+    )
     row_len = triton.cdiv(max(1, num_cols), fallback_block) * fallback_block
+    block_p = max(2, next_pow2(num_chunks))
     _select_kernel[(num_rows,)](
-        scores, key_lens, workspace, out, num_cols, row_len, num_chunks, *strides, *out.stride(),
-        BLOCK_P=block_p, PASSES=passes, BINS=bins, RADIX_BITS=radix_bits, FIRST_SPARSE_PASS=first_sparse_pass,
-        SPARSE_SHARE=sparse_share, FALLBACK_BLOCK=fallback_block, FILL_BLOCK=fill_block, num_warps=select_warps,
-        **common,
+        scores, key_lens, workspace, out, num_cols, row_len, num_chunks, region, *strides, *out.stride(),
+        K=k, CAP=cap, BLOCK_P=block_p, LOG_P=block_p.bit_length() - 1, PASSES=passes, BINS=bins, RADIX_BITS=radix_bits,
+        FIRST_SPARSE_PASS=first_sparse_pass, SPARSE_SHARE=sparse_share, FALLBACK_BLOCK=fallback_block,
+        FILL_BLOCK=fill_block, ALIGNED=aligned, GDC=use_pdl, num_warps=select_warps, launch_pdl=use_pdl,
     )
     return out

@@ -206,7 +206,7 @@ def test_gpu_graph_replay_equals_eager():
     scores = torch.empty(num_rows, x["block_table"].shape[1] * block_size, device=device)
     indices = torch.empty(num_rows, top_k, dtype=torch.int32, device=device)
     workspace = tri.sparse_mla_decode_workspace(num_rows, 16, 512, top_k, device)
-    topk_workspace = dsa_topk.top_k_workspace(num_rows, scores.shape[1], device)
+    topk_workspace = dsa_topk.top_k_workspace(num_rows, scores.shape[1], device, k=top_k)
 
     def step():
         return _pipeline(x, top_k, 512, 0.07, scores=scores, indices=indices, workspace=workspace,

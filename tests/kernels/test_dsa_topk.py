@@ -74,7 +74,7 @@ def test_chunk_counts_agree(num_chunks, device):
     gen = generator(10 + num_chunks, device)
     ints = torch.randint(0, 3, (4, 260), generator=gen, device=device).float()
     ints[1] = torch.randn(260, generator=gen, device=device)
-    workspace = tri.top_k_workspace(4, 260, device) if num_chunks == tri.top_k_num_chunks(4, 260, device) else None
+    workspace = tri.top_k_workspace(4, 260, device, k=50) if num_chunks == tri.top_k_num_chunks(4, 260, device) else None
     got = tri.top_k_indices(ints, _lens([260, 255, 40, 0], device), k=50, num_chunks=num_chunks,
                             workspace=workspace)
     torch.testing.assert_close(got, oracle_top_k(ints, _lens([260, 255, 40, 0], device), 50), atol=0, rtol=0)
@@ -193,9 +193,9 @@ def test_chunk_count_is_static(device):
     assert tri.top_k_num_chunks(1, 10, device) == 1
     # Per pass: the chunk histograms, then the row's state; the synced path's chunks add
     # into the row's histogram of each pass, and trade their counts in a plane more.
-    assert tri.top_k_workspace(3, 100, device, path="passes").shape == (
+    assert tri.top_k_workspace(3, 100, device, path="passes", k=8).shape == (
         3, 4, tri.top_k_num_chunks(3, 100, device, path="passes") + 1, 256)
-    assert tri.top_k_workspace(3, 100, device, path="synced").shape == (3, 5, 1, 256)
+    assert tri.top_k_workspace(3, 100, device, path="synced", k=8).shape == (3, 5, 1, 256)
 
 
 @pytest.mark.gpu
@@ -312,7 +312,7 @@ def test_gpu_synced_histograms_count_every_bucket_key_once():
     scores = torch.randint(0, 4, (num_rows, num_cols), generator=gen, device=device).float()
     lens = _lens([num_cols] * (num_rows - 1) + [k], device)
     assert tri.top_k_num_chunks(num_rows, num_cols, device, path="synced") > 1
-    workspace = tri.top_k_workspace(num_rows, num_cols, device, path="synced")
+    workspace = tri.top_k_workspace(num_rows, num_cols, device, path="synced", k=k)
     got = tri.top_k_indices(scores, lens, k=k, path="synced", workspace=workspace)
     torch.testing.assert_close(got, oracle_top_k(scores, lens, k), atol=0, rtol=0)
     histograms = workspace[:, :4, 0].sum(-1)                                     # [rows, passes]

@@ -18,11 +18,11 @@ def _run(scores, key_lens, k, cap, sample, num_chunks):
     block = 32 if scores.device.type == "cpu" else 1024
     chunk_len = -(-(-(-num_cols // num_chunks)) // block) * block
     num_chunks = -(-num_cols // chunk_len)
-    workspace = torch.full((num_rows, filtered.filtered_workspace_width(cap, 4, 256)), -7, dtype=torch.int32,
-                           device=scores.device)
+    width = filtered.filtered_workspace_width(num_chunks, filtered.filtered_region(chunk_len, cap), 4, 256)
+    workspace = torch.full((num_rows, width), -7, dtype=torch.int32, device=scores.device)
     out = torch.full((num_rows, k), 99, dtype=torch.int32, device=scores.device)
     filtered.filtered_top_k(scores, key_lens, k, out, workspace, num_chunks, chunk_len, block=block, num_warps=4,
-                            cap=cap, sample=sample, select_warps=4, stages=2, segment=8, early_dependents=True, fallback_block=block, passes=4, bins=256,
+                            cap=cap, sample=sample, select_warps=4, stages=2, segment=8, fallback_block=block, passes=4, bins=256,
                             radix_bits=8, first_sparse_pass=2, sparse_share=16, fill_block=64, use_pdl=False)
     return out, workspace[:, 1:1 + num_chunks].sum(dim=1)
 
@@ -88,7 +88,7 @@ def test_rejects_bad_sizes(device):
     with pytest.raises(ValueError, match="sample"):
         _run(scores, lens, 8, cap=64, sample=24, num_chunks=1)
     with pytest.raises(ValueError, match="k"):
-        tri.top_k_workspace(2, 64, device, path="filtered")
+        tri.top_k_workspace(2, 64, device, path="filtered", k=0)
 
 
 @pytest.mark.gpu
