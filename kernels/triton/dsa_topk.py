@@ -129,8 +129,9 @@ _FILTER_SELECT_WARPS = 8
 # The sample reads runs of 8 neighbours, a 32-byte sector each: a row's programs all
 # read it, and 2048 single keys would be 2048 sectors (B64 x 128K 68.1 -> 60.1 us).
 _SAMPLE_SEGMENT = 8
-# The synced path takes fewer rows than this where it fits (`top_k_path`).
+# The synced path takes fewer rows than this, of more scores than that, where it fits (`top_k_path`).
 _SYNCED_MAX_ROWS = 16
+_SYNCED_MIN_COLS = 24 * 1024
 # Its sample of a row: 2048 keys put the k-th key's share of a 32K row (k 2048) at 128 of them.
 _GPU_SAMPLE = 2048
 _INTERPRETER_SAMPLE = 64
@@ -181,13 +182,16 @@ def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopK
         return "passes"
     if num_cols <= _ROW_ALWAYS_COLS:
         return "row"
-    # The filtered path reads the scores once and histograms none; only few rows, each one
-    # program's search over a few thousand candidates after a launch over the row's
-    # chunks, are slower than the synced path's passes. H200, k 2048, indexer scores, us,
-    # filtered against the default before it: B1 x 128K 19.8 / 17.9 (synced); B8 x 128K
-    # 26.1 / 24.2 (synced); B64 x 32K 30.9 / 45.4 (synced); B64 x 128K 49.8 / 147.4
-    # (passes) (bench/results/logs/topk-filtered-h200-2026-11-26.log, which has more rows).
-    if num_rows < _SYNCED_MAX_ROWS and _synced_gpu_config(num_rows, num_cols, device) is not None:
+    # The filtered path reads the scores once and histograms none; only few long rows, each
+    # one program's search over a few thousand candidates after a launch over the row's
+    # chunks, are slower than the synced path's passes. H200, indexer scores of decode rows,
+    # us, filtered / synced (passes, row): B1 x 128K 20.9 / 17.7; B8 x 128K 27.4 / 26.4; B16
+    # x 128K 29.7 / 44.5; B8 x 32K 18.9 / 16.3; B32 x 32K 28.4 / 30.9; B64 x 32K 27.5 / 46.2;
+    # B64 x 128K 49.2 / (145.9); B128 x 32K 34.3 / (row 49.0); at k 512 (V4's CSA at 64K), B1
+    # x 16K 10.8 / 15.5, B64 18.7 / 31.0, B128 22.0 / (row 38.3)
+    # (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    if (num_rows < _SYNCED_MAX_ROWS and num_cols > _SYNCED_MIN_COLS
+            and _synced_gpu_config(num_rows, num_cols, device) is not None):
         return "synced"
     return "filtered"
 
