@@ -116,18 +116,18 @@ _ROW_ALWAYS_COLS = 8192
 # The filtered path's count and compact launches: light per key (a compare, a scan), so
 # 4-warp programs of 1K-key tiles, several a multiprocessor.
 _GPU_FILTER_CONFIG = TopKConfig(block=1024, num_warps=4)
-# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log; figures from the
-# path's three-launch form, a count and a compaction before the select): about four
-# programs a multiprocessor (two: B64 x 128K 55.1 us against 49.8), each loop's loads three
-# tiles ahead (69 us against 89 with none ahead), a search of 8 warps over up to 8K
-# candidates (16 were no faster), and the next launch let in only once a program's reads
-# are done (56.4 us, 60.1 us when let in at the start, where its waiting programs hold the
-# multiprocessors' slots).
+# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log): about four
+# programs a multiprocessor (B64 x 128K 49.8 us, two 55.1, eight 53.0); the rest measured in
+# the path's earlier three-launch form: each loop's loads three tiles ahead (B64 x 128K 69
+# us against 89 with none ahead), a search of 8 warps over up to 8K candidates (16 were no
+# faster), and the next launch let in only once a program's reads are done (56.4 us, 60.1
+# when let in at the start, where its waiting programs hold the multiprocessors' slots).
 _FILTER_PROGRAMS_PER_SM = 4
 _FILTER_STAGES = 3
 _FILTER_SELECT_WARPS = 8
 # The sample reads runs of 8 neighbours, a 32-byte sector each: a row's programs all
-# read it, and 2048 single keys would be 2048 sectors (B64 x 128K 68.1 -> 60.1 us).
+# read it, and 2048 single keys would be 2048 sectors (B64 x 128K 68.1 -> 60.1 us, in the
+# three-launch form).
 _SAMPLE_SEGMENT = 8
 # The synced path takes fewer rows than this, of more scores than that, where it fits (`top_k_path`).
 _SYNCED_MAX_ROWS = 16

@@ -3,7 +3,7 @@
 The radix select (`dsa_topk`, `dsa_topk_synced`) counts a ballot histogram over every key
 of a row at least twice, since its first byte (the sign and most of the exponent) leaves
 a bucket of one or two binades: a large share of the row. Here a row's keys are read
-once and histogrammed never, in two launches:
+once, into no histogram, in two launches:
 
 1. `_list_kernel`, (row, chunk) programs: each takes the same sample of its row
    (`sample_positions`) and searches it, in registers, for a key tau that a few more
@@ -22,8 +22,9 @@ once and histogrammed never, in two launches:
    select over its whole row alone: slow, and exact.
 
 The sample's margin puts tau below the k-th key unless more than r sample keys lie above
-the k-th where mu are expected, and a row's list stays near 1.25 r * n / sample keys: 3.0K
-of 32K and 4.0K of 128K at k = 2048, with cap 8192.
+the k-th where mu are expected. A row's list holds about 1.25 r * n / sample keys: on
+indexer scores at k = 2048, 3.6K of 32K and 4.5K of 128K on average, at most 6.0K, where
+the cap is 8192 (bench/results/logs/topk-filtered-h200-2026-11-26.log).
 """
 
 from __future__ import annotations
@@ -38,19 +39,19 @@ from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
 from .topk_shared import (above_kth, bracket_search, emit_tile, fill_unselected, load_keys, sortable_key,
                           tie_kth)
 
-# A row's workspace (int32): tau, the chunks' counts, the counts before each chunk, the
-# fallback's radix histograms (a pass each), then per chunk a region of candidate keys
-# and one of their positions.
+# A row's workspace (int32): tau, the chunks' counts, the counts before each chunk, then
+# the chunks' lists (a region of keys per chunk, then one of their positions) or, in a row
+# whose lists missed, the fallback's radix histograms (a pass each) in their room.
 MAX_CHUNKS = 64
 _TAU = tl.constexpr(0)
 _COUNTS = tl.constexpr(1)
 _BEFORE = tl.constexpr(1 + 64)
-_HIST = tl.constexpr(1 + 2 * 64)
+_LISTS = tl.constexpr(1 + 2 * 64)
 
 
 def filtered_workspace_width(num_chunks: int, region: int, passes: int, bins: int) -> int:
     """Int32 slots a row's workspace holds with num_chunks chunks of `region` candidates at most each."""
-    return _HIST.value + passes * bins + 2 * num_chunks * region
+    return _LISTS.value + max(passes * bins, 2 * num_chunks * region)
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _list_kernel(
     row = scores_ptr + t.to(tl.int64) * s_st
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     tau = _threshold(row, n, s_sj, K, SAMPLE, SEGMENT, CAP)
-    keys_out = ws_row + _HIST + chunk * region
+    keys_out = ws_row + _LISTS + chunk * region
     positions_out = keys_out + num_chunks * region
     start = tl.multiple_of(chunk * chunk_len, BLOCK)
     end = tl.minimum(start + chunk_len, n)
@@ -157,7 +158,7 @@ def _select_kernel(
         else:
             _select_listed(ws_row, out_row, s_ok, total, num_chunks, region, K, CAP, BLOCK_P, LOG_P, FILL_BLOCK)
     else:
-        _select_whole_row(row, s_sj, ws_row + _HIST, out_row, s_ok, n, row_len, K, PASSES, BINS, RADIX_BITS,
+        _select_whole_row(row, s_sj, ws_row + _LISTS, out_row, s_ok, n, row_len, K, PASSES, BINS, RADIX_BITS,
                           FIRST_SPARSE_PASS, SPARSE_SHARE, FALLBACK_BLOCK, FILL_BLOCK, ALIGNED)
 
 
@@ -174,7 +175,7 @@ def _select_listed(ws_row, out_row, s_ok, total, num_chunks, region, K: tl.const
     for b in tl.static_range(LOG_P):
         probe = chunk + (BLOCK_P >> (b + 1))
         chunk = tl.where(tl.load(ws_row + _BEFORE + probe) <= lane, probe, chunk)
-    at = ws_row + _HIST + chunk * region + lane - tl.load(ws_row + _BEFORE + chunk)
+    at = ws_row + _LISTS + chunk * region + lane - tl.load(ws_row + _BEFORE + chunk)
     # Lanes past the list key as 0, below every point the search tries.
     keys = tl.where(valid, tl.load(at, mask=valid, other=0).to(tl.uint32, bitcast=True), 0)
     positions = tl.load(at + num_chunks * region, mask=valid, other=0)

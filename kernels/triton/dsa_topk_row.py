@@ -94,8 +94,8 @@ def _row_top_k_kernel(
 
     take_all = n <= K
     if TILE == ROW:
-        above, ties = emit_tile(out_row, s_ok, pos, above_kth(keys, valid, kth, take_all), tie_kth(keys, valid, kth, refine),
-                                want, 0, 0, K)
+        above, ties = emit_tile(out_row, s_ok, pos, above_kth(keys, valid, kth, take_all),
+                                tie_kth(keys, valid, kth, refine), want, 0, 0, K)
     else:
         # A whole row's prefix sum beside its keys would not fit the registers: the
         # emit reads the row again (from L2) in tiles.

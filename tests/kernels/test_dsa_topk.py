@@ -74,7 +74,8 @@ def test_chunk_counts_agree(num_chunks, device):
     gen = generator(10 + num_chunks, device)
     ints = torch.randint(0, 3, (4, 260), generator=gen, device=device).float()
     ints[1] = torch.randn(260, generator=gen, device=device)
-    workspace = tri.top_k_workspace(4, 260, device, k=50) if num_chunks == tri.top_k_num_chunks(4, 260, device) else None
+    default_chunks = num_chunks == tri.top_k_num_chunks(4, 260, device)
+    workspace = tri.top_k_workspace(4, 260, device, k=50) if default_chunks else None
     got = tri.top_k_indices(ints, _lens([260, 255, 40, 0], device), k=50, num_chunks=num_chunks,
                             workspace=workspace)
     torch.testing.assert_close(got, oracle_top_k(ints, _lens([260, 255, 40, 0], device), 50), atol=0, rtol=0)

@@ -22,8 +22,8 @@ def _run(scores, key_lens, k, cap, sample, num_chunks):
     workspace = torch.full((num_rows, width), -7, dtype=torch.int32, device=scores.device)
     out = torch.full((num_rows, k), 99, dtype=torch.int32, device=scores.device)
     filtered.filtered_top_k(scores, key_lens, k, out, workspace, num_chunks, chunk_len, block=block, num_warps=4,
-                            cap=cap, sample=sample, select_warps=4, stages=2, segment=8, fallback_block=block, passes=4, bins=256,
-                            radix_bits=8, first_sparse_pass=2, sparse_share=16, fill_block=64, use_pdl=False)
+                            cap=cap, sample=sample, segment=8, stages=2, select_warps=4, fallback_block=block, passes=4,
+                            bins=256, radix_bits=8, first_sparse_pass=2, sparse_share=16, fill_block=64, use_pdl=False)
     return out, workspace[:, 1:1 + num_chunks].sum(dim=1)
 
 
