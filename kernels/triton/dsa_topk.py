@@ -113,8 +113,8 @@ _FIRST_SPARSE_PASS = 2
 _ROW_ALWAYS_COLS = 8192
 
 
-# The filtered path's count and compact launches: light per key (a compare, a scan), so
-# 4-warp programs of 1K-key tiles, several a multiprocessor.
+# The filtered path's list launch: light per key (a compare, a scan), so 4-warp programs
+# of 1K-key tiles, several a multiprocessor.
 _GPU_FILTER_CONFIG = TopKConfig(block=1024, num_warps=4)
 # Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log): about four
 # programs a multiprocessor (B64 x 128K 49.8 us, two 55.1, eight 53.0); the rest measured in
@@ -404,8 +404,8 @@ def top_k_indices(
     path:       "row" (one program a row holding it in registers, `dsa_topk_row`: rows of at
                 most 32K + 4K scores), "passes" (a launch per radix pass), "synced" (the
                 passes in one launch, `dsa_topk_synced`) or "filtered" (the keys above a
-                sampled threshold, then a search over them: `dsa_topk_filtered`); None (the default) takes
-                `top_k_path`'s, or "passes" when num_chunks is given.
+                sampled threshold, then a search over them: `dsa_topk_filtered`); None (the
+                default) takes `top_k_path`'s, or "passes" when num_chunks is given.
     returns     indices [T, k] int32: the k best of j < key_lens[t], ties broken toward
                 the lower position, listed in ascending order; when key_lens[t] < k every
                 visible position in order, then -1.

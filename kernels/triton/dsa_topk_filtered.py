@@ -255,8 +255,9 @@ def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: to
     block_p = max(2, next_pow2(num_chunks))
     _select_kernel[(num_rows,)](
         scores, key_lens, workspace, out, num_cols, row_len, num_chunks, region, *strides, *out.stride(),
-        K=k, CAP=cap, BLOCK_P=block_p, LOG_P=block_p.bit_length() - 1, PASSES=passes, BINS=bins, RADIX_BITS=radix_bits,
-        FIRST_SPARSE_PASS=first_sparse_pass, SPARSE_SHARE=sparse_share, FALLBACK_BLOCK=fallback_block,
-        FILL_BLOCK=fill_block, ALIGNED=aligned, GDC=use_pdl, num_warps=select_warps, launch_pdl=use_pdl,
+        K=k, CAP=cap, BLOCK_P=block_p, LOG_P=block_p.bit_length() - 1, PASSES=passes, BINS=bins,
+        RADIX_BITS=radix_bits, FIRST_SPARSE_PASS=first_sparse_pass, SPARSE_SHARE=sparse_share,
+        FALLBACK_BLOCK=fallback_block, FILL_BLOCK=fill_block, ALIGNED=aligned, GDC=use_pdl, num_warps=select_warps,
+        launch_pdl=use_pdl,
     )
     return out
