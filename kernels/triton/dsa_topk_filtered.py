@@ -226,16 +226,17 @@ def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: to
     scores [T, L] float32, key_lens [T] int32, out [T, k] int32, workspace [T, W] int32 with unit
     stride along W = `filtered_workspace_width(num_chunks, filtered_region(chunk_len, cap), passes,
     bins)`; num_chunks <= MAX_CHUNKS chunks of chunk_len scores (a multiple of block) a row; cap (a
-    power of two, < 2^16) candidates a row at most; sample (a power of two) keys of a row's sample,
-    in runs of `segment` neighbours (a power of two at most sample).
+    power of two, < 2^16) candidates a row at most; sample (a power of two, at most cap) keys of a
+    row's sample, in runs of `segment` neighbours (a power of two at most sample).
     """
     num_rows, num_cols = scores.shape
     if not 1 <= num_chunks <= MAX_CHUNKS:
         raise ValueError(f"num_chunks: expected 1..{MAX_CHUNKS}, got {num_chunks}")
     if cap & (cap - 1) or not k <= cap < 1 << 16:
         raise ValueError(f"cap: expected a power of two in [k, 2^16), got {cap} (k = {k})")
-    if sample & (sample - 1) or sample < 1:
-        raise ValueError(f"sample: expected a power of two, got {sample}")
+    if sample & (sample - 1) or not 1 <= sample <= cap:
+        # Rows of more than cap keys are sampled: at most cap positions stay inside them.
+        raise ValueError(f"sample: expected a power of two at most cap = {cap}, got {sample}")
     if segment & (segment - 1) or not 1 <= segment <= sample:
         raise ValueError(f"segment: expected a power of two in [1, sample = {sample}], got {segment}")
     region = filtered_region(chunk_len, cap)

@@ -87,6 +87,8 @@ def test_rejects_bad_sizes(device):
         _run(scores, lens, 8, cap=96, sample=32, num_chunks=1)
     with pytest.raises(ValueError, match="sample"):
         _run(scores, lens, 8, cap=64, sample=24, num_chunks=1)
+    with pytest.raises(ValueError, match="sample"):
+        _run(scores, lens, 8, cap=64, sample=128, num_chunks=1)
     with pytest.raises(ValueError, match="k"):
         tri.top_k_workspace(2, 64, device, path="filtered", k=0)
 
