@@ -3,6 +3,8 @@ top-k and the fallback over the whole row, against the stable-sort oracle."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ def _run(scores, key_lens, k, cap, sample, num_chunks):
     """(indices, per row the candidate list's length) of the filtered path at the given sizes."""
     num_rows, num_cols = scores.shape
     block = 32 if scores.device.type == "cpu" else 1024
-    chunk_len = -(-(-(-num_cols // num_chunks)) // block) * block
-    num_chunks = -(-num_cols // chunk_len)
+    chunk_len = math.ceil(math.ceil(num_cols / num_chunks) / block) * block
+    num_chunks = math.ceil(num_cols / chunk_len)
     width = filtered.filtered_workspace_width(num_chunks, filtered.filtered_region(chunk_len, cap), 4, 256)
     workspace = torch.full((num_rows, width), -7, dtype=torch.int32, device=scores.device)
     out = torch.full((num_rows, k), 99, dtype=torch.int32, device=scores.device)
