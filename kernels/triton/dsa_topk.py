@@ -60,6 +60,7 @@ from .dsa_topk_filtered import filtered_region, filtered_top_k, filtered_workspa
 from .dsa_topk_row import row_top_k_fits, row_top_k_indices
 from .dsa_topk_synced import synced_max_chunks, synced_top_k
 from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
+from .topk_shared import visible_keys
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS
@@ -347,7 +348,7 @@ def _histogram_kernel(
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     prefix, hi_mask, want, refining, above, ties = _state_before(
         ws_row, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASS, True, BLOCK_P, BINS, RADIX_BITS)
@@ -372,7 +373,7 @@ def _emit_kernel(
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     prefix, hi_mask, want, refining, above, ties = _state_before(
         ws_ptr + t.to(tl.int64) * s_wt, s_wp, s_wc, n, K, chunk_len, num_chunks, chunk, PASSES, False, BLOCK_P,
         BINS, RADIX_BITS)

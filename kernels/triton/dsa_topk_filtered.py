@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2
 from .topk_radix import chunk_histogram, emit_chunk, fold_pass, initial_state
 from .topk_shared import (above_kth, bracket_search, emit_tile, fill_unselected, load_keys, sortable_key,
-                          tie_kth)
+                          tie_kth, visible_keys)
 
 # A row's workspace (int32): tau, the chunks' counts, the counts before each chunk, then
 # the chunks' lists (a region of keys per chunk, then one of their positions) or, in a row
@@ -87,7 +87,7 @@ def _list_kernel(
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     tau = _threshold(row, n, s_sj, K, SAMPLE, SEGMENT, CAP)
@@ -139,7 +139,7 @@ def _select_kernel(
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     out_row = out_ptr + t.to(tl.int64) * s_ot

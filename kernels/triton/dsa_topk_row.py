@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, pdl
-from .topk_shared import above_kth, bracket_search, emit_tile, fill_unselected, load_keys, tie_kth
+from .topk_shared import above_kth, bracket_search, emit_tile, fill_unselected, load_keys, tie_kth, visible_keys
 
 # The longest power of two of keys held in registers (128 a thread at 8 warps), and the
 # most held beside it: a decode row at 32K context has 32K + a block of positions.
@@ -68,7 +68,7 @@ def _row_top_k_kernel(
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     row = scores_ptr + t.to(tl.int64) * s_st
     out_row = out_ptr + t.to(tl.int64) * s_ot
     pos = tl.arange(0, ROW)

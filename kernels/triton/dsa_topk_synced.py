@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2
 from .topk_radix import (add_tile_histogram, choose_digit, chunk_start, count_bucket, emit_chunk, emit_keys,
                          initial_state, narrow_bucket)
-from .topk_shared import fill_unselected, load_keys
+from .topk_shared import fill_unselected, load_keys, visible_keys
 
 # 32-bit registers of an NVIDIA multiprocessor (every one since Kepler, Hopper's too).
 _REGISTERS_PER_SM = 65536
@@ -112,7 +112,7 @@ def _synced_kernel(
     chunk = tl.program_id(1)
     if GDC:
         gdc_wait()
-    n = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+    n = visible_keys(key_lens_ptr, t, s_kl, num_cols)
     ws_row = ws_ptr + t.to(tl.int64) * s_wt
     row = scores_ptr + t.to(tl.int64) * s_st
     start = tl.multiple_of(chunk * chunk_len, BLOCK)

@@ -22,6 +22,12 @@ def sortable_key(x):
 
 
 @triton.jit
+def visible_keys(key_lens_ptr, t, s_kl, num_cols):
+    """Row t's candidate count: its key_lens entry clamped to [0, num_cols]."""
+    return tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
+
+
+@triton.jit
 def load_keys(row, pos, end, s_sj, ALIGNED: tl.constexpr):
     """Keys of the scores at pos < end (other lanes hold junk that callers mask)."""
     if ALIGNED:
