@@ -8,6 +8,8 @@ type and range on construction. Either raises `ConfigError` naming the field;
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,8 +59,17 @@ def config_from_json(raw: Any, label: str) -> ModelConfig:
 
 
 def _float(value: Any) -> Any:
-    """A JSON number as a float; anything else unchanged, for validation to name."""
-    return float(value) if is_number(value) else value
+    """A JSON number as a float; anything else unchanged, for validation to name.
+
+    JSON integers have no bound: one past float's range becomes an infinity of its sign,
+    which validation refuses by the field's name (float() itself would raise OverflowError).
+    """
+    if not is_number(value):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _or_default(raw: Mapping[str, Any], name: str, default: Any) -> Any:
@@ -97,7 +108,7 @@ def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
         if not (isinstance(original, int) and is_int(original) and original >= 1 and isinstance(maximum, int)):
             raise refuse("rope_parameters.factor", None,
                          "YaRN needs it, or integer max_position_embeddings and original_max_position_embeddings")
-        factor = maximum / original
+        factor = _float(maximum) / original
     return RopeConfig(
         theta=theta,
         kind="yarn",

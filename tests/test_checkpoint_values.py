@@ -62,6 +62,15 @@ def load(path, **kwargs):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                               "original_max_position_embeddings": "64"}}, "rope_parameters.original_max_position_embeddings"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor"),
+        # JSON integers past float's range, where a float is expected (and one derived factor).
+        ({"rms_norm_eps": 10 ** 400}, "rms_norm_eps"),
+        ({"routed_scaling_factor": -(10 ** 400)}, "routed_scaling_factor"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10 ** 400}}, "rope_parameters.rope_theta"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 10 ** 400,
+                              "original_max_position_embeddings": 64}}, "rope_parameters.factor"),
+        ({"max_position_embeddings": 10 ** 400, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                                    "original_max_position_embeddings": 64}},
+         "rope_parameters.factor|max_position_embeddings"),
         ({"quantization_config": [1]}, "quantization_config"),
     ],
 )
