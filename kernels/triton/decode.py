@@ -138,7 +138,7 @@ def mla_decode_workspace(
 def latent_rows(row, key_mask, s_kd, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     """A tile of latent cache rows at pointers `row` [BLOCK_N] (zeros where not key_mask):
-    (k_latent [BLOCK_N, BLOCK_C], k_pe [BLOCK_N, BLOCK_R]). Dense and sparse decode share it."""
+    (k_latent [BLOCK_N, BLOCK_C], k_pe [BLOCK_N, BLOCK_R])."""
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     if BLOCK_C == KV_LORA_RANK:

@@ -3,11 +3,13 @@
 Every row (a decode token or a prompt token alike) attends over the k positions
 its indexer selected. Stage 1 gives each (row, head group, split) program one
 contiguous slice of the row's index list. It first looks up the pages of its
-indices in the row's block table, 16 tiles' worth at once; then, per tile of
+indices in the row's block table, 8 tiles' worth at once; then, per tile of
 BLOCK_N indices, it gathers the whole 576-wide latent rows
 (each one contiguous, so every row is one coalesced read), and runs the online
-softmax with the scores and the value product on tensor cores; stage 2 merges
-the splits by LSE (`decode_merge`, the kernels of dense decode, W_UV included).
+softmax with the scores and the value product on tensor cores, the latent's
+columns in four chunks (a query slice, a score product and an accumulator each);
+stage 2 merges the splits by LSE (`decode_merge`, the kernels of dense decode,
+W_UV included).
 
 Indices of -1 (and any outside the block table) are masked keys: a tile of them
 reads nothing, and a row with none valid writes out 0 and lse -inf. The split
@@ -25,17 +27,26 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_fold, pdl
-from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits, latent_rows
+from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
+from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value
 
-# Chosen on an H100 by `bench/dsa_kernels.py --sweep` (bf16, C=512, R=64, B=64, top-2048;
-# bench/results/logs/dsa-sweep-h100-2026-11-23.log). 16 heads: a third pipeline stage hides the
-# gathered rows' latency (76 us vs 94 us with the dense decode's two stages). 64+ heads: 64-key
-# tiles read for 64 heads at once (229 us vs 365 us with 32-key tiles at 128 heads). Other head
-# counts take the dense decode's tiles.
-_GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
+# 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
+# B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
+# before the chunks; bench/results/logs/sparse-chunks-sweep-h200-2026-11-26.log). 64+ heads:
+# 64-key tiles read for 64 heads at once (H100, 229 us vs 365 us with 32-key tiles at 128
+# heads; bench/results/logs/dsa-sweep-h100-2026-11-23.log). Other head counts take the dense
+# decode's tiles.
+_GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
                                  64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)})
+# Below 64 heads a program's tiles are narrower than Hopper's warpgroup MMA, and the latent's
+# columns are taken in four chunks (the kernel's accumulators a0..a3), each with its own query
+# slice, score product and value accumulator: a score is then four MMA chains a quarter as deep,
+# which run side by side, where one 512-deep chain waited on each product in turn. From 64 heads
+# the warpgroup MMA takes the whole row: chunked, 64 heads at B64 x 32K took 124 us against 108,
+# 128 heads 203 against 182 (bench/results/logs/sparse-chunks-ab-h200-2026-11-26.log).
+_LATENT_CHUNKS = 4
+_WHOLE_ROW_MIN_BLOCK_H = 64
 # Splits fill about two programs per multiprocessor and no more (a partial second
 # wave runs at a fraction of the bandwidth); no split takes fewer than
 # _MIN_KEYS_PER_SPLIT indices. At few rows the gathers' latency, not the partial
@@ -44,8 +55,10 @@ _GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=32, num_wa
 # and 16 (bench/results/logs/sparse-splits-h200-2026-11-24.log).
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
-# Up to this many rows stage 2 also applies W_UV (as dense decode does).
-_FUSED_VALUE_MAX_ROWS = 8
+# Up to this many rows stage 2 also applies W_UV; more rows merge, then take one GEMM over the
+# heads. H200, 16 heads, top-2048, both stages, us fused / GEMM: 1 row 10.4 / 11.5, 2 rows
+# 11.8 / 12.1, 4 rows 15.4 / 13.3, 8 rows 20.0 / 18.9 (bench/results/logs/sparse-chunks-ab-h200-2026-11-26.log).
+_FUSED_VALUE_MAX_ROWS = 2
 # Index slots located at once (index, then page) before their tiles are read: 8 tiles of
 # 32, a split of 512 in two rounds. H200, 16 heads, us: B64 x 32K 55.0 (16 tiles 58.3, 32
 # tiles 64.4, spilling), B8 x 128K with W_UV 20.5 (22.0, 23.7); locating one tile ahead
@@ -94,16 +107,73 @@ def _cache_slots(idx_row, bt_row, slot, end, num_positions, s_ik, s_btw, PAGE_SI
 
 
 @triton.jit
-def _attend_tile(q_nope, q_pe, row, key_mask, m_i, l_i, acc, scale_log2, s_kd,
-                 KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One tile of the online softmax: the latent rows at `row` (where key_mask) folded into (m_i, l_i, acc)."""
-    k_latent, k_pe = latent_rows(row, key_mask, s_kd, KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R)
+def _columns(row, key_mask, c0, limit, s_kd, WIDTH: tl.constexpr, WHOLE: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of the cache rows at pointers `row` [BLOCK_N]: zeros where not key_mask
+    or at a column >= limit (never, when WHOLE: a mask on keys alone keeps the loads vectorised)."""
+    cols = c0 + tl.arange(0, WIDTH)
+    if WHOLE:
+        mask = key_mask[:, None]
+    else:
+        mask = key_mask[:, None] & (cols[None, :] < limit)
+    return tl.load(row[:, None] + cols[None, :] * s_kd, mask=mask, other=0.0)
 
-    scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
-    scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
-    scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-    return online_softmax_fold(scores, k_latent, m_i, l_i, acc, DOT_PRECISION)
+
+@triton.jit
+def _query_columns(q_row, head_mask, c0, limit, s_qd, WIDTH: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of the queries at `q_row` [BLOCK_H, 1] (zeros past limit or a head)."""
+    cols = c0 + tl.arange(0, WIDTH)
+    return tl.load(q_row + cols[None, :] * s_qd, mask=head_mask[:, None] & (cols[None, :] < limit), other=0.0)
+
+
+@triton.jit
+def _scaled_scores(q, k, scale_log2, DOT_PRECISION: tl.constexpr):
+    # Scaled on its own: a raw sum of products would be folded back into one accumulator chain.
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+
+
+@triton.jit
+def _attend_tile(q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2, s_kd,
+                 KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CHUNKS: tl.constexpr, WHOLE_C: tl.constexpr, WHOLE_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of the base-2 online softmax over the latent rows at `row` (where key_mask), the latent's
+    columns in CHUNKS (4 or 1) chunks: folded into (m_i, l_i [BLOCK_H]; a0..a3 [BLOCK_H, CHUNK] float32;
+    with one chunk, a1..a3 come back as they came)."""
+    k0 = _columns(row, key_mask, 0, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
+    k_pe = _columns(row, key_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_kd, BLOCK_R, WHOLE_R)
+    if CHUNKS == 4:
+        k1 = _columns(row, key_mask, CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
+        k2 = _columns(row, key_mask, 2 * CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
+        k3 = _columns(row, key_mask, 3 * CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
+        scores = ((_scaled_scores(q0, k0, scale_log2, DOT_PRECISION)
+                   + _scaled_scores(q1, k1, scale_log2, DOT_PRECISION))
+                  + (_scaled_scores(q2, k2, scale_log2, DOT_PRECISION)
+                     + _scaled_scores(q3, k3, scale_log2, DOT_PRECISION))
+                  + _scaled_scores(q_pe, k_pe, scale_log2, DOT_PRECISION))
+    else:
+        scores = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(key_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A tile (or a whole split) may hold no valid key: while the maximum is still
+    # -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(scores - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(k0.dtype)
+    a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PRECISION)
+    if CHUNKS == 4:
+        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PRECISION)
+        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PRECISION)
+        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _store_columns(po_row, a, l_i, c0, limit, head_mask, s_pod, CHUNK: tl.constexpr):
+    cols = c0 + tl.arange(0, CHUNK)
+    tl.store(po_row + cols[None, :] * s_pod, (a / l_i[:, None]).to(po_row.dtype.element_ty),
+             mask=head_mask[:, None] & (cols[None, :] < limit))
 
 
 # The split count follows the row count, which eager steps vary: as a constexpr
@@ -118,10 +188,12 @@ def _sparse_split_kernel(
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
 ):
+    WHOLE_C: tl.constexpr = CHUNKS * CHUNK == KV_LORA_RANK
+    WHOLE_R: tl.constexpr = BLOCK_R == ROPE_DIM
     t = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,18 +208,24 @@ def _sparse_split_kernel(
     t64 = t.to(tl.int64)
     heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     q_row = q_ptr + t64 * s_qt + heads[:, None] * s_qh
-    q_nope = tl.load(q_row + offs_c[None, :] * s_qd,
-                     mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK), other=0.0)
-    q_pe = tl.load(q_row + (KV_LORA_RANK + offs_r[None, :]) * s_qd,
-                   mask=head_mask[:, None] & (offs_r[None, :] < ROPE_DIM), other=0.0)
-
+    q0 = _query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
+    q_pe = _query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    if CHUNKS == 4:
+        q1 = _query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q2 = _query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q3 = _query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        a1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+        a3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    else:
+        # One chunk: the other slots only pass through the tile function (and compile away).
+        q1, q2, q3 = q0, q0, q0
+        a1, a2, a3 = a0, a0, a0
     bt_row = bt_ptr + t64 * s_btt
     idx_row = idx_ptr + t64 * s_it
     # Each chunk's index and page loads happen once, up front: the row loads of the
@@ -164,15 +242,19 @@ def _sparse_split_kernel(
             # Page and in-page offset times their strides (not one flat offset), so the
             # compiler keeps the strides' alignment and copies rows asynchronously.
             row = kv_ptr + (cache_slot // PAGE_SIZE) * s_kn + (cache_slot % PAGE_SIZE) * s_kb
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, row, key_mask, m_i, l_i, acc, scale_log2, s_kd,
-                                         KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R, DOT_PRECISION)
+            m_i, l_i, a0, a1, a2, a3 = _attend_tile(
+                q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2, s_kd,
+                KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, CHUNKS, WHOLE_C, WHOLE_R, DOT_PRECISION)
 
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     po_row = po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos
-    tl.store(po_row + offs_c[None, :] * s_pod, out.to(po_ptr.dtype.element_ty),
-             mask=head_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK))
+    _store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    if CHUNKS == 4:
+        _store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        _store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        _store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
     tl.store(pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
@@ -236,6 +318,7 @@ def sparse_mla_decode(
         partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
 
     use_pdl = pdl(device)
+    chunks = 1 if config.block_h >= _WHOLE_ROW_MIN_BLOCK_H else _LATENT_CHUNKS
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
     _sparse_split_kernel[grid](
         q, kv_cache, block_table, indices, partial_out, partial_lse,
@@ -243,7 +326,9 @@ def sparse_mla_decode(
         *q.stride(), *kv_cache.stride(), *block_table.stride(), *indices.stride(),
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
-        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
+        # Chunks of at least 16 columns, the smallest tensor-core product.
+        CHUNK=max(16, next_pow2(kv_lora_rank) // chunks), CHUNKS=chunks,
+        BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,

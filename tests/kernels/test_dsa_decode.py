@@ -9,6 +9,7 @@ from kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, ra
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.triton import dsa_decode as tri
 from mla_func.kernels.triton import dsa_indexer, dsa_topk
+from mla_func.kernels.triton.decode import DecodeConfig
 from test_dsa_topk import oracle_top_k
 
 
@@ -40,7 +41,7 @@ def random_indices(key_lens, top_k, device, gen):
 
 
 def _check(key_lens, top_k, num_heads, kv_lora_rank, rope_dim, block_size, dtype, device, seed,
-           num_splits=None, indices=None, non_contiguous=False, workspace=False, value_dim=None):
+           num_splits=None, indices=None, non_contiguous=False, workspace=False, value_dim=None, config=None):
     gen = generator(seed, device)
     dim = kv_lora_rank + rope_dim
     kv_cache, block_table = paged_cache(key_lens, block_size, dim, dtype, device, gen)
@@ -50,7 +51,7 @@ def _check(key_lens, top_k, num_heads, kv_lora_rank, rope_dim, block_size, dtype
     if non_contiguous:
         q, kv_cache, block_table, indices = (strided(x, gen) for x in (q, kv_cache, block_table, indices))
     scale = dim ** -0.5
-    kwargs = {}
+    kwargs = {} if config is None else {"config": config}
     if workspace:
         kwargs["workspace"] = tri.sparse_mla_decode_workspace(len(key_lens), num_heads, kv_lora_rank,
                                                               indices.shape[1], device)
@@ -97,6 +98,15 @@ def test_real_mla_dims(device):
 
 def test_non_contiguous_inputs_and_workspace(device):
     _check([50, 7, 0, 33], 16, 3, 32, 16, 16, torch.bfloat16, device, seed=4, non_contiguous=True, workspace=True)
+
+
+@pytest.mark.parametrize("block_h", [16, 64])  # the latent in four chunks; from 64 heads a program, whole
+@pytest.mark.parametrize("kv_lora_rank", [32, 96, 128])
+def test_latent_chunks(block_h, kv_lora_rank, device):
+    # A rank of 96 pads to 128 columns: the last chunk is a masked one.
+    config = DecodeConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1)
+    _check([90, 24, 0], 24, 5, kv_lora_rank, 16, 16, torch.bfloat16, device, seed=kv_lora_rank, num_splits=2,
+           config=config)
 
 
 def test_fp16(device):
