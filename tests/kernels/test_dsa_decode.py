@@ -113,7 +113,7 @@ def test_fp16(device):
     _check([40, 12], 16, 4, 32, 16, 16, torch.float16, device, seed=5)
 
 
-@pytest.mark.parametrize("num_rows", [3, tri._FUSED_VALUE_MAX_ROWS + 1])  # merged with W_UV, then a GEMM
+@pytest.mark.parametrize("num_rows", [tri._FUSED_VALUE_MAX_ROWS, tri._FUSED_VALUE_MAX_ROWS + 1])  # fused; a GEMM
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_value_projection(num_rows, num_splits, device):
     lens = [(37 * i + 5) % 90 for i in range(num_rows)]
@@ -203,6 +203,8 @@ def test_gpu_many_rows_split_and_fused_paths():
     gen = generator(9, device)
     lens = torch.randint(0, 8192, (64,), generator=gen, device=device).tolist()
     _check(lens, 2048, 16, 512, 64, 64, torch.bfloat16, device, seed=10)
+    # W_UV merged in stage 2, then by a GEMM after it.
+    _check(lens[:tri._FUSED_VALUE_MAX_ROWS], 2048, 128, 512, 64, 64, torch.bfloat16, device, seed=11, value_dim=128)
     _check(lens[:4], 2048, 128, 512, 64, 64, torch.bfloat16, device, seed=11, value_dim=128)
 
 
