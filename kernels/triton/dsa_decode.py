@@ -6,10 +6,10 @@ contiguous slice of the row's index list. It first looks up the pages of its
 indices in the row's block table, 8 tiles' worth at once; then, per tile of
 BLOCK_N indices, it gathers the whole 576-wide latent rows
 (each one contiguous, so every row is one coalesced read), and runs the online
-softmax with the scores and the value product on tensor cores, the latent's
-columns in four chunks (a query slice, a score product and an accumulator each);
-stage 2 merges the splits by LSE (`decode_merge`, the kernels of dense decode,
-W_UV included).
+softmax with the scores and the value product on tensor cores (below 64 heads a
+program, the latent's columns in four chunks, each with a query slice, a score
+product and an accumulator of its own); stage 2 merges the splits by LSE
+(`decode_merge`, the kernels of dense decode, W_UV included at up to 2 rows).
 
 Indices of -1 (and any outside the block table) are masked keys: a tile of them
 reads nothing, and a row with none valid writes out 0 and lse -inf. The split
