@@ -42,9 +42,18 @@ from .decode import DecodeConfig, decode_config, fill_splits
 # tile once for all heads (HCA 58 us vs 70-90 us for 32 heads a program), and one wave of programs
 # beats more splits (2 splits 82 us, 4 splits 99 us, CSA). Below 64 heads the dense decode's tiles.
 _GPU_CONFIG_64_HEADS = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+# Up to _FEW_ROWS rows, 64+ heads take 16 heads a program and splits of one 32-key tile: a row's
+# keys are then read once per 16 heads, but its work spreads over four times the programs, each
+# with a quarter of the queries and of the float32 partial to move. H200, 64 heads, 64K context,
+# a row of 640 keys, us at batch 1, 64 heads a program with 10 splits / 16 heads with 20:
+# CSA 14.5 / 9.4, HCA 13.5 / 8.6; at batch 64 the 64-head tiles stay (CSA 45.2 against 58.0)
+# (bench/results/logs/v4-attention-few-rows-h200-2026-11-26.log).
+_FEW_ROWS = 4
+_GPU_CONFIG_FEW_ROWS = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)
 _PROGRAMS_PER_SM = 1
 # No split takes fewer than _MIN_KEYS_PER_SPLIT keys of a row's longest possible list
-# (window + entries), below which partial-result traffic ([H, D] float32 per split) outweighs the gain.
+# (window + entries), below which partial-result traffic ([H, D] float32 per split) outweighs the
+# gain; up to _FEW_ROWS rows, where latency bounds a split, no fewer than one tile.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Key tiles whose cache rows a program locates in one round before reading them (see the
@@ -52,9 +61,10 @@ _MAX_SPLITS = 32
 _LOCATE_TILES = 16
 
 
-def v4_attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
+def v4_attention_config(num_heads: int, num_rows: int, device: torch.device) -> DecodeConfig:
+    """The tiles for `num_rows` rows of `num_heads` heads (static shapes and the device only)."""
     if device.type == "cuda" and num_heads >= 64:
-        return _GPU_CONFIG_64_HEADS
+        return _GPU_CONFIG_FEW_ROWS if num_rows <= _FEW_ROWS else _GPU_CONFIG_64_HEADS
     return decode_config(num_heads, device)
 
 
@@ -63,9 +73,10 @@ def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device
     """Splits per row from static shapes and the device: max_keys = sliding_window + the entry list's
     capacity (top-k, or every entry the table can hold)."""
     device = torch.device(device)
-    config = config or v4_attention_config(num_heads, device)
+    config = config or v4_attention_config(num_heads, num_rows, device)
     programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
-    return fill_splits(programs, max_keys, device, min_keys=_MIN_KEYS_PER_SPLIT, max_splits=_MAX_SPLITS,
+    min_keys = min(_MIN_KEYS_PER_SPLIT, config.block_n) if num_rows <= _FEW_ROWS else _MIN_KEYS_PER_SPLIT
+    return fill_splits(programs, max_keys, device, min_keys=min_keys, max_splits=_MAX_SPLITS,
                        interpreter_min_keys=config.block_n, programs_per_sm=_PROGRAMS_PER_SM)
 
 
@@ -321,7 +332,7 @@ def window_entry_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     device = q.device
-    config = config or v4_attention_config(num_heads, device)
+    config = config or v4_attention_config(num_heads, num_rows, device)
     max_keys = max_keys_of(sliding_window, entry_cache, entry_table, entry_indices)
     splits = num_splits or v4_attention_num_splits(num_rows, num_heads, max_keys, device, config)
 
