@@ -51,6 +51,13 @@ _TARGET_PROGRAMS = 512
 # V4-mini steps, batch 64 x 64K 2.21 ms against 2.23; at one token the row held through the gates
 # costs more (9.1 us a site against 8.1), so a lone token loads it after.
 _PRELOAD_MIN_TOKENS = 2
+# The block kernel's loads are not software-pipelined: with D specialised (aligned, vectorised loads)
+# the pipeliner's buffers for the column chunks took the write-back 138 KB of shared memory, one
+# program a multiprocessor, where a decode program has one chunk. H200, 4 streams of 4096, us, a
+# write-back + site at 64 tokens: 28.2 with D unspecialised, 32.2 specialised and pipelined, 21.1
+# specialised in one stage; a site without write-back 22.3 -> 12.3; one token 10.7 -> 8.5
+# (bench/results/logs/hc-specialised-h200-2026-11-26.log).
+_STREAMS_DOT_STAGES = 1
 # The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
 # round of loads instead of one a chunk and pass).
 _MAX_SITE_BLOCK_D = 4096
@@ -67,7 +74,10 @@ def _site_tile(n: int, dim: int) -> tuple[int, int]:
     return block_d, max(4, min(16, block_d * max(2, next_pow2(n)) // 2048))
 
 
-@triton.jit(do_not_specialize=["num_tokens", "dim", "chunks"])
+# The token count and what follows from it are plain arguments (an eager step meets every count); D,
+# the model's width, is specialised, so that the compiler knows its alignment and vectorises the loads
+# and masks over it (see _STREAMS_DOT_STAGES for the figures).
+@triton.jit(do_not_specialize=["num_tokens", "chunks"])
 def _streams_kernel(
     streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr,
     num_tokens, dim, chunks,
@@ -131,7 +141,7 @@ def _streams_kernel(
         tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "dim", "chunks"])
+@triton.jit(do_not_specialize=["num_tokens", "chunks"])
 def _streams_dot_kernel(
     streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr,
     num_tokens, dim, chunks,
@@ -187,7 +197,7 @@ def _streams_dot_kernel(
         tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["dim", "slices", "iters"])
+@triton.jit(do_not_specialize=["slices", "iters"])
 def _site_kernel(
     ws_ptr, streams_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
     dim, slices, iters, hc_eps, norm_eps,
@@ -267,7 +277,7 @@ def _site_kernel(
             tl.store(x_ptr + t * s_xt + dd * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit(do_not_specialize=["dim", "slices"])
+@triton.jit(do_not_specialize=["slices"])
 def _head_kernel(
     ws_ptr, streams_ptr, base_ptr, scale_ptr, y_ptr,
     dim, slices, hc_eps, norm_eps,
@@ -376,7 +386,8 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
     meta = dict(N=n, M=width, BLOCK_T=block_t, BLOCK_D=_BLOCK_D, WRITE_BACK=write_back is not None,
                 PARTIALS=fn is not None, GDC=pdl(streams.device), num_warps=4, launch_pdl=pdl(streams.device))
     if _block_dot(num_tokens):
-        _streams_dot_kernel[(triton.cdiv(num_tokens, block_t), slices)](*args, MP=max(16, next_pow2(width)), **meta)
+        _streams_dot_kernel[(triton.cdiv(num_tokens, block_t), slices)](
+            *args, MP=max(16, next_pow2(width)), num_stages=_STREAMS_DOT_STAGES, **meta)
     else:
         _streams_kernel[(triton.cdiv(num_tokens, block_t), slices)](
             *args, NP=max(2, next_pow2(n)), MP=max(2, next_pow2(width)), **meta)
