@@ -16,7 +16,8 @@ and batch 8 at 128K as a decode step of a long-context batch would run them):
   indexer keys read (the figure the target is stated in), the scores' write and
   reads listed beside it.
 * dsa_decode: the three kernels of one layer's sparse attention; bytes = the
-  selected latent rows + the indexer keys read (+ queries, outputs).
+  selected latent rows + the indexer keys read (+ queries, outputs); also at batch
+  64 with random lengths up to 32K (a serving batch: rows of unequal cost).
 Timings are CUDA-graph replays of calls on other block tables (so no call finds
 the previous one's rows in L2); eager timings (launches included, L2 flushed)
 sit beside them.
@@ -102,6 +103,13 @@ def _topk_workspace(num_rows, context, topk_config=None, path=None):
     return dsa_topk.top_k_workspace(num_rows, context, "cuda", topk_config, path, k=TOP_K)
 
 
+def _indexer_grid(num_rows, context, config=None):
+    config = config or dsa_indexer.default_indexer_config(num_rows, context, "cuda")
+    if config.programs_per_sm:
+        return f"streamed, {dsa_indexer.index_scores_programs(num_rows, context, 'cuda', config)} programs"
+    return f"{dsa_indexer.index_scores_num_chunks(num_rows, context, 'cuda', config)} chunks a row"
+
+
 def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True,
                      topk_path=None):
     num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
@@ -126,7 +134,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                index_dim=INDEX_DIM, top_k=TOP_K, score_ms=score_ms, topk_us=topk_ms * 1e3,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
                score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
-               chunks=dsa_indexer.index_scores_num_chunks(num_rows, context, index_q.device, config),
+               indexer_grid=_indexer_grid(num_rows, context, config),
                topk_path=topk_path,
                topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config,
                                                                     topk_path),
@@ -136,9 +144,13 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
     return row
 
 
-def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
-    """Indexer scores + top-k + sparse decode: one layer's sparse attention for B decode rows."""
+def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True, ragged=False):
+    """Indexer scores + top-k + sparse decode: one layer's sparse attention for B decode rows, each of
+    `context` keys, or of random lengths in [1, context] when `ragged` (a serving batch)."""
     num_blocks, index_cache, index_q, head_weights, key_lens, scores, indices = _index_setup(num_rows, context)
+    if ragged:
+        lengths = torch.randint(1, context + 1, (num_rows,), generator=torch.Generator().manual_seed(num_rows))
+        key_lens.copy_(lengths.to(torch.int32))
     kv_cache = torch.randn(num_blocks, BLOCK_SIZE, DIM, device="cuda", dtype=BF16)
     tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
@@ -152,10 +164,15 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True):
                                             kv_lora_rank=KV_LORA_RANK, workspace=workspace)
 
     ms = common.time_graph([lambda t=t: call(t) for t in tables])
-    key_bytes = num_rows * context * INDEX_DIM * 2
+    visible = key_lens.long().cpu()
+    key_bytes = int(visible.sum()) * INDEX_DIM * 2
+    # A row of fewer keys than k selects them all.
     latent_bytes = dsa_decode.sparse_decode_bytes(num_rows, num_heads, TOP_K, DIM, KV_LORA_RANK, 2)
+    latent_bytes -= int((TOP_K - visible.clamp(max=TOP_K)).sum()) * DIM * 2
     row = _row("dsa_decode", ms, key_bytes + latent_bytes, ceilings, batch=num_rows, context=context,
                heads=num_heads, top_k=TOP_K, index_key_bytes=key_bytes, latent_bytes=latent_bytes,
+               lengths="random in [1, context]" if ragged else "context",
+               indexer_grid=_indexer_grid(num_rows, context),
                bytes_counted="indexer keys + selected latent rows + queries + outputs")
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
@@ -218,21 +235,23 @@ def main(argv=None) -> None:
     for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
         result["cases"].append(bench_index_topk(num_rows, context, ceilings))
         torch.cuda.empty_cache()
-    for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
-        result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings))
+    for num_rows, context, ragged in ((64, 32 * 1024, False), (64, 128 * 1024, False), (8, 128 * 1024, False),
+                                      (64, 32 * 1024, True)):
+        result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings, ragged=ragged))
         torch.cuda.empty_cache()
 
     path = common.write_json(result, args.out, "dsa-kernels")
     rows = []
     for c in result["cases"]:
         heads = f" H{c['heads']}" if "heads" in c else f" Hi{c['index_heads']}x{c['index_dim']}"
-        rows.append(dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K{heads} k{c['top_k']}"))
+        ragged = ", ragged" if c.get("lengths", "context") != "context" else ""
+        rows.append(dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K{heads} k{c['top_k']}{ragged}"))
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
           f"-> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("GBps", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
-                              ("topk_us", "topk us"), ("topk_path", "top-k")])
+                              ("topk_us", "topk us"), ("topk_path", "top-k"), ("indexer_grid", "indexer")])
 
 
 if __name__ == "__main__":
