@@ -17,7 +17,7 @@ and batch 8 at 128K as a decode step of a long-context batch would run them):
   reads listed beside it.
 * dsa_decode: the three kernels of one layer's sparse attention; bytes = the
   selected latent rows + the indexer keys read (+ queries, outputs); also at batch
-  64 with random lengths up to 32K (a serving batch: rows of unequal cost).
+  64 and 128 with random lengths up to 32K (serving batches: rows of unequal cost).
 Timings are CUDA-graph replays of calls on other block tables (so no call finds
 the previous one's rows in L2); eager timings (launches included, L2 flushed)
 sit beside them.
@@ -236,7 +236,7 @@ def main(argv=None) -> None:
         result["cases"].append(bench_index_topk(num_rows, context, ceilings))
         torch.cuda.empty_cache()
     for num_rows, context, ragged in ((64, 32 * 1024, False), (64, 128 * 1024, False), (8, 128 * 1024, False),
-                                      (64, 32 * 1024, True)):
+                                      (64, 32 * 1024, True), (128, 32 * 1024, True)):
         result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings, ragged=ragged))
         torch.cuda.empty_cache()
 

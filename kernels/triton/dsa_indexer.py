@@ -9,11 +9,11 @@ the key reads. Positions at or past the row's key count get -inf, written withou
 reading any key.
 
 Two grids, both fixed by static shapes and the device's multiprocessor count:
-* decode batches (up to 256 rows): `_index_scores_streamed_kernel`, a fixed number of
+* decode batches of 128 to 256 rows: `_index_scores_streamed_kernel`, a fixed number of
   programs (`index_scores_programs`). The rows' visible tiles, laid end to end, are
   split evenly between them, so rows of unequal lengths cost what their keys cost;
   a program whose share crosses into the next row loads that row's queries.
-* more rows (prefill tokens): `_index_scores_kernel`, a program per row and chunk
+* other batches: `_index_scores_kernel`, a program per row and chunk
   (`index_scores_num_chunks`): enough programs for several waves, so rows of unequal
   lengths still balance, and no chunk shorter than a few tiles.
 """
@@ -89,23 +89,31 @@ _GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_
 _GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 
-# Decode batches with work for every program take the streamed kernel: a (row, chunk) grid
-# gives every row the same programs, so a batch of long and short rows waits on its long
-# rows' programs after the short rows' have finished. Laid end to end, the visible tiles
-# split evenly whatever the rows' lengths. H100, 64 heads, us, chunked / streamed (4
-# programs a multiprocessor, 2 stages): rows of random lengths B64 x 32K 119.7 / 108.1,
-# B128 x 32K 223.0 / 197.6; equal lengths B64 x 32K 199.3 / 198.4, B64 x 128K 769.6 /
-# 763.4, B128 x 16K 203.6 / 200.3, B8 x 128K 102.2 / 101.8
-# (bench/results/logs/indexer-streamed-h100-2026-11-26.log).
+# Batches of 128 to 256 rows with work for every program take the streamed kernel. A (row,
+# chunk) grid gives every row the same programs, so a batch of long and short rows waits
+# on its long rows' programs after the short rows' have finished. Laid end to end, the
+# visible tiles split evenly whatever the rows' lengths. us, 64 heads, chunked / streamed
+# (4 programs a multiprocessor, 2 stages), H200 and H100:
+#   rows of random lengths:  B128 x 32K 185.6 / 153.2 and 223.0 / 197.6;
+#                            B64 x 32K 96.9 / 84.1 and 119.7 / 108.1;
+#   equal lengths:           B128 x 16K 156.2 / 155.2 and 203.6 / 200.3;
+#                            B64 x 32K 150.3 / 153.4 and 199.3 / 198.4;
+#                            B8 x 128K 75.7 / 78.3 and 102.2 / 101.8.
+# Below 128 rows the streamed kernel costs a fixed ~2-3 us more on the H200 at equal lengths
+# (its programs all start, and wait on the rows' lengths and their shares, at once), and
+# indexer + top-k + sparse decode at B64 x 128K took 698 / 700 us against 688 / 688, so
+# smaller batches keep the chunked grid (config=... streams them)
+# (bench/results/logs/indexer-streamed-{h200,h100}-2026-11-26.log).
 _GPU_STREAMED_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
 _INTERPRETER_STREAMED_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2)
 # Each streamed program reads every row's length, so larger batches (prefill tokens) keep
 # the chunked grid.
+_STREAMED_MIN_ROWS = 128
 _STREAMED_MAX_ROWS = 256
 # Nor does the streamed kernel take a batch whose tiles, at full length, give a program fewer
 # than _STREAMED_MIN_SHARE: there the chunked grid's short chunks, their pages located at
-# once, fill the device better (B1 x 8K 5.0 / 12.2 us streamed, B1 x 128K 12.3 / 15.1,
-# B64 x 2K 12.3 / 16.2; same log).
+# once, fill the device better (H100, us, chunked / streamed: B1 x 8K 5.0 / 12.2, B1 x 128K
+# 12.3 / 15.1, B64 x 2K 12.3 / 16.2).
 _STREAMED_MIN_SHARE = 16
 # No program of an explicitly streamed config gets fewer tiles than this at full length.
 _MIN_STREAMED_TILES = 8
@@ -142,12 +150,13 @@ def indexer_config(device: torch.device, keys_per_chunk: int | None = None) -> I
 
 def default_indexer_config(num_rows: int, num_cols: int, device: torch.device | str) -> IndexerConfig:
     """The tiles and grid `index_scores` takes when given none: the streamed kernel for decode batches
-    with enough tiles, the chunked grid otherwise. Depends only on static shapes and the device."""
+    of 128 to 256 rows with enough tiles, the chunked grid otherwise. Depends only on static shapes
+    and the device."""
     device = torch.device(device)
     streamed = _GPU_STREAMED_CONFIG if device.type == "cuda" else _INTERPRETER_STREAMED_CONFIG
     all_tiles = num_rows * triton.cdiv(num_cols, streamed.block_n)
     programs = streamed.programs_per_sm * sm_count(device)
-    if num_rows <= _STREAMED_MAX_ROWS and all_tiles >= _STREAMED_MIN_SHARE * programs:
+    if _STREAMED_MIN_ROWS <= num_rows <= _STREAMED_MAX_ROWS and all_tiles >= _STREAMED_MIN_SHARE * programs:
         return streamed
     chunks = index_scores_num_chunks(num_rows, num_cols, device)
     return indexer_config(device, triton.cdiv(num_cols, chunks))

@@ -121,13 +121,20 @@ def test_many_rows_take_the_chunked_grid(device):
 
 
 def test_default_grid(device):
-    # Decode batches with a few tiles for every program stream; prefill-sized batches and
-    # batches of little work take the chunked grid. Both give the oracle's scores.
-    assert tri.default_indexer_config(8, 128 * 1024, device).programs_per_sm > 0
+    # Decode batches of 128 to 256 rows with a few tiles for every program stream; smaller and
+    # prefill-sized batches, and batches of little work, take the chunked grid. Both give the
+    # oracle's scores.
+    assert tri.default_indexer_config(128, 128 * 1024, device).programs_per_sm > 0
+    assert tri.default_indexer_config(64, 128 * 1024, device).programs_per_sm == 0
     assert tri.default_indexer_config(300, 128 * 1024, device).programs_per_sm == 0
-    assert tri.default_indexer_config(1, 64, device).programs_per_sm == 0
-    # Streamed under the interpreter (2 programs a multiprocessor, 16-key tiles).
-    _check([4096, 17, 0, 3000, 1, 4095, 2048, 999], 2, 16, 64, torch.float32, device, seed=13)
+    if device.type == "cuda":
+        # 32 tiles a row: fewer than 16 for each of 4 programs a multiprocessor.
+        assert tri.default_indexer_config(128, 2048, device).programs_per_sm == 0
+    # 130 rows of 0 to 32 keys: streamed under the interpreter (8 programs, 16-key tiles).
+    lens = [(11 * t) % 33 for t in range(130)]
+    if device.type == "cpu":
+        assert tri.default_indexer_config(len(lens), 32, device).programs_per_sm > 0
+    _check(lens, 2, 16, 16, torch.float32, device, seed=13)
 
 
 def test_streamed_program_count_is_static(device):
