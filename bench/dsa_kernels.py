@@ -104,9 +104,6 @@ def _topk_workspace(num_rows, context, topk_config=None, path=None):
 
 
 def _indexer_grid(num_rows, context, config=None):
-    config = config or dsa_indexer.default_indexer_config(num_rows, context, "cuda")
-    if config.programs_per_sm:
-        return f"streamed, {dsa_indexer.index_scores_programs(num_rows, context, 'cuda', config)} programs"
     return f"{dsa_indexer.index_scores_num_chunks(num_rows, context, 'cuda', config)} chunks a row"
 
 

@@ -2,20 +2,17 @@
 
 `index_scores` scores every visible position of a row's paged indexer cache:
 scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale.
-Each program keeps a row's queries [Hi, Di] and head weights on chip and streams key
-tiles [BLOCK_N, Di] through one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores,
-float32 accumulation), so every key byte is read once per row and the work is bound by
-the key reads. Positions at or past the row's key count get -inf, written without
-reading any key.
+A program owns one row and one contiguous chunk of its positions; it keeps the
+row's queries [Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di]
+through one matmul each ([BLOCK_N, Di] x [Di, Hi] on tensor cores, float32
+accumulation), so every key byte is read once per row and the work is bound by
+the key reads. Positions at or past the row's key count get -inf, written by the
+chunk's programs without reading any key.
 
-Two grids, both fixed by static shapes and the device's multiprocessor count:
-* decode batches of 128 to 256 rows: `_index_scores_streamed_kernel`, a fixed number of
-  programs (`index_scores_programs`). The rows' visible tiles, laid end to end, are
-  split evenly between them, so rows of unequal lengths cost what their keys cost;
-  a program whose share crosses into the next row loads that row's queries.
-* other batches: `_index_scores_kernel`, a program per row and chunk
-  (`index_scores_num_chunks`): enough programs for several waves, so rows of unequal
-  lengths still balance, and no chunk shorter than a few tiles.
+The chunk count per row depends only on static shapes and the device
+(`index_scores_num_chunks`): enough programs for several waves over the
+multiprocessors, so rows of unequal lengths still balance, and no chunk shorter
+than a few tiles.
 """
 
 from __future__ import annotations
@@ -60,16 +57,13 @@ def write_index_key(
 
 @dataclass(frozen=True, slots=True)
 class IndexerConfig:
-    """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth, the tiles whose
-    pages are looked up at once (0: each tile's with its keys), and its grid: a program per
-    (row, chunk) when programs_per_sm is 0, else that many programs a multiprocessor, each
-    scoring an equal share of the batch's visible tiles (the streamed kernel)."""
+    """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth, and the tiles whose
+    pages are looked up at once (0: each tile's with its keys)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     locate_tiles: int = 0
-    programs_per_sm: int = 0
 
 
 # 64 heads x 128 dims: a [64, 64] fp32 product tile per step is 32 registers a
@@ -88,35 +82,6 @@ _GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_
 # (bench/results/logs/indexer-chunks-sweep-h200-2026-11-26.log).
 _GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
-
-# Batches of 128 to 256 rows with work for every program take the streamed kernel. A (row,
-# chunk) grid gives every row the same programs, so a batch of long and short rows waits
-# on its long rows' programs after the short rows' have finished. Laid end to end, the
-# visible tiles split evenly whatever the rows' lengths. us, 64 heads, chunked / streamed
-# (4 programs a multiprocessor, 2 stages), H200 and H100:
-#   rows of random lengths:  B128 x 32K 185.6 / 153.2 and 223.0 / 197.6;
-#                            B64 x 32K 96.9 / 84.1 and 119.7 / 108.1;
-#   equal lengths:           B128 x 16K 156.2 / 155.2 and 203.6 / 200.3;
-#                            B64 x 32K 150.3 / 153.4 and 199.3 / 198.4;
-#                            B8 x 128K 75.7 / 78.3 and 102.2 / 101.8.
-# Below 128 rows the streamed kernel costs a fixed ~2-3 us more on the H200 at equal lengths
-# (its programs all start, and wait on the rows' lengths and their shares, at once), and
-# indexer + top-k + sparse decode at B64 x 128K took 698 / 700 us against 688 / 688, so
-# smaller batches keep the chunked grid (config=... streams them)
-# (bench/results/logs/indexer-streamed-{h200,h100}-2026-11-26.log).
-_GPU_STREAMED_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
-_INTERPRETER_STREAMED_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2)
-# Each streamed program reads every row's length, so larger batches (prefill tokens) keep
-# the chunked grid.
-_STREAMED_MIN_ROWS = 128
-_STREAMED_MAX_ROWS = 256
-# Nor does the streamed kernel take a batch whose tiles, at full length, give a program fewer
-# than _STREAMED_MIN_SHARE: there the chunked grid's short chunks, their pages located at
-# once, fill the device better (H100, us, chunked / streamed: B1 x 8K 5.0 / 12.2, B1 x 128K
-# 12.3 / 15.1, B64 x 2K 12.3 / 16.2).
-_STREAMED_MIN_SHARE = 16
-# No program of an explicitly streamed config gets fewer tiles than this at full length.
-_MIN_STREAMED_TILES = 8
 
 # Programs per multiprocessor aimed for: several waves, so rows of unequal key
 # counts (and a partial last wave) cost little; chunks never shorter than
@@ -148,28 +113,6 @@ def indexer_config(device: torch.device, keys_per_chunk: int | None = None) -> I
     return _GPU_CONFIG
 
 
-def default_indexer_config(num_rows: int, num_cols: int, device: torch.device | str) -> IndexerConfig:
-    """The tiles and grid `index_scores` takes when given none: the streamed kernel for decode batches
-    of 128 to 256 rows with enough tiles, the chunked grid otherwise. Depends only on static shapes
-    and the device."""
-    device = torch.device(device)
-    streamed = _GPU_STREAMED_CONFIG if device.type == "cuda" else _INTERPRETER_STREAMED_CONFIG
-    all_tiles = num_rows * triton.cdiv(num_cols, streamed.block_n)
-    programs = streamed.programs_per_sm * sm_count(device)
-    if _STREAMED_MIN_ROWS <= num_rows <= _STREAMED_MAX_ROWS and all_tiles >= _STREAMED_MIN_SHARE * programs:
-        return streamed
-    chunks = index_scores_num_chunks(num_rows, num_cols, device)
-    return indexer_config(device, triton.cdiv(num_cols, chunks))
-
-
-def index_scores_programs(num_rows: int, num_cols: int, device: torch.device | str,
-                          config: IndexerConfig) -> int:
-    """The streamed kernel's programs: depends only on static shapes and the device."""
-    device = torch.device(device)
-    all_tiles = max(1, num_rows) * triton.cdiv(max(1, num_cols), config.block_n)
-    return max(1, min(config.programs_per_sm * sm_count(device), triton.cdiv(all_tiles, _MIN_STREAMED_TILES)))
-
-
 def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
                             config: IndexerConfig | None = None) -> int:
     """Chunks per row: depends only on static shapes and the device's multiprocessor count."""
@@ -190,28 +133,9 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
 
 
 @triton.jit
-def _row_queries(q_ptr, w_ptr, r64, weight_scale, num_heads, s_qt, s_qh, s_qd, s_wt, s_wh,
-                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row r64's queries [BLOCK_H, BLOCK_D] and scaled head weights [BLOCK_H] (zeros past num_heads)."""
-    heads = tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
-    offs_d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        q_mask = head_mask[:, None]
-    else:
-        q_mask = head_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + r64 * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
-    # Heads past num_heads weigh 0, so their zero scores add nothing. The scale is applied
-    # as torch's float32 product would (one rounding), where a launch of its own took 1.1 us.
-    weights = tl.load(w_ptr + r64 * s_wt + heads * s_wh, mask=head_mask, other=0.0) * weight_scale
-    return q, weights
-
-
-@triton.jit
-def _score_tile(q, weights, rows, pos, key_mask, num_cols, out_row, s_cd, s_oj,
+def _score_tile(q, weights, rows, pos, key_mask, out_row, s_cd, s_oj,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of one tile of keys (row pointers [BLOCK_N]) against the row's queries [BLOCK_H, BLOCK_D]:
-    stored at positions `pos` < num_cols, -inf where not key_mask."""
+    """Scores of one tile of keys (row pointers [BLOCK_N]) against the row's queries [BLOCK_H, BLOCK_D]."""
     offs_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
         k_mask = key_mask[:, None]
@@ -222,135 +146,67 @@ def _score_tile(q, weights, rows, pos, key_mask, num_cols, out_row, s_cd, s_oj,
     # accumulator's columns, inside each warp, not across warps.
     logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
     score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
-    tl.store(out_row + pos * s_oj, tl.where(key_mask, score, float("-inf")), mask=pos < num_cols)
+    tl.store(out_row + pos * s_oj, score, mask=key_mask)
 
 
-@triton.jit
-def _score_tiles(q, weights, cache_ptr, bt_row, out_row, first, end, key_len, num_cols,
-                 s_cn, s_cb, s_cd, s_btw, s_oj, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 LOCATE_TILES: tl.constexpr):
-    """Scores of one row's key tiles [first, end) (tile j: positions j * BLOCK_N + [0, BLOCK_N)),
-    -inf at positions >= key_len."""
-    offs_n = tl.arange(0, BLOCK_N)
-    if LOCATE_TILES == 0:
-        for j in range(first, end):
-            pos = j * BLOCK_N + offs_n
-            key_mask = pos < key_len
-            page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
-            _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos, key_mask, num_cols,
-                        out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-    else:
-        # The pages of LOCATE_TILES tiles are looked up at once, so the key loads of the
-        # inner loop depend only on registers and the loop counter (as in `dsa_decode`).
-        tile_ids = tl.arange(0, LOCATE_TILES)
-        for g in range(first, end, LOCATE_TILES):
-            located = (g + tile_ids[:, None]) * BLOCK_N + offs_n[None, :]
-            pages = tl.load(bt_row + (located // PAGE_SIZE) * s_btw, mask=located < key_len, other=0)
-            for j in range(0, tl.minimum(LOCATE_TILES, end - g)):
-                pos = (g + j) * BLOCK_N + offs_n
-                page = tl.sum(tl.where(tile_ids[:, None] == j, pages, 0), axis=0).to(tl.int64)
-                _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos, pos < key_len,
-                            num_cols, out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-
-
-@triton.jit
-def _hide_tiles(out_row, first, end, num_cols, s_oj, BLOCK_N: tl.constexpr):
-    """-inf over one row's tiles [first, end), at positions < num_cols."""
-    offs_n = tl.arange(0, BLOCK_N)
-    hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for j in range(first, end):
-        pos = j * BLOCK_N + offs_n
-        tl.store(out_row + pos * s_oj, hidden, mask=pos < num_cols)
-
-
-@triton.jit(do_not_specialize=["num_cols", "tiles_per_chunk"])
+@triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
-    weight_scale, num_heads, num_cols, tiles_per_chunk,
+    weight_scale, num_heads, num_cols, keys_per_chunk,
     s_qt, s_qh, s_qd, s_wt, s_wh,
     s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
 ):
-    """A program per (row, chunk of tiles_per_chunk tiles)."""
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
     key_len = tl.minimum(tl.maximum(tl.load(key_lens_ptr + t * s_kl), 0), num_cols)
-    first = chunk * tiles_per_chunk
-    end = tl.minimum(first + tiles_per_chunk, tl.cdiv(num_cols, BLOCK_N))
-    visible_end = tl.minimum(end, tl.cdiv(key_len, BLOCK_N))
+    start = chunk * keys_per_chunk
+    end = tl.minimum(start + keys_per_chunk, num_cols)
+    visible_end = tl.minimum(end, key_len)
+
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     t64 = t.to(tl.int64)
-    q, weights = _row_queries(q_ptr, w_ptr, t64, weight_scale, num_heads, s_qt, s_qh, s_qd, s_wt, s_wh,
-                              HEAD_DIM, BLOCK_H, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        q_mask = head_mask[:, None]
+    else:
+        q_mask = head_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + t64 * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
+    # Heads past num_heads weigh 0, so their zero scores add nothing. The scale is applied
+    # as torch's float32 product would (one rounding), where a launch of its own took 1.1 us.
+    weights = tl.load(w_ptr + t64 * s_wt + heads * s_wh, mask=head_mask, other=0.0) * weight_scale
+    bt_row = bt_ptr + t64 * s_btt
     out_row = out_ptr + t64 * s_ot
-    _score_tiles(q, weights, cache_ptr, bt_ptr + t64 * s_btt, out_row, first, visible_end, key_len, num_cols,
-                 s_cn, s_cb, s_cd, s_btw, s_oj, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, LOCATE_TILES)
-    _hide_tiles(out_row, tl.maximum(first, visible_end), end, num_cols, s_oj, BLOCK_N)
 
-
-@triton.jit
-def _share(counts, pid, num_programs):
-    """This program's share [lo, hi) of the tiles counted per row ([BLOCK_T]), laid end to end, with
-    the running ends of the rows and the first and last rows it touches (last < first: none)."""
-    ends = tl.cumsum(counts, 0)
-    total = tl.sum(counts, 0)
-    lo = (pid.to(tl.int64) * total // num_programs).to(tl.int32)
-    hi = ((pid + 1).to(tl.int64) * total // num_programs).to(tl.int32)
-    first = tl.sum((ends <= lo).to(tl.int32), 0)
-    last = tl.where(hi > lo, tl.sum((ends < hi).to(tl.int32), 0), first - 1)
-    return ends, lo, hi, first, last
-
-
-@triton.jit
-def _pick(values, rows, r):
-    """values[r] of a [BLOCK_T] vector."""
-    return tl.sum(tl.where(rows == r, values, 0), 0)
-
-
-@triton.jit(do_not_specialize=["num_rows", "num_cols"])
-def _index_scores_streamed_kernel(
-    q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
-    weight_scale, num_rows, num_heads, num_cols,
-    s_qt, s_qh, s_qd, s_wt, s_wh,
-    s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
-    LOCATE_TILES: tl.constexpr,
-):
-    """A fixed number of programs, each scoring an equal share of the batch's visible key tiles (the
-    rows' tiles laid end to end), then writing -inf over an equal share of the tiles past them."""
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    rows = tl.arange(0, BLOCK_T)
-    key_lens = tl.load(key_lens_ptr + rows * s_kl, mask=rows < num_rows, other=0)
-    key_lens = tl.minimum(tl.maximum(key_lens, 0), num_cols)
-    visible = tl.cdiv(key_lens, BLOCK_N)
-    ends, lo, hi, first, last = _share(visible, pid, num_programs)
-    for r in range(first, last + 1):
-        row_end = _pick(ends, rows, r)
-        row_start = row_end - _pick(visible, rows, r)
-        r64 = (first * 0 + r).to(tl.int64)   # r is a plain int under the interpreter
-        q, weights = _row_queries(q_ptr, w_ptr, r64, weight_scale, num_heads, s_qt, s_qh, s_qd, s_wt, s_wh,
-                                  HEAD_DIM, BLOCK_H, BLOCK_D)
-        _score_tiles(q, weights, cache_ptr, bt_ptr + r64 * s_btt, out_ptr + r64 * s_ot,
-                     tl.maximum(lo, row_start) - row_start, tl.minimum(hi, row_end) - row_start,
-                     _pick(key_lens, rows, r), num_cols, s_cn, s_cb, s_cd, s_btw, s_oj,
-                     HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, LOCATE_TILES)
-    hidden = tl.where(rows < num_rows, tl.cdiv(num_cols, BLOCK_N) - visible, 0)
-    ends, lo, hi, first, last = _share(hidden, pid, num_programs)
-    for r in range(first, last + 1):
-        row_end = _pick(ends, rows, r)
-        row_start = row_end - _pick(hidden, rows, r)
-        shift = _pick(visible, rows, r) - row_start
-        _hide_tiles(out_ptr + (first * 0 + r).to(tl.int64) * s_ot, tl.maximum(lo, row_start) + shift,
-                    tl.minimum(hi, row_end) + shift, num_cols, s_oj, BLOCK_N)
+    if LOCATE_TILES == 0:
+        for n0 in range(start, visible_end, BLOCK_N):
+            pos = n0 + offs_n
+            key_mask = pos < visible_end
+            page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
+            _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos, key_mask, out_row,
+                        s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    else:
+        # The pages of LOCATE_TILES tiles are looked up at once, so the key loads of the
+        # inner loop depend only on registers and the loop counter (as in `dsa_decode`).
+        tile_ids = tl.arange(0, LOCATE_TILES)
+        for c0 in range(start, visible_end, LOCATE_TILES * BLOCK_N):
+            located = c0 + tile_ids[:, None] * BLOCK_N + offs_n[None, :]
+            pages = tl.load(bt_row + (located // PAGE_SIZE) * s_btw, mask=located < visible_end, other=0)
+            for j in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(visible_end - c0, BLOCK_N))):
+                pos = c0 + j * BLOCK_N + offs_n
+                page = tl.sum(tl.where(tile_ids[:, None] == j, pages, 0), axis=0).to(tl.int64)
+                _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos,
+                            pos < visible_end, out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
+        pos = n0 + offs_n
+        tl.store(out_row + pos * s_oj, hidden, mask=pos < end)
 
 
 def index_scores(
@@ -373,8 +229,7 @@ def index_scores(
     block_table:  [T, W] int32, one table per row
     key_lens:     [T] int32 keys the row sees (clamped to [0, W * bs]); 0 marks a padded row
     out:          [T, W * bs] float32 to write into (a captured graph allocates nothing), or None
-    config:       overrides the tiles and the grid (benchmark sweeps); by default
-                  `default_indexer_config`
+    config:       overrides the tile sizes (benchmark sweeps)
     returns       scores [T, W * bs] float32: sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale
                   (products and sums in float32) for j < key_lens[t], -inf after.
     """
@@ -401,25 +256,21 @@ def index_scores(
     if num_rows == 0 or num_cols == 0:
         return out
     device = q.device
-    config = config or default_indexer_config(num_rows, num_cols, device)
-    args = (q, head_weights, index_cache, block_table, key_lens, out, float(weight_scale))
-    strides = (*q.stride(), *head_weights.stride(), *index_cache.stride(), *block_table.stride(),
-               key_lens.stride(0), *out.stride())
+    tiles = config or indexer_config(device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, tiles)
+    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), tiles.block_n) * tiles.block_n
+    chunks = triton.cdiv(num_cols, keys_per_chunk)
+    # The GPU configs all step 64 keys, so the chunking above holds for the one picked here.
+    config = config or indexer_config(device, keys_per_chunk)
     use_pdl = pdl(device)
-    shapes = dict(HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
-                  PAGE_SIZE=block_size, DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, launch_pdl=use_pdl)
-    if config.programs_per_sm > 0:
-        programs = index_scores_programs(num_rows, num_cols, device, config)
-        _index_scores_streamed_kernel[(programs,)](
-            *args, num_rows, num_heads, num_cols, *strides, **shapes,
-            BLOCK_N=config.block_n, BLOCK_T=max(16, next_pow2(num_rows)), LOCATE_TILES=config.locate_tiles,
-            num_warps=config.num_warps, num_stages=config.num_stages)
-        return out
-    chunks = index_scores_num_chunks(num_rows, num_cols, device, config)
-    tiles_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n)
-    chunks = triton.cdiv(num_cols, tiles_per_chunk * config.block_n)
     _index_scores_kernel[(num_rows, chunks)](
-        *args, num_heads, num_cols, tiles_per_chunk, *strides, **shapes,
-        BLOCK_N=config.block_n, LOCATE_TILES=config.locate_tiles,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        q, head_weights, index_cache, block_table, key_lens, out,
+        float(weight_scale), num_heads, num_cols, keys_per_chunk,
+        *q.stride(), *head_weights.stride(),
+        *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_N=config.block_n, PAGE_SIZE=block_size,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=config.locate_tiles,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
     return out

@@ -83,68 +83,6 @@ def test_pages_located_ahead(block_size, device):
     _check([200, 64, 129, 0, 17], 4, 32, block_size, torch.float32, device, seed=block_size, config=config)
 
 
-# Both grids, by explicit config: the chunked one (a program per row and chunk) and the
-# streamed one (a fixed number of programs sharing the rows' tiles laid end to end), with
-# shares that start and end inside rows, programs with no share, and empty rows.
-_GRIDS = {
-    "chunked": tri.IndexerConfig(block_n=16, num_warps=4, num_stages=1),
-    "streamed, 1 a multiprocessor": tri.IndexerConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=1),
-    "streamed, 3 a multiprocessor": tri.IndexerConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=3),
-    "streamed, pages located": tri.IndexerConfig(block_n=16, num_warps=4, num_stages=1, locate_tiles=4,
-                                                 programs_per_sm=5),
-}
-
-
-@pytest.mark.parametrize("grid", list(_GRIDS))
-@pytest.mark.parametrize("key_lens", [[200, 0, 1, 129, 16, 17, 0, 95], [0, 0, 3], [64]])
-def test_grids(grid, key_lens, device):
-    _check(key_lens, 4, 32, 16, torch.float32, device, seed=len(key_lens), config=_GRIDS[grid])
-
-
-def test_grids_agree_bit_for_bit(device):
-    # The same tile products in both grids: only who computes a tile differs.
-    gen = generator(11, device)
-    lens = [300, 7, 0, 64, 161]
-    index_cache, block_table = paged_cache(lens, 16, 32, torch.bfloat16, device, gen)
-    q = randn((len(lens), 8, 32), torch.bfloat16, device, gen)
-    weights = randn((len(lens), 8), torch.float32, device, gen)
-    key_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    got = [tri.index_scores(q, weights, index_cache, block_table, key_lens, config=cfg) for cfg in _GRIDS.values()]
-    for other in got[1:]:
-        assert torch.equal(other, got[0])
-
-
-def test_many_rows_take_the_chunked_grid(device):
-    # More rows than the streamed kernel takes (prefill tokens): the chunked grid, same scores.
-    lens = [(7 * t) % 41 for t in range(260)]
-    _check(lens, 2, 16, 16, torch.float32, device, seed=12)
-
-
-def test_default_grid(device):
-    # Decode batches of 128 to 256 rows with a few tiles for every program stream; smaller and
-    # prefill-sized batches, and batches of little work, take the chunked grid. Both give the
-    # oracle's scores.
-    assert tri.default_indexer_config(128, 128 * 1024, device).programs_per_sm > 0
-    assert tri.default_indexer_config(64, 128 * 1024, device).programs_per_sm == 0
-    assert tri.default_indexer_config(300, 128 * 1024, device).programs_per_sm == 0
-    if device.type == "cuda":
-        # 32 tiles a row: fewer than 16 for each of 4 programs a multiprocessor.
-        assert tri.default_indexer_config(128, 2048, device).programs_per_sm == 0
-    # 130 rows of 0 to 32 keys: streamed under the interpreter (8 programs, 16-key tiles).
-    lens = [(11 * t) % 33 for t in range(130)]
-    if device.type == "cpu":
-        assert tri.default_indexer_config(len(lens), 32, device).programs_per_sm > 0
-    _check(lens, 2, 16, 16, torch.float32, device, seed=13)
-
-
-def test_streamed_program_count_is_static(device):
-    config = tri.IndexerConfig(64, 4, 2, programs_per_sm=4)
-    a = tri.index_scores_programs(64, 32 * 1024, device, config)
-    assert a == tri.index_scores_programs(64, 32 * 1024, device, config) >= 1
-    # Never fewer than a few tiles a program at full length.
-    assert tri.index_scores_programs(1, 128, device, config) == 1
-
-
 def test_non_contiguous_inputs_and_out(device):
     _check([40, 0, 17], 3, 32, 16, torch.bfloat16, device, seed=4, non_contiguous=True, out=True)
 
@@ -237,12 +175,11 @@ def test_write_index_key_rejects_bad_inputs(device):
 # --- GPU, real sizes ----------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [tri.IndexerConfig(64, 4, 5, 0), tri.IndexerConfig(64, 4, 5, 16), None,
-                                    tri.IndexerConfig(64, 4, 2, 16, programs_per_sm=4)],
-                         ids=["chunked", "chunked-located", "default", "streamed-located"])
+@pytest.mark.parametrize("locate_tiles", [0, 16])
 @pytest.mark.parametrize("num_heads", [16, 64])
-def test_gpu_real_sizes(num_heads, config):
+def test_gpu_real_sizes(num_heads, locate_tiles):
     device = torch.device("cuda")
     context = 128 * 1024
     lens = [context, 1, 0, 64, 65, 2048, 100_000, 32 * 1024]
+    config = tri.IndexerConfig(64, 4, 5, locate_tiles)
     _check(lens, num_heads, 128, 64, torch.bfloat16, device, seed=num_heads, config=config)
