@@ -9,7 +9,8 @@ before. From two rows of 16-bit floats on (of large weights; from five rows of a
 `linear_rows` streams the weight through tensor-core tiles instead (this GEMV's
 float32 pass a row costs more than the read, see `linear_rows.takes_rows`); float32
 rows keep the GEMV up to LINEAR_MAX_ROWS. Longer inputs go to cuBLAS, whose tiles
-then fill the GPU.
+then fill the GPU, except 17 to 64 rows of a wide weight (an LM head, V4's q_b), which
+`linear_rows` reads faster.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     router weight on bf16 activations) and both are widened. Every path multiplies in
     float32 (or exactly, 16-bit products on tensor cores) and rounds once, as cuBLAS
     does. One row takes the GEMV; 2..`linear_rows.ROWS_MAX_ROWS` rows of bf16 / fp16 `linear_rows`
-    (up to 4 of them only on large weights: `takes_rows`); other rows up to
+    (up to 4 of them only on large weights, 17 to 64 only on weights of 8192+ outputs: `takes_rows`);
+    other rows up to
     LINEAR_MAX_ROWS the GEMV; float32 outputs of up to WIDENED_MAX_ROWS rows that
     those do not take `linear_widened`; the rest cuBLAS.
     """

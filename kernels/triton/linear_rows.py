@@ -1,4 +1,4 @@
-"""Products of 2 to 16 rows of 16-bit floats on tensor cores: decode projections at small batch.
+"""Products of 2 to 16 rows of 16-bit floats on tensor cores (up to 64 on wide weights): decode projections.
 
 The register GEMV in `linear` holds a weight tile and runs one float32 pass over
 it a row; from two rows on, on weights of more than a few MB, that costs more
@@ -29,8 +29,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2, pdl
 from .linear_widened import sum_splits
 
-# Rows this kernel takes (from 2: one row is the GEMV's); more go to cuBLAS.
+# Rows this kernel takes (from 2: one row is the GEMV's); more go to cuBLAS, except below.
 ROWS_MAX_ROWS = 16
+# 17 to 64 rows take it on weights of at least _WIDE_MIN_OUT output columns: 128 column tiles
+# or more, one split each, 64 rows a tile. us, cuBLAS / these tiles, H100 and H200:
+#   64 rows: [129280, 4096] (V4's LM head) 391 / 367 and 283 / 261; [102400, 2048] (V2's)
+#            170 / 153 and 115 / 113; [32768, 1024] (V4's q_b) 29.1 / 27.3 and 21.2 / 21.1;
+#   17 rows: [129280, 4096] 385 / 354 and 268 / 246; [8192, 1024] 8.2 / 7.6 and 6.7 / 6.4.
+# [16384, 4096] at 17 to 32 rows lost on the H200 (34.8 / 37.8), no weight of the presets has
+# it. Narrower weights split K and lost as often as they won (H100, 64 rows: [4096, 4096]
+# 14.8 / 16.6, [2048, 4096] 11.0 / 9.6; bench/results/logs/rows-wide-h100-2026-11-26.log,
+# bench/results/logs/rows-wide-steps-2026-11-26.log).
+WIDE_ROWS_MAX_ROWS = 64
+_WIDE_MIN_OUT = 8192
 _ROWS_DTYPES = (torch.bfloat16, torch.float16)
 # Column tiles below which K is split: fewer would leave most multiprocessors idle.
 _SPLIT_BELOW_TILES = 16
@@ -51,19 +62,25 @@ class RowsConfig:
 def takes_rows(num_rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     """Whether `rows_linear` is the product for num_rows rows of dtype times an [n_out, k_in] weight.
 
+    17 to 64 rows only on weights of at least 8192 output columns (see WIDE_ROWS_MAX_ROWS).
     Up to 4 rows a weight of up to 4M values stays with the register GEMV: these tiles
     cost ~4 us whatever the weight, the GEMV's extra passes less (H200, 4 rows: [1024, 4096]
     4.7 us against 5.6, [2048, 2048] 4.9 against 5.3; [3072, 2048] 8.0 against 5.7).
     """
-    if dtype not in _ROWS_DTYPES or not 2 <= num_rows <= ROWS_MAX_ROWS:
+    if dtype not in _ROWS_DTYPES or not 2 <= num_rows <= WIDE_ROWS_MAX_ROWS:
         return False
+    if num_rows > ROWS_MAX_ROWS:
+        return n_out >= _WIDE_MIN_OUT
     return num_rows > _GEMV_MAX_ROWS or n_out * k_in > _GEMV_MAX_WEIGHT
 
 
-def rows_config(n_out: int, k_in: int, on_gpu: bool) -> RowsConfig:
-    """Tiles for a [T, k_in] x [n_out, k_in]^T product (the H200 sweep's best, rounded to one rule)."""
+def rows_config(n_out: int, k_in: int, on_gpu: bool, num_rows: int = ROWS_MAX_ROWS) -> RowsConfig:
+    """Tiles for a [num_rows, k_in] x [n_out, k_in]^T product (the sweeps' best, rounded to one rule)."""
     if not on_gpu:
         return RowsConfig(16, 32, _SPLIT_K if triton.cdiv(n_out, 16) <= _SPLIT_BELOW_TILES else 1, 1)
+    if num_rows > ROWS_MAX_ROWS:
+        # A row tile as wide as the weight's: K steps of 128 three deep keep both in 96 KB.
+        return RowsConfig(64, 128, _SPLIT_K if triton.cdiv(n_out, 64) <= _SPLIT_BELOW_TILES else 1, 3)
     # Short rows take shorter K steps, three deep: [11264, 1536] at 8 rows 10.5 us, 12.1 with 4 stages.
     block_k, num_stages = (256, 4) if k_in >= 2048 else (128, 3)
     split_k = _SPLIT_K if triton.cdiv(n_out, 64) <= _SPLIT_BELOW_TILES else 1
@@ -105,7 +122,7 @@ def _rows_kernel(
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None = None) -> torch.Tensor:
-    """x [T, K], weight [N, K] (one 16-bit dtype, any strides; T <= ROWS_MAX_ROWS) -> y [T, N] in that dtype.
+    """x [T, K], weight [N, K] (one 16-bit dtype, any strides; T <= WIDE_ROWS_MAX_ROWS) -> y [T, N] in that dtype.
 
     Checked by the caller (`linear`). `config` overrides `rows_config` (sweeps).
     """
@@ -114,7 +131,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None
     y = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return y
-    c = config or rows_config(n_out, k_in, x.device.type == "cuda")
+    c = config or rows_config(n_out, k_in, x.device.type == "cuda", num_rows)
     # Each split's share of K is a whole number of BLOCK_K steps.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k_in, k_per_split)

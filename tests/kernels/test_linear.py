@@ -9,7 +9,8 @@ from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
 from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
-from mla_func.kernels.triton.linear_rows import ROWS_MAX_ROWS, RowsConfig, rows_config, rows_linear, takes_rows
+from mla_func.kernels.triton.linear_rows import (ROWS_MAX_ROWS, WIDE_ROWS_MAX_ROWS, RowsConfig, rows_config,
+                                                 rows_linear, takes_rows)
 from mla_func.kernels.triton.linear_widened import WIDENED_MAX_ROWS
 
 
@@ -47,12 +48,32 @@ def test_linear_takes_tiles_by_rows_weight_and_dtype():
     assert takes_rows(2, 2048, 4096, torch.bfloat16) and takes_rows(5, 8, 8, torch.float16)
     assert not takes_rows(ROWS_MAX_ROWS + 1, 2048, 4096, torch.bfloat16)  # cuBLAS
     assert not takes_rows(8, 2048, 4096, torch.float32)
+    # More rows only of wide weights (an LM head), and at most WIDE_ROWS_MAX_ROWS.
+    assert takes_rows(ROWS_MAX_ROWS + 1, 8192, 1024, torch.bfloat16)
+    assert takes_rows(WIDE_ROWS_MAX_ROWS, 129280, 4096, torch.bfloat16)
+    assert not takes_rows(WIDE_ROWS_MAX_ROWS + 1, 129280, 4096, torch.bfloat16)
+    assert not takes_rows(WIDE_ROWS_MAX_ROWS, 8192, 1024, torch.float32)
+
+
+@pytest.mark.parametrize("num_rows", [ROWS_MAX_ROWS + 1, 37, WIDE_ROWS_MAX_ROWS, WIDE_ROWS_MAX_ROWS + 1])
+def test_linear_wide_weight_rows_match_reference(num_rows, device):
+    # A weight of 8192 outputs: its rows take the tiles up to WIDE_ROWS_MAX_ROWS, then cuBLAS.
+    gen = generator(num_rows, device)
+    x = randn((num_rows, 24), torch.bfloat16, device, gen)
+    weight = randn((8192, 24), torch.bfloat16, device, gen, scale=24 ** -0.5)
+    want = ref_linear(x.double(), weight.double())
+    got = linear(strided(x, gen), strided(weight, gen))
+    assert got.shape == (num_rows, 8192) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.bfloat16])
+    if num_rows <= WIDE_ROWS_MAX_ROWS:
+        torch.testing.assert_close(rows_linear(x, weight).double(), want, **TOLERANCE[torch.bfloat16])
 
 
 def test_linear_rows_splits_sum_in_order(device):
     # Every split count gives the float32 sum rounded once; the rule splits few column tiles only.
     on_gpu = device.type == "cuda"
     assert rows_config(40, 200, on_gpu).split_k > 1 and rows_config(5000, 200, on_gpu).split_k == 1
+    assert rows_config(8192, 1024, on_gpu, WIDE_ROWS_MAX_ROWS).split_k == 1
     gen = generator(11, device)
     x = randn((5, 256), torch.bfloat16, device, gen)
     weight = randn((24, 256), torch.bfloat16, device, gen, scale=0.0625)
