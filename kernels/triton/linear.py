@@ -115,10 +115,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     router weight on bf16 activations) and both are widened. Every path multiplies in
     float32 (or exactly, 16-bit products on tensor cores) and rounds once, as cuBLAS
     does. One row takes the GEMV; 2..`linear_rows.ROWS_MAX_ROWS` rows of bf16 / fp16 `linear_rows`
-    (up to 4 of them only on large weights, 17 to 64 only on weights of 8192+ outputs: `takes_rows`);
-    other rows up to
-    LINEAR_MAX_ROWS the GEMV; float32 outputs of up to WIDENED_MAX_ROWS rows that
-    those do not take `linear_widened`; the rest cuBLAS.
+    (up to 4 of them only on large weights), and so do 17 to 64 rows of weights of 8192+ outputs
+    (`takes_rows`); other rows up to LINEAR_MAX_ROWS the GEMV; float32 outputs of up to
+    WIDENED_MAX_ROWS rows that those do not take `linear_widened`; the rest cuBLAS.
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]

@@ -36,8 +36,8 @@ ROWS_MAX_ROWS = 16
 #   64 rows: [129280, 4096] (V4's LM head) 391 / 367 and 283 / 261; [102400, 2048] (V2's)
 #            170 / 153 and 115 / 113; [32768, 1024] (V4's q_b) 29.1 / 27.3 and 21.2 / 21.1;
 #   17 rows: [129280, 4096] 385 / 354 and 268 / 246; [8192, 1024] 8.2 / 7.6 and 6.7 / 6.4.
-# [16384, 4096] at 17 to 32 rows lost on the H200 (34.8 / 37.8), no weight of the presets has
-# it. Narrower weights split K and lost as often as they won (H100, 64 rows: [4096, 4096]
+# [16384, 4096] at 17 to 32 rows lost on the H200 (34.8 / 37.8); none of the presets' weights
+# has that shape. Narrower weights split K and lost as often as they won (H100, 64 rows: [4096, 4096]
 # 14.8 / 16.6, [2048, 4096] 11.0 / 9.6; bench/results/logs/rows-wide-h100-2026-11-26.log,
 # bench/results/logs/rows-wide-steps-2026-11-26.log).
 WIDE_ROWS_MAX_ROWS = 64
