@@ -21,19 +21,26 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def online_softmax_fold(scores, values, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One tile of a base-2 online softmax: scores [M, N] (scaled by LOG2E, -inf where masked) and
-    values [N, D] folded into the running maximum m_i [M], sum l_i [M] and output acc [M, D] float32."""
+def online_softmax_weights(scores, m_i, l_i):
+    """One tile of a base-2 online softmax: scores [M, N] (scaled by LOG2E, -inf where masked) against
+    the running maximum m_i [M] and sum l_i [M] -> (new maximum, new sum, alpha [M] to rescale the
+    running output by, weights p [M, N] float32)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     # A tile (or a whole split) may hold no valid key: while the maximum is
     # still -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - shift)
     p = tl.exp2(scores - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(values.dtype), values, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def online_softmax_fold(scores, values, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """`online_softmax_weights`, then values [N, D] folded into the output acc [M, D] float32."""
+    m_new, l_i, alpha, p = online_softmax_weights(scores, m_i, l_i)
+    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
 
 # Under TRITON_INTERPRET=1 (CPU tests) there is no device to size a grid for; a
 # small fixed count keeps the interpreted grids short while still giving

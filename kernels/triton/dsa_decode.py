@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
+from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_weights, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value
 
@@ -153,13 +153,7 @@ def _attend_tile(q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, 
         scores = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(key_mask[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # A tile (or a whole split) may hold no valid key: while the maximum is still
-    # -inf, shift by 0 so every weight is exp2(-inf) = 0, never NaN.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(scores - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, alpha, p = online_softmax_weights(scores, m_i, l_i)
     p = p.to(k0.dtype)
     a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PRECISION)
     if CHUNKS == 4:
@@ -171,6 +165,7 @@ def _attend_tile(q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, 
 
 @triton.jit
 def _store_columns(po_row, a, l_i, c0, limit, head_mask, s_pod, CHUNK: tl.constexpr):
+    """Columns [c0, c0 + CHUNK) of the split's output, a / l_i, at `po_row` [BLOCK_H, 1] (below limit)."""
     cols = c0 + tl.arange(0, CHUNK)
     tl.store(po_row + cols[None, :] * s_pod, (a / l_i[:, None]).to(po_row.dtype.element_ty),
              mask=head_mask[:, None] & (cols[None, :] < limit))
