@@ -37,6 +37,7 @@ class MoeConfig:
     block_k: int   # reduction step
     num_warps: int
     num_stages: int
+    down_stages: int = 0   # the down kernel's pipeline depth where it differs (0: num_stages)
 
 
 # Chosen for V2-Lite shapes (D=2048, I=1408, bf16). Decode: few live rows per expert,
@@ -53,8 +54,11 @@ _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 # for 8 experts, 40 us vs 61 us for one; bench/results/logs/moe-sweep-h200-2026-11-23.log).
 # 64-deep K steps keep three stages in half the shared memory, so more programs stay
 # resident: 142 us against 154 with 128-deep ones for V4's batch 64, top-6 + 1
-# (bench/results/logs/v4-moe-b64-sweep-h200-2026-11-24.log).
-_GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+# (bench/results/logs/v4-moe-b64-sweep-h200-2026-11-24.log). The down kernel reads one weight
+# tile a step where gate/up reads two, so it takes a stage more to keep as many bytes in flight:
+# H100, V4's batch 64, the down kernel alone 62.2 us against 69.2 at three stages (gate/up gains
+# nothing from a fourth; bench/results/logs/moe-down-stages-h100-2026-11-26.log).
+_GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, down_stages=4)
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
@@ -75,7 +79,7 @@ def tiled_config(num_pairs: int, num_experts: int, device: torch.device,
     else:
         config = _GPU_PREFILL
     # float32 tiles take twice the shared memory: one stage less keeps them in it.
-    return replace(config, num_stages=2) if dtype == torch.float32 else config
+    return replace(config, num_stages=2, down_stages=0) if dtype == torch.float32 else config
 
 
 def moe_config(num_pairs: int, num_experts: int, device: torch.device,
@@ -311,7 +315,7 @@ def tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=inter % config.block_k == 0, EVEN_N=hidden % config.block_n == 0,
         DOT_PRECISION=precision, GDC=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+        num_warps=config.num_warps, num_stages=config.down_stages or config.num_stages, launch_pdl=use_pdl,
     )
     block_d = min(1024, next_pow2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](

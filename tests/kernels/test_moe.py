@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,6 +63,18 @@ def test_default_path_and_float32_out(num_tokens, device):
     out = _check(inputs, torch.bfloat16, out_dtype=torch.float32)
     # Rounding the float32 result gives the bf16 result up to the order of the float32 sums.
     assert_close(out.to(torch.bfloat16), tri.fused_moe(*inputs), torch.bfloat16)
+
+
+def test_down_kernel_pipeline_depth_of_its_own(device):
+    # `down_stages` changes how far ahead the down kernel loads, never what it computes.
+    inputs = _inputs(40, 64, 48, 8, 3, torch.bfloat16, device, seed=7)
+    base = tri.tiled_config(120, 8, device, torch.bfloat16)
+    deeper = dataclasses.replace(base, down_stages=base.num_stages + 1)
+    assert torch.equal(tri.fused_moe(*inputs, config=deeper), tri.fused_moe(*inputs, config=base))
+    # float32 tiles take twice the shared memory: on a GPU both kernels then keep to two stages.
+    for num_pairs in (64, 448, 4096):
+        config = tri.tiled_config(num_pairs, 9, torch.device("cuda"), torch.float32)
+        assert max(config.num_stages, config.down_stages) <= 2, config
 
 
 @pytest.mark.parametrize("path", ["pair", "tiled"])
