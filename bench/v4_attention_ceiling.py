@@ -8,7 +8,10 @@ rate is then a question of its tensor-core rate. This benchmark times the best c
 Triton kernel written with `tl.dot` can be: `_ideal_kernel`, a flash-decoding loop over
 keys stored contiguously per row (no page table, no gather, no sink, no masks), its
 [64, 512] queries on chip, one program per (row, split), float32 or bf16 partials. Over
-a few tile shapes and split counts, the fastest is kept. Beside it, in the same run:
+a few tile shapes and split counts, the fastest is kept; it is then timed again with its key
+tiles loaded through a tensor descriptor (TMA), with its loop offered to Triton's warp
+specialisation (`tl.range(..., warp_specialize=True)`), and with both. Beside it, in the
+same run:
 
 * ours: `v4_attention.window_entry_attention` (HCA: window + every entry) at the same
   rows and keys per row, on paged caches, with the sink and the split merge;
@@ -48,22 +51,32 @@ TARGET = 1.3
 
 
 @triton.jit
-def _ideal_kernel(q_ptr, k_ptr, o_ptr, num_keys, per_split, scale_log2,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+def _ideal_kernel(q_ptr, k_ptr, o_ptr, num_rows, num_keys, per_split, scale_log2,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr, TMA: tl.constexpr):
     """Row t, split s: softmax(q k^T) k over keys [s * per_split, (s + 1) * per_split) of the row's
-    contiguous [num_keys, D] keys, normalised, into o[t, s] (per_split a multiple of BLOCK_N)."""
-    t = tl.program_id(0).to(tl.int64)
+    contiguous [num_keys, D] keys, normalised, into o[t, s] (per_split a multiple of BLOCK_N). TMA:
+    the key tiles through a tensor descriptor; WARP_SPECIALIZE: the loop offered to Triton's warp
+    specialisation."""
+    t = tl.program_id(0)
     s = tl.program_id(1)
     hh = tl.arange(0, H)
     dd = tl.arange(0, D)
     nn = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + t * H * D + hh[:, None] * D + dd[None, :])
+    q = tl.load(q_ptr + t.to(tl.int64) * H * D + hh[:, None] * D + dd[None, :])
     m_i = tl.full([H], float("-inf"), tl.float32)
     l_i = tl.zeros([H], tl.float32)
     acc = tl.zeros([H, D], tl.float32)
-    keys_ptr = k_ptr + t * num_keys * D
-    for n0 in tl.range(s * per_split, (s + 1) * per_split, BLOCK_N, num_stages=STAGES):
-        keys = tl.load(keys_ptr + (n0 + nn)[:, None] * D + dd[None, :])
+    keys_ptr = k_ptr + t.to(tl.int64) * num_keys * D
+    if TMA:
+        desc = tl.make_tensor_descriptor(k_ptr, shape=[num_rows * num_keys, D], strides=[D, 1],
+                                         block_shape=[BLOCK_N, D])
+    for n0 in tl.range(s * per_split, (s + 1) * per_split, BLOCK_N, num_stages=STAGES,
+                       warp_specialize=WARP_SPECIALIZE):
+        if TMA:
+            keys = desc.load([t * num_keys + n0, 0])
+        else:
+            keys = tl.load(keys_ptr + (n0 + nn)[:, None] * D + dd[None, :])
         scores = tl.dot(q, tl.trans(keys)) * scale_log2
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -72,21 +85,23 @@ def _ideal_kernel(q_ptr, k_ptr, o_ptr, num_keys, per_split, scale_log2,
         acc = tl.dot(p.to(keys.dtype), keys, acc * alpha[:, None])
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (t * tl.num_programs(1) + s) * H * D + hh[:, None] * D + dd[None, :],
+    tl.store(o_ptr + (t.to(tl.int64) * tl.num_programs(1) + s) * H * D + hh[:, None] * D + dd[None, :],
              out.to(o_ptr.dtype.element_ty))
 
 
-def _ideal(q, keys, out, tile, splits):
+def _ideal(q, keys, out, tile, splits, warp_specialize=False, tma=False):
     block_n, num_warps, stages = tile
     num_rows, num_keys, _ = keys.shape
-    _ideal_kernel[(num_rows, splits)](q, keys, out, num_keys, num_keys // splits, HEAD_DIM ** -0.5 * 1.4426950408889634,
-                                      H=HEADS, D=HEAD_DIM, BLOCK_N=block_n, STAGES=stages,
+    _ideal_kernel[(num_rows, splits)](q, keys, out, num_rows, num_keys, num_keys // splits,
+                                      HEAD_DIM ** -0.5 * 1.4426950408889634, H=HEADS, D=HEAD_DIM, BLOCK_N=block_n,
+                                      STAGES=stages, WARP_SPECIALIZE=warp_specialize, TMA=tma,
                                       num_warps=num_warps, num_stages=stages)
 
 
 def _check_ideal(q, keys, out, splits):
     """The loop computes attention: its one-split output against torch's, on the first rows."""
-    ref = torch.softmax((q[:4].float() @ keys[:4].float().transpose(1, 2)) * HEAD_DIM ** -0.5, dim=-1) @ keys[:4].float()
+    k = keys[:4].float()
+    ref = torch.softmax((q[:4].float() @ k.transpose(1, 2)) * HEAD_DIM ** -0.5, dim=-1) @ k
     if splits == 1:
         err = (out[:4, 0].float() - ref).abs().max().item()
         if err > 2e-2:
@@ -122,6 +137,17 @@ def bench_case(num_rows, num_keys, ceilings):
     row.update(ideal_us=best["us"], ideal_tflops=best["tflops"], ideal_ratio=best["us"] / roofline_us,
                ideal_config=f"{best['block_n']} keys, {best['num_warps']} warps, {best['stages']} stages, "
                             f"{best['splits']} splits, {best['partials']} partials")
+    # The best loop again with its key tiles through TMA, offered to warp specialisation, or both.
+    tile = (best["block_n"], best["num_warps"], best["stages"])
+    out = torch.empty(num_rows, best["splits"], HEADS, HEAD_DIM, device="cuda", dtype=getattr(torch, best["partials"]))
+    for name, warp_specialize, tma in (("tma", False, True), ("ws", True, False), ("ws_tma", True, True)):
+        try:
+            row[f"ideal_{name}_us"] = common.time_graph(
+                [lambda k=k: _ideal(q, k, out, tile, best["splits"], warp_specialize, tma) for k in key_sets]) * 1e3
+        except RuntimeError as exc:  # a variant the compiler refuses is a result of the run
+            row[f"ideal_{name}_error"] = str(exc).strip().splitlines()[-1][:120]
+            continue
+        _check_ideal(q, key_sets[1], out, best["splits"])
     kt = [k.transpose(1, 2) for k in key_sets]
     scores = torch.empty(num_rows, HEADS, num_keys, device="cuda", dtype=BF16)
     out = torch.empty(num_rows, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
@@ -138,6 +164,8 @@ def bench_case(num_rows, num_keys, ceilings):
 
 def main(argv=None) -> None:
     args = common.kernel_bench_parser(__doc__).parse_args(argv)
+    # Tensor descriptors built inside a kernel take their scratch from this allocator.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     result, ceilings = common.kernel_bench_run(
         "bench/v4_attention_ceiling.py", args.commit, matmul=True,
         timing=common.GRAPH_REPLAY_TIMING, target=f"t/t_copy <= {TARGET} (issue's V4 attention rows at B >= 64)")
@@ -151,7 +179,8 @@ def main(argv=None) -> None:
     common.print_table(result["cases"], [
         ("batch", "B"), ("keys_per_row", "keys/row"), ("roofline_us", "roofline us"),
         ("tflops_for_target", f"TFLOP/s for {TARGET}x"), ("ideal_us", "ideal us"), ("ideal_tflops", "ideal TFLOP/s"),
-        ("ideal_ratio", "ideal t/t_copy"), ("ours_us", "ours us"), ("ours_ratio", "ours t/t_copy"),
+        ("ideal_ratio", "ideal t/t_copy"), ("ideal_tma_us", "TMA us"), ("ideal_ws_us", "warp-spec. us"),
+        ("ideal_ws_tma_us", "both us"), ("ours_us", "ours us"), ("ours_ratio", "ours t/t_copy"),
         ("cublas_us", "cuBLAS 2 bmm us"), ("ideal_config", "ideal config")])
 
 
