@@ -56,8 +56,9 @@ _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 # resident: 142 us against 154 with 128-deep ones for V4's batch 64, top-6 + 1
 # (bench/results/logs/v4-moe-b64-sweep-h200-2026-11-24.log). The down kernel reads one weight
 # tile a step where gate/up reads two, so it takes a stage more to keep as many bytes in flight:
-# H100, V4's batch 64, the down kernel alone 62.2 us against 69.2 at three stages (gate/up gains
-# nothing from a fourth; bench/results/logs/moe-down-stages-h100-2026-11-26.log).
+# H100, V4's batch 64, the down kernel alone 62.2 us against 69.2 at three stages, v4-mini's B64 x 64K
+# step 2.52 ms against 2.53-2.54 (gate/up gains nothing from a fourth;
+# bench/results/logs/moe-down-stages-h100-2026-11-26.log).
 _GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, down_stages=4)
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
