@@ -37,6 +37,7 @@ import common  # noqa: E402
 import v4_kernels  # noqa: E402
 
 from mla_func.kernels.triton import v4_attention  # noqa: E402
+from mla_func.kernels.triton._common import dot_precision, online_softmax_fold  # noqa: E402
 
 HEADS, HEAD_DIM = v4_kernels.HEADS, v4_kernels.HEAD_DIM
 BF16 = torch.bfloat16
@@ -53,7 +54,7 @@ TARGET = 1.3
 @triton.jit
 def _ideal_kernel(q_ptr, k_ptr, o_ptr, num_rows, num_keys, per_split, scale_log2,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                  WARP_SPECIALIZE: tl.constexpr, TMA: tl.constexpr):
+                  WARP_SPECIALIZE: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Row t, split s: softmax(q k^T) k over keys [s * per_split, (s + 1) * per_split) of the row's
     contiguous [num_keys, D] keys, normalised, into o[t, s] (per_split a multiple of BLOCK_N). TMA:
     the key tiles through a tensor descriptor; WARP_SPECIALIZE: the loop offered to Triton's warp
@@ -77,13 +78,9 @@ def _ideal_kernel(q_ptr, k_ptr, o_ptr, num_rows, num_keys, per_split, scale_log2
             keys = desc.load([t * num_keys + n0, 0])
         else:
             keys = tl.load(keys_ptr + (n0 + nn)[:, None] * D + dd[None, :])
-        scores = tl.dot(q, tl.trans(keys)) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(keys.dtype), keys, acc * alpha[:, None])
-        m_i = m_new
+        scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
+        # The same online-softmax step as our kernels (`_common.online_softmax_fold`).
+        m_i, l_i, acc = online_softmax_fold(scores, keys, m_i, l_i, acc, DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (t.to(tl.int64) * tl.num_programs(1) + s) * H * D + hh[:, None] * D + dd[None, :],
              out.to(o_ptr.dtype.element_ty))
@@ -95,7 +92,7 @@ def _ideal(q, keys, out, tile, splits, warp_specialize=False, tma=False):
     _ideal_kernel[(num_rows, splits)](q, keys, out, num_rows, num_keys, num_keys // splits,
                                       HEAD_DIM ** -0.5 * 1.4426950408889634, H=HEADS, D=HEAD_DIM, BLOCK_N=block_n,
                                       STAGES=stages, WARP_SPECIALIZE=warp_specialize, TMA=tma,
-                                      num_warps=num_warps, num_stages=stages)
+                                      DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=stages)
 
 
 def _check_ideal(q, keys, out, splits):
