@@ -51,7 +51,7 @@ def test_the_readme_test_commands_are_what_ci_runs():
     ci = [line for line in script if line and not line.startswith(("#", "set ", "cd "))]
     assert readme == ci
     assert readme[0].startswith("python3 -m pip install") and '".[test]"' in readme[0]
-    assert readme[1] == 'python3 -m pytest -m "not gpu" -q'
+    assert readme[1] == 'python3 -m pytest -m "not gpu" -q -n auto'
 
 
 def test_the_readme_set_up_commands_install_and_run_the_demo():
