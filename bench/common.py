@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -79,6 +81,39 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> floa
     ms = start.elapsed_time(end) / (replays * len(calls))
     del graph
     return ms
+
+
+def kernel_profile(run: Callable[[], object], reps: int = 5) -> list[tuple[str, float, int]]:
+    """GPU kernels of `run()` under the torch profiler, over `reps` calls: (name, us a call, launches a
+    call), longest first. Kernels launched as programmatic dependents count their wait for the kernel
+    before them; profile under `programmatic_launch_off()` for each kernel's own time."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    times: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.time_range.elapsed_us() / reps
+            counts[event.name] += 1
+    return sorted(((name, us, counts[name] // reps) for name, us in times.items()), key=lambda r: -r[1])
+
+
+@contextlib.contextmanager
+def programmatic_launch_off():
+    """Kernels launched inside launch after their predecessor ends, as on GPUs before Hopper (graphs
+    captured inside keep that). For profiles: a programmatic dependent's time includes its wait."""
+    from mla_func.kernels.triton import _common
+
+    capable = _common._pdl_capable
+    _common._pdl_capable = lambda index: False
+    try:
+        yield
+    finally:
+        _common._pdl_capable = capable
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:

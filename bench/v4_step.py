@@ -1,6 +1,6 @@
 """Decode step latency of the "v4-mini" preset: graphs vs eager, against the roofline.
 
-    python bench/v4_step.py [--batches 1 64] [--contexts 8192 65536] [--commit SHA]
+    python bench/v4_step.py [--batches 1 64] [--contexts 8192 65536] [--commit SHA] [--profile]
 
 Each row: one decode step of `batch` sequences with `context` cached tokens each
 (random bf16 weights, every cache leaf filled with random values). The roofline is
@@ -13,6 +13,9 @@ selected entries (top 512) and its indexer's keys (context / 4 keys of 128). Rea
 of the compressor's inputs on a step that completes a block, and every cache write,
 are a few KB a sequence and not counted. Prints a table (last) and writes JSON under
 bench/results/.
+
+With --profile, each row's graph step is also profiled with programmatic launch off (each
+kernel's own time) and its longest kernels printed; the list goes into the JSON too.
 
 The state of a 64K context holds, per token, every layer's window key, compressor
 inputs and indexer inputs (16 KB a token in v4-mini): batch 64 at 64K needs about
@@ -38,6 +41,7 @@ import mla_func as mf  # noqa: E402
 from mla_func.kernels import ops_for  # noqa: E402
 
 BLOCK_SIZE = 64
+PROFILE_ROWS = 30
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -133,11 +137,29 @@ def run_row(model, batch, context, args, copy_bw, max_len) -> dict:
     if args.eager:
         eager_ms, state = time_steps(eager_step, state, batch_tensors, dataclasses.replace(mode, use_graph=False),
                                      args.iters)
+    profile = None
+    if args.profile:
+        with common.programmatic_launch_off():
+            # A graph captured now launches every kernel after the one before it ends.
+            plain_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
+                                      max_model_len=max_len, block_size=BLOCK_SIZE)
+            states = [state]
+
+            def advance():
+                # Each step donates the state it is given: the next one takes the state it returned.
+                states[0], _ = plain_step(states[0], batch_tensors, mode)
+
+            profile = common.kernel_profile(advance)
+        print(f"B{batch} x {context}: kernels a step without programmatic launch, {sum(r[1] for r in profile):.0f} us "
+              f"in {sum(r[2] for r in profile)} launches", flush=True)
+        for name, us, launches in profile[:PROFILE_ROWS]:
+            print(f"  {us:8.1f} us {launches:4d}x  {name[:100]}", flush=True)
     return dict(batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
                 pct_roofline=100 * roofline_ms / graph_ms, roofline_ratio=graph_ms / roofline_ms,
                 graph_speedup=eager_ms / graph_ms, graph_tok_s=batch / graph_ms * 1e3,
                 weight_gb=weight_bytes / 1e9, cache_gb=cache_bytes / 1e9,
-                experts_per_layer=sum(experts) / max(1, len(experts)), padded_batch=mode.padded_decode_seqs)
+                experts_per_layer=sum(experts) / max(1, len(experts)), padded_batch=mode.padded_decode_seqs,
+                **({"kernels_without_programmatic_launch": profile} if profile is not None else {}))
 
 
 def main() -> None:
@@ -148,6 +170,8 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each row's step kernel by kernel (programmatic launch off)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
