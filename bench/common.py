@@ -104,8 +104,9 @@ def kernel_profile(run: Callable[[], object], reps: int = 5) -> list[tuple[str, 
 
 @contextlib.contextmanager
 def programmatic_launch_off():
-    """Kernels launched inside launch after their predecessor ends, as on GPUs before Hopper (graphs
-    captured inside keep that). For profiles: a programmatic dependent's time includes its wait."""
+    """Inside, every kernel launches only once the one before it has ended, as on GPUs before Hopper
+    (a graph captured inside keeps that). For profiles: a programmatic dependent's time includes its
+    wait for its predecessor."""
     from mla_func.kernels.triton import _common
 
     capable = _common._pdl_capable
