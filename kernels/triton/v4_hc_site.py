@@ -169,19 +169,14 @@ def _streams_dot_kernel(
             dtype = new_ptr.dtype.element_ty
             o = tl.load(out_ptr + t64[:, None] * s_ot + dd[None, :] * s_od, mask=mask, other=0.0)
             o = o.to(dtype).to(tl.float32)
-            # Each stream's tile is loaded once for all N mixed outputs. Loaded inside the loop
-            # below, after the previous output's store (which may alias them, as far as the
-            # compiler knows), they were read N times, each read waiting on that store.
-            tiles = ()
-            for j in tl.static_range(N):
-                tiles = tiles + (tl.load(streams_ptr + t64[:, None] * s_st + j * s_sn + dd[None, :] * s_sd,
-                                         mask=mask, other=0.0).to(tl.float32),)
         for k in tl.static_range(N):
             if WRITE_BACK:
                 mixed = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
                 for j in tl.static_range(N):
+                    s_j = tl.load(streams_ptr + t64[:, None] * s_st + j * s_sn + dd[None, :] * s_sd, mask=mask,
+                                  other=0.0)
                     c_jk = tl.load(comb_ptr + t64 * s_ct + j * s_cr + k * s_cc, mask=t_ok, other=0.0)
-                    mixed += c_jk.to(dtype).to(tl.float32)[:, None] * tiles[j]
+                    mixed += c_jk.to(dtype).to(tl.float32)[:, None] * s_j.to(tl.float32)
                 p_k = tl.load(post_ptr + t64 * s_pt + k * s_pn, mask=t_ok, other=0.0).to(dtype).to(tl.float32)
                 delta = (p_k[:, None] * o).to(dtype).to(tl.float32)
                 new = (mixed.to(dtype).to(tl.float32) + delta).to(dtype)
