@@ -10,8 +10,8 @@ keys stored contiguously per row (no page table, no gather, no sink, no masks), 
 [64, 512] queries on chip, one program per (row, split), float32 or bf16 partials. Over
 a few tile shapes and split counts, the fastest is kept; it is then timed again with its key
 tiles loaded through a tensor descriptor (TMA), with its loop offered to Triton's warp
-specialisation (`tl.range(..., warp_specialize=True)`), and with both. Beside it, in the
-same run:
+specialisation (`tl.range(..., warp_specialize=True)`), and with both. Every timed variant's
+splits are checked against torch's attention over their keys. Beside it, in the same run:
 
 * ours: `v4_attention.window_entry_attention` (HCA: window + every entry) at the same
   rows and keys per row, on paged caches, with the sink and the split merge;
@@ -96,13 +96,15 @@ def _ideal(q, keys, out, tile, splits, warp_specialize=False, tma=False):
 
 
 def _check_ideal(q, keys, out, splits):
-    """The loop computes attention: its one-split output against torch's, on the first rows."""
-    k = keys[:4].float()
-    ref = torch.softmax((q[:4].float() @ k.transpose(1, 2)) * HEAD_DIM ** -0.5, dim=-1) @ k
-    if splits == 1:
-        err = (out[:4, 0].float() - ref).abs().max().item()
+    """The loop computes attention: each split's output on the first rows against torch's softmax
+    attention over that split's keys."""
+    per_split = keys.shape[1] // splits
+    for s in range(splits):
+        k = keys[:4, s * per_split:(s + 1) * per_split].float()
+        ref = torch.softmax((q[:4].float() @ k.transpose(1, 2)) * HEAD_DIM ** -0.5, dim=-1) @ k
+        err = float((out[:4, s].float() - ref).abs().max())
         if err > 2e-2:
-            raise AssertionError(f"ideal loop disagrees with torch by {err:.3g}")
+            raise AssertionError(f"ideal loop, split {s} of {splits}: off torch's attention by {err:.3g}")
 
 
 def bench_case(num_rows, num_keys, ceilings):
