@@ -9,6 +9,8 @@ token's angles in float32, the rest copied.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -88,7 +90,7 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
                          f"per token, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if dim % 2 or 2 * half > dim:
         raise ValueError(f"x: expected an even last dim with room for {2 * half} rotated channels, got {dim}")
-    x3 = x.reshape(num_tokens, -1, dim)
+    x3 = x.reshape(num_tokens, math.prod(x.shape[1:-1]), dim)    # (not -1: zero tokens leave it ambiguous)
     cos2, sin2 = cos.reshape(-1, half), sin.reshape(-1, half)
     out = torch.empty_like(x3)
     rows = x3.shape[1]

@@ -69,6 +69,8 @@ def test_rope_tail_of_strided_input_and_bad_angles(device):
     torch.testing.assert_close(rope_tail(x, angles.cos(), angles.sin()), ref.rope_tail(x, angles.cos(), angles.sin()))
     with pytest.raises(ValueError, match="cos, sin"):
         rope_tail(x, angles.cos().expand(4, 3, 4), angles.sin().expand(4, 3, 4))
+    # No tokens (an empty segment): an empty result of x's shape.
+    assert rope_tail(x[:0], angles.cos()[:0], angles.sin()[:0]).shape == (0, 3, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
