@@ -230,15 +230,6 @@ class RopeTail(Protocol):
         ...
 
 
-class GroupedOutput(Protocol):
-    def __call__(self, out: Tensor, o_a: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, /, *,
-                 groups: int) -> Tensor:
-        """out [T, H, D] attention output, its rope tail rotated by tables cos, sin [P, R / 2] at positions
-        [T]; o_a [G * Og, H * D / G] -> [T, G, Og]: the tail rotated back (`RopeTail`, inverse, rounded to
-        out's dtype), then group g's heads flattened times o_a's rows g * Og ... (g + 1) * Og."""
-        ...
-
-
 class UnitRms(Protocol):
     def __call__(self, x: Tensor, eps: float, /) -> Tensor:
         """x / sqrt(mean(x^2) + eps) over the last dim (no weight), statistics in at least float32."""

@@ -85,13 +85,11 @@ class DSAOps:
 @dataclass(frozen=True, slots=True)
 class V4Ops:
     """DeepSeek-V4's own math: partial rope, the unweighted norm, attention over the window and the
-    compressed entries with the sink, the grouped output projection, the compressors' update, whole
-    mHC sites (with the write-back before them), write-backs and the hyper head, and the
-    clamped-SwiGLU experts."""
+    compressed entries with the sink, the compressors' update, whole mHC sites (with the write-back
+    before them), write-backs and the hyper head, and the clamped-SwiGLU experts."""
 
     rope_tail: c.RopeTail
     unit_rms: c.UnitRms
-    grouped_output: c.GroupedOutput
     window_entry_attention: c.WindowEntryAttention
     compress_entries: c.CompressEntries
     hc_site: c.HcSite
@@ -148,7 +146,6 @@ REFERENCE = Ops(
     v4=V4Ops(
         rope_tail=ref_v4_attention.rope_tail,
         unit_rms=ref_v4_attention.unit_rms,
-        grouped_output=ref_v4_attention.grouped_output,
         window_entry_attention=ref_v4_paged.window_entry_attention,
         compress_entries=ref_v4_paged.compress_entries,
         hc_site=ref_v4_hc.hc_site,

@@ -128,8 +128,10 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
         outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
-    # The output's tail rotated back, then each group of heads through its own block of o_a.
-    grouped = ops.v4.grouped_output(out, p.o_a_proj, cos, sin, positions, groups=v.o_groups)  # [T, G, Og]
+    out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
+    groups = v.o_groups
+    o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
+    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
     return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
 
 

@@ -40,22 +40,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
-def grouped_output(out: torch.Tensor, o_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, *, groups: int) -> torch.Tensor:
-    """V4's grouped output projection: each group of heads, its rope tail rotated back, through its own matrix.
-
-    out [T, H, D] the attention output (its trailing R channels still rotated by each token's
-    angles); o_a [G * Og, H * D / G], group g's rows g * Og ... (g + 1) * Og; cos, sin [P, R / 2]
-    tables read at positions [T] -> [T, G, Og] in out's dtype:
-    `rope_tail(out, inverse=True)` rounded to out's dtype, then group g's H / G heads (flattened)
-    times its [Og, H * D / G] block.
-    """
-    t = out.shape[0]
-    unrotated = rope_tail(out, cos, sin, positions=positions, inverse=True)
-    o_a = o_a.view(groups, -1, o_a.shape[-1])                                   # [G, Og, H * D / G]
-    return torch.einsum("tgi,goi->tgo", unrotated.reshape(t, groups, -1), o_a)
-
-
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, statistics in at least float32 (no weight)."""
     acc = torch.promote_types(x.dtype, torch.float32)

@@ -24,7 +24,6 @@ from .v4_compress import compress_entries
 from .v4_experts import clamped_experts
 from .v4_hc_site import hc_head, hc_site, hc_write_back, hc_write_back_site
 from .v4_norm import unit_rms
-from .v4_output import grouped_output
 from .v4_rope import rope_tail
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "clamped_experts",
     "compress_entries",
     "fused_moe",
-    "grouped_output",
     "hc_head",
     "hc_site",
     "hc_write_back",
@@ -77,7 +75,7 @@ def ops() -> Ops:
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
-        v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms, grouped_output=grouped_output,
+        v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
                                hc_site=hc_site, hc_write_back=hc_write_back,
                                hc_write_back_site=hc_write_back_site, hc_head=hc_head,
