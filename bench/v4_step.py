@@ -96,7 +96,7 @@ def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int)
     for layer, layer_type, routed in zip(p.layers, v.layer_types, experts):
         a = layer.attn
         weight += tree_bytes((layer.attn_norm, layer.ffn_norm, layer.attn_hc, layer.ffn_hc, layer.hc_head))
-        weight += tree_bytes((a.q_a_proj, a.q_a_norm, a.q_b_proj, a.kv_proj, a.kv_norm, a.o_a_proj, a.o_b_proj,
+        weight += tree_bytes((a.in_proj, a.q_a_norm, a.q_b_proj, a.kv_norm, a.o_a_proj, a.o_b_proj,
                               a.sinks, a.compressor, a.indexer))
         m = layer.mlp
         per_expert = (nbytes(m.w13) + nbytes(m.w2)) // m.w13.shape[0]

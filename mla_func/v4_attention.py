@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Batch, SegmentRows
-from .compressor import project_inputs, write_entries
+from .compressor import write_entries
 from .config import ModelConfig
 from .v4_indexer import index_query, select_entries
 from .kernels import Ops
@@ -43,10 +43,14 @@ def _seqs(mode: ForwardMode, segment: SegmentRows) -> int:
     return mode.padded_prefill_seqs if segment.start == 0 and mode.padded_prefill_tokens else mode.padded_decode_seqs
 
 
-def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache: V4LayerCache, batch: Batch,
-                 mode: ForwardMode, segments: tuple[SegmentRows, ...], layer_type: str, config: ModelConfig,
-                 ops: Ops, *, inplace: bool) -> V4LayerCache:
-    """This step's window keys, compressor inputs and completed entries (and CSA's index keys) written."""
+def write_caches(p: V4AttentionParams, kv: torch.Tensor, compressor_inputs: torch.Tensor, index_inputs: torch.Tensor,
+                 cache: V4LayerCache, batch: Batch, mode: ForwardMode, segments: tuple[SegmentRows, ...],
+                 layer_type: str, config: ModelConfig, ops: Ops, *, inplace: bool) -> V4LayerCache:
+    """This step's window keys, compressor inputs and completed entries (and CSA's index keys) written.
+
+    kv [T, Dh]; compressor_inputs [T, Cc], index_inputs [T, Ci]: this step's tokens' projections
+    (columns of the layer's input product; Cc, Ci 0 where the layer has no such compressor).
+    """
     v = _v4(config)
     window = ops.mla.write_kv(cache.window, batch.slot_mapping, kv, inplace=inplace)
     if p.compressor is None or cache.compressor_inputs is None or cache.entries is None:
@@ -54,12 +58,12 @@ def write_caches(p: V4AttentionParams, x: torch.Tensor, kv: torch.Tensor, cache:
     rate = v.rate(layer_type)
     eps = config.rms_norm_eps
     group_slots = batch.groups[cache.entry_group - 1].slot_mapping
-    inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, project_inputs(p.compressor, x, ops),
-                              inplace=inplace)
-    index_inputs, index_keys = cache.index_inputs, cache.index_keys
-    if p.indexer is not None and index_inputs is not None:
-        index_inputs = ops.mla.write_kv(index_inputs, batch.slot_mapping, project_inputs(p.indexer.compressor, x, ops),
-                                        inplace=inplace)
+    inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, compressor_inputs, inplace=inplace)
+    index_keys = cache.index_keys
+    if p.indexer is not None and cache.index_inputs is not None:
+        index_inputs = ops.mla.write_kv(cache.index_inputs, batch.slot_mapping, index_inputs, inplace=inplace)
+    else:
+        index_inputs = cache.index_inputs
     entries = cache.entries
     for seg in segments:
         slots, seqs = group_slots[seg.start:seg.stop], _seqs(mode, seg)
@@ -113,15 +117,18 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     positions = batch.positions
     # The rope tables [P, R / 2] are read at each token's position inside the op.
     cos, sin = p.rope_cos, p.rope_sin
-    q_residual = ops.dense.rms_norm(ops.dense.linear(x, p.q_a_proj), p.q_a_norm, eps)      # [T, Q]
+    # One product for every projection of x (a launch where there were up to four: at v4-mini's batch 64,
+    # four small cuBLAS products with their split-K reductions cost ~25 us a CSA layer).
+    q_a, kv, compressor_inputs, index_inputs = ops.dense.linear(x, p.in_proj).split(p.input_widths, dim=1)
+    q_residual = ops.dense.rms_norm(q_a, p.q_a_norm, eps)                                 # [T, Q]
     q = ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh)
     q = ops.v4.rope_tail(q, cos, sin, positions=positions, unit_rms_eps=eps)               # [T, H, Dh]
-    kv = ops.dense.rms_norm(ops.dense.linear(x, p.kv_proj), p.kv_norm, eps)
-    kv = ops.v4.rope_tail(kv, cos, sin, positions=positions)                               # [T, Dh]
+    kv = ops.v4.rope_tail(ops.dense.rms_norm(kv, p.kv_norm, eps), cos, sin, positions=positions)  # [T, Dh]
     # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
     # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
     segments = batch.rows if mode.group_widths else step_rows(batch, mode)
-    cache = write_caches(p, x, kv, cache, batch, mode, segments, layer_type, config, ops, inplace=inplace)
+    cache = write_caches(p, kv, compressor_inputs, index_inputs, cache, batch, mode, segments, layer_type, config,
+                         ops, inplace=inplace)
     outputs = []
     for seg in segments:
         rows = slice(seg.start, seg.stop)

@@ -47,13 +47,17 @@ class HyperHeadParams:
 class CompressorParams:
     """A gated-pooling compressor of `rate` tokens into one entry of width Dc.
 
-    c = 2 with overlap (CSA and its indexer: series Ca | Cb), 1 without (HCA).
+    c = 2 with overlap (CSA and its indexer: series Ca | Cb), 1 without (HCA). Its kv and
+    gate projections (checkpoint `wkv`, `wgate`) are rows of the attention's `in_proj`.
     """
 
-    # The kv projection's rows [c * Dc], then the gate's (checkpoint `wkv`, `wgate`): one product, one launch.
-    kv_gate_proj: torch.Tensor   # [2 * c * Dc, D]
     position_bias: torch.Tensor  # [rate, c * Dc] float32
     kv_norm: torch.Tensor        # [Dc]
+
+    @property
+    def input_width(self) -> int:
+        """2 * c * Dc: the kv projection's c * Dc values of a token, then the gate's."""
+        return 2 * self.position_bias.shape[1]
 
 
 @register_dataclass
@@ -69,12 +73,17 @@ class IndexerParams:
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class V4AttentionParams:
-    """Shared-KV attention (H heads of Dh; G output groups of rank Og)."""
+    """Shared-KV attention (H heads of Dh; G output groups of rank Og).
 
-    q_a_proj: torch.Tensor       # [Q, D]
+    Every projection of the layer's input is one product, one launch: `in_proj` stacks the
+    query's low rank (checkpoint `wq_a`), the shared key-value (`wkv`), then the compressor's
+    kv and gate (`compressor.wkv`, `compressor.wgate`) and the indexer compressor's, where the
+    layer has them; `input_widths` splits its output.
+    """
+
+    in_proj: torch.Tensor        # [Q + Dh + Cc + Ci, D]
     q_a_norm: torch.Tensor       # [Q]
     q_b_proj: torch.Tensor       # [H * Dh, Q]
-    kv_proj: torch.Tensor        # [Dh, D]
     kv_norm: torch.Tensor        # [Dh]
     o_a_proj: torch.Tensor       # [G * Og, H * Dh / G]
     o_b_proj: torch.Tensor       # [D, G * Og]
@@ -83,6 +92,14 @@ class V4AttentionParams:
     rope_sin: torch.Tensor       # [P, R / 2] float32
     compressor: CompressorParams | None = None
     indexer: IndexerParams | None = None
+
+    @property
+    def input_widths(self) -> tuple[int, int, int, int]:
+        """(Q, Dh, Cc, Ci): `in_proj`'s rows for the query, the key-value, the compressor and the indexer's
+        compressor (0 for a part the layer lacks), in that order."""
+        return (self.q_a_norm.shape[0], self.kv_norm.shape[0],
+                0 if self.compressor is None else self.compressor.input_width,
+                0 if self.indexer is None else self.indexer.compressor.input_width)
 
 
 @register_dataclass

@@ -60,8 +60,16 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
         return tensor
 
     def compressor(prefix: str) -> CompressorParams:
-        return CompressorParams(kv_gate_proj=torch.cat([get(prefix + "wkv.weight"), get(prefix + "wgate.weight")]),
-                                position_bias=get(prefix + "ape"), kv_norm=get(prefix + "norm.weight"))
+        return CompressorParams(position_bias=get(prefix + "ape"), kv_norm=get(prefix + "norm.weight"))
+
+    def input_rows(a: str, kind: str) -> torch.Tensor:
+        """The layer's input projections stacked in `V4AttentionParams.input_widths` order."""
+        names = [a + "wq_a.weight", a + "wkv.weight"]
+        if kind != SLIDING:
+            names += [a + "compressor.wkv.weight", a + "compressor.wgate.weight"]
+        if kind == CSA:
+            names += [a + "indexer.compressor.wkv.weight", a + "indexer.compressor.wgate.weight"]
+        return torch.cat([get(name) for name in names])
 
     def hyper(prefix: str) -> HyperConnectionParams:
         return HyperConnectionParams(fn=get(prefix + "_fn"), base=get(prefix + "_base"), scale=get(prefix + "_scale"))
@@ -84,8 +92,8 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
                                     q_b_proj=get(a + "indexer.wq_b.weight"),
                                     weights_proj=get(a + "indexer.weights_proj.weight"))
         attn = V4AttentionParams(
-            q_a_proj=get(a + "wq_a.weight"), q_a_norm=get(a + "q_norm.weight"), q_b_proj=get(a + "wq_b.weight"),
-            kv_proj=get(a + "wkv.weight"), kv_norm=get(a + "norm.weight"), o_a_proj=get(a + "wo_a.weight"),
+            in_proj=input_rows(a, kind), q_a_norm=get(a + "q_norm.weight"), q_b_proj=get(a + "wq_b.weight"),
+            kv_norm=get(a + "norm.weight"), o_a_proj=get(a + "wo_a.weight"),
             o_b_proj=get(a + "wo_b.weight"), sinks=get(a + "attn_sink"), rope_cos=cos, rope_sin=sin,
             compressor=None if kind == SLIDING else compressor(a + "compressor."), indexer=indexer,
         )
