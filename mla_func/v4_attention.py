@@ -79,9 +79,10 @@ def write_caches(p: V4AttentionParams, kv: torch.Tensor, compressor_inputs: torc
 
 
 def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRows, q: torch.Tensor,
-                      q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
+                      q_index: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
                       v: V4Config, ops: Ops) -> torch.Tensor:
-    """The attention output [n, H, Dh] of a segment's rows (q [n, H, Dh], rotated).
+    """The attention output [n, H, Dh] of a segment's rows (q [n, H, Dh], rotated; q_index [n, Hi * Di]
+    the indexer's query projection, empty without an indexer).
 
     Scopes: the row's window, and its compressed entries (all complete ones for HCA,
     the indexer's top-k for CSA), merged by their log-sum-exp with the sink: a scope
@@ -97,7 +98,7 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
     g_table = seg.group_tables[cache.entry_group - 1]
     chosen = None
     if p.indexer is not None and cache.index_keys is not None:
-        q_index, head_weights = index_query(p.indexer, q_residual, x, positions, p.rope_cos, p.rope_sin, v, ops)
+        q_index, head_weights = index_query(p.indexer, q_index, x, positions, p.rope_cos, p.rope_sin, v, ops)
         counts = seg.key_lens // rate
         chosen = select_entries(q_index, head_weights, cache.index_keys, g_table, counts, v, ops)
     out, _ = ops.v4.window_entry_attention(q, cache.window, seg.block_table, seg.key_lens, p.sinks,
@@ -121,8 +122,9 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     # four small cuBLAS products with their split-K reductions cost ~25 us a CSA layer).
     q_a, kv, compressor_inputs, index_inputs = ops.dense.linear(x, p.in_proj).split(p.input_widths, dim=1)
     q_residual = ops.dense.rms_norm(q_a, p.q_a_norm, eps)                                 # [T, Q]
-    q = ops.dense.linear(q_residual, p.q_b_proj).view(t, h, dh)
-    q = ops.v4.rope_tail(q, cos, sin, positions=positions, unit_rms_eps=eps)               # [T, H, Dh]
+    # The indexer's queries come from the same latent: their rows follow the attention's in q_b_proj.
+    q, q_index = ops.dense.linear(q_residual, p.q_b_proj).split([h * dh, p.q_b_proj.shape[0] - h * dh], dim=1)
+    q = ops.v4.rope_tail(q.view(t, h, dh), cos, sin, positions=positions, unit_rms_eps=eps)  # [T, H, Dh]
     kv = ops.v4.rope_tail(ops.dense.rms_norm(kv, p.kv_norm, eps), cos, sin, positions=positions)  # [T, Dh]
     # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
     # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
@@ -132,7 +134,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     outputs = []
     for seg in segments:
         rows = slice(seg.start, seg.stop)
-        outputs.append(segment_attention(p, cache, seg, q[rows], q_residual[rows], x[rows], positions[rows],
+        outputs.append(segment_attention(p, cache, seg, q[rows], q_index[rows], x[rows], positions[rows],
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)

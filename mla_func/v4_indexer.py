@@ -18,17 +18,17 @@ from .v4_config import V4Config
 from .v4_params import IndexerParams
 
 
-def index_query(p: IndexerParams, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+def index_query(p: IndexerParams, q_index: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, v: V4Config, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
     """(queries [n, Hi, Di] rotated at `positions`, head weights [n, Hi] float32).
 
-    q_residual [n, Q] the attention's normalised query latent; x [n, D] the layer's input;
-    cos, sin [P, R / 2] the compress rope tables. The score's scales, 1/sqrt(Hi) and
-    1/sqrt(Di), are left to `select_entries` (the indexer op applies them to the weights).
+    q_index [n, Hi * Di] the query latent's indexer projection (the last columns of the attention's
+    query product, any row stride); x [n, D] the layer's input; cos, sin [P, R / 2] the compress rope
+    tables. The score's scales, 1/sqrt(Hi) and 1/sqrt(Di), are left to `select_entries` (the indexer
+    op applies them to the weights).
     """
     n = x.shape[0]
-    q = ops.dense.linear(q_residual, p.q_b_proj).view(n, v.index_n_heads, v.index_head_dim)
-    q = ops.v4.rope_tail(q, cos, sin, positions=positions)
+    q = ops.v4.rope_tail(q_index.view(n, v.index_n_heads, v.index_head_dim), cos, sin, positions=positions)
     # Float32 products straight from the op: no bf16 rounding of the weights, no widening copy.
     return q, ops.dense.linear(x, p.weights_proj, out_dtype=torch.float32)
 

@@ -63,10 +63,10 @@ class CompressorParams:
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class IndexerParams:
-    """CSA's lightning indexer: its own compressor at Di, queries from the query latent."""
+    """CSA's lightning indexer: its own compressor at Di, queries from the query latent (its `wq_b`
+    is the last rows of the attention's `q_b_proj`: one product makes both queries)."""
 
     compressor: CompressorParams
-    q_b_proj: torch.Tensor       # [Hi * Di, Q]
     weights_proj: torch.Tensor   # [Hi, D]
 
 
@@ -78,12 +78,13 @@ class V4AttentionParams:
     Every projection of the layer's input is one product, one launch: `in_proj` stacks the
     query's low rank (checkpoint `wq_a`), the shared key-value (`wkv`), then the compressor's
     kv and gate (`compressor.wkv`, `compressor.wgate`) and the indexer compressor's, where the
-    layer has them; `input_widths` splits its output.
+    layer has them; `input_widths` splits its output. `q_b_proj` likewise stacks the indexer's
+    query rows (`indexer.wq_b`) under the attention's (`wq_b`).
     """
 
     in_proj: torch.Tensor        # [Q + Dh + Cc + Ci, D]
     q_a_norm: torch.Tensor       # [Q]
-    q_b_proj: torch.Tensor       # [H * Dh, Q]
+    q_b_proj: torch.Tensor       # [H * Dh + Hi * Di, Q] (Hi * Di = 0 without an indexer)
     kv_norm: torch.Tensor        # [Dh]
     o_a_proj: torch.Tensor       # [G * Og, H * Dh / G]
     o_b_proj: torch.Tensor       # [D, G * Og]

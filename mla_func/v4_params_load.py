@@ -89,10 +89,10 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
         indexer = None
         if kind == CSA:
             indexer = IndexerParams(compressor=compressor(a + "indexer.compressor."),
-                                    q_b_proj=get(a + "indexer.wq_b.weight"),
                                     weights_proj=get(a + "indexer.weights_proj.weight"))
+        query_rows = [get(a + "wq_b.weight")] + ([get(a + "indexer.wq_b.weight")] if kind == CSA else [])
         attn = V4AttentionParams(
-            in_proj=input_rows(a, kind), q_a_norm=get(a + "q_norm.weight"), q_b_proj=get(a + "wq_b.weight"),
+            in_proj=input_rows(a, kind), q_a_norm=get(a + "q_norm.weight"), q_b_proj=torch.cat(query_rows),
             kv_norm=get(a + "norm.weight"), o_a_proj=get(a + "wo_a.weight"),
             o_b_proj=get(a + "wo_b.weight"), sinks=get(a + "attn_sink"), rope_cos=cos, rope_sin=sin,
             compressor=None if kind == SLIDING else compressor(a + "compressor."), indexer=indexer,
