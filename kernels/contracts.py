@@ -28,6 +28,13 @@ class Linear(Protocol):
         ...
 
 
+class Logits(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, /) -> Tensor:
+        """The LM head: x [N, D] @ weight [V, D]^T as `Linear` computes and rounds it (in x's dtype),
+        returned widened to at least float32 -> [N, V]."""
+        ...
+
+
 class RmsNorm(Protocol):
     @overload
     def __call__(self, x: Tensor, weight: Tensor, eps: float, /, residual: None = None) -> Tensor: ...

@@ -44,6 +44,7 @@ class DenseOps:
     """Ops every layer kind uses: projections, norms, rope, merging partial attention by LSE."""
 
     linear: c.Linear
+    logits: c.Logits
     rms_norm: c.RmsNorm
     layer_norm: c.LayerNorm
     rms_norm_linear: c.RmsNormLinear
@@ -121,6 +122,7 @@ REFERENCE = Ops(
     backend="torch",
     dense=DenseOps(
         linear=ref_linear.linear,
+        logits=ref_linear.logits_of(ref_linear.linear),
         rms_norm=ref_norm.rms_norm,
         layer_norm=ref_norm.layer_norm,
         rms_norm_linear=ref_linear.rms_norm_linear,

@@ -8,10 +8,11 @@ with Cb of block w (2 * rate slots; block -1 does not exist). The pooled entry i
 RMS-normalised, then its trailing rope channels are rotated at position w * rate.
 
 The step first writes every token's projections (`compressor_inputs`, per token in
-cache group 0; they are columns of the attention's one input product, `V4AttentionParams.in_proj`), then each row that completes an entry ((p + 1) % rate == 0) pools
-its block(s) from there, including tokens of the same step, and writes the entry
-into the layer's compressed group. A row's carry is therefore whatever tokens of
-its current block are already cached: no separate carry state needs updating.
+cache group 0; columns of the attention's one input product, `V4AttentionParams.in_proj`),
+then each row that completes an entry ((p + 1) % rate == 0) pools its block(s) from there,
+including tokens of the same step, and writes the entry into the layer's compressed group.
+A row's carry is therefore whatever tokens of its current block are already cached: no
+separate carry state needs updating.
 """
 
 from __future__ import annotations

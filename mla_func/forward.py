@@ -95,8 +95,7 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     x, _ = ops.dense.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
     if mode.gather_logits:
         x = x[batch.logits_indices]
-    logits = ops.dense.linear(x, params.lm_head)                              # [N, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = ops.dense.logits(x, params.lm_head)                              # [N, V] float32 at least
     new_state = replace(state, layers=tuple(caches))
     if not copy:
         state.donate(name)

@@ -184,7 +184,8 @@ def invariant_ops(base: Ops) -> Ops:
     return dataclasses.replace(
         base,
         batch_invariant=True,
-        dense=dataclasses.replace(base.dense, linear=linear, rms_norm_linear=rms_norm_linear),
+        dense=dataclasses.replace(base.dense, linear=linear, logits=ref_linear.logits_of(linear),
+                                  rms_norm_linear=rms_norm_linear),
         mla=dataclasses.replace(base.mla, write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode),
         moe=dataclasses.replace(base.moe, route=route, fused_moe=fused_moe),

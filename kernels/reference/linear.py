@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import overload
 
 import torch
@@ -19,6 +20,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     if out_dtype is None or out_dtype == x.dtype == weight.dtype:
         return F.linear(x, weight)
     return F.linear(x.to(out_dtype), weight.to(out_dtype))
+
+
+def logits_of(linear_fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The LM head of a table whose products are `linear_fn`: its product, widened to at least float32."""
+
+    def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, D], weight [V, D] -> [N, V] in promote(x's dtype, float32): `linear_fn(x, weight)` widened."""
+        y = linear_fn(x, weight)
+        return y.to(torch.promote_types(y.dtype, torch.float32))
+
+    return logits
 
 
 @overload

@@ -12,7 +12,7 @@ from .dsa_decode import sparse_mla_decode
 from .dsa_indexer import index_scores, write_index_key
 from .dsa_topk import top_k_indices
 from .latent import write_latent, write_latent_absorb
-from .linear import linear, rms_norm_linear
+from .linear import linear, logits, rms_norm_linear
 from .merge import merge_attn_states
 from .moe import fused_moe
 from .norm import layer_norm, rms_norm
@@ -38,6 +38,7 @@ __all__ = [
     "index_scores",
     "layer_norm",
     "linear",
+    "logits",
     "merge_attn_states",
     "mla_decode",
     "mla_decode_num_splits",
@@ -66,9 +67,9 @@ def ops() -> Ops:
     return dataclasses.replace(
         REFERENCE,
         backend="triton",
-        dense=dataclasses.replace(REFERENCE.dense, linear=linear, rms_norm=rms_norm, layer_norm=layer_norm,
-                                  rms_norm_linear=rms_norm_linear, rope=rope, partial_rope=partial_rope,
-                                  merge_attn_states=merge_attn_states),
+        dense=dataclasses.replace(REFERENCE.dense, linear=linear, logits=logits, rms_norm=rms_norm,
+                                  layer_norm=layer_norm, rms_norm_linear=rms_norm_linear, rope=rope,
+                                  partial_rope=partial_rope, merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
                                 write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode, prefill_attention=prefill_attention),

@@ -154,6 +154,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     return y
 
 
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Contract of the reference table's `logits`: x [N, D], weight [V, D] -> [N, V] in promote(x's dtype, float32).
+
+    Rows the row tiles take (`takes_rows`: a decode batch's LM head) are stored in float32 by
+    the product itself, each value rounded to x's dtype first as `linear` rounds it: no second
+    pass over [N, V] to widen them (H100, v4-mini's B64 head: a 25 us cast of 33 MB written).
+    Other shapes run `linear` and widen its output.
+    """
+    num_rows, k_in = x.shape
+    n_out = weight.shape[0]
+    if x.dtype == weight.dtype and takes_rows(num_rows, n_out, k_in, x.dtype):
+        check_shape("weight", weight, (n_out, k_in))
+        check_same_device(x=x, weight=weight)
+        return rows_linear(x, weight, out_dtype=torch.float32)
+    y = linear(x, weight)
+    return y.to(torch.promote_types(y.dtype, torch.float32))
+
+
 @triton.jit
 def _sum_row(x_ptr, res_ptr, t, ks, k_mask, s_xt, s_xk, s_rt, s_rk, HAS_RESIDUAL: tl.constexpr):
     """Row t of x (plus residual, rounded to the residual's dtype) at columns ks, as float32."""

@@ -117,24 +117,30 @@ def _rows_kernel(
         x = tl.load(x_ptr + rows[:, None] * s_xt + ks[None, :] * s_xk, mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
-    tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=row_mask[None, :] & col_mask[:, None])
+    # Rounded to x's dtype, then to y's: a float32 y (the LM head's logits) holds the 16-bit product exactly.
+    y = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, y, mask=row_mask[None, :] & col_mask[:, None])
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None = None) -> torch.Tensor:
-    """x [T, K], weight [N, K] (one 16-bit dtype, any strides; T <= WIDE_ROWS_MAX_ROWS) -> y [T, N] in that dtype.
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None = None, *,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K], weight [N, K] (one 16-bit dtype, any strides; T <= WIDE_ROWS_MAX_ROWS) -> y [T, N] in that dtype,
+    or in out_dtype (float32: the same values, each rounded to x's dtype, widened in the store).
 
-    Checked by the caller (`linear`). `config` overrides `rows_config` (sweeps).
+    Checked by the caller (`linear`, `logits`). `config` overrides `rows_config` (sweeps).
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
-    y = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return y
     c = config or rows_config(n_out, k_in, x.device.type == "cuda", num_rows)
     # Each split's share of K is a whole number of BLOCK_K steps.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k_in, k_per_split)
+    if split_k > 1 and y.dtype != x.dtype:
+        # The split sums are rounded to x's dtype in their own launch: widen after it.
+        return rows_linear(x, weight, config).to(y.dtype)
     out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
     use_pdl = pdl(x.device)
     _rows_kernel[(triton.cdiv(n_out, c.block_n), split_k)](

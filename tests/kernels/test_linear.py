@@ -8,7 +8,8 @@ import torch
 from kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
-from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, rms_norm_linear
+from mla_func.kernels.reference.linear import logits_of
+from mla_func.kernels.triton.linear import LINEAR_MAX_ROWS, linear, logits, rms_norm_linear
 from mla_func.kernels.triton.linear_rows import (ROWS_MAX_ROWS, WIDE_ROWS_MAX_ROWS, RowsConfig, rows_config,
                                                  rows_linear, takes_rows)
 from mla_func.kernels.triton.linear_widened import WIDENED_MAX_ROWS
@@ -82,6 +83,24 @@ def test_linear_rows_splits_sum_in_order(device):
         got = rows_linear(x, weight, RowsConfig(block_n=16, block_k=32, split_k=split_k, num_stages=1))
         torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.bfloat16])
         assert torch.equal(got, rows_linear(x, weight, RowsConfig(16, 32, split_k, 1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_rows, n_out", [(1, 300), (5, 300), (5, 40), (20, 300), (20, 8192), (70, 300)])
+def test_logits_are_the_product_widened(dtype, num_rows, n_out, device):
+    # The LM head: the row tiles store float32 themselves (also after a K split), every other path
+    # widens linear's output; either way the bits of `linear` widened, and float32 at least.
+    gen = generator(num_rows + n_out, device)
+    x = randn((num_rows, 64), dtype, device, gen)
+    weight = randn((n_out, 64), dtype, device, gen, scale=0.125)
+    got = logits(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, n_out)
+    assert torch.equal(got, linear(x, weight).float())
+    torch.testing.assert_close(got.double(), ref_linear(x.double(), weight.double()), **TOLERANCE[dtype])
+    assert torch.equal(logits_of(ref_linear)(x, weight), ref_linear(x, weight).float())
+    assert logits_of(ref_linear)(x.double(), weight.double()).dtype == torch.float64
+    if dtype != torch.float32 and takes_rows(num_rows, n_out, 64, dtype):
+        assert torch.equal(rows_linear(x, weight, out_dtype=torch.float32), rows_linear(x, weight).float())
 
 
 @pytest.mark.parametrize("num_rows", [2, LINEAR_MAX_ROWS + 3])

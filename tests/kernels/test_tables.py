@@ -39,8 +39,8 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
     plain, invariant = ops_for(backend), ops_for(backend, batch_invariant=True)
     assert invariant.batch_invariant and not plain.batch_invariant and invariant.backend == backend
     changed = {name for name, op in _ops_of(invariant).items() if op is not _ops_of(plain)[name]}
-    assert changed == {"linear", "rms_norm_linear", "write_latent_absorb", "absorb_query", "mla_decode", "route",
-                       "fused_moe", "sparse_mla_decode"}
+    assert changed == {"linear", "logits", "rms_norm_linear", "write_latent_absorb", "absorb_query", "mla_decode",
+                       "route", "fused_moe", "sparse_mla_decode"}
     with pytest.raises(ValueError, match="aiter"):
         ops_for("aiter", batch_invariant=True)
 
@@ -48,7 +48,7 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
 def test_tables_derive_from_the_reference_by_group():
     torch_ops = ops_for("torch")
     assert torch_ops.backend == "torch"
-    assert len(_ops_of(torch_ops)) == 28
+    assert len(_ops_of(torch_ops)) == 29
     assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
 
 
