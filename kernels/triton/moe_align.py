@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import next_pow2, pdl
 from .moe_align_one import ALIGN_ONE_MAX_PAIRS, ALIGN_ONE_MIN_EXPERTS, align_one, store_block_experts
 
 
@@ -35,9 +37,12 @@ def moe_sorted_size(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _align_count_kernel(
     ids_ptr, tile_counts_ptr, sorted_ptr,
     num_pairs, num_rows, num_tiles, s_ids_t, s_ids_k,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr, BLOCK_FILL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr, BLOCK_FILL: tl.constexpr, GDC: tl.constexpr,
 ):
     """Per tile of pairs: how many pairs each expert has; and the sentinel in every sorted row."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     pairs = tile * TILE_P + tl.arange(0, TILE_P)
@@ -54,9 +59,12 @@ def _align_count_kernel(
 def _align_offsets_kernel(
     tile_counts_ptr, tile_offsets_ptr, block_expert_ptr,
     num_tiles, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr, GDC: tl.constexpr,
 ):
     """One program: each expert's padded run, where each tile's pairs start in it, each block's expert."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     experts = tl.arange(0, BLOCK_E)
     offs_t = tl.arange(0, BLOCK_T)
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -85,9 +93,12 @@ def _align_offsets_kernel(
 def _align_scatter_kernel(
     ids_ptr, tile_offsets_ptr, sorted_ptr,
     num_pairs, s_ids_t, s_ids_k,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, TILE_P: tl.constexpr, GDC: tl.constexpr,
 ):
     """Per tile of pairs: each pair's row = its tile's start in its expert's run + its rank in the tile."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     pairs = tile * TILE_P + tl.arange(0, TILE_P)
@@ -160,20 +171,23 @@ def moe_align(
     num_tiles = max(1, triton.cdiv(num_pairs, tile))
     tile_counts = torch.empty((num_tiles, block_e), dtype=torch.int32, device=device)
     tile_offsets = torch.empty_like(tile_counts)
+    # Programmatic dependents (see `_common.pdl`): each launch is under way while the one before ends.
+    use_pdl = pdl(device)
     _align_count_kernel[(num_tiles,)](
         topk_ids, tile_counts, sorted_pairs,
         num_pairs, num_rows, num_tiles, *topk_ids.stride(),
-        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, BLOCK_FILL=256, num_warps=4,
+        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, BLOCK_FILL=256, GDC=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     _align_offsets_kernel[(1,)](
         tile_counts, tile_offsets, block_expert,
         num_tiles, num_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_T=max(2, 4096 // block_e), BLOCK_FILL=max(2, 16384 // block_e), num_warps=4,
+        BLOCK_T=max(2, 4096 // block_e), BLOCK_FILL=max(2, 16384 // block_e), GDC=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
     _align_scatter_kernel[(num_tiles,)](
         topk_ids, tile_offsets, sorted_pairs,
         num_pairs, *topk_ids.stride(),
-        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, num_warps=4,
+        TOP_K=top_k, BLOCK_E=block_e, TILE_P=tile, GDC=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     return sorted_pairs, block_expert
