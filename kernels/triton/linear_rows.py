@@ -131,16 +131,17 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig | None
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
-    y = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
     if num_rows == 0 or n_out == 0:
-        return y
+        return torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
     c = config or rows_config(n_out, k_in, x.device.type == "cuda", num_rows)
     # Each split's share of K is a whole number of BLOCK_K steps.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k_in, k_per_split)
-    if split_k > 1 and y.dtype != x.dtype:
+    if split_k > 1 and out_dtype != x.dtype:
         # The split sums are rounded to x's dtype in their own launch: widen after it.
-        return rows_linear(x, weight, config).to(y.dtype)
+        return rows_linear(x, weight, config).to(out_dtype)
+    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
     use_pdl = pdl(x.device)
     _rows_kernel[(triton.cdiv(n_out, c.block_n), split_k)](

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, pdl
