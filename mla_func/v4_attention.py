@@ -59,22 +59,20 @@ def write_caches(p: V4AttentionParams, kv: torch.Tensor, compressor_inputs: torc
     eps = config.rms_norm_eps
     group_slots = batch.groups[cache.entry_group - 1].slot_mapping
     inputs = ops.mla.write_kv(cache.compressor_inputs, batch.slot_mapping, compressor_inputs, inplace=inplace)
-    index_keys = cache.index_keys
-    if p.indexer is not None and cache.index_inputs is not None:
-        index_inputs = ops.mla.write_kv(cache.index_inputs, batch.slot_mapping, index_inputs, inplace=inplace)
-    else:
-        index_inputs = cache.index_inputs
+    index_cache, index_keys = cache.index_inputs, cache.index_keys
+    if p.indexer is not None and index_cache is not None:
+        index_cache = ops.mla.write_kv(index_cache, batch.slot_mapping, index_inputs, inplace=inplace)
     entries = cache.entries
     for seg in segments:
         slots, seqs = group_slots[seg.start:seg.stop], _seqs(mode, seg)
         entries = write_entries(p.compressor, inputs, entries, slots, seg.key_lens, seg.block_table, rate=rate,
                                 overlap=layer_type == CSA, num_seqs=seqs, cos=p.rope_cos, sin=p.rope_sin, eps=eps,
                                 ops=ops, inplace=inplace)
-        if p.indexer is not None and index_inputs is not None and index_keys is not None:
-            index_keys = write_entries(p.indexer.compressor, index_inputs, index_keys, slots, seg.key_lens,
+        if p.indexer is not None and index_cache is not None and index_keys is not None:
+            index_keys = write_entries(p.indexer.compressor, index_cache, index_keys, slots, seg.key_lens,
                                        seg.block_table, rate=rate, overlap=True, num_seqs=seqs, cos=p.rope_cos,
                                        sin=p.rope_sin, eps=eps, ops=ops, inplace=inplace)
-    return V4LayerCache(window=window, compressor_inputs=inputs, entries=entries, index_inputs=index_inputs,
+    return V4LayerCache(window=window, compressor_inputs=inputs, entries=entries, index_inputs=index_cache,
                         index_keys=index_keys, group=cache.group, entry_group=cache.entry_group)
 
 
