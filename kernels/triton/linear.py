@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..reference.linear import logits_of
 from ._common import check_float, next_pow2, pdl
 from .linear_rows import rows_linear, takes_rows
 from .linear_widened import WIDENED_MAX_ROWS, widened_linear
@@ -154,13 +155,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     return y
 
 
+_logits_by_linear = logits_of(linear)
+
+
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Contract of the reference table's `logits`: x [N, D], weight [V, D] -> [N, V] in promote(x's dtype, float32).
 
     Rows the row tiles take (`takes_rows`: a decode batch's LM head) are stored in float32 by
     the product itself, each value rounded to x's dtype first as `linear` rounds it: no second
     pass over [N, V] to widen them (H100, v4-mini's B64 head: a 25 us cast of 33 MB written).
-    Other shapes run `linear` and widen its output.
+    Other shapes run `linear` and widen its output (`logits_of(linear)`).
     """
     num_rows, k_in = x.shape
     n_out = weight.shape[0]
@@ -168,8 +172,7 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check_shape("weight", weight, (n_out, k_in))
         check_same_device(x=x, weight=weight)
         return rows_linear(x, weight, out_dtype=torch.float32)
-    y = linear(x, weight)
-    return y.to(torch.promote_types(y.dtype, torch.float32))
+    return _logits_by_linear(x, weight)
 
 
 @triton.jit
