@@ -7,6 +7,12 @@ input fails alone: its completion carries the error, and every other request of 
 runs to its end. Every request is checked (`mla_func.requests`) before any is queued; each
 row's penalties and min_tokens (`mla_func.penalties`) are applied to its logits on the
 device before sampling.
+
+An error or an interrupt inside an iteration (a step, drawing, the drafter, a host sync)
+reaches the caller, aborts that call's requests and frees their blocks, and leaves the
+engine usable: every step of its state goes through `Engine._target_step`, which keeps the
+state the step returns before anything else runs (the drafter's state is kept the same way
+in `mla_func.speculative`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 
 from .checkpoint import Model
-from .engine_config import EngineConfig, check_limit, default_num_blocks
+from .engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
 from .kernels import default_backend
 from .mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from .penalties import adjust_logits
@@ -30,7 +36,7 @@ from .sampling import request_seed, sample
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .speculative import SpeculativeDecoder, SpeculativeStats
 from .state.block_allocator import OutOfBlocks
-from .step import make_step
+from .step import StepOutput, make_step
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
 
@@ -72,6 +78,13 @@ class Engine:
         batch_invariant: bool = False,
         speculative_tokens: int = 0,
     ):
+        for name, flag in (("enable_mixed", enable_mixed), ("enable_prefix_caching", enable_prefix_caching),
+                           ("graphs", graphs), ("batch_invariant", batch_invariant)):
+            check_flag(name, flag)
+        check_limit("max_num_seqs", max_num_seqs, 1)
+        check_limit("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_limit("long_prefill_token_threshold", long_prefill_token_threshold, 0, or_none=True)
+        check_limit("seed", seed, None)
         check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
         if speculative_tokens and model.mtp is None:
             raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
@@ -114,8 +127,8 @@ class Engine:
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
                                 dtype=model.dtype, device=model.device)
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
-            self.step, make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model),
-                                 **step_args), init_drafter_state(model, self.state))
+            make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model), **step_args),
+            init_drafter_state(model, self.state))
         self._rng = random.Random(seed)
         self._next_id = 0
 
@@ -197,10 +210,7 @@ class Engine:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
                 with self._inference():
-                    if self._speculative is None:
-                        sampled = self._run(scheduled, live, outputs)
-                    else:
-                        self.state, sampled = self._speculative.run(self.state, scheduled, live, outputs)
+                    sampled = self._iterate(scheduled, live, outputs)
                 finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
                 unfinished -= finished.keys()
                 if (spec := self._speculative) is not None:
@@ -229,6 +239,32 @@ class Engine:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
         return torch.inference_mode(not self.step.graphs)
 
+    def _target_step(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` on the engine's state: the one place that state is donated.
+
+        The step donates `self.state` and returns a new live state over the same buffers; it is
+        stored here as the step returns, before anything after it (drawing, the drafter's catch-up, a
+        host sync, an interrupt) can raise, so no fault leaves the engine holding a donated state. A
+        step marks its state donated only once it has run, so one that raises part-way leaves it live;
+        the cache entries it wrote lie past what the scheduler counts, and later steps overwrite them.
+        """
+        batch, mode = self.step.prepare(self.state, plan)
+        self.state, out = self.step(self.state, batch, mode)
+        return out
+
+    def _iterate(
+        self,
+        scheduled: ScheduledStep,
+        live: dict[Hashable, tuple[CheckedRequest, int]],
+        outputs: dict[Hashable, list[int]],
+    ) -> list[int | tuple[int, ...] | None]:
+        """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row."""
+        spec = self._speculative
+        if spec is None:
+            return self._run(scheduled, live, outputs)
+        verify = spec.draft(scheduled, live, outputs)
+        return spec.accept(verify, self._target_step(verify.plan), live, outputs)
+
     def _run(
         self,
         scheduled: ScheduledStep,
@@ -236,8 +272,7 @@ class Engine:
         outputs: dict[Hashable, list[int]],
     ) -> list[int | tuple[int, ...] | None]:
         """Run one scheduled step and sample its logits rows; returns a token (or None) per row."""
-        batch, mode = self.step.prepare(self.state, scheduled.plan)
-        self.state, out = self.step(self.state, batch, mode)
+        out = self._target_step(scheduled.plan)
         rows = scheduled.rows
         with_logits = [i for i, row in enumerate(rows) if row.num_logits]
         if not with_logits:
@@ -292,8 +327,7 @@ class Engine:
                 chunk = ids[start : start + c.max_num_batched_tokens]
                 plan = StepPlan(prefill=(SeqPlan(chunk, start, seq_tables[0], len(chunk), tuple(seq_tables[1:])),))
                 with self._inference():
-                    batch, mode = self.step.prepare(self.state, plan)
-                    self.state, out = self.step(self.state, batch, mode)
+                    out = self._target_step(plan)
                 rows.append(out.logits)
             return torch.cat(rows)
         finally:

@@ -31,12 +31,24 @@ class EngineConfig:
     speculative_tokens: int = 0
 
 
-def check_limit(name: str, value: object, low: int, high: int | None = None, what: str = "",
-                 why: str = "") -> None:
-    """ValueError naming the Engine argument unless `value` is an int in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}] ({what})"
-        raise ValueError(f"Engine: {name} must be an int {bound}{f', as {why}' if why else ''}, got {value!r}")
+def check_limit(name: str, value: object, low: int | None, high: int | None = None, what: str = "",
+                 why: str = "", *, or_none: bool = False) -> None:
+    """ValueError naming the Engine argument unless `value` is an int in [low, high] (low None: any int),
+    or None when `or_none`. A bool is refused: True would pass as 1."""
+    if or_none and value is None:
+        return
+    if (not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low)
+            or (high is not None and value > high)):
+        bound = "" if low is None else f" >= {low}" if high is None else f" in [{low}, {high}] ({what})"
+        none = " or None" if or_none else ""
+        raise ValueError(f"Engine: {name} must be an int{bound}{none}{f', as {why}' if why else ''}, got {value!r}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """ValueError naming the Engine argument unless `value` is a bool: a string such as "no" or "false"
+    is truthy, and 0 or 1 may be a misplaced count, so only True and False are taken."""
+    if not isinstance(value, bool):
+        raise ValueError(f"Engine: {name} must be a bool, got {value!r}")
 
 
 def default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int, *,

@@ -3,44 +3,60 @@
 One iteration, for the step the scheduler planned (decode rows of `decode_q_len` = 1 + k'
 tokens, k' <= k drafts):
 
-1. draft: each decode sequence's first draft (and the drafter's hidden state after it)
-   came from the previous iteration's catch-up; drafts 2..k' are drafter decode steps
-   at positions c .. c + k' - 2, each fed the previous draft and hidden state on the
-   device. One host sync brings the chain's drafts back (none for k' = 1);
-2. verify: one target step, the decode rows fed [last token, drafts] (a decode segment
-   of k' + 1 causal query tokens a sequence, through the absorbed decode kernel), the
-   prefill chunks with logits and hidden states for every row (the drafter needs them);
-3. accept: every verify row's token is drawn with the request's key and the drafts are
-   accepted as `acceptance` says, on the device;
+1. draft (`SpeculativeDecoder.draft`): each decode sequence's first draft (and the
+   drafter's hidden state after it) came from the previous iteration's catch-up; drafts
+   2..k' are drafter decode steps at positions c .. c + k' - 2, each fed the previous
+   draft and hidden state on the device. One host sync brings the chain's drafts back
+   (none for k' = 1). Returns the `Verify`: the drafts and the target step's plan;
+2. verify: the engine runs that plan on its own state, one target step, the decode rows
+   fed [last token, drafts] (a decode segment of k' + 1 causal query tokens a sequence,
+   through the absorbed decode kernel), the prefill chunks with logits and hidden states
+   for every row (the drafter needs them);
+3. accept (`SpeculativeDecoder.accept`, steps 3 to 5): every verify row's token is drawn
+   with the request's key and the drafts are accepted as `acceptance` says, on the device;
 4. catch up: one drafter step over the same rows as the target's, each row fed the
    token after it (a prompt token, the token just drawn, or a verify row's token) and
    the target's hidden state of that row, which writes the drafter's cache where the
    target's is valid and draws the next first drafts from the rows that will continue.
    Rows after a rejected draft write dead entries that later steps overwrite;
-5. one host sync brings the tokens, the accepted counts and the next first drafts back.
+5. one host sync brings the tokens, the accepted counts and the next first drafts back,
+   and only then are the next first drafts and the counts recorded.
+
+Faults: the decoder never holds the target's state (the engine runs step 2 and keeps the
+state that step returns), and it keeps the drafter's new state as each drafter step
+returns, so an error or an interrupt anywhere in an iteration leaves both states live.
+Until step 5 ends, an iteration changes no draft and no count (it only drops those of
+the requests the scheduler preempted for it), so after a fault `drafts` still matches
+the scheduler, which was not updated either; the engine then aborts the call's requests
+and `forget`s their drafts, so a later call finds none. The cache entries a failed
+iteration wrote lie at or past each sequence's computed length, dead as a rejected
+draft's are, in blocks the prefix cache registers only once an iteration has ended.
 
 Draft, verify and catch-up steps are ordinary steps of `make_step` (memoized and
 graph-captured by their modes; the query length is part of the static key). The two
-host syncs sit between steps: after the draft chain and after the catch-up.
+host syncs (`to_host`) sit between steps: after the draft chain and after the catch-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from .acceptance import accepted_lengths
+from .batch import Batch
+from .mode import ForwardMode
 from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
 from .requests import CheckedRequest
 from .sampling import sample
 from .scheduler import ScheduledStep
 from .state.kv_cache import KVCacheState
-from .step import Step
+from .step import Step, StepOutput
 
-__all__ = ["Draft", "SpeculativeDecoder", "SpeculativeStats"]
+__all__ = ["Draft", "SpeculativeDecoder", "SpeculativeStats", "Verify", "to_host"]
 
 Live = dict[Hashable, tuple[CheckedRequest, int]]   # request id -> (request, seed)
 Sampled = list[int | tuple[int, ...] | None]
@@ -101,11 +117,32 @@ def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool) -> torch.Tensor:
     )
 
 
-class SpeculativeDecoder:
-    """The drafter's step and state beside the engine's target step; `run` does one iteration."""
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """An iteration's drafts and the target step that verifies them (`SpeculativeDecoder.draft`).
 
-    def __init__(self, target: Step, drafter: Step, drafter_state: KVCacheState):
-        self.target = target
+    plan: the scheduled plan with each decode row fed [last token, its drafts], and logits (and
+          hidden states) for every prefill row, which the drafter's catch-up reads.
+    """
+
+    scheduled: ScheduledStep
+    drafts: tuple[tuple[int, ...], ...]   # per decode row, decode_q_len - 1 drafts
+    plan: StepPlan
+
+
+def to_host(values: torch.Tensor) -> list[Any]:
+    """Bring device values to the host: the iteration's host syncs, both of them through here."""
+    return values.tolist()
+
+
+class SpeculativeDecoder:
+    """The drafter's step and state beside the engine's target step.
+
+    An iteration is `draft`, then the engine's own step of `Verify.plan` on the target's
+    state (which this class never holds), then `accept`.
+    """
+
+    def __init__(self, drafter: Step, drafter_state: KVCacheState):
         self.drafter = drafter
         self.state = drafter_state
         self.drafts: dict[Hashable, Draft] = {}
@@ -124,22 +161,25 @@ class SpeculativeDecoder:
         for request_id in request_ids:
             self.drafts.pop(request_id, None)
 
-    def run(self, state: KVCacheState, scheduled: ScheduledStep, live: Live,
-            outputs: dict[Hashable, list[int]]) -> tuple[KVCacheState, Sampled]:
-        """Run `scheduled` with drafts; returns the target's new state and, per row, its tokens
-        (an int for a prefill row that completes its prompt, a tuple for a decode row, None otherwise)."""
+    def draft(self, scheduled: ScheduledStep, live: Live, outputs: dict[Hashable, list[int]]) -> Verify:
+        """Step 1: the drafts of `scheduled`'s decode rows, and the plan of the target step that verifies them."""
         plan, ids = scheduled.plan, scheduled.request_ids
         self.forget(*scheduled.preempted)  # before the catch-up, which drafts anew for one re-admitted at once
-        num_prefill, q = len(plan.prefill), plan.decode_q_len
-        decode_ids = ids[num_prefill:]
-        drafts = self._draft(plan, decode_ids, live, outputs)
+        drafts = self._draft(plan, ids[len(plan.prefill):], live, outputs)
         target_plan = StepPlan(
             prefill=tuple(replace(s, num_logits=s.num_tokens) for s in plan.prefill),
             decode=tuple(replace(s, token_ids=s.token_ids[:1] + d) for s, d in zip(plan.decode, drafts)),
-            decode_q_len=q)
-        batch, mode = self.target.prepare(state, target_plan)
-        state, out = self.target(state, batch, mode)
-        logits, hidden = out.output.logits, out.output.hidden           # [N, V], [N, D]: every real row
+            decode_q_len=plan.decode_q_len)
+        return Verify(scheduled, tuple(drafts), target_plan)
+
+    def accept(self, verify: Verify, target: StepOutput, live: Live, outputs: dict[Hashable, list[int]]) -> Sampled:
+        """Steps 3 to 5, after the target's step of `verify.plan` gave `target`: per row of the scheduled
+        step, its tokens (an int for a prefill row that completes its prompt, a tuple for a decode row,
+        None otherwise). Records the next first drafts and the counts only once everything else has run."""
+        plan, ids, drafts = verify.scheduled.plan, verify.scheduled.request_ids, verify.drafts
+        num_prefill, q = len(plan.prefill), plan.decode_q_len
+        decode_ids = ids[num_prefill:]
+        logits, hidden = target.output.logits, target.output.hidden      # [N, V], [N, D]: every real row
 
         rows, done, offset = _Rows([], [], [], [], []), [], 0
         for i, s in enumerate(plan.prefill):
@@ -151,13 +191,12 @@ class SpeculativeDecoder:
             for j in range(q):
                 self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
         tokens = draw(logits, rows, penalties=True)                         # [len(done) + B * q]
-        verify = tokens[len(done):].view(len(decode_ids), q)
-        device = tokens.device
-        drafted = torch.tensor(drafts, dtype=torch.int64, device=device).view(len(decode_ids), q - 1)
-        accepted = accepted_lengths(verify, drafted)
+        verify_tokens = tokens[len(done):].view(len(decode_ids), q)
+        drafted = torch.tensor(drafts, dtype=torch.int64, device=tokens.device).view(len(decode_ids), q - 1)
+        accepted = accepted_lengths(verify_tokens, drafted)
         first, next_hidden, continuing = self._catch_up(plan, ids, live, outputs, tokens, hidden, accepted)
 
-        host = torch.cat([tokens, accepted, first]).tolist()  # the iteration's one sync after its steps
+        host = to_host(torch.cat([tokens, accepted, first]))  # the iteration's one sync after its steps
         n_tokens, n_acc = len(rows.index), len(decode_ids)
         sampled: Sampled = [None] * len(ids)
         for k, i in enumerate(done):
@@ -165,13 +204,22 @@ class SpeculativeDecoder:
         counts = host[n_tokens:n_tokens + n_acc]
         for b, a in enumerate(counts):
             sampled[num_prefill + b] = tuple(host[len(done) + b * q: len(done) + b * q + a + 1])
-        self.stats.drafted += (q - 1) * n_acc
-        self.stats.accepted += sum(counts)
+        next_drafts = {}
         for k, (rid, position, b) in enumerate(continuing):
             if b >= 0:  # a verify row continues after the tokens it keeps
                 position = plan.decode[b].start_pos + counts[b] + 1
-            self.drafts[rid] = Draft(position, host[n_tokens + n_acc + k], next_hidden[k])
-        return state, sampled
+            next_drafts[rid] = Draft(position, host[n_tokens + n_acc + k], next_hidden[k])
+        # The iteration's only changes to the decoder, after the last thing that can fail.
+        self.drafts.update(next_drafts)
+        self.stats.drafted += (q - 1) * n_acc
+        self.stats.accepted += sum(counts)
+        return sampled
+
+    def _drafter_step(self, batch: Batch, mode: ForwardMode) -> StepOutput:
+        """Run the drafter on its state. The step donates `self.state`; its new state is kept here as
+        the step returns, so whatever raises afterwards leaves the decoder a live state."""
+        self.state, out = self.drafter(self.state, batch, mode)
+        return out
 
     @staticmethod
     def _add(rows: _Rows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
@@ -208,13 +256,13 @@ class SpeculativeDecoder:
             n, pad = len(firsts), mode.num_tokens - len(firsts)
             batch = replace(batch, input_ids=torch.cat([token, batch.input_ids[n:]]),
                             hidden=torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]))
-            self.state, out = self.drafter(self.state, batch, mode)
+            out = self._drafter_step(batch, mode)
             rows = _Rows([], [], [], [], [])
             for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
                 self._add(rows, b, rid, live, [], s.start_pos + i)
             token, hidden = draw(out.output.logits, rows, penalties=False), out.output.hidden
             chain.append(token)
-        later = torch.stack(chain, dim=1).tolist()  # the draft chain's one host sync
+        later = to_host(torch.stack(chain, dim=1))  # the draft chain's one host sync
         return [(d.token, *rest) for d, rest in zip(firsts, later)]
 
     def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, outputs: dict[Hashable, list[int]],
@@ -254,7 +302,7 @@ class SpeculativeDecoder:
         # The rows fed a token drawn this iteration, in the order `tokens` holds them.
         ids_t = batch.input_ids.index_copy(0, torch.tensor(patch_rows, dtype=torch.int64, device=device), tokens)
         fed = hidden.new_zeros(mode.num_tokens, hidden.shape[1]).index_copy(0, real, hidden)
-        self.state, out = self.drafter(self.state, replace(batch, input_ids=ids_t, hidden=fed), mode)
+        out = self._drafter_step(replace(batch, input_ids=ids_t, hidden=fed), mode)
         drafts = draw(out.output.logits, rows, penalties=False)
         pick = torch.cat([torch.arange(num_logits, device=device),
                           num_logits + torch.arange(len(decode), device=device) * q + accepted])

@@ -173,8 +173,11 @@ class Step:
             captured.layers = state.layers
         _copy_leaves(captured.batch, batch)
         captured.graph.replay()
+        # The copy out of the graph's buffers comes before the donation: if it fails (out of
+        # memory), the caller's state is still live, and it holds the replay's writes.
+        output = StepOutput(_real_rows(captured.output, mode, clone=True), mode, graph=True)
         state.donate("step")
-        return state.renewed(), StepOutput(_real_rows(captured.output, mode, clone=True), mode, graph=True)
+        return state.renewed(), output
 
     def _eager(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
         output, new_state = self.fn(self.params, state, batch, mode)
