@@ -10,6 +10,7 @@ from .config import ConfigError, ModelConfig, RopeConfig
 from .engine import Completion, Engine, RequestError, StreamEvent
 from .forward import ForwardOutput, decode, forward, forward_outputs, prefill
 from .layers import LayerContext, LayerKind, layer_kinds
+from .memory import NotEnoughMemory
 from .mode import ForwardMode, PaddingPolicy, SegmentKind
 from .params import Params
 from .plan import SeqPlan, StepPlan
@@ -24,7 +25,7 @@ __all__ = [
     "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DSALayerCache",
     "DecodeMetadata",
     "DonatedStateError", "Engine", "ForwardMode", "ForwardOutput", "KVCacheState", "LayerContext", "LayerKind",
-    "MLALayerCache", "Model", "ModelConfig", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
+    "MLALayerCache", "Model", "ModelConfig", "NotEnoughMemory", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
     "RequestError", "RopeConfig", "SamplingParams", "SegmentKind", "SeqPlan", "Step", "StepOutput", "StepPlan",
     "StreamEvent", "build_batch", "check_batch", "decode", "forward", "forward_outputs", "init_state",
     "layer_kinds", "load_model", "make_step", "padding_ladders", "plan_step", "prefill", "prepare_step",

@@ -17,7 +17,8 @@ import torch
 from .checkpoint_files import CheckpointError, CheckpointFolder
 from .config import ConfigError, ModelConfig
 from .config_hf import config_from_json
-from .mtp_params import MTPParams, load_mtp, mtp_optional_shapes, mtp_tensor_shapes
+from .memory import require_memory
+from .mtp_params import NO_MTP_LAYER, MTPParams, load_mtp, mtp_layer_index, mtp_optional_shapes, mtp_tensor_shapes
 from .params import Params, params_from_hf
 from .tensor_shapes import hf_tensor_count, hf_tensor_shapes
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
@@ -85,7 +86,9 @@ def load_model(
     folder or a hub cache's blobs); every header, tensor name, shape and dtype is
     checked before a tensor is read, and every weight must be finite. Errors are
     `CheckpointError` (files, tensors) or `ConfigError` (config.json), naming
-    the file and the tensor or field.
+    the file and the tensor or field. Before a tensor is allocated, the bytes the params
+    will hold are checked against the memory available on `device`: `NotEnoughMemory`
+    (a ValueError, from `mla_func.memory`) names both.
 
     A shipped preset ("demo") is a checkpoint folder inside the package; a shape
     preset ("tiny", "v2-lite") gets random weights. A folder path of the same
@@ -97,13 +100,19 @@ def load_model(
             (done directly on `device`).
     mtp:    also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.`,
             see `mtp_params`) as `Model.mtp`, the drafter of `Engine(speculative_tokens=)`; a
-            checkpoint without one is refused. A shape preset gets a random one.
+            checkpoint without one is refused. A shape preset gets a random one. A DeepSeek-V4
+            model refuses it (its MTP layers are not supported yet).
     progress: a progress bar over layers; by default shown for models of over a
             billion parameters.
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
             default max_position_embeddings, capped at `DEFAULT_MAX_POSITIONS`
             (an engine with a longer max_model_len extends them).
     """
+    # Truthiness would read mtp="no" as True and load a layer nobody asked for.
+    if not isinstance(mtp, bool):
+        raise ValueError(f"load_model: mtp must be a bool, got {mtp!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"load_model: progress must be a bool or None, got {progress!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
     name = str(path_or_preset)
@@ -115,9 +124,10 @@ def load_model(
                 "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
             )
         return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len,
-                            mtp=mtp)
+                            mtp=mtp, label=name)
     if name in PRESETS and not Path(name).exists():
         config = PRESETS[name]()
+        require_memory(f"preset {name!r}", config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
         params, drafter = random_params(config, dtype=dtype, device=device, seed=seed, mtp=mtp,
                                         progress=_show_progress(config, progress), max_model_len=max_model_len)
         return Model(config=config, params=params, mtp=drafter)
@@ -126,7 +136,8 @@ def load_model(
         raise CheckpointError(
             f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
-    return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len, mtp=mtp)
+    return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len, mtp=mtp,
+                        label=str(path))
 
 
 def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
@@ -155,9 +166,10 @@ class _Located:
 
 def _load_folder(
     path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None,
-    mtp: bool = False,
+    mtp: bool = False, label: str,
 ) -> Model:
-    """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy)."""
+    """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy);
+    `label` names the model in a memory error (the preset's name for a shipped preset)."""
     folder = CheckpointFolder.at(path)
     if not folder.has("config.json"):
         raise CheckpointError(f"{path}: no config.json")
@@ -167,8 +179,10 @@ def _load_folder(
         expected = _expected_tensors(folder, config, located)
         if mtp:
             expected.update(mtp_tensor_shapes(config))
+            _require_mtp_layer(folder, config, located)
             expected.update({n: s for n, s in mtp_optional_shapes(config).items() if n in located})
         _check_tensor_names(folder, config, expected, located)
+        require_memory(label, config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
         dtypes = {name: checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
 
@@ -180,6 +194,17 @@ def _load_folder(
                                 max_model_len=max_model_len)
         drafter = load_mtp(config, params, fetch, dtype, device, frozenset(expected)) if mtp else None
     return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter)
+
+
+def _require_mtp_layer(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> None:
+    """CheckpointError when not one tensor of the MTP layer is there (a checkpoint saved without it); a
+    partial layer is left to `_check_tensor_names`, which lists what is missing."""
+    prefix = f"model.layers.{mtp_layer_index(config)}."
+    if not any(name.startswith(prefix) for name in located):
+        raise CheckpointError(
+            f"{folder.root}: {NO_MTP_LAYER} (no tensor named {prefix}*), "
+            "which speculative decoding (load_model(..., mtp=True)) needs; load it without mtp"
+        )
 
 
 def _shard_names(folder: CheckpointFolder) -> tuple[list[str], dict[str, str]]:

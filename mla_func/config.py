@@ -16,14 +16,16 @@ if TYPE_CHECKING:
 
 # The routing op validates the same method names; one definition serves the config and the kernels.
 from .kernels.checks import GROUP_LIMITED_METHODS, TOPK_METHODS
-from .config_fields import ConfigError, check_bool, check_int, check_positive, is_int, is_number, refuse
+from .config_fields import ConfigError, check_bool, check_choice, check_int, check_positive, is_int, is_number, refuse
 
-__all__ = ["MODEL_TYPES", "ConfigError", "ModelConfig", "RopeConfig", "is_int", "is_number", "refuse",
-           "yarn_mscale"]
+__all__ = ["MODEL_TYPES", "V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig", "RopeConfig", "is_int",
+           "is_number", "refuse", "yarn_mscale"]
 
 # The scorings DeepSeek-V2/V3 define. The routing op also takes V4's sqrt(softplus),
 # which a V2/V3 checkpoint has no reference for.
 V3_SCORING_FUNCS = ("softmax", "sigmoid")
+# DeepSeek-V4's scorings (its config.json default is sqrtsoftplus).
+V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +200,14 @@ def _validate_rope(r: RopeConfig) -> None:
 
 
 def _validate(c: ModelConfig) -> None:
-    if c.model_type not in MODEL_TYPES:
-        raise refuse("model_type", c.model_type, f"expected one of {MODEL_TYPES}")
+    check_choice("model_type", c.model_type, MODEL_TYPES)
     if (c.model_type == "deepseek_v4") != (c.v4 is not None):
         raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                 "qk_nope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings"):
+                 "qk_nope_head_dim", "v_head_dim", "max_position_embeddings"):
         check_int(name, getattr(c, name), 1)
+    if c.v4 is None:  # V4's is its shared expert's width, moe_intermediate_size, checked with the MoE fields
+        check_int("intermediate_size", c.intermediate_size, 1)
     if not is_int(c.qk_rope_head_dim) or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2:
         raise refuse("qk_rope_head_dim", c.qk_rope_head_dim, "must be a positive even integer")
     check_int("q_lora_rank", c.q_lora_rank, 1, optional=True)
@@ -221,21 +224,20 @@ def _validate(c: ModelConfig) -> None:
     _validate_indexer(c)
     check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     check_int("moe_layer_freq", c.moe_layer_freq, 1)
-    check_int("n_routed_experts", c.n_routed_experts, 1, optional=True)
+    # Every V4 layer routes to experts; n_routed_experts=None is a dense V2/V3 model.
+    check_int("n_routed_experts", c.n_routed_experts, 1, optional=c.v4 is None)
     if c.v4 is not None:
         from .v4_config import validate_v4
 
-        # V4 routes with its own scoring (sqrtsoftplus) and no groups: its MoE fields are checked there.
-        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim)
-        return
-    if c.n_routed_experts is None:
-        return
-    _validate_moe(c, c.n_routed_experts)
+        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim,
+                    max_positions=c.max_position_embeddings)
+    if c.n_routed_experts is not None:
+        _validate_moe(c, c.n_routed_experts)
 
 
 def _validate_moe(c: ModelConfig, experts: int) -> None:
-    if not is_int(c.num_experts_per_tok) or not 1 <= c.num_experts_per_tok <= experts:
-        raise refuse("num_experts_per_tok", c.num_experts_per_tok, f"must be an integer in [1, n_routed_experts={experts}]")
+    """The MoE fields of every model with experts (V2, V3, V3.2 and V4), then its family's routing."""
+    check_int("num_experts_per_tok", c.num_experts_per_tok, 1, experts, why="n_routed_experts")
     check_int("moe_intermediate_size", c.moe_intermediate_size, 1)
     check_int("n_shared_experts", c.n_shared_experts, 0)
     check_positive("routed_scaling_factor", c.routed_scaling_factor)
@@ -243,10 +245,37 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
         # The reference implementations place an MoE block in every layer from
         # first_k_dense_replace on; other frequencies have no oracle to match.
         raise refuse("moe_layer_freq", c.moe_layer_freq, "only 1 is supported")
-    if c.scoring_func not in V3_SCORING_FUNCS:
-        raise refuse("scoring_func", c.scoring_func, f"expected one of {V3_SCORING_FUNCS}")
-    if c.topk_method not in TOPK_METHODS:
-        raise refuse("topk_method", c.topk_method, f"expected one of {TOPK_METHODS}")
+    if c.v4 is not None:
+        _validate_v4_routing(c)
+    else:
+        _validate_v3_routing(c, experts)
+
+
+def _validate_v4_routing(c: ModelConfig) -> None:
+    """What V4's MoE (`hash_moe.route`) fixes whatever the config says: a value that would be ignored is refused."""
+    check_choice("scoring_func", c.scoring_func, V4_SCORING_FUNCS)
+    if c.topk_method != "greedy":
+        raise refuse("topk_method", c.topk_method, "DeepSeek-V4 takes the top-k over all experts: must be 'greedy'")
+    for name in ("n_group", "topk_group"):
+        if getattr(c, name) is not None:
+            raise refuse(name, getattr(c, name), "DeepSeek-V4 routes without expert groups: must be null")
+    if c.norm_topk_prob is not True:
+        raise refuse("norm_topk_prob", c.norm_topk_prob,
+                     "DeepSeek-V4 always normalises the chosen weights: must be true")
+    if c.n_shared_experts != 1:
+        # The reference builds exactly one shared expert of moe_intermediate_size, whatever this says.
+        raise refuse("n_shared_experts", c.n_shared_experts, "DeepSeek-V4 has exactly one shared expert: must be 1")
+    if c.first_k_dense_replace != 0:
+        raise refuse("first_k_dense_replace", c.first_k_dense_replace,
+                     "every DeepSeek-V4 layer is an MoE layer (mlp_layer_types): must be 0")
+    if c.intermediate_size != c.moe_intermediate_size:
+        raise refuse("intermediate_size", c.intermediate_size, "DeepSeek-V4 has no dense MLP: must equal "
+                     f"moe_intermediate_size={c.moe_intermediate_size}, its shared expert's width")
+
+
+def _validate_v3_routing(c: ModelConfig, experts: int) -> None:
+    check_choice("scoring_func", c.scoring_func, V3_SCORING_FUNCS)
+    check_choice("topk_method", c.topk_method, TOPK_METHODS)
     check_int("n_group", c.n_group, 1, optional=True)
     check_int("topk_group", c.topk_group, 1, optional=True)
     if c.topk_method in GROUP_LIMITED_METHODS:
@@ -264,10 +293,14 @@ def _validate_indexer(c: ModelConfig) -> None:
     for name in ("index_n_heads", "index_head_dim", "index_topk"):
         if not c.is_sparse and getattr(c, name) is not None:
             raise refuse(name, getattr(c, name), "only deepseek_v32 models have an indexer (must be null)")
-        if c.is_sparse:
-            check_int(name, getattr(c, name), 1)
     if not c.is_sparse:
         return
+    check_int("index_n_heads", c.index_n_heads, 1)
+    check_int("index_head_dim", c.index_head_dim, 1)
+    # A row attends to at most max_position_embeddings keys, and the top-k's output is [tokens, index_topk]:
+    # a larger k selects nothing more and only allocates more (10**12 asked for 8 TB). The config.json
+    # reader clamps it (`config_hf`); a config built here is refused instead of silently changed.
+    check_int("index_topk", c.index_topk, 1, c.max_position_embeddings, why="max_position_embeddings")
     if c.index_head_dim is not None and c.index_head_dim < c.qk_rope_head_dim:
         raise refuse("index_head_dim", c.index_head_dim,
                      f"the indexer rotates its first qk_rope_head_dim={c.qk_rope_head_dim} dims: must be at least that")

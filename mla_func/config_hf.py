@@ -8,15 +8,14 @@ type and range on construction. Either raises `ConfigError` naming the field;
 
 from __future__ import annotations
 
-import math
-
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .checkpoint_files import read_json_file
-from .config import MODEL_TYPES, ConfigError, ModelConfig, RopeConfig, is_int, is_number, refuse
+from .config import MODEL_TYPES, ConfigError, ModelConfig, RopeConfig, is_int, refuse
+from .config_fields import as_float, at_most, check_entries
 
 # Fields that carry no meaning for inference (training knobs, bookkeeping, values
 # derived from other fields). Anything neither read nor listed here is reported.
@@ -58,20 +57,6 @@ def config_from_json(raw: Any, label: str) -> ModelConfig:
         raise ConfigError(f"{label}: {e}") from None
 
 
-def _float(value: Any) -> Any:
-    """A JSON number as a float; anything else unchanged, for validation to name.
-
-    JSON integers have no bound: one past float's range becomes an infinity of its sign,
-    which validation refuses by the field's name (float() itself would raise OverflowError).
-    """
-    if not is_number(value):
-        return value
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def _or_default(raw: Mapping[str, Any], name: str, default: Any) -> Any:
     """The field, or `default` when it is absent or null."""
     value = raw.get(name)
@@ -94,7 +79,7 @@ def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
         if "type" in params and "rope_type" not in params:
             params["rope_type"] = params.pop("type")
     kind = params.get("rope_type", "default")
-    theta = _float(_or_default(params, "rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = as_float(_or_default(params, "rope_theta", raw.get("rope_theta", 10000.0)))
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind != "yarn":
@@ -108,17 +93,17 @@ def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
         if not (isinstance(original, int) and is_int(original) and original >= 1 and isinstance(maximum, int)):
             raise refuse("rope_parameters.factor", None,
                          "YaRN needs it, or integer max_position_embeddings and original_max_position_embeddings")
-        factor = _float(maximum) / original
+        factor = as_float(maximum) / original
     return RopeConfig(
         theta=theta,
         kind="yarn",
-        factor=_float(factor),
+        factor=as_float(factor),
         original_max_position_embeddings=original,
-        beta_fast=_float(_or_default(params, "beta_fast", 32.0)),
-        beta_slow=_float(_or_default(params, "beta_slow", 1.0)),
-        mscale=_float(params.get("mscale")),
-        mscale_all_dim=_float(params.get("mscale_all_dim")),
-        attention_factor=_float(params.get("attention_factor")),
+        beta_fast=as_float(_or_default(params, "beta_fast", 32.0)),
+        beta_slow=as_float(_or_default(params, "beta_slow", 1.0)),
+        mscale=as_float(params.get("mscale")),
+        mscale_all_dim=as_float(params.get("mscale_all_dim")),
+        attention_factor=as_float(params.get("attention_factor")),
         truncate=_or_default(params, "truncate", True),
     )
 
@@ -159,11 +144,9 @@ def _refuse_unsupported_v32(raw: Mapping[str, Any]) -> None:
         if raw.get(name, value) != value:
             raise refuse(name, raw[name], f"deepseek_v32 routes with {value!r} only")
     layers = raw.get("num_hidden_layers")
-    kinds = raw.get("layer_types")
-    if kinds is not None and (not isinstance(kinds, list) or any(k not in _DSA_LAYER_NAMES for k in kinds)
-                              or len(kinds) != layers):
-        raise refuse("layer_types", kinds, f"only sparse attention {_DSA_LAYER_NAMES} for each of "
-                     f"num_hidden_layers={layers} layers")
+    if raw.get("layer_types") is not None and is_int(layers):  # a bad num_hidden_layers is named by ModelConfig
+        # Only sparse attention: every V3.2 layer has an indexer.
+        check_entries("layer_types", raw["layer_types"], _DSA_LAYER_NAMES, layers)
     mlp_kinds, first = raw.get("mlp_layer_types"), _or_default(raw, "first_k_dense_replace", 0)
     if mlp_kinds is not None and is_int(layers) and is_int(first):
         dense = min(first, layers)
@@ -202,6 +185,7 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
         warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=3)
 
     is_v3 = model_type in ("deepseek_v3", "deepseek_v32")
+    max_positions = _or_default(raw, "max_position_embeddings", 4096)
     return ModelConfig(
         model_type=model_type,
         **{name: raw[name] for name in _REQUIRED},
@@ -212,7 +196,7 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
         moe_intermediate_size=_or_default(raw, "moe_intermediate_size", 0),
         first_k_dense_replace=_or_default(raw, "first_k_dense_replace", 0),
         moe_layer_freq=_or_default(raw, "moe_layer_freq", 1),
-        routed_scaling_factor=_float(_or_default(raw, "routed_scaling_factor", 1.0)),
+        routed_scaling_factor=as_float(_or_default(raw, "routed_scaling_factor", 1.0)),
         norm_topk_prob=_or_default(raw, "norm_topk_prob", is_v32),
         scoring_func=_or_default(raw, "scoring_func", "sigmoid" if is_v3 else "softmax"),
         topk_method=_or_default(raw, "topk_method", "noaux_tc" if is_v3 else "greedy"),
@@ -220,13 +204,14 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
         topk_group=raw.get("topk_group"),
         rope=_rope_from_hf(raw),
         rope_interleave=_or_default(raw, "rope_interleave", True),
-        max_position_embeddings=_or_default(raw, "max_position_embeddings", 4096),
-        rms_norm_eps=_float(_or_default(raw, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        rms_norm_eps=as_float(_or_default(raw, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=_or_default(raw, "tie_word_embeddings", False),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         index_n_heads=raw.get("index_n_heads") if is_v32 else None,
         index_head_dim=raw.get("index_head_dim") if is_v32 else None,
-        index_topk=raw.get("index_topk") if is_v32 else None,
+        # Clamped for the reason `config._validate_indexer` gives: the same keys, the same logits.
+        index_topk=at_most(raw.get("index_topk"), max_positions) if is_v32 else None,
     )
 
 

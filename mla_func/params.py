@@ -186,6 +186,20 @@ def params_from_hf(
 TensorGet = Callable[..., torch.Tensor]
 
 
+def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the params of a `dtype` model hold checkpoint tensor `name` in (DeepSeek-V2/V3/V3.2).
+
+    Routing and the indexer's head weights run in at least float32, so their weights are held
+    there (a router as `layer_params` makes it, an indexer's as `indexer_params` does); noaux_tc's
+    correction bias is float32 in every model dtype. Everything else is `dtype`.
+    """
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return torch.float32
+    if name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")):
+        return torch.promote_types(dtype, torch.float32)
+    return dtype
+
+
 def checked_fetch(fetch: TensorFetch, *, dtype: torch.dtype, device: torch.device | str) -> TensorGet:
     """`get(name, keep_float32=False)`: `fetch(name)` on `device` in `dtype` (or float32), checked finite."""
 
@@ -234,7 +248,7 @@ def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype
             experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
         block: MLPParams | MoEParams = MoEParams(
             # Routing runs in at least float32; holding the router there saves a cast per step.
-            gate=get(m + "gate.weight").to(torch.promote_types(dtype, torch.float32)),
+            gate=get(m + "gate.weight").to(held_dtype(m + "gate.weight", dtype)),
             w13=torch.stack([e.gate_up for e in experts]),
             w2=torch.stack([e.down for e in experts]),
             e_score_correction_bias=(

@@ -10,18 +10,30 @@ slice, `qk_nope_head_dim = kv_lora_rank = head_dim - qk_rope_head_dim` and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError, RopeConfig, is_int, is_number, refuse
+from .config import V4_SCORING_FUNCS, ConfigError, RopeConfig, is_number, refuse
+from .config_fields import as_float, at_most, check_entries, check_int, check_positive
+
+__all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
+           "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4"]
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
 MLP_TYPES = ("hash_moe", "moe")
-V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
+
+# Sinkhorn normalisation of each token's hc_mult x hc_mult mixing matrix runs hc_sinkhorn_iters
+# passes at every hyper-connection site (two a layer) of every step, one after another: the count
+# is a loop bound, and 10**9 hung the first step. A model must run with the count it was trained
+# with, and DeepSeek-V4 uses 20; 1000, fifty times that, leaves room for models trained with more
+# while bounding the cost (on one CPU thread, a 4-layer test model's step took 0.12 s at 1000
+# passes against 0.01 s at 20).
+MAX_SINKHORN_ITERS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,34 +74,26 @@ class V4Config:
         raise ValueError(f"rate: {layer_type!r} layers have no compressor")
 
 
-def _int(name: str, value: Any, low: int) -> int:
-    if not is_int(value) or value < low:
-        raise refuse(name, value, f"must be an integer >= {low}")
-    result: int = value
-    return result
+def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int, max_positions: int) -> None:
+    """Check every V4 field's type and range against the shared fields; ConfigError names the field.
 
-
-def _positive(name: str, value: Any) -> float:
-    if not is_number(value) or not value > 0:
-        raise refuse(name, value, "must be a positive number")
-    return float(value)
-
-
-def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int) -> None:
-    """Check every V4 field's type and range against the shared fields; ConfigError names the field."""
-    for name, types, allowed in (("layer_types", v.layer_types, ATTENTION_TYPES),
-                                 ("mlp_layer_types", v.mlp_layer_types, MLP_TYPES)):
-        if len(types) != num_layers:
-            raise refuse(name, list(types), f"must list num_hidden_layers={num_layers} entries")
-        bad = sorted({t for t in types if t not in allowed})
-        if bad:
-            raise refuse(name, bad, f"entries must be one of {allowed}")
-    for name in ("head_dim", "csa_rate", "hca_rate", "sliding_window", "hc_mult", "hc_sinkhorn_iters", "o_groups",
-                 "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk"):
-        _int(name, getattr(v, name), 1)
-    _int("num_nextn_predict_layers", v.num_nextn_predict_layers, 0)
-    _positive("hc_eps", v.hc_eps)
-    _positive("swiglu_limit", v.swiglu_limit)
+    (V4's MoE fields are the shared `ModelConfig` ones, checked with V2/V3's by `config`.)
+    """
+    check_entries("layer_types", v.layer_types, ATTENTION_TYPES, num_layers)
+    check_entries("mlp_layer_types", v.mlp_layer_types, MLP_TYPES, num_layers)
+    for name in ("head_dim", "hc_mult", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk"):
+        check_int(name, getattr(v, name), 1)
+    check_int(f"compress_rates.{CSA}", v.csa_rate, 1)
+    check_int(f"compress_rates.{HCA}", v.hca_rate, 1)
+    # The window's keys are positions [p - sliding_window + 1, p] of a sequence of at most
+    # max_position_embeddings tokens, so a longer window sees nothing more; the attention op builds
+    # [rows, sliding_window] offsets, so 10**12 asked for 8 TB. The config.json reader clamps it
+    # (`v4_from_hf`); a config built here is refused instead of silently changed.
+    check_int("sliding_window", v.sliding_window, 1, max_positions, why="max_position_embeddings")
+    check_int("hc_sinkhorn_iters", v.hc_sinkhorn_iters, 1, MAX_SINKHORN_ITERS)
+    check_int("num_nextn_predict_layers", v.num_nextn_predict_layers, 0)
+    check_positive("hc_eps", v.hc_eps)
+    check_positive("swiglu_limit", v.swiglu_limit)
     if num_heads % v.o_groups:
         raise refuse("o_groups", v.o_groups, f"must divide num_attention_heads={num_heads}")
     if not rope_dim < v.head_dim:
@@ -107,16 +111,15 @@ def _rope(name: str, raw: Any, theta_default: float) -> tuple[RopeConfig, float]
     theta = raw.get("rope_theta", theta_default)
     partial = raw.get("partial_rotary_factor", 1.0)
     if kind == "default":
-        return RopeConfig(theta=float(theta) if is_number(theta) else theta), partial
+        return RopeConfig(theta=as_float(theta)), partial
     if kind != "yarn":
         raise refuse(f"{name}.rope_type", kind, "expected 'default' or 'yarn'")
 
     def num(key: str, default: Any) -> Any:
-        value = raw.get(key, default)
-        return float(value) if is_number(value) else value
+        return as_float(raw.get(key, default))
 
     return RopeConfig(
-        theta=float(theta) if is_number(theta) else theta, kind="yarn", factor=num("factor", None),
+        theta=as_float(theta), kind="yarn", factor=num("factor", None),
         original_max_position_embeddings=raw.get("original_max_position_embeddings"),
         beta_fast=num("beta_fast", 32.0), beta_slow=num("beta_slow", 1.0), mscale=num("mscale", None),
         mscale_all_dim=num("mscale_all_dim", None), attention_factor=num("attention_factor", None),
@@ -152,22 +155,18 @@ def refuse_unsupported_v4(raw: Mapping[str, Any]) -> None:
     for name in _LEGACY:
         if name in raw:
             raise refuse(name, raw[name], "a legacy spelling: write layer_types / compress_rates / mlp_layer_types")
-    if raw.get("n_shared_experts", 1) != 1:
-        # The reference builds exactly one shared expert of moe_intermediate_size, whatever this says.
-        raise refuse("n_shared_experts", raw["n_shared_experts"], "DeepSeek-V4 has exactly one shared expert: must be 1")
-    if raw.get("scoring_func", "sqrtsoftplus") not in V4_SCORING_FUNCS:
-        raise refuse("scoring_func", raw["scoring_func"], f"expected one of {V4_SCORING_FUNCS}")
 
 
-def v4_from_hf(raw: Mapping[str, Any]) -> tuple[V4Config, RopeConfig, int]:
-    """(V4Config, the main rope, qk_rope_head_dim) from a deepseek_v4 config.json dict."""
+def v4_from_hf(raw: Mapping[str, Any], max_positions: Any) -> tuple[V4Config, RopeConfig, int]:
+    """(V4Config, the main rope, qk_rope_head_dim) from a deepseek_v4 config.json dict whose
+    max_position_embeddings is `max_positions` (as read: checked later, by `ModelConfig`)."""
     for name in ("head_dim", "layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):
         if raw.get(name) is None:
             raise refuse(name, None, "missing (required for deepseek_v4)")
     rates = raw["compress_rates"]
     if not isinstance(rates, Mapping):
         raise refuse("compress_rates", rates, "must be a JSON object of layer type -> rate")
-    unknown_rates = sorted(set(rates) - {CSA, HCA})
+    unknown_rates = sorted(str(key) for key in set(rates) - {CSA, HCA})
     if unknown_rates:
         raise refuse("compress_rates", unknown_rates, f"keys must be {CSA!r} or {HCA!r}")
     ropes = raw["rope_parameters"]
@@ -182,9 +181,10 @@ def v4_from_hf(raw: Mapping[str, Any]) -> tuple[V4Config, RopeConfig, int]:
     if main_partial != compress_partial:
         raise refuse("rope_parameters.compress.partial_rotary_factor", compress_partial,
                      f"must equal the main rope's {main_partial}")
-    head_dim = _int("head_dim", raw["head_dim"], 1)
+    check_int("head_dim", raw["head_dim"], 1)
+    head_dim: int = raw["head_dim"]
     rope_dim = head_dim * main_partial if is_number(main_partial) else -1
-    if not (rope_dim == int(rope_dim) and int(rope_dim) >= 2 and int(rope_dim) % 2 == 0):
+    if not (math.isfinite(rope_dim) and rope_dim == int(rope_dim) and int(rope_dim) >= 2 and int(rope_dim) % 2 == 0):
         raise refuse("partial_rotary_factor", main_partial, f"must rotate an even number of head_dim={head_dim} channels")
     if int(rope_dim) >= head_dim:
         raise refuse("partial_rotary_factor", main_partial, f"must leave a non-rotated part of head_dim={head_dim}")
@@ -197,11 +197,12 @@ def v4_from_hf(raw: Mapping[str, Any]) -> tuple[V4Config, RopeConfig, int]:
         mlp_layer_types=tuple(raw["mlp_layer_types"]),
         csa_rate=rates.get(CSA, 4),
         hca_rate=rates.get(HCA, 128),
-        sliding_window=raw.get("sliding_window", 128),
+        # Clamped for the reason `validate_v4` gives: the same keys, the same logits, no 8 TB request.
+        sliding_window=at_most(raw.get("sliding_window", 128), max_positions),
         hc_mult=raw.get("hc_mult", 4),
         hc_sinkhorn_iters=raw.get("hc_sinkhorn_iters", 20),
-        hc_eps=raw.get("hc_eps", 1e-6),
-        swiglu_limit=raw.get("swiglu_limit", 10.0),
+        hc_eps=as_float(raw.get("hc_eps", 1e-6)),
+        swiglu_limit=as_float(raw.get("swiglu_limit", 10.0)),
         o_groups=raw.get("o_groups", 8),
         o_lora_rank=raw.get("o_lora_rank", 1024),
         index_n_heads=raw.get("index_n_heads", 64),

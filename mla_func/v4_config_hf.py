@@ -10,7 +10,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from .config import ModelConfig, is_number, refuse
+from .config import ModelConfig, refuse
+from .config_fields import as_float
 from .v4_config import V4_IGNORED, refuse_unsupported_v4, v4_from_hf, v4_to_hf
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -36,14 +37,13 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
     for name in _REQUIRED:
         if raw.get(name) is None:
             raise refuse(name, None, "missing (required for deepseek_v4)")
-    v4, main_rope, rope_dim = v4_from_hf(raw)
+    max_positions = raw.get("max_position_embeddings", 1048576)
+    v4, main_rope, rope_dim = v4_from_hf(raw, max_positions)
     unknown = sorted(str(name) for name in set(raw) - _READ - V4_IGNORED)
     if unknown:
         warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=4)
     moe_inter = raw["moe_intermediate_size"]
     nope = v4.head_dim - rope_dim
-    scale = raw.get("routed_scaling_factor", 1.5)
-    eps = raw.get("rms_norm_eps", 1e-6)
     return ModelConfig(
         model_type="deepseek_v4",
         vocab_size=raw["vocab_size"],
@@ -59,16 +59,16 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
         q_lora_rank=raw["q_lora_rank"],
         n_routed_experts=raw["n_routed_experts"],
         num_experts_per_tok=raw["num_experts_per_tok"],
-        n_shared_experts=1,
+        n_shared_experts=raw.get("n_shared_experts", 1),
         moe_intermediate_size=moe_inter,
-        routed_scaling_factor=float(scale) if is_number(scale) else scale,
+        routed_scaling_factor=as_float(raw.get("routed_scaling_factor", 1.5)),
         # V4 always normalises the chosen experts' weights.
         norm_topk_prob=True,
         scoring_func=raw.get("scoring_func", "sqrtsoftplus"),
         rope=main_rope,
         rope_interleave=True,
-        max_position_embeddings=raw.get("max_position_embeddings", 1048576),
-        rms_norm_eps=float(eps) if is_number(eps) else eps,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=as_float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         eos_token_ids=_eos(raw.get("eos_token_id")),
         v4=v4,

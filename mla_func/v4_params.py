@@ -212,6 +212,14 @@ def is_index_table(name: str) -> bool:
     return name.endswith(".gate.tid2eid")
 
 
+def v4_held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the params of a `dtype` V4 model hold checkpoint tensor `name` in: an index table's
+    expert ids as int64, the tensors the reference keeps in float32 in at least float32, the rest in `dtype`."""
+    if is_index_table(name):
+        return torch.int64
+    return torch.promote_types(dtype, torch.float32) if keeps_float32(name) else dtype
+
+
 def checkpoint_dtype(name: str, label: str, entry: TensorEntry, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype a checkpoint tensor reads as: an index table's integers (int32 or int64) as they are,
     a weight as `load_dtype` decides; CheckpointError naming the tensor otherwise."""

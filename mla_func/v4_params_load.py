@@ -14,7 +14,7 @@ from .params import Params
 from .rope_tables import rope_positions, rope_tables
 from .v4_config import CSA, SLIDING
 from .v4_params import (CompressorParams, HyperConnectionParams, HyperHeadParams, IndexerParams, V4AttentionParams,
-                        V4LayerParams, V4MoEParams, keeps_float32)
+                        V4LayerParams, V4MoEParams, v4_held_dtype)
 
 TensorFetch = Callable[[str], torch.Tensor]
 
@@ -51,10 +51,9 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
     v = config.v4
     if v is None:
         raise ValueError(f"v4_params_from_hf: expected a deepseek_v4 config, got {config.model_type!r}")
-    wide = torch.promote_types(dtype, torch.float32)
 
     def get(name: str) -> torch.Tensor:
-        tensor = fetch(name).to(device=device, dtype=wide if keeps_float32(name) else dtype)
+        tensor = fetch(name).to(device=device, dtype=v4_held_dtype(name, dtype))
         if not bool(torch.isfinite(tensor).all()):  # one sync a tensor, at load time
             raise CheckpointError(f"tensor {name!r} holds NaN or inf values (as {tensor.dtype})")
         return tensor

@@ -37,10 +37,14 @@ def recording_opens() -> Iterator[list[str]]:
         _RECORDERS.pop()
 
 
+# Files the loader reads that no checkpoint chooses: the free-memory reading before params are allocated.
+SYSTEM_FILES = frozenset({"/proc/meminfo"})
+
+
 def outside(paths: list[str], folder: Path) -> list[str]:
-    """The paths that do not resolve to a file inside `folder`."""
+    """The paths that do not resolve to a file inside `folder` (the loader's own SYSTEM_FILES aside)."""
     root = folder.resolve()
-    return [p for p in paths if not Path(os.path.realpath(p)).is_relative_to(root)]
+    return [p for p in paths if p not in SYSTEM_FILES and not Path(os.path.realpath(p)).is_relative_to(root)]
 
 
 @contextmanager
