@@ -91,11 +91,17 @@ def run_throughput(
     lengths compiles kernels, so timing excludes both; its prompts share no prefix with
     the measured ones, so no measured prefill is skipped by the prefix cache.
     """
+    # Checked first: a request too long for the model would be refused only after the warm-up.
+    longest = input_len[1] + output_len
+    if longest > model.config.max_position_embeddings:
+        raise ValueError(f"run_throughput: input_len up to {input_len[1]} + output_len {output_len} = {longest} "
+                         f"tokens, over the model's max_position_embeddings {model.config.max_position_embeddings}")
     prompts = random_requests(model.config.vocab_size, num_prompts, input_len, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = Engine(model, backend=backend, graphs=graphs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                    batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, max_model_len=min(model.config.max_position_embeddings, input_len[1] + output_len + block_size))
+                    batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
+                    max_model_len=min(model.config.max_position_embeddings, longest + block_size))
     if warmup:
         graphs_to_capture = sum(m.use_graph for m in engine.step.decode_graph_modes())
         if graphs_to_capture:

@@ -1,28 +1,39 @@
 """The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput.
 
 Every option is checked before the model loads (sampling options by building the
-`SamplingParams`, the device and backend against what this machine has), so a
-mistake costs no load time. User errors print one `error:` line and exit with 2;
-Ctrl-C prints a summary line and exits with 130 (128 + SIGINT), as shells expect.
+`SamplingParams`, the device and backend against what this machine has, drafts and
+lengths against the model's config.json or preset, read without its weights), so a
+mistake costs no load time. User errors print one `error:` line, without argparse's
+usage block, and exit with 2; Ctrl-C prints a summary line and exits with 130
+(128 + SIGINT), as shells expect.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
+import re
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
 from .checkpoint import Model, load_model
+from .checkpoint_files import CheckpointFolder
+from .config import ConfigError, ModelConfig
+from .config_hf import config_from_json
 from .engine import Engine
 from .kernels import BACKENDS
+from .presets import PRESETS, SHIPPED_PRESETS
+from .safetensors_file import read_header
 from .sampling import SamplingParams
 from .streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completion
 
@@ -36,6 +47,54 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class UsageError(ValueError):
     """A bad option value, found before any work starts; the message names the option."""
+
+
+# A value such as -5 is an argument, not an option (none of the options looks like a number).
+_NUMBER = re.compile(r"-\d+(\.\d*)?([eE][-+]?\d+)?$|-\.\d+([eE][-+]?\d+)?$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with every mistake one `error:` line (no usage block: it hid the error below
+    fourteen lines), and an unknown option answered with the closest ones this command has."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse says "argument --threads: ..."; the CLI's own errors say "--threads: ...".
+        message = message.removeprefix("argument ")
+        if message.startswith("the following arguments are required"):
+            message += f"; see {self.prog} --help"
+        self.exit(EXIT_ERROR, f"error: {message}\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # Unknown arguments are refused here, by the parser they were given to: a command's
+        # parser knows its own options, while the top-level one, which argparse lets refuse
+        # them, knows only --help and --version.
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown_arguments(extras))
+        return parsed, extras
+
+    def unknown_arguments(self, extras: list[str]) -> str:
+        """The error of arguments this parser has no place for: each unknown option with the
+        closest known ones, or else the stray values."""
+        flags = [a.split("=", 1)[0] for a in extras if a.startswith("-") and not _NUMBER.match(a)]
+        if not flags:
+            return f"unexpected argument{'s' if len(extras) > 1 else ''} {' '.join(extras)!r}; see {self.prog} --help"
+        return "; ".join(self.unknown_option(flag) for flag in flags)
+
+    def unknown_option(self, flag: str) -> str:
+        # self._option_string_actions is argparse's own table of this parser's option strings. They
+        # are compared without their dashes, which every one shares: with them, --seeds was "close" to --threads.
+        options = {option.lstrip("-"): option for option in self._option_string_actions}
+        close = difflib.get_close_matches(flag.lstrip("-"), list(options), n=3)
+        if not close:
+            return f"unknown option {flag}; see {self.prog} --help"
+        return f"unknown option {flag}: did you mean {_or([options[name] for name in close])}?"
+
+
+def _or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +114,8 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     SamplingOption("--temperature", "temperature", float, 0.8, "0 = greedy"),
     SamplingOption("--top-k", "top_k", int, 0, "keep the k most likely tokens; 0 = off"),
     SamplingOption("--top-p", "top_p", float, 1.0, "keep the most likely tokens up to this probability; 1 = off"),
-    SamplingOption("--seed", "seed", int, None, "sampling seed (default: a fresh random seed)"),
+    SamplingOption("--seed", "seed", int, None,
+                   "sampling seed (default: a fresh random seed each run, shown in the summary line)"),
     SamplingOption("--ignore-eos", "ignore_eos", bool, False, "keep generating after the end-of-sequence token"),
     SamplingOption("--repetition-penalty", "repetition_penalty", float, 1.0,
                    "divide positive / multiply negative logits of prompt and output tokens; 1 = off"),
@@ -78,9 +138,22 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
+def fresh_seed() -> int:
+    """A seed from the operating system's randomness, for a run without --seed.
+
+    The engine's own per-request seeds come from a generator it seeds with 0, so leaving
+    the seed to it would sample the same text on every run. 32 bits keep it short to
+    copy from the summary line into --seed.
+    """
+    return secrets.randbits(32)
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The `SamplingParams` of `generate`'s options; UsageError naming the option if one is invalid."""
+    """The `SamplingParams` of `generate`'s options, with a fresh seed unless --seed gives one;
+    UsageError naming the option if one is invalid."""
     values = {o.field: getattr(args, o.field) for o in SAMPLING_OPTIONS}
+    if values["seed"] is None:
+        values["seed"] = fresh_seed()
     try:
         return SamplingParams(**values)
     except ValueError as e:
@@ -183,11 +256,97 @@ def prepare(args: argparse.Namespace) -> torch.device:
     return device
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What `load_model(name)` will load, known without reading a weight: its config, and the
+    checkpoint folder it reads (None for a shape preset, whose random weights include an MTP layer)."""
+
+    name: str
+    config: ModelConfig
+    folder: CheckpointFolder | None
+
+
+def model_source(name: str) -> ModelSource | None:
+    """--model's config, from its config.json or preset, resolved as `load_model` resolves the name
+    (a folder of a preset's name wins); None where there is no config.json to read, which load_model
+    refuses with its own error (no such folder or preset, the list of presets)."""
+    path = Path(name)
+    if not path.exists() and name in PRESETS:
+        return ModelSource(name, PRESETS[name](), None)
+    if not path.exists() and name in SHIPPED_PRESETS:
+        path = SHIPPED_PRESETS[name]
+    if not (path / "config.json").is_file():
+        return None
+    folder = CheckpointFolder.at(path)
+    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
+    return ModelSource(name, config, folder)
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def tensor_names(folder: CheckpointFolder) -> list[str] | None:
+    """A checkpoint folder's tensor names, from its index or else its shards' headers (no tensor
+    is read); None where the folder does not show them plainly (a malformed index, no shards),
+    which the loader then reports."""
+    if folder.has(_INDEX):
+        index = folder.read_json(_INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        return list(weight_map) if isinstance(weight_map, dict) else None
+    shards = [file for file in folder.names() if file.endswith(".safetensors")]
+    if not shards:
+        return None
+    names: list[str] = []
+    for file in shards:
+        with folder.open(file) as handle:
+            names.extend(read_header(handle, folder.label(file)))
+    return names
+
+
+def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
+    """Refuse --speculative-tokens for a model without a multi-token-prediction layer to draft with,
+    by the flag: loading it with mtp=True would fail on a tensor list or a Python argument."""
+    if not speculative_tokens:
+        return
+    flag = f"--speculative-tokens {speculative_tokens}"
+    if source.config.v4 is not None:
+        raise UsageError(f"{flag}: {source.name} is a DeepSeek-V4 model, whose multi-token-prediction (MTP) "
+                         "layers are not supported yet; run it without --speculative-tokens")
+    if source.folder is None:
+        return
+    # DeepSeek-V3 stores its MTP layer after the decoder layers. transformers' DeepseekV3Config
+    # says num_nextn_predict_layers 1 even where save_pretrained wrote no such layer, so the
+    # tensors decide.
+    prefix = f"model.layers.{source.config.num_hidden_layers}."
+    names = tensor_names(source.folder)
+    if names is not None and not any(name.startswith(prefix) for name in names):
+        raise UsageError(f"{flag} needs a checkpoint with a multi-token-prediction (MTP) layer, and "
+                         f"{source.name} has none (no {prefix}* tensors); run it without --speculative-tokens")
+
+
+def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:
+    """Refuse prompts and outputs longer than the model runs, before the load and the warm-up."""
+    longest = args.max_input_len + args.output_len
+    if longest > config.max_position_embeddings:
+        raise UsageError(
+            f"--max-input-len {args.max_input_len} + --output-len {args.output_len} = {longest} tokens, over "
+            f"the model's maximum length {config.max_position_embeddings} ({args.model}'s max_position_embeddings)"
+        )
+
+
+def check_model(args: argparse.Namespace) -> ModelSource | None:
+    """The model's config and drafts, checked before the load; None as for `model_source`."""
+    source = model_source(args.model)
+    if source is not None:
+        check_drafts(source, args.speculative_tokens)
+    return source
+
+
 def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> Model:
     started = time.perf_counter()
     say(f"loading {args.model} on {device}")
     model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device,
-                       mtp=getattr(args, "speculative_tokens", 0) > 0)
+                       mtp=args.speculative_tokens > 0)
     say(f"loaded in {time.perf_counter() - started:.1f} s")
     return model
 
@@ -206,6 +365,7 @@ def generate_main(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     prompt = read_prompt(args.prompt)
     device = prepare(args)
+    check_model(args)
     model = load(args, device, say=lambda msg: None)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens)
@@ -218,6 +378,9 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.min_input_len > args.max_input_len:
         raise UsageError(f"--min-input-len {args.min_input_len} is above --max-input-len {args.max_input_len}")
     device = prepare(args)
+    source = check_model(args)
+    if source is not None:
+        check_bench_lengths(args, source.config)
 
     def say(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -248,8 +411,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-func", description="DeepSeek-style MLA inference.",
-                                     formatter_class=_DefaultsFormatter)
+    parser = _Parser(prog="mla-func", description="DeepSeek-style MLA inference.", formatter_class=_DefaultsFormatter)
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -32,6 +32,7 @@ class StreamStats:
     finish_reason: str
     drafted: int = 0      # speculative decoding: drafts proposed and accepted (0 and 0 without it)
     accepted: int = 0
+    seed: int | None = None  # the sampling seed, shown so that --seed can repeat the run; None when greedy
 
     def summary(self) -> str:
         first = self.first_token_at if self.first_token_at is not None else self.finished
@@ -41,6 +42,7 @@ class StreamStats:
         return (
             f"[prompt tokens {self.prompt_tokens}, generated tokens {self.generated_tokens}, "
             f"time to first token {(first - self.started) * 1e3:.0f} ms, {rate:.1f} tokens/s, "
+            + (f"seed {self.seed}, " if self.seed is not None else "")
             + (f"acceptance rate {self.accepted / self.drafted:.0%} ({self.accepted} of {self.drafted} drafts), "
                if self.drafted else "")
             + f"finish reason {self.finish_reason}]"
@@ -62,13 +64,29 @@ def prompt_token_ids(engine: Engine, prompt: str) -> list[int]:
         ) from None
 
 
+def length_note(engine: Engine, prompt_tokens: int, params: SamplingParams) -> str | None:
+    """The note for a --max-tokens past the model's maximum length, which the engine cuts to what fits
+    (a prompt too long for even one token is the engine's error, not a cut)."""
+    max_len = engine.config.max_model_len
+    room = max_len - prompt_tokens
+    if not 0 < room < params.max_tokens:
+        return None
+    return (f"note: --max-tokens {params.max_tokens} cut to {room}: the model's maximum length is {max_len} "
+            f"and the prompt has {prompt_tokens} tokens")
+
+
 def stream_completion(engine: Engine, prompt: str, params: SamplingParams, *, out: TextIO, err: TextIO) -> int:
     """Generate one completion of `prompt`, writing its text to `out` as it comes and a summary to `err`.
 
     Returns the exit status: 0, 2 when the request is refused (the reason on
     `err`), or 130 when interrupted by Ctrl-C (after the summary of what was generated).
+    A `params.max_tokens` past the model's maximum length is cut with a note on `err`; the
+    summary shows `params.seed` unless decoding is greedy, where the seed plays no part.
     """
     ids = prompt_token_ids(engine, prompt)
+    note = length_note(engine, len(ids), params)
+    if note is not None:
+        print(note, file=err, flush=True)
     tokenizer = engine.model.tokenizer
     decoder = DecodeStream(skip_special_tokens=True)
     started = time.perf_counter()
@@ -99,6 +117,6 @@ def stream_completion(engine: Engine, prompt: str, params: SamplingParams, *, ou
     print(file=out, flush=True)
     drafts = engine.speculative_stats
     stats = StreamStats(len(ids), generated, started, first_token_at, finished, finish_reason, drafts.drafted,
-                        drafts.accepted)
+                        drafts.accepted, seed=None if params.greedy else params.seed)
     print(stats.summary(), file=err, flush=True)
     return status
