@@ -17,6 +17,14 @@ End to end: `mla-func bench`-style runs (random prompts of 32-128 tokens, 128 gr
 output tokens each, no early stop) at batch 1 and 8 with k = 0..3, on a model with an
 MTP layer (`--e2e-model`, a checkpoint folder; by default the demo model, skipped with
 a message when it has none), reporting output tokens/s and the measured acceptance rate.
+
+Iterations and tokens (`--match`): the README's promise, measured. The same 8 random
+prompts (4-120 tokens; alternately greedy and seeded at temperature 0.7; 64 tokens each)
+run at batch 1 and 8 with k = 0..3, in the default mode and in the batch-invariant mode.
+Each run reports how many requests kept k = 0's tokens (of the same mode), where the
+first difference came, tokens/s, and where an iteration's time goes: the target step
+(decode or verify), the drafter's steps (draft chain and catch-up), and the rest (host
+work, sampling, syncs), from CUDA events around each step.
 Prints tables and writes JSON under bench/results/.
 """
 
@@ -26,6 +34,7 @@ import argparse
 import dataclasses
 import gc
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -122,6 +131,100 @@ def end_to_end(model_path: str, batches: list[int], output_len: int, backend: st
     return rows
 
 
+class _TimedStep:
+    """A step whose calls record CUDA events, read after the run (no sync added between steps)."""
+
+    def __init__(self, step: mf.Step, spans: list[tuple[torch.cuda.Event, torch.cuda.Event]]):
+        self.step, self.spans = step, spans
+        self.graphs = step.graphs
+
+    def prepare(self, *args, **kwargs):
+        return self.step.prepare(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.step(*args, **kwargs)
+        end.record()
+        self.spans.append((start, end))
+        return out
+
+
+def _match_requests(vocab_size: int, seed: int) -> tuple[list[list[int]], list[mf.SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, vocab_size) for _ in range(rng.randint(4, 120))] for _ in range(8)]
+    params = [mf.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True) if i % 2 == 0 else
+              mf.SamplingParams(temperature=0.7, seed=rng.randrange(2**31), max_tokens=64, ignore_eos=True)
+              for i in range(8)]
+    return prompts, params
+
+
+def token_match(model_path: str, batches: list[int], backend: str, seed: int) -> list[dict]:
+    """Per (mode, batch, k): requests whose tokens equal k = 0's, tokens/s, and ms an iteration in the
+    target step, the drafter's steps and the rest."""
+    model = mf.load_model(model_path, dtype=torch.bfloat16, device="cuda", mtp=True)
+    prompts, params = _match_requests(model.config.vocab_size, seed)
+    rows = []
+    for invariant in (False, True):
+        for batch in batches:
+            plain = None
+            for k in range(4):
+                engine = mf.Engine(model, backend=backend, max_num_seqs=batch, batch_invariant=invariant,
+                                   speculative_tokens=k)
+                engine.warmup(progress=False)
+                engine.generate(prompts, params)   # kernels compile for this run's shapes
+                target, drafter = [], []
+                engine.step = _TimedStep(engine.step, target)
+                spec = engine._speculative
+                if spec is not None:
+                    spec.drafter = _TimedStep(spec.drafter, drafter)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                completions = engine.generate(prompts, params)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - started
+                tokens = [c.token_ids for c in completions]
+                plain = tokens if k == 0 else plain
+                firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                          for a, b in zip(plain, tokens)]
+                iterations = len(target)
+                target_ms = sum(a.elapsed_time(b) for a, b in target)
+                drafter_ms = sum(a.elapsed_time(b) for a, b in drafter)
+                rows.append(dict(
+                    mode="batch-invariant" if invariant else "default", batch=batch, k=k,
+                    matched=sum(f is None for f in firsts), requests=len(firsts),
+                    greedy_matched=sum(f is None for f in firsts[0::2]),
+                    seeded_matched=sum(f is None for f in firsts[1::2]),
+                    first_differences=[f for f in firsts if f is not None],
+                    output_tok_s=sum(map(len, tokens)) / seconds, iterations=iterations,
+                    acceptance_rate=engine.speculative_stats.acceptance_rate,
+                    ms_per_iteration=seconds * 1e3 / iterations, target_ms_per_iteration=target_ms / iterations,
+                    drafter_ms_per_iteration=drafter_ms / iterations,
+                    rest_ms_per_iteration=(seconds * 1e3 - target_ms - drafter_ms) / iterations))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def host_profile(model_path: str, backend: str, batch: int, ks: list[int], rows: int = 30) -> None:
+    """Where the host's time goes in the engine loop: cProfile over one run of the match requests
+    per k (after a warm run), the functions by their own time."""
+    import cProfile
+    import pstats
+
+    model = mf.load_model(model_path, dtype=torch.bfloat16, device="cuda", mtp=True)
+    prompts, params = _match_requests(model.config.vocab_size, 0)
+    for k in ks:
+        engine = mf.Engine(model, backend=backend, max_num_seqs=batch, speculative_tokens=k)
+        engine.warmup(progress=False)
+        engine.generate(prompts, params)
+        profile = cProfile.Profile()
+        profile.enable()
+        engine.generate(prompts, params)
+        profile.disable()
+        print(f"\n== host profile: batch {batch}, k = {k} ==")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -131,17 +234,34 @@ def main() -> None:
     parser.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--match", action="store_true", help="only the token-match and iteration-cost runs")
+    parser.add_argument("--host-profile", type=int, nargs="+", metavar="K", default=None,
+                        help="only profile the engine loop's host time (cProfile) at batch 8 for these k")
+    parser.add_argument("--match-seed", type=int, default=None, help="the random prompts' seed (default: fresh)")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    verify = verify_rows(args.batches, args.context, args.iters, args.backend, common.copy_bandwidth())
-    e2e = end_to_end(args.e2e_model, args.e2e_batches, args.output_len, args.backend)
+    if args.host_profile is not None:
+        host_profile(args.e2e_model, args.backend, 8, args.host_profile)
+        return
+    match_seed = args.match_seed if args.match_seed is not None else random.SystemRandom().randrange(2**31)
+    match = token_match(args.e2e_model, args.e2e_batches, args.backend, match_seed)
+    verify = [] if args.match else verify_rows(args.batches, args.context, args.iters, args.backend,
+                                               common.copy_bandwidth())
+    e2e = [] if args.match else end_to_end(args.e2e_model, args.e2e_batches, args.output_len, args.backend)
     result = dict(benchmark="speculative", preset="v2-lite", dtype="bfloat16", backend=args.backend,
                   block_size=BLOCK_SIZE, e2e_model=args.e2e_model, gpu=common.gpu_name(), gpu_slug=common.gpu_slug(),
                   date=common.today(), commit=common.git_commit(args.commit), torch=torch.__version__,
-                  verify_rows=verify, end_to_end_rows=e2e)
+                  match_seed=match_seed, token_match_rows=match, verify_rows=verify, end_to_end_rows=e2e)
     path = common.write_json(result, args.out, "speculative")
     print(f"\n{result['gpu']} -> {path}")
+    common.print_table(match, [("mode", "mode"), ("batch", "batch"), ("k", "k"), ("matched", "same tokens"),
+                               ("greedy_matched", "greedy"), ("seeded_matched", "seeded"),
+                               ("output_tok_s", "tok/s"), ("acceptance_rate", "acceptance"),
+                               ("ms_per_iteration", "ms/iter"), ("target_ms_per_iteration", "target ms"),
+                               ("drafter_ms_per_iteration", "drafter ms"), ("rest_ms_per_iteration", "rest ms")])
+    if not verify:
+        return
     common.print_table(verify, [("batch", "batch"), ("context", "ctx"), ("step", "step"), ("ms", "ms"),
                                 ("x_decode", "x decode"), ("experts_per_layer", "experts/layer"),
                                 ("roofline_ms", "roofline ms"), ("roofline_x_decode", "roofline x decode"),

@@ -216,6 +216,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="kernels (default: triton on cuda, torch elsewhere)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly, without CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant steps: a request's tokens do not depend on what else runs, "
+                             "drafts included (slower on a GPU; not for DeepSeek-V4 models)")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help=f"torch CPU threads (default: {DEFAULT_CPU_THREADS} on cpu; torch's own choice on cuda)")
 
@@ -324,6 +327,13 @@ def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
                          f"{source.name} has none (no {prefix}* tensors); run it without --speculative-tokens")
 
 
+def check_invariance(source: ModelSource, batch_invariant: bool) -> None:
+    """Refuse --batch-invariant for a model without batch-invariant ops, by the flag, before the load."""
+    if batch_invariant and source.config.v4 is not None:
+        raise UsageError(f"--batch-invariant: {source.name} is a DeepSeek-V4 model, whose layers have no "
+                         "batch-invariant ops yet; run it without --batch-invariant")
+
+
 def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:
     """Refuse prompts and outputs longer than the model runs, before the load and the warm-up."""
     longest = args.max_input_len + args.output_len
@@ -339,6 +349,7 @@ def check_model(args: argparse.Namespace) -> ModelSource | None:
     source = model_source(args.model)
     if source is not None:
         check_drafts(source, args.speculative_tokens)
+        check_invariance(source, args.batch_invariant)
     return source
 
 
@@ -368,7 +379,8 @@ def generate_main(args: argparse.Namespace) -> int:
     check_model(args)
     model = load(args, device, say=lambda msg: None)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
-                    max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens)
+                    max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
+                    batch_invariant=args.batch_invariant)
     return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
 
 
@@ -390,7 +402,7 @@ def bench_main(args: argparse.Namespace) -> int:
         model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
-        speculative_tokens=args.speculative_tokens,
+        speculative_tokens=args.speculative_tokens, batch_invariant=args.batch_invariant,
     )
     print(
         f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "

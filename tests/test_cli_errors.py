@@ -93,6 +93,19 @@ def test_drafts_on_a_v4_model_name_the_flag_and_why():
                              "(MTP) layers are not supported yet; run it without --speculative-tokens")
 
 
+def test_batch_invariance_on_a_v4_model_names_the_flag_and_why():
+    result = mla_func("bench", "--model", "v4-tiny", "--batch-invariant", "--num-prompts", "1")
+    assert_one_error(result, "--batch-invariant: v4-tiny is a DeepSeek-V4 model, whose layers have no "
+                             "batch-invariant ops yet; run it without --batch-invariant")
+
+
+def test_batch_invariant_drafts_run():
+    result = mla_func("generate", "1 2 3", "--model", "tiny", "--batch-invariant", "--speculative-tokens", "2",
+                      "--max-tokens", "6", "--temperature", "0", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 6 and "acceptance" in result.stderr
+
+
 def tiny_deepseek_v3(folder: Path, **save: str) -> Path:
     """README's tiny transformers DeepSeek-V3 checkpoint: config.json says num_nextn_predict_layers 1,
     but save_pretrained writes no MTP layer."""
