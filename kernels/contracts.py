@@ -315,3 +315,17 @@ class ClampedExperts(Protocol):
         clamped at `limit` (gate above, up both ways): x [T, D]; w13 [E, 2I, D]; w2 [E, D, I];
         topk_ids -1 takes no expert -> [T, D] in x's dtype."""
         ...
+
+
+# ---- Sampling (`reference.sampling`) ----------------------------------------------------------
+
+
+class GumbelMax(Protocol):
+    def __call__(self, logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, /) -> Tensor:
+        """One token a row: logits [N, V] float32, bfloat16 or float16 (computed in float32);
+        temperature [N] float32; seeds, positions [N] int64 -> [N] int64. A row with temperature
+        < `reference.sampling.MIN_TEMPERATURE` takes the argmax of its logits, any other
+        argmax_v(logits[v] / T + g[v]) with g = -log(-log(u)), u = `reference.sampling.uniform_noise`
+        (seed, position, v), the division and both logs rounded as torch's float32 ones; ties go to
+        the lowest index and a NaN wins, as `torch.argmax`. Bits equal the reference's."""
+        ...

@@ -6,10 +6,11 @@ rope, the LSE merge: every layer kind), `mla` (the latent cache and MLA
 attention), `moe` (routing and experts), `dsa` (DeepSeek Sparse Attention's
 indexer and sparse MLA, which DeepSeek-V4's CSA layers share), `v4` (DeepSeek-V4's
 own math: attention over the paged window and entries, the compressors' update); a new layer
-kind adds a group. Each
-op's contract is its `Protocol` in `contracts`. Every backend's table derives
-from the reference table with `dataclasses.replace`, naming only the ops it
-replaces, so an op a backend has no kernel for is visibly the reference.
+kind adds a group; `sampling` holds the token draw from the forward's logits, which
+the engine (not the model) calls. Each op's contract is its `Protocol` in
+`contracts`. Every backend's table derives from the reference table with
+`dataclasses.replace`, naming only the ops it replaces, so an op a backend has no
+kernel for is visibly the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .reference import moe as ref_moe
 from .reference import norm as ref_norm
 from .reference import rope as ref_rope
 from .reference import routing as ref_routing
+from .reference import sampling as ref_sampling
 from .reference import v4_attention as ref_v4_attention
 from .reference import v4_hc as ref_v4_hc
 from .reference import v4_moe as ref_v4_moe
@@ -100,9 +102,19 @@ class V4Ops:
     clamped_experts: c.ClampedExperts
 
 
+# A group of its own rather than `dense`: no layer kind calls it (the engine draws tokens from
+# the forward's logits), and it is row-local, so every table, batch-invariant or not, keeps it.
+@dataclass(frozen=True, slots=True)
+class SamplingOps:
+    """Drawing tokens from logits: the seeded Gumbel-max draw (greedy rows take the argmax)."""
+
+    gumbel_max: c.GumbelMax
+
+
 @dataclass(frozen=True, slots=True)
 class Ops:
-    """Every op the model calls, bound to one backend's implementations, by layer kind.
+    """Every op the model calls (and the engine's token draw), bound to one backend's implementations, by
+    layer kind.
 
     batch_invariant: every op gives each output row bits that depend on that row's
     inputs only (not on the number or content of the other rows); see
@@ -115,6 +127,7 @@ class Ops:
     moe: MoEOps
     dsa: DSAOps
     v4: V4Ops
+    sampling: SamplingOps
     batch_invariant: bool = False
 
 
@@ -156,6 +169,7 @@ REFERENCE = Ops(
         hc_head=ref_v4_hc.hc_head,
         clamped_experts=ref_v4_moe.clamped_experts,
     ),
+    sampling=SamplingOps(gumbel_max=ref_sampling.gumbel_max),
 )
 
 

@@ -22,25 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK64 = (1 << 64) - 1
+from .kernels.checks import as_dtype
+from .kernels.reference.sampling import MIN_TEMPERATURE, uniform_noise
+from .kernels.registry import REFERENCE, Ops
 
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-# splitmix64's constants. torch int64 arithmetic wraps modulo 2**64, so signed
-# multiplies and adds give the same bits as the unsigned ones the mix is defined with.
-_GAMMA = _i64(0x9E3779B97F4A7C15)
-_M1 = _i64(0xBF58476D1CE4E5B9)
-_M2 = _i64(0x94D049BB133111EB)
-_U23 = 1 << 23
-
-
-# Below this, a temperature is treated as 0 (greedy): float32 has no headroom to
-# divide logits by it, and the distribution it asks for is the argmax anyway.
-MIN_TEMPERATURE = 1e-5
+# The noise and the greedy threshold live beside the draw op (`mla_func.kernels.reference.sampling`),
+# which every backend's kernel matches bit for bit; they are re-exported here for callers.
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "describe", "request_seed", "sample", "uniform_noise"]
 
 
 class _BoundedRepr(reprlib.Repr):
@@ -141,33 +129,6 @@ def request_seed(params: SamplingParams, rng: random.Random) -> int:
     return params.seed if params.seed is not None else rng.getrandbits(63)
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    # torch's >> on int64 is arithmetic; masking off the sign copies makes it logical.
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser, a bijection of 64-bit values that spreads every input bit."""
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise in (0, 1) keyed by (seed, position, vocab index).
-
-    seeds [N] int64, positions [N] int64 -> [N, vocab_size] float32.
-    Row key k = mix(mix(seed + G) ^ position); entry v is the top 23 bits of
-    mix(k + (v + 1) * G), i.e. the v-th output of a splitmix64 stream seeded
-    with k, mapped to (b + 0.5) / 2**23 (23 bits so the value stays below 1 in
-    float32).
-    """
-    key = _mix64(_mix64(seeds + _GAMMA) ^ positions)  # [N]
-    counter = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GAMMA)  # [V]
-    bits = _shr(_mix64(key[:, None] + counter[None, :]), 64 - 23)  # [N, V]
-    return (bits.to(torch.float32) + 0.5) * (1.0 / _U23)
-
-
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -177,6 +138,7 @@ def sample(
     positions: torch.Tensor,
     *,
     use_top_k_top_p: bool = True,
+    ops: Ops | None = None,
 ) -> torch.Tensor:
     """Sample one token per row; greedy, temperature, top-k and top-p, no host sync.
 
@@ -187,13 +149,16 @@ def sample(
     seeds       [N] int64, positions [N] int64: the random key of each row
                 (position: the index the sampled token will have in its sequence,
                 or any per-step counter the caller keeps consistent)
+    ops         the op table whose `sampling.gumbel_max` draws (default: the reference's);
+                every backend's draw gives the same tokens
     returns     [N] int64 token ids
 
     Top-k is applied before top-p, both on the temperature-scaled distribution.
     Tokens tied with the last kept one are kept too. The draw is Gumbel-max:
     argmax(logits / T + g) with g = -log(-log(u)) samples softmax(logits / T).
     `use_top_k_top_p=False` skips the sort when the caller knows every row has
-    top_k = 0 and top_p = 1 (a host-side fact, so no sync).
+    top_k = 0 and top_p = 1 (a host-side fact, so no sync): the whole draw is then
+    the one `gumbel_max` op (a single launch on the Triton backend).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -205,25 +170,32 @@ def sample(
     for name, t in (("seeds", seeds), ("positions", positions)):
         if t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {t.dtype}")
+    draw = (ops or REFERENCE).sampling.gumbel_max
+    if temperature.dtype != torch.float32:
+        # The draw takes float32 temperatures: decide greediness in the caller's dtype first, so a
+        # temperature that rounds across MIN_TEMPERATURE keeps the decision it was given.
+        temperature = torch.where(temperature < MIN_TEMPERATURE, 0.0, temperature.float())
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits = logits.float()
+    if not use_top_k_top_p:
+        return draw(logits, temperature, seeds, positions)
 
-    logits = logits.float()
+    logits = as_dtype(logits, torch.float32)
     greedy = temperature < MIN_TEMPERATURE  # [N]
-    # Greedy rows are divided by 1 so they stay finite; their draw is discarded below.
-    scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]  # [N, V]
-
-    if use_top_k_top_p:
-        sorted_logits, _ = scaled.sort(dim=-1, descending=True)  # [N, V]
-        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).long()  # [N]
-        ranks = torch.arange(vocab, device=logits.device)  # [V]
-        in_top_k = ranks[None, :] < k[:, None]  # [N, V]
-        probs = torch.softmax(sorted_logits.masked_fill(~in_top_k, -math.inf), dim=-1)  # [N, V]
-        # A token is in the nucleus if the mass strictly before it is below top_p (the first always is).
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep = (mass_before < top_p.float()[:, None]) & in_top_k  # [N, V], a prefix of each row
-        num_keep = keep.sum(dim=-1).clamp(min=1)  # [N]
-        threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [N, 1]
-        scaled = scaled.masked_fill(scaled < threshold, -math.inf)
-
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))  # [N, V]
-    drawn = (scaled + gumbel).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    # Greedy rows are divided by 1 so they stay finite.
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # [N, V]
+    sorted_logits, _ = scaled.sort(dim=-1, descending=True)  # [N, V]
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).long()  # [N]
+    ranks = torch.arange(vocab, device=logits.device)  # [V]
+    in_top_k = ranks[None, :] < k[:, None]  # [N, V]
+    probs = torch.softmax(sorted_logits.masked_fill(~in_top_k, -math.inf), dim=-1)  # [N, V]
+    # A token is in the nucleus if the mass strictly before it is below top_p (the first always is).
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = (mass_before < top_p.float()[:, None]) & in_top_k  # [N, V], a prefix of each row
+    num_keep = keep.sum(dim=-1).clamp(min=1)  # [N]
+    threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [N, 1]
+    scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+    # The same draw on the already scaled rows at temperature 1 (dividing by 1 is exact). A greedy
+    # row (temperature 0) takes the argmax of its raw logits: its maximum is always kept, and what
+    # the filter drops became -inf, below it.
+    return draw(scaled, torch.where(greedy, 0.0, 1.0), seeds, positions)

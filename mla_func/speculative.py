@@ -47,6 +47,7 @@ import torch
 
 from .acceptance import accepted_lengths
 from .batch import Batch
+from .kernels import Ops
 from .mode import ForwardMode
 from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
@@ -94,8 +95,9 @@ class _Rows:
     positions: list[int]
 
 
-def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool) -> torch.Tensor:
-    """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key."""
+def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool, ops: Ops) -> torch.Tensor:
+    """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key
+    by `ops`' sampling op."""
     device = logits.device
     if not rows.index:
         return torch.zeros(0, dtype=torch.int64, device=device)
@@ -114,6 +116,7 @@ def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool) -> torch.Tensor:
         seeds=torch.tensor(rows.seeds, dtype=torch.int64, device=device),
         positions=torch.tensor(rows.positions, dtype=torch.int64, device=device),
         use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in reqs),
+        ops=ops,
     )
 
 
@@ -142,8 +145,9 @@ class SpeculativeDecoder:
     state (which this class never holds), then `accept`.
     """
 
-    def __init__(self, drafter: Step, drafter_state: KVCacheState):
+    def __init__(self, drafter: Step, drafter_state: KVCacheState, ops: Ops):
         self.drafter = drafter
+        self.ops = ops  # the engine's op table, whose sampling op draws every token here
         self.state = drafter_state
         self.drafts: dict[Hashable, Draft] = {}
         self.stats = SpeculativeStats()
@@ -190,7 +194,7 @@ class SpeculativeDecoder:
         for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
             for j in range(q):
                 self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
-        tokens = draw(logits, rows, penalties=True)                         # [len(done) + B * q]
+        tokens = draw(logits, rows, penalties=True, ops=self.ops)           # [len(done) + B * q]
         verify_tokens = tokens[len(done):].view(len(decode_ids), q)
         drafted = torch.tensor(drafts, dtype=torch.int64, device=tokens.device).view(len(decode_ids), q - 1)
         accepted = accepted_lengths(verify_tokens, drafted)
@@ -260,7 +264,7 @@ class SpeculativeDecoder:
             rows = _Rows([], [], [], [], [])
             for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
                 self._add(rows, b, rid, live, [], s.start_pos + i)
-            token, hidden = draw(out.output.logits, rows, penalties=False), out.output.hidden
+            token, hidden = draw(out.output.logits, rows, penalties=False, ops=self.ops), out.output.hidden
             chain.append(token)
         later = to_host(torch.stack(chain, dim=1))  # the draft chain's one host sync
         return [(d.token, *rest) for d, rest in zip(firsts, later)]
@@ -303,7 +307,7 @@ class SpeculativeDecoder:
         ids_t = batch.input_ids.index_copy(0, torch.tensor(patch_rows, dtype=torch.int64, device=device), tokens)
         fed = hidden.new_zeros(mode.num_tokens, hidden.shape[1]).index_copy(0, real, hidden)
         out = self._drafter_step(replace(batch, input_ids=ids_t, hidden=fed), mode)
-        drafts = draw(out.output.logits, rows, penalties=False)
+        drafts = draw(out.output.logits, rows, penalties=False, ops=self.ops)
         pick = torch.cat([torch.arange(num_logits, device=device),
                           num_logits + torch.arange(len(decode), device=device) * q + accepted])
         return drafts.index_select(0, pick), out.output.hidden.index_select(0, pick), continuing

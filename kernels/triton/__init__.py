@@ -19,6 +19,7 @@ from .norm import layer_norm, rms_norm
 from .prefill import prefill_attention
 from .rope import partial_rope, rope
 from .routing import route
+from .sampling import gumbel_max
 from .v4_attention import window_entry_attention
 from .v4_compress import compress_entries
 from .v4_experts import clamped_experts
@@ -31,6 +32,7 @@ __all__ = [
     "clamped_experts",
     "compress_entries",
     "fused_moe",
+    "gumbel_max",
     "hc_head",
     "hc_site",
     "hc_write_back",
@@ -81,4 +83,5 @@ def ops() -> Ops:
                                hc_site=hc_site, hc_write_back=hc_write_back,
                                hc_write_back_site=hc_write_back_site, hc_head=hc_head,
                                clamped_experts=clamped_experts),
+        sampling=dataclasses.replace(REFERENCE.sampling, gumbel_max=gumbel_max),
     )

@@ -14,11 +14,12 @@ What changes against the default table, and why:
 * `sparse_mla_decode` (DeepSeek-V3.2): a split count set by top-k alone and W_UV by
   the invariant `bmm`, instead of splits and a fused projection by the row count.
 
-Row-local ops keep their kernels: `rms_norm`, `rope` and the latent write run one
-program per row with tiles sized by the model's dimensions. `prefill_attention`
-stays in the table for its contract but the batch-invariant forward does not call
-it: prefill rows take `mla_decode` like decode rows, so a token's bits do not
-depend on the step kind (see `mla_func.attention`).
+Row-local ops keep their kernels: `rms_norm`, `rope`, the latent write and the
+sampler's `gumbel_max` run one program per row with tiles sized by the model's
+dimensions. `prefill_attention` stays in the table for its contract but the
+batch-invariant forward does not call it: prefill rows take `mla_decode` like
+decode rows, so a token's bits do not depend on the step kind (see
+`mla_func.attention`).
 """
 
 from __future__ import annotations

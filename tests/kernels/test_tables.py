@@ -48,7 +48,7 @@ def test_batch_invariant_tables_replace_what_follows_the_batch(backend):
 def test_tables_derive_from_the_reference_by_group():
     torch_ops = ops_for("torch")
     assert torch_ops.backend == "torch"
-    assert len(_ops_of(torch_ops)) == 29
+    assert len(_ops_of(torch_ops)) == 30
     assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
 
 
