@@ -133,9 +133,39 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n ** 3 / (ms * 1e-3)
 
 
-def write_json(result: dict, out_dir: Path, stem: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}-{result['gpu_slug']}-{result['date']}.json"
+# Every result file holds these fields, plus its rows: `rows` (a list of dicts), or several lists named
+# `<what>_rows`. Key names carry their unit: `_ms`, `_us`, `_s`, `_gb`, `_gb_s`, `_tflop_s`, `_tok_s`, `pct_`.
+SCHEMA = ("benchmark", "device", "gpu", "date", "commit", "torch")
+
+
+def result_path(out_dir: Path, bench: str, device: str, date: str, commit: str, suffix: str = ".json") -> Path:
+    """`<out_dir>/<bench>/<device>/<date>-<commit7><suffix>`, with -2, -3, ... after the commit where
+    that name is taken (several runs of one benchmark on one day at one commit)."""
+    folder = out_dir / bench / device
+    stem = f"{date}-{re.sub(r'[^0-9a-zA-Z]+', '', commit)[:7] or 'unknown'}"
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path
+
+
+def write_json(result: dict, out_dir: Path, bench: str) -> Path:
+    """Write `result` as `<out_dir>/<bench>/<device>/<date>-<commit7>.json` (see `result_path`) and
+    return the path; a log of the run belongs beside it, with the same stem and `.log`.
+
+    Fills the schema's fields the result leaves out (benchmark = `bench`; device = `gpu_slug()`, or
+    the result's old `gpu_slug` key; gpu, date, commit, torch of this run) and checks it has rows."""
+    device = result.pop("gpu_slug", None)
+    result = dict(benchmark=bench, device=result.get("device") or device or gpu_slug(),
+                  gpu=result.get("gpu") or (gpu_name() if torch.cuda.is_available() else "cpu"),
+                  date=result.get("date") or today(), commit=result.get("commit") or git_commit(),
+                  torch=result.get("torch") or torch.__version__,
+                  **{k: v for k, v in result.items() if k not in SCHEMA})
+    if not any(k == "rows" or k.endswith("_rows") for k in result):
+        raise ValueError(f"{bench}: a result needs `rows` or `<what>_rows`")
+    path = result_path(out_dir, bench, result["device"], result["date"], result["commit"])
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
 
@@ -184,19 +214,19 @@ def kernel_bench_parser(doc: str | None) -> argparse.ArgumentParser:
 def kernel_bench_run(script: str, commit: str | None, *, matmul: bool = False, **fields) -> tuple[dict, dict]:
     """Start a kernel benchmark on the GPU: (result, ceilings). The result holds the GPU, date,
     commit, versions and the ceilings measured now (copy bandwidth; bf16 matmul rate with
-    `matmul`), plus `fields`, and an empty `cases` list; the ceilings are in bytes/s and flop/s."""
+    `matmul`), plus `fields`, and an empty `rows` list; the ceilings are in bytes/s and flop/s."""
     if not torch.cuda.is_available():
         raise SystemExit(f"{script} needs a CUDA GPU")
     torch.manual_seed(0)
     import triton
 
     ceilings = {"copy": copy_bandwidth(), **({"matmul": matmul_rate()} if matmul else {})}
-    result = dict(gpu=gpu_name(), gpu_slug=gpu_slug(), date=today(), commit=git_commit(commit),
+    result = dict(gpu=gpu_name(), device=gpu_slug(), date=today(), commit=git_commit(commit),
                   torch=torch.__version__, triton=triton.__version__,
                   sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-                  copy_bandwidth_GBps=ceilings["copy"] / 1e9, **fields, cases=[])
+                  copy_bandwidth_gb_s=ceilings["copy"] / 1e9, **fields, rows=[])
     if matmul:
-        result["bf16_matmul_TFLOPs"] = ceilings["matmul"] / 1e12
-    mm = f", bf16 mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s" if matmul else ""
-    print(f"{result['gpu']}: copy {result['copy_bandwidth_GBps']:.0f} GB/s (read+write){mm}", flush=True)
+        result["bf16_matmul_tflop_s"] = ceilings["matmul"] / 1e12
+    mm = f", bf16 mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s" if matmul else ""
+    print(f"{result['gpu']}: copy {result['copy_bandwidth_gb_s']:.0f} GB/s (read+write){mm}", flush=True)
     return result, ceilings

@@ -1,6 +1,6 @@
 """CPU speed of the demo model, and the thread count the CLI defaults to.
 
-    python bench/cpu.py                 # prints a table, writes bench/results/cpu-<cpu>-<cores>c-<date>.json
+    python bench/cpu.py                 # prints a table, writes bench/results/cpu/cpu-<cpu>-<cores>c/<date>-<commit>.json
     python bench/cpu.py --quick         # fewer tokens and repeats
 
 Measures, for each torch thread count in --threads:
@@ -129,8 +129,8 @@ def main() -> None:
         rows.append(row)
         print(f"threads {threads}: {row}", file=sys.stderr, flush=True)
     result = {
-        "benchmark": "cpu", "cpu": cpu_model(), "cores": os.cpu_count(),
-        "gpu_slug": re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-") + f"-{os.cpu_count()}c",
+        "benchmark": "cpu", "gpu": "none", "cpu": cpu_model(), "cores": os.cpu_count(),
+        "device": "cpu-" + re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-") + f"-{os.cpu_count()}c",
         "date": common.today(), "commit": common.git_commit(), "torch": torch.__version__,
         "python": platform.python_version(), "quick": args.quick,
         "workload": {"stream_tokens": tokens, "repeats": repeats, "bench_prompts": 64, "bench_input_len": [32, 128],

@@ -3,7 +3,7 @@
     python bench/dsa_kernels.py [--commit SHA] [--out bench/results]
     python bench/dsa_kernels.py --sweep      # time tile-size candidates instead (no result file)
 
-Prints a table and writes bench/results/dsa-kernels-<gpu>-<date>.json. The
+Prints a table and writes bench/results/dsa-kernels/<gpu>/<date>-<commit>.json. The
 ceiling is device-to-device copy bandwidth (bytes read plus written), measured
 in the same run; each row's roofline time is the bytes it must move over that
 bandwidth, and `t/t_copy` is its time over the roofline time.
@@ -60,7 +60,7 @@ def _selected(num_rows, context):
 
 def _row(op, ms, num_bytes, ceilings, **fields):
     copy_ms = num_bytes / ceilings["copy"] * 1e3
-    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, GBps=num_bytes / ms / 1e6,
+    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, gb_s=num_bytes / ms / 1e6,
                 pct_copy=100 * copy_ms / ms, roofline_ms=copy_ms, copy_time_ratio=ms / copy_ms, **fields)
 
 
@@ -130,7 +130,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
     row = _row("index_topk", ms, key_bytes, ceilings, batch=num_rows, context=context, index_heads=INDEX_HEADS,
                index_dim=INDEX_DIM, top_k=TOP_K, score_ms=score_ms, topk_us=topk_ms * 1e3,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
-               score_bytes=score_bytes, topk_GBps_one_pass=score_bytes / topk_ms / 1e6,
+               score_bytes=score_bytes, topk_gb_s_one_pass=score_bytes / topk_ms / 1e6,
                indexer_grid=_indexer_grid(num_rows, context, config),
                topk_path=topk_path,
                topk_chunks=topk_chunks or dsa_topk.top_k_num_chunks(num_rows, context, index_q.device, topk_config,
@@ -226,27 +226,27 @@ def main(argv=None) -> None:
         return
 
     for context in (32 * 1024, 128 * 1024):
-        result["cases"].append(bench_sparse_decode(64, context, 16, ceilings))
+        result["rows"].append(bench_sparse_decode(64, context, 16, ceilings))
         torch.cuda.empty_cache()
-    result["cases"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
+    result["rows"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
     for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
-        result["cases"].append(bench_index_topk(num_rows, context, ceilings))
+        result["rows"].append(bench_index_topk(num_rows, context, ceilings))
         torch.cuda.empty_cache()
     for num_rows, context, ragged in ((64, 32 * 1024, False), (64, 128 * 1024, False), (8, 128 * 1024, False),
                                       (64, 32 * 1024, True), (128, 32 * 1024, True)):
-        result["cases"].append(bench_dsa_decode(num_rows, context, 16, ceilings, ragged=ragged))
+        result["rows"].append(bench_dsa_decode(num_rows, context, 16, ceilings, ragged=ragged))
         torch.cuda.empty_cache()
 
     path = common.write_json(result, args.out, "dsa-kernels")
     rows = []
-    for c in result["cases"]:
+    for c in result["rows"]:
         heads = f" H{c['heads']}" if "heads" in c else f" Hi{c['index_heads']}x{c['index_dim']}"
         ragged = ", ragged" if c.get("lengths", "context") != "context" else ""
         rows.append(dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K{heads} k{c['top_k']}{ragged}"))
-    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"-> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
-                              ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("GBps", "GB/s"),
+                              ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("gb_s", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
                               ("topk_us", "topk us"), ("topk_path", "top-k"), ("indexer_grid", "indexer")])
 

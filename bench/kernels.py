@@ -3,7 +3,7 @@
     python bench/kernels.py [--commit SHA] [--out bench/results] [--skip-reference]
     python bench/kernels.py --sweep      # time tile-size candidates instead (no result file)
 
-Prints a table and writes bench/results/kernels-<gpu>-<date>.json. Both ceilings
+Prints a table and writes bench/results/kernels/<gpu>/<date>-<commit>.json. Both ceilings
 (device-to-device copy bandwidth, counting bytes read and written, and a bf16
 8192^3 torch.mm) are measured in the same run. Decode and MoE are timed as CUDA
 graph replays (how the model runs them), with consecutive calls reading other
@@ -64,7 +64,7 @@ def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=N
     num_bytes = kv_bytes + q.numel() * 2 + num_seqs * num_heads * KV_LORA_RANK * 2
     flops = decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
     row = dict(op="mla_decode", batch=num_seqs, context=context, heads=num_heads, block_size=block_size,
-               splits=splits, ms=ms, GBps=num_bytes / ms / 1e6, TFLOPs=flops / ms / 1e9,
+               splits=splits, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops)
     if eager:
@@ -100,7 +100,7 @@ def bench_moe(num_tokens, ceilings, num_experts=64, top_k=6, hidden=2048, inter=
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * (2 * inter * hidden + hidden * inter)
     row = dict(op="fused_moe", tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
-               distinct_experts=distinct, ms=ms, GBps=num_bytes / ms / 1e6, TFLOPs=flops / ms / 1e9,
+               distinct_experts=distinct, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops,
                copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
@@ -146,8 +146,8 @@ def bench_prefill(num_tokens, ceilings, num_heads=16, nope_dim=128, v_dim=128, b
                decompress_flops=flops["decompress"],
                flops_counted="decompressed MLA: 2*(Dn+R+Dv) per visible (query, key) pair per head "
                              "+ 2*S*C*H*(Dn+Dv) for decompressing the context",
-               TFLOPs=flops["total"] / whole_ms / 1e9,
-               kernel_TFLOPs=flops["attention"] / kernel_ms / 1e9,
+               tflop_s=flops["total"] / whole_ms / 1e9,
+               kernel_tflop_s=flops["attention"] / kernel_ms / 1e9,
                pct_matmul=100 * flops["total"] / (whole_ms * 1e-3) / ceilings["matmul"],
                kernel_pct_matmul=100 * flops["attention"] / (kernel_ms * 1e-3) / ceilings["matmul"])
     if reference:
@@ -205,7 +205,7 @@ def sweep(ceilings):
         rows.append(dict(r, config=str(cfg), case="moe T2048"))
     print("\n== sweep ==")
     common.print_table(rows, [("case", "case"), ("config", "config"), ("splits", "splits"), ("ms", "ms"),
-                              ("GBps", "GB/s"), ("TFLOPs", "TFLOP/s"), ("kernel_TFLOPs", "kern TFLOP/s"),
+                              ("gb_s", "GB/s"), ("tflop_s", "TFLOP/s"), ("kernel_tflop_s", "kern TFLOP/s"),
                               ("error", "error")])
     return rows
 
@@ -227,24 +227,24 @@ def main() -> None:
         for num_seqs in (1, 16, 64, 128):
             for context in (1024, 4096, 16384):
                 check = ref and num_seqs == 16 and context <= 4096
-                result["cases"].append(bench_decode(num_seqs, context, num_heads, ceilings, reference=check))
+                result["rows"].append(bench_decode(num_seqs, context, num_heads, ceilings, reference=check))
                 print(".", end="", flush=True)
     for num_tokens in (1, 16, 2048):
-        result["cases"].append(bench_moe(num_tokens, ceilings, reference=ref and num_tokens <= 16))
-    result["cases"].append(bench_prefill(8192, ceilings, reference=ref))
+        result["rows"].append(bench_moe(num_tokens, ceilings, reference=ref and num_tokens <= 16))
+    result["rows"].append(bench_prefill(8192, ceilings, reference=ref))
     print()
 
     path = common.write_json(result, args.out, "kernels")
     rows = []
-    for c in result["cases"]:
+    for c in result["rows"]:
         shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}",
                  "fused_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}",
                  "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}"}[c["op"]](c)
         rows.append(dict(c, shape=shape))
-    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
-          f"mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s  -> {path}")
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
+          f"mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s  -> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("ms", "ms"), ("eager_ms", "eager ms"),
-                              ("GBps", "GB/s"), ("pct_copy", "%copy"), ("TFLOPs", "TFLOP/s"),
+                              ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("tflop_s", "TFLOP/s"),
                               ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
                               ("copy_time_ratio", "t/t_copy"), ("ref_ms", "ref ms"),
                               ("max_err_vs_ref", "err")])

@@ -221,13 +221,14 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     result = dict(
         benchmark="soak", preset=args.model, gpu=common.gpu_name() if cuda else f"cpu: {cpu_name()}",
-        gpu_slug=common.gpu_slug() if cuda else "cpu", date=common.today(), commit=common.git_commit(args.commit),
+        device=common.gpu_slug() if cuda else "cpu", date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, seed=args.seed, graphs=not args.no_graphs, graphs_captured=captured,
         engine=dict(block_size=block_size, num_blocks=engine.config.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
                     backend=engine.config.backend),
         round_size=args.round_size, max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-        counts=dict(sorted(counts.items())), unexpected=unexpected[:20], failures=failures,
+        counts=dict(sorted(counts.items())), rows=[dict(what=k, count=v) for k, v in sorted(counts.items())],
+        unexpected=unexpected[:20], failures=failures,
         setup_s=setup_s, generate_s=generate_s, check_s=check_s, total_s=time.perf_counter() - started,
         output_tok_s=counts["output tokens"] / generate_s if generate_s else 0.0,
     )

@@ -226,8 +226,8 @@ def main() -> None:
         print(f"transformers batch {batch} context 1024: {ms:.1f} ms/step warm, {cold_ms:.1f} cold", flush=True)
 
     result = dict(
-        benchmark="decode_step", preset=args.preset, dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
-        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        preset=args.preset, dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9, rows=rows,
     )
     path = common.write_json(result, args.out, "step" if args.preset == "v2-lite" else f"step-{args.preset}")

@@ -103,7 +103,7 @@ def main() -> None:
         rows[0]["vs_transformers"] = ours["output_tok_s"] / hf["output_tok_s"]
     result = dict(
         benchmark="throughput", preset="v2-lite", dtype="bfloat16", backend=args.backend,
-        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, output_len=args.output_len, input_len=[args.min_input_len, args.max_input_len],
         rows=rows,
     )

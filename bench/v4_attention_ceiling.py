@@ -20,7 +20,7 @@ splits are checked against torch's attention over their keys. Beside it, in the 
 * the roofline: keys + queries + outputs at the copy rate, and the tensor-core rate a
   kernel would need to finish in 1.3 x that time.
 
-Prints a table (last) and writes bench/results/v4-attention-ceiling-<gpu>-<date>.json.
+Prints a table (last) and writes bench/results/v4-attention-ceiling/<gpu>/<date>-<commit>.json.
 """
 
 from __future__ import annotations
@@ -169,13 +169,13 @@ def main(argv=None) -> None:
         "bench/v4_attention_ceiling.py", args.commit, matmul=True,
         timing=common.GRAPH_REPLAY_TIMING, target=f"t/t_copy <= {TARGET} (issue's V4 attention rows at B >= 64)")
     for num_rows, num_keys in CASES:
-        result["cases"].append(bench_case(num_rows, num_keys, ceilings))
-        print({k: v for k, v in result["cases"][-1].items() if k != "candidates"}, flush=True)
+        result["rows"].append(bench_case(num_rows, num_keys, ceilings))
+        print({k: v for k, v in result["rows"][-1].items() if k != "candidates"}, flush=True)
         torch.cuda.empty_cache()
     path = common.write_json(result, args.out, "v4-attention-ceiling")
-    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
-          f"bf16 mm {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s  -> {path}")
-    common.print_table(result["cases"], [
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
+          f"bf16 mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s  -> {path}")
+    common.print_table(result["rows"], [
         ("batch", "B"), ("keys_per_row", "keys/row"), ("roofline_us", "roofline us"),
         ("tflops_for_target", f"TFLOP/s for {TARGET}x"), ("ideal_us", "ideal us"), ("ideal_tflops", "ideal TFLOP/s"),
         ("ideal_ratio", "ideal t/t_copy"), ("ideal_tma_us", "TMA us"), ("ideal_ws_us", "warp-spec. us"),

@@ -3,7 +3,7 @@
     python bench/v4_kernels.py [--commit SHA] [--out bench/results]
     python bench/v4_kernels.py --sweep      # time tile-size candidates instead (no result file)
 
-Prints a table (last) and writes bench/results/v4-kernels-<gpu>-<date>.json. The
+Prints a table (last) and writes bench/results/v4-kernels/<gpu>/<date>-<commit>.json. The
 ceiling is device-to-device copy bandwidth (bytes read plus written), measured in
 the same run; each row's roofline time is the bytes it must move over that
 bandwidth, and `t/t_copy` is its time over the roofline time.
@@ -77,7 +77,7 @@ def _entries(num_rows: int, num_entries: int, page: int, dim: int) -> tuple[torc
 
 def _row(op, ms, num_bytes, ceilings, **fields):
     copy_ms = num_bytes / ceilings["copy"] * 1e3
-    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, GBps=num_bytes / ms / 1e6,
+    return dict(op=op, ms=ms, us=ms * 1e3, bytes=num_bytes, gb_s=num_bytes / ms / 1e6,
                 pct_copy=100 * copy_ms / ms, roofline_ms=copy_ms, copy_time_ratio=ms / copy_ms, **fields)
 
 
@@ -218,20 +218,20 @@ def main(argv=None) -> None:
 
     for context in CONTEXTS:
         for num_rows in BATCHES:
-            result["cases"].append(bench_attention(num_rows, context, "hca", ceilings))
-            result["cases"].append(bench_attention(num_rows, context, "csa", ceilings))
-            result["cases"].append(bench_csa_decode(num_rows, context, ceilings))
+            result["rows"].append(bench_attention(num_rows, context, "hca", ceilings))
+            result["rows"].append(bench_attention(num_rows, context, "csa", ceilings))
+            result["rows"].append(bench_csa_decode(num_rows, context, ceilings))
             torch.cuda.empty_cache()
     for num_rows in BATCHES:
         for kind in ("csa", "hca"):
-            result["cases"].append(bench_compress(num_rows, 64 * 1024, kind, ceilings))
+            result["rows"].append(bench_compress(num_rows, 64 * 1024, kind, ceilings))
     path = common.write_json(result, args.out, "v4-kernels")
-    rows = [dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K H{c['heads']}") for c in result["cases"]]
-    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_GBps']:.0f} GB/s  "
+    rows = [dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K H{c['heads']}") for c in result["rows"]]
+    print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"-> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("keys_per_row", "keys/row"), ("splits", "splits"),
                               ("us", "us"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
-                              ("GBps", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy")])
+                              ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy")])
 
 
 if __name__ == "__main__":

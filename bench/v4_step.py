@@ -193,8 +193,8 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     result = dict(
-        benchmark="decode_step", preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
-        gpu=common.gpu_name(), gpu_slug=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9,
         targets="batch 1: graph_ms <= 1.5 x roofline_ms; batch 64 at 64K: >= 70% of roofline", rows=rows,
     )

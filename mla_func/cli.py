@@ -40,7 +40,7 @@ from .streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completion
 # One torch thread per process: on a CPU that other processes also use, torch's
 # intra-op pool waits at every op for its slowest (descheduled) thread, and a single
 # stream of a small model ran 10-100x slower on two threads than on one; only
-# batched work on a quiet CPU gained from a second (bench/cpu.py, bench/RESULTS.md).
+# batched work on a quiet CPU gained from a second (bench/cpu.py, bench/notes/cpu.md).
 DEFAULT_CPU_THREADS = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

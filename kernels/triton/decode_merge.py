@@ -19,7 +19,7 @@ from ._common import next_pow2
 # program reads its split partials once, where 32-column programs read them four times;
 # few (row, head) pairs take narrow programs so that enough run. H200, 8 rows x 16 heads x
 # 32 splits (sparse decode of 2048 keys, both stages): 21.8 us with [128, 8 warps], 26.2
-# with [32, 4 warps] (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log).
+# with [32, 4 warps] (bench/results/dsa-kernels/h200/logs-archive/moe-topk-sweep-h200-2026-11-24.log).
 _VALUE_WIDE = (128, 8)
 _VALUE_NARROW = (32, 4)
 _VALUE_WIDE_MIN_PROGRAMS = 128

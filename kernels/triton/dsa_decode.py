@@ -33,9 +33,9 @@ from .decode_merge import merge_splits, merge_splits_value
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
-# before the chunks; bench/results/logs/sparse-chunks-sweep-h200-2026-11-26.log). 64+ heads:
+# before the chunks; bench/results/dsa-kernels/h200/logs-archive/sparse-chunks-sweep-h200-2026-11-26.log). 64+ heads:
 # 64-key tiles read for 64 heads at once (H100, 229 us vs 365 us with 32-key tiles at 128
-# heads; bench/results/logs/dsa-sweep-h100-2026-11-23.log). Other head counts take the dense
+# heads; bench/results/dsa-kernels/h100/logs-archive/dsa-sweep-h100-2026-11-23.log). Other head counts take the dense
 # decode's tiles.
 _GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
                                  64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)})
@@ -44,7 +44,7 @@ _GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=64, num_wa
 # slice, score product and value accumulator: a score is then four MMA chains a quarter as deep,
 # which run side by side, where one 512-deep chain waited on each product in turn. From 64 heads
 # the warpgroup MMA takes the whole row: chunked, 64 heads at B64 x 32K took 124 us against 108,
-# 128 heads 203 against 182 (bench/results/logs/sparse-chunks-ab-h200-2026-11-26.log).
+# 128 heads 203 against 182 (bench/results/dsa-kernels/h200/logs-archive/sparse-chunks-ab-h200-2026-11-26.log).
 _LATENT_CHUNKS = 4
 _WHOLE_ROW_MIN_BLOCK_H = 64
 # Splits fill about two programs per multiprocessor and no more (a partial second
@@ -52,18 +52,18 @@ _WHOLE_ROW_MIN_BLOCK_H = 64
 # _MIN_KEYS_PER_SPLIT indices. At few rows the gathers' latency, not the partial
 # results, bounds a split: H200, 16 heads, top-2048 with W_UV, 8 rows 31.9 us with
 # 8 splits of 256 and 25.8 with 32 of 64; one row 24.8 / 13.5 us; 16 rows equal at 8
-# and 16 (bench/results/logs/sparse-splits-h200-2026-11-24.log).
+# and 16 (bench/results/dsa-kernels/h200/logs-archive/sparse-splits-h200-2026-11-24.log).
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Up to this many rows stage 2 also applies W_UV; more rows merge, then take one GEMM over the
 # heads. H200, 16 heads, top-2048, both stages, us fused / GEMM: 1 row 10.4 / 11.5, 2 rows
-# 11.8 / 12.1, 4 rows 15.4 / 13.3, 8 rows 20.0 / 18.9 (bench/results/logs/sparse-chunks-ab-h200-2026-11-26.log).
+# 11.8 / 12.1, 4 rows 15.4 / 13.3, 8 rows 20.0 / 18.9 (bench/results/dsa-kernels/h200/logs-archive/sparse-chunks-ab-h200-2026-11-26.log).
 _FUSED_VALUE_MAX_ROWS = 2
 # Index slots located at once (index, then page) before their tiles are read: 8 tiles of
 # 32, a split of 512 in two rounds. H200, 16 heads, us: B64 x 32K 55.0 (16 tiles 58.3, 32
 # tiles 64.4, spilling), B8 x 128K with W_UV 20.5 (22.0, 23.7); locating one tile ahead
-# inside the loop was 68 at B64 (bench/results/logs/sparse-locate-sweep-h200-2026-11-23.log,
-# bench/results/logs/sparse-tiles-sweep-h200-2026-11-24.log).
+# inside the loop was 68 at B64 (bench/results/dsa-kernels/h200/logs-archive/sparse-locate-sweep-h200-2026-11-23.log,
+# bench/results/dsa-kernels/h200/logs-archive/sparse-tiles-sweep-h200-2026-11-24.log).
 _LOCATE_TILES = 8
 
 

@@ -74,12 +74,12 @@ _GPU_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=5)
 # Chunks of at most 16 tiles (few rows: each row in many chunks) look their pages up at once,
 # in one group of tiles. H200, 64 heads, us: B8 x 128K (16 tiles a chunk) 77.3 against 80.6,
 # B1 x 128K (8) 11.1 against 15.5; at B64 x 32K (30 tiles, two groups) 154 against 146
-# (bench/results/logs/indexer-locate-sweep-h200-2026-11-24.log).
+# (bench/results/dsa-kernels/h200/logs-archive/indexer-locate-sweep-h200-2026-11-24.log).
 _GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16)
 # Chunks of 17 to 32 tiles look theirs up in one group of 32. H200, B8 x 128K in 64 chunks
 # of 2K keys: 72.4 us (87% of copy), where 132 chunks of 1K (the short ones' config) took
 # 77.2; B64 x 32K in 17 chunks of ~30 tiles 145.7 against 144.4 without the lookup
-# (bench/results/logs/indexer-chunks-sweep-h200-2026-11-26.log).
+# (bench/results/dsa-kernels/h200/logs-archive/indexer-chunks-sweep-h200-2026-11-26.log).
 _GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 
@@ -92,13 +92,13 @@ _MIN_KEYS_PER_CHUNK = 512
 # give every multiprocessor two (the most resident), chunks are no shorter: a program's
 # query load and pipeline fill then weigh half as much (B8 x 128K, above). Rows of fewer
 # such chunks keep the shorter ones: V4's CSA indexer at B64 over 16K entries in 8 chunks
-# of 2K made v4-mini's step 2.14 ms against 2.11 in 17 (bench/results/logs/v4-long-chunks-ab-h200-2026-11-26.log).
+# of 2K made v4-mini's step 2.14 ms against 2.11 in 17 (bench/results/dsa-kernels/h200/logs-archive/v4-long-chunks-ab-h200-2026-11-26.log).
 _LONG_CHUNK_KEYS = 2048
 _LONG_ROW_CHUNKS = 32
 # When those chunks are fewer than one wave (a batch of one or a few rows, V4's
 # compressed entries), shorter ones fill it: one row of 2K / 16K keys in 16 / 128
 # chunks of 128 takes 5.7 / 6.1 us instead of 12 (H100,
-# bench/results/logs/indexer-small-h100-2026-11-23.log). Where chunks of 512 already
+# bench/results/dsa-kernels/h100/logs-archive/indexer-small-h100-2026-11-23.log). Where chunks of 512 already
 # fill a wave, shorter ones lose to the queries' reloads (B64 x 2K: 18.6 vs 14.8 us).
 _MIN_KEYS_PER_SHORT_CHUNK = 128
 

@@ -105,7 +105,7 @@ _FIRST_SPARSE_PASS = 2
 
 
 # Where one program a row (`dsa_topk_row`) beats the chunked passes, on an H100 (132
-# multiprocessors; bench/results/logs/topk-row-h100-2026-11-23.log): rows up to 8K always
+# multiprocessors; bench/results/dsa-kernels/h100/logs-archive/topk-row-h100-2026-11-23.log): rows up to 8K always
 # (one launch instead of five: B1 x 2K 7.5 vs 18 us, B512 x 4K 26 vs 45 us). A program's
 # search over a 32K row takes ~40 us however many rows run beside it (one a multiprocessor),
 # while the chunked passes grow with the rows (B8 x 32K 24 us, B64 x 32K 55 us, about
@@ -117,7 +117,7 @@ _ROW_ALWAYS_COLS = 8192
 # The filtered path's list launch: light per key (a compare, a scan), so 4-warp programs
 # of 1K-key tiles, several a multiprocessor.
 _GPU_FILTER_CONFIG = TopKConfig(block=1024, num_warps=4)
-# Swept on an H200 (bench/results/logs/topk-filtered-h200-2026-11-26.log): about four
+# Swept on an H200 (bench/results/dsa-kernels/h200/logs-archive/topk-filtered-h200-2026-11-26.log): about four
 # programs a multiprocessor (B64 x 128K 49.8 us, two 55.1, eight 53.0); the rest measured in
 # the path's earlier three-launch form: each loop's loads three tiles ahead (B64 x 128K 69
 # us against 89 with none ahead), a search of 8 warps over up to 8K candidates (16 were no
@@ -158,7 +158,7 @@ def _synced_gpu_config(num_rows: int, num_cols: int, device: torch.device) -> To
     indexer scores, us, synced vs a launch a pass: B1 x 128K 18.2 vs 30.3; B8 x 128K 26.8
     vs 46.1; B16 x 128K 42.9 vs 57.5; B32 x 32K 31.4 vs 44.7; B64 x 16K 31.2 vs 43.7; B64 x
     32K (3 tiles a program) 47.1 vs 62.2; B64 x 64K (4) 92.4 vs 89.7; B64 x 128K (8) 168.8 vs
-    147.0 (bench/results/logs/topk-synced-sums-h200-2026-11-26.log).
+    147.0 (bench/results/dsa-kernels/h200/logs-archive/topk-synced-sums-h200-2026-11-26.log).
     """
     for config, most_tiles in ((_GPU_CONFIG, 1), (_GPU_NARROW_CONFIG, _NARROW_MAX_TILES)):
         resident = synced_max_chunks(1, device, config.num_warps, config.max_registers)
@@ -190,7 +190,7 @@ def top_k_path(num_rows: int, num_cols: int, device: torch.device | str) -> TopK
     # x 128K 29.7 / 44.5; B8 x 32K 18.9 / 16.3; B32 x 32K 28.4 / 30.9; B64 x 32K 27.5 / 46.2;
     # B64 x 128K 49.2 / (145.9); B128 x 32K 34.3 / (row 49.0); at k 512 (V4's CSA at 64K), B1
     # x 16K 10.8 / 15.5, B64 18.7 / 31.0, B128 22.0 / (row 38.3)
-    # (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    # (bench/results/dsa-kernels/h200/logs-archive/topk-filtered-h200-2026-11-26.log).
     if (num_rows < _SYNCED_MAX_ROWS and num_cols > _SYNCED_MIN_COLS
             and _synced_gpu_config(num_rows, num_cols, device) is not None):
         return "synced"

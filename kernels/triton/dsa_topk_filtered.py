@@ -24,7 +24,7 @@ once, into no histogram, in two launches:
 The sample's margin puts tau below the k-th key unless more than r sample keys lie above
 the k-th where mu are expected. A row's list holds about 1.25 r * n / sample keys: on
 indexer scores at k = 2048, 3.6K of 32K and 4.5K of 128K on average, at most 6.0K, where
-the cap is 8192 (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+the cap is 8192 (bench/results/dsa-kernels/h200/logs-archive/topk-filtered-h200-2026-11-26.log).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def filtered_top_k(scores: torch.Tensor, key_lens: torch.Tensor, k: int, out: to
     # anyway; launched as its dependent, its programs would sit on the multiprocessors
     # while that kernel still streams. H200, indexer + top-k + sparse decode, B8 x 128K:
     # 116.8 / 121.7 us against 124.2 / 127.4 us with it a dependent
-    # (bench/results/logs/topk-filtered-h200-2026-11-26.log).
+    # (bench/results/dsa-kernels/h200/logs-archive/topk-filtered-h200-2026-11-26.log).
     _list_kernel[(num_rows, num_chunks)](
         scores, key_lens, workspace, num_cols, chunk_len, num_chunks, region, *strides,
         K=k, SAMPLE=sample, SEGMENT=segment, CAP=cap, BLOCK=block, ALIGNED=aligned, STAGES=stages,

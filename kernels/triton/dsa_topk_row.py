@@ -48,7 +48,7 @@ def row_top_k_fits(num_cols: int) -> bool:
 
 
 def _num_warps(row: int) -> int:
-    # Swept on an H100 (bench/results/logs/topk-row-h100-2026-11-23.log): 8 warps from 4K
+    # Swept on an H100 (bench/results/dsa-kernels/h100/logs-archive/topk-row-h100-2026-11-23.log): 8 warps from 4K
     # keys (a 32K row is then 128 key registers a thread, no spills), 16 at 16K (5-10%
     # faster there), 4 below 4K.
     if row == 16384:

@@ -4,8 +4,8 @@
 pass's programs find every chunk histogram of the pass before already written. Few
 long rows (decode at batch 8 and 128K context: 8 rows of 33 chunks of one 4K tile)
 spend those launches mostly starting, draining and folding: H200, v32-lite, 6.5-11 us
-each, 41 us a layer for no bytes (bench/results/logs/profile-v32-lite-b8-128k-66b9686-
-h200-2026-11-24.log). Here every program carries its row's state in registers from
+each, 41 us a layer for no bytes (bench/results/dsa-kernels/h200/logs-archive/
+profile-v32-lite-b8-128k-66b9686-h200-2026-11-24.log). Here every program carries its row's state in registers from
 pass to pass. It adds its chunk histogram of a pass into the row's histogram (an
 atomic a bin; a tile of few bucket keys adds them one by one), then reads the row's
 histogram until its bins add up to the bucket's size, which the previous pass told

@@ -38,7 +38,7 @@ class InvariantTile:
     num_stages: int
 
 
-# Chosen on an H100 (bench/results/logs/invariant-probe-h100-2026-11-23.log). Few
+# Chosen on an H100 (bench/results/step/h100/logs-archive/invariant-probe-h100-2026-11-23.log). Few
 # rows: 16-column tiles and long K steps, so a weight read at decode sizes spreads
 # over every multiprocessor in few, large loads (a 2048 x 2048 bf16 weight at one
 # row: 4.4 us, the GEMV 3.0 us; 16 rows: 4.4 us, cuBLAS 5.4 us). Many rows: square

@@ -49,7 +49,7 @@ class GemvTiles:
 def gemv_tiles(k_in: int, on_gpu: bool) -> GemvTiles:
     """The GEMV's tiles for rows of k_in values.
 
-    Swept on an H200 (bench/results/logs/gemv-tiles-h200-2026-11-24.log; one row, with and
+    Swept on an H200 (bench/results/dsa-kernels/h200/logs-archive/gemv-tiles-h200-2026-11-24.log; one row, with and
     without programmatic dependent launch): about 8K weights a program, whole rows of K up
     to 4096, 4 warps. Against the earlier 16 x 2048 tiles at 8 warps: [4096] x [1024, 4096]^T
     3.3 us from 5.1, [4096] x [129280, 4096]^T (an LM head) 234 us from 279, [8192] x

@@ -11,7 +11,7 @@ well; a second launch sums their partial products in split order
 (`linear_widened`'s reduction), so the bits do not depend on timing. 16-bit
 products are exact and summed in float32, as cuBLAS sums them.
 
-Swept on an H200 (graph replays; bench/results/logs/gemv-tiles-h200-2026-11-24.log),
+Swept on an H200 (graph replays; bench/results/dsa-kernels/h200/logs-archive/gemv-tiles-h200-2026-11-24.log),
 rows x [N, K]^T in bf16, 8 rows, us (cuBLAS), with the tiles `rows_config` picks: [2240, 2048]
 5.4 (6.1), [11264, 1536] 10.5 (11.2), [2048, 2048] 5.3 (6.0), [576, 2048] 4.1 (5.7),
 [32768, 1024] 19.2 (19.9).
@@ -38,8 +38,8 @@ ROWS_MAX_ROWS = 16
 #   17 rows: [129280, 4096] 385 / 354 and 268 / 246; [8192, 1024] 8.2 / 7.6 and 6.7 / 6.4.
 # [16384, 4096] at 17 to 32 rows lost on the H200 (34.8 / 37.8); none of the presets' weights
 # has that shape. Narrower weights split K and lost as often as they won (H100, 64 rows: [4096, 4096]
-# 14.8 / 16.6, [2048, 4096] 11.0 / 9.6; bench/results/logs/rows-wide-h100-2026-11-26.log,
-# bench/results/logs/rows-wide-steps-2026-11-26.log).
+# 14.8 / 16.6, [2048, 4096] 11.0 / 9.6; bench/results/v4-step/h100/logs-archive/rows-wide-h100-2026-11-26.log,
+# bench/results/v4-step/h100-h200/logs-archive/rows-wide-steps-2026-11-26.log).
 WIDE_ROWS_MAX_ROWS = 64
 _WIDE_MIN_OUT = 8192
 _ROWS_DTYPES = (torch.bfloat16, torch.float16)

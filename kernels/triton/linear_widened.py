@@ -15,7 +15,7 @@ stream it. A program's product is, by row count:
   sum of two TF32 values; bf16 inputs are exact in one), accurate to about float32's
   own rounding. Single-pass TF32 would not do: these logits choose experts and keys.
 
-Measured on an H200 (graph replays; bench/results/logs/widened-linear-sweep-h200-2026-11-23.log),
+Measured on an H200 (graph replays; bench/results/dsa-kernels/h200/logs-archive/widened-linear-sweep-h200-2026-11-23.log),
 [T, 2048] x [64, 2048]^T: T = 4: 2.2 us, 8: 3.2, 32: 5.4, 64: 5.7, 256: 6.9 (cuBLAS 10-12).
 """
 

@@ -44,21 +44,21 @@ class MoeConfig:
 # so the GEMMs stream weights. 64-wide column tiles still give every multiprocessor
 # programs: H200, 64 routed + 2 shared experts, top-6 + 2, batch 8: 166 us a layer
 # (gate/up 108, down 54; ~3.8 TB/s of the 4.24 copy) against 175 with 32-wide tiles;
-# batch 64 281 vs 285 (bench/results/logs/moe-topk-sweep-h200-2026-11-24.log). Prefill:
+# batch 64 281 vs 285 (bench/results/dsa-kernels/h200/logs-archive/moe-topk-sweep-h200-2026-11-24.log). Prefill:
 # 64-row tiles (H100: 1.62 ms at 2048 tokens; 128-row tiles 1.73-2.64 ms).
 _GPU_DECODE = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _GPU_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 # Between the two (at most one 64-row tile per expert on average: V4's batch 64 over
 # 8 + 1 experts of 4096 x 2048) there are too few row tiles for 128-wide columns to
 # cover the multiprocessors: 64-wide ones double the programs (H200: 143 us vs 152 us
-# for 8 experts, 40 us vs 61 us for one; bench/results/logs/moe-sweep-h200-2026-11-23.log).
+# for 8 experts, 40 us vs 61 us for one; bench/results/v4-step/h200/logs-archive/moe-sweep-h200-2026-11-23.log).
 # 64-deep K steps keep three stages in half the shared memory, so more programs stay
 # resident: 142 us against 154 with 128-deep ones for V4's batch 64, top-6 + 1
-# (bench/results/logs/v4-moe-b64-sweep-h200-2026-11-24.log). The down kernel reads one weight
+# (bench/results/v4-step/h200/logs-archive/v4-moe-b64-sweep-h200-2026-11-24.log). The down kernel reads one weight
 # tile a step where gate/up reads two, so it takes a stage more to keep as many bytes in flight:
 # H100, V4's batch 64, the down kernel alone 62.2 us against 69.2 at three stages, v4-mini's B64 x 64K
 # step 2.52 ms against 2.53-2.54 (gate/up gains nothing from a fourth;
-# bench/results/logs/moe-down-stages-h100-2026-11-26.log).
+# bench/results/v4-step/h100/logs-archive/moe-down-stages-h100-2026-11-26.log).
 _GPU_FEW_ROWS = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, down_stages=4)
 _INTERPRETER = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 

@@ -21,8 +21,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2, pdl
 
 # Pairs up to which `moe_align` sorts in this one program, and the expert columns (E rounded
-# up to a power of two) from which it does. H200, graph replays (bench/results/logs/
-# moe-align-h200-2026-11-23.log), three launches vs one program: 66 experts, 128 pairs 12.6
+# up to a power of two) from which it does. H200, graph replays (bench/results/
+# dsa-kernels/h200/logs-archive/moe-align-h200-2026-11-23.log), three launches vs one program: 66 experts, 128 pairs 12.6
 # vs 7.3 us, 512 pairs 12.2 vs 9.2, 1024 pairs 12.9 vs 12.8; 257 experts, 1024 pairs 33.7
 # vs 24.8; but 9 experts (V4), 576 pairs 9.0 vs 12.1: narrow counting tiles are cheap, the
 # register sort of a 1024-key row is not.

@@ -36,7 +36,7 @@ from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_s
 from .decode import DecodeConfig, decode_config, fill_splits
 
 # Chosen on an H100 by `bench/v4_kernels.py --sweep` (bf16, D=512, 64 heads, B=64, 64K context,
-# 640 keys a row; bench/results/logs/v4-sweep-h100-2026-11-23.log). A row has few keys (the window
+# 640 keys a row; bench/results/v4-kernels/h100/logs-archive/v4-sweep-h100-2026-11-23.log). A row has few keys (the window
 # plus at most top-k / context/128 entries), so a program's fixed cost — its [H, 512] queries and
 # float32 partial — weighs as much as its keys: 64 heads a program with 64-key tiles read each key
 # tile once for all heads (HCA 58 us vs 70-90 us for 32 heads a program), and one wave of programs
@@ -47,7 +47,7 @@ _GPU_CONFIG_64_HEADS = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_sta
 # with a quarter of the queries and of the float32 partial to move. H200, 64 heads, 64K context,
 # a row of 640 keys, us at batch 1, 64 heads a program with 10 splits / 16 heads with 20:
 # CSA 14.5 / 9.4, HCA 13.5 / 8.6; at batch 64 the 64-head tiles stay (CSA 45.2 against 58.0)
-# (bench/results/logs/v4-attention-few-rows-h200-2026-11-26.log).
+# (bench/results/v4-step/h200/logs-archive/v4-attention-few-rows-h200-2026-11-26.log).
 _FEW_ROWS = 4
 _GPU_CONFIG_FEW_ROWS = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)
 _PROGRAMS_PER_SM = 1

@@ -41,7 +41,7 @@ _BLOCK_D = 64
 _MAX_BLOCK_T = 16
 # From this many tokens the streams pass takes a block of 16 at once through a dot product
 # (`_streams_dot_kernel`); below, a token at a time. H200, N = 4, D = 4096, a whole write-back
-# and site (bench/results/logs/hc-streams-sweep-h200-2026-11-23.log): per token vs by blocks
+# and site (bench/results/v4-step/h200/logs-archive/hc-streams-sweep-h200-2026-11-23.log): per token vs by blocks
 # 12.8 vs 18.8 us at 1 token, 20.4 vs 19.5 at 4, 28.8 vs 19.9 at 8, 56 vs 27 at 64.
 _DOT_MIN_TOKENS = 8
 # Enough programs to spread fn's read over every SM at a handful of tokens; past that, whole
@@ -56,7 +56,7 @@ _PRELOAD_MIN_TOKENS = 2
 # program a multiprocessor, where a decode program has one chunk. H200, 4 streams of 4096, us, a
 # write-back + site at 64 tokens: 28.2 with D unspecialised, 32.2 specialised and pipelined, 21.1
 # specialised in one stage; a site without write-back 22.3 -> 12.3; one token 10.7 -> 8.5
-# (bench/results/logs/hc-specialised-h200-2026-11-26.log).
+# (bench/results/v4-step/h200/logs-archive/hc-specialised-h200-2026-11-26.log).
 _STREAMS_DOT_STAGES = 1
 # The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
 # round of loads instead of one a chunk and pass).
@@ -66,7 +66,7 @@ _MAX_SITE_BLOCK_D = 4096
 def _site_tile(n: int, dim: int) -> tuple[int, int]:
     """(BLOCK_D, num_warps) of the per-token kernels: at most 64 stream values a thread.
 
-    H200, N = 4, D = 4096 (bench/results/logs/hc-site-warps-h200-2026-11-23.log): the whole row
+    H200, N = 4, D = 4096 (bench/results/v4-step/h200/logs-archive/hc-site-warps-h200-2026-11-23.log): the whole row
     on 8 warps takes 7.5 us a site kernel, 16 warps 9.9 us (its 20 Sinkhorn rounds of tiny
     reductions cost more the more warps share them), 1024-wide chunks on 4 warps 8.6 us.
     """

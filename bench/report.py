@@ -1,0 +1,244 @@
+"""Write bench/RESULTS.md from the result files under bench/results/.
+
+    python bench/report.py [--out bench/RESULTS.md]
+
+Each result file is `bench/results/<bench>/<device>/<date>-<commit7>[-n].json`. For each benchmark
+and device the page shows the latest file (by date, then by the commit order of `git log`, then n);
+a case that file did not measure is taken from the latest file that did, with its own commit. A
+target's figure is the latest measurement of it. Targets are declared once, in TARGETS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+NAME = re.compile(r"^(\d{4}-\d\d-\d\d)-([0-9a-f]{7}|unknown)(?:-(\d+))?\.json$")
+
+# Old key names -> the schema's (see common.SCHEMA); files are read through this, never rewritten.
+ALIASES = {"gpu_slug": "device", "cases": "rows", "copy_bandwidth_GBps": "copy_bandwidth_gb_s",
+           "bf16_matmul_TFLOPs": "bf16_matmul_tflop_s", "GBps": "gb_s", "TFLOPs": "tflop_s",
+           "kernel_TFLOPs": "kernel_tflop_s", "topk_GBps_one_pass": "topk_gb_s_one_pass"}
+
+# bench: (title, row list, rows shown (None: all; else each a dict the row must match), columns).
+# A column is (header, key, format); `us` is derived from `ms`, `roofline_ratio` from graph_ms / roofline_ms.
+BENCHES = {
+    "kernels": ("MLA decode, MoE and prefill kernels (`bench/kernels.py`)", "rows",
+                [dict(op="mla_decode", batch=128, context=4096, heads=16), dict(op="fused_moe", tokens=1),
+                 dict(op="prefill_attention")],
+                [("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"), ("% bf16 mm", "pct_matmul", "{:.1f}"),
+                 ("t / t_copy", "copy_time_ratio", "{:.2f}")]),
+    "dsa-kernels": ("DeepSeek-V3.2 sparse attention kernels (`bench/dsa_kernels.py`)", "rows",
+                    [dict(op="index_topk", batch=64, context=131072), dict(op="dsa_decode", batch=64, context=32768),
+                     dict(op="dsa_decode", batch=64, context=131072), dict(op="dsa_decode", batch=8, context=131072)],
+                    [("µs", "us", "{:.0f}"), ("roofline µs", "roofline_ms", "{:.0f}", 1e3),
+                     ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("% copy", "pct_copy", "{:.1f}")]),
+    "v4-kernels": ("DeepSeek-V4 kernels (`bench/v4_kernels.py`)", "rows",
+                   [dict(op=op, batch=64, context=65536) for op in ("csa_decode", "hca_attention")],
+                   [("µs", "us", "{:.0f}"), ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("% copy", "pct_copy", "{:.1f}")]),
+    "v4-attention-ceiling": ("V4 attention: the best `tl.dot` loop (`bench/v4_attention_ceiling.py`)", "rows", None,
+                             [("roofline µs", "roofline_us", "{:.1f}"), ("ideal loop µs", "ideal_us", "{:.1f}"),
+                              ("ideal t / t_copy", "ideal_ratio", "{:.2f}"), ("ours t / t_copy", "ours_ratio", "{:.2f}")]),
+    "v4-step": ("DeepSeek-V4 decode step, v4-mini (`bench/v4_step.py`)", "rows",
+                [dict(batch=1, context=65536), dict(batch=64, context=65536)],
+                [("graph ms", "graph_ms", "{:.2f}"), ("× roofline", "roofline_ratio", "{:.2f}"),
+                 ("% roofline", "pct_roofline", "{:.1f}"), ("tok/s", "graph_tok_s", "{:.0f}")]),
+    "step": ("Decode step, v2-lite (`bench/step.py`)", "rows",
+             [dict(batch=1, context=1024), dict(batch=64, context=4096), dict(batch=256, context=4096),
+              dict(batch=64, context=32768), dict(batch=8, context=131072)],
+             [("graph ms", "graph_ms", "{:.2f}"), ("% roofline", "pct_roofline", "{:.1f}"),
+              ("tok/s", "graph_tok_s", "{:.0f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}"),
+              ("× transformers", "vs_hf", "{:.1f}")]),
+    "step-v32-lite": ("Decode step, v32-lite (`bench/step.py --preset v32-lite`)", "rows", None,
+                      [("graph ms", "graph_ms", "{:.2f}"), ("% roofline", "pct_roofline", "{:.1f}"),
+                       ("tok/s", "graph_tok_s", "{:.0f}")]),
+    "speculative": ("Speculative decoding, verify step against decode (`bench/speculative.py`)", "verify_rows",
+                    [dict(batch=b, step="verify k=1") for b in (1, 32)],
+                    [("ms", "ms", "{:.2f}"), ("× decode", "x_decode", "{:.2f}"),
+                     ("roofline × decode's", "roofline_x_decode", "{:.2f}")]),
+    "throughput": ("Engine throughput, v2-lite (`bench/throughput.py`)", "rows", None,
+                   [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
+                    ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
+    "soak": ("Soak, v2-lite engine (`bench/soak.py`)", "rows",
+             [dict(what=w) for w in ("requests", "unexpected exceptions", "leaked blocks", "non-finite logits rows")],
+             [("count", "count", "{}")]),
+    "cpu": ("CPU, demo model (`bench/cpu.py`)", "rows", None,
+            [("stream tok/s", "stream_tok_s", "{:.0f}"), ("beside a busy process", "stream_busy_tok_s", "{:.0f}"),
+             ("bench out tok/s", "bench_output_tok_s", "{:.0f}"), ("score 2048 s", "score_tiny_2048_s", "{:.2f}")]),
+}
+
+# (bench, row, figure, comparison, threshold, the issue that set it)
+TARGETS = [
+    ("kernels", dict(op="mla_decode", batch=128, context=4096, heads=16), "pct_copy", ">=", 85, "Triton kernels"),
+    ("kernels", dict(op="fused_moe", tokens=1), "copy_time_ratio", "<=", 1.3, "Triton kernels"),
+    ("kernels", dict(op="prefill_attention"), "pct_matmul", ">=", 50, "Triton kernels"),
+    ("step", dict(batch=1, context=1024), "roofline_ratio", "<=", 1.5, "decode step"),
+    ("step", dict(batch=1, context=1024), "graph_speedup", ">=", 4, "decode step"),
+    ("step", dict(batch=1, context=1024), "vs_hf", ">=", 50, "decode step"),
+    ("step", dict(batch=64, context=4096), "pct_roofline", ">=", 70, "decode step"),
+    ("step", dict(batch=256, context=4096), "pct_roofline", ">=", 70, "decode step"),
+    ("throughput", dict(engine="mla-func"), "vs_transformers", ">=", 20, "engine"),
+    ("step", dict(batch=1, context=1024), "invariant_cost", "<=", 0.10, "batch invariance"),
+    ("throughput", dict(engine="mla-func batch-invariant"), "invariant_cost", "<=", 0.10, "batch invariance"),
+    ("dsa-kernels", dict(op="index_topk", batch=64, context=131072), "pct_copy", ">=", 60, "DSA"),
+    ("dsa-kernels", dict(op="dsa_decode", batch=64, context=32768), "copy_time_ratio", "<=", 1.3, "DSA"),
+    ("dsa-kernels", dict(op="dsa_decode", batch=64, context=131072), "copy_time_ratio", "<=", 1.3, "DSA"),
+    ("step-v32-lite", dict(batch=64, context=32768), "pct_roofline", ">=", 70, "DSA"),
+    ("step-v32-lite", dict(batch=8, context=131072), "pct_roofline", ">=", 70, "DSA"),
+    ("v4-kernels", dict(op="csa_decode", batch=64, context=65536), "copy_time_ratio", "<=", 1.3, "DeepSeek-V4"),
+    ("v4-kernels", dict(op="hca_attention", batch=64, context=65536), "copy_time_ratio", "<=", 1.3, "DeepSeek-V4"),
+    ("v4-step", dict(batch=1, context=65536), "roofline_ratio", "<=", 1.5, "DeepSeek-V4"),
+    ("v4-step", dict(batch=64, context=65536), "pct_roofline", ">=", 70, "DeepSeek-V4"),
+    ("speculative", dict(batch=1, step="verify k=1"), "x_decode", "<=", 1.15, "MTP speculative decoding"),
+    ("speculative", dict(batch=32, step="verify k=1"), "x_decode", "<=", 1.3, "MTP speculative decoding"),
+    ("soak", dict(what="unexpected exceptions"), "count", "<=", 0, "soak"),
+    ("soak", dict(what="leaked blocks"), "count", "<=", 0, "soak"),
+    ("cpu", dict(threads=1), "stream_busy_tok_s", ">=", 200, "CPU"),
+    ("cpu", dict(threads=1), "score_tiny_2048_s", "<", 1, "CPU"),
+]
+COMPARE = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+SIGN = {"<=": "≤", "<": "<", ">=": "≥"}
+
+
+def commit_order() -> dict[str, int]:
+    """Short commit -> its place in `git log`, newest highest; empty where git is not available."""
+    try:
+        out = subprocess.run(["git", "log", "--format=%H"], capture_output=True, text=True, cwd=BENCH, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    hashes = out.stdout.split() if out.returncode == 0 else []
+    return {h[:7]: len(hashes) - i for i, h in enumerate(hashes)}
+
+
+def normalise(value):
+    """A result read through ALIASES, with the rows' derived figures filled in."""
+    if isinstance(value, list):
+        return [normalise(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    d = {ALIASES.get(k, k): normalise(v) for k, v in value.items()}
+    if "ms" in d and "us" not in d:
+        d["us"] = d["ms"] * 1e3
+    if "roofline_ratio" not in d and d.get("graph_ms") and d.get("roofline_ms"):
+        d["roofline_ratio"] = d["graph_ms"] / d["roofline_ms"]
+    if "rows" not in d and isinstance(d.get("counts"), dict):   # soak files before `rows`
+        d["rows"] = [dict(what=k, count=v) for k, v in d["counts"].items()]
+    return d
+
+
+def load(results: Path = RESULTS) -> dict[tuple[str, str], list[dict]]:
+    """(bench, device) -> its results, newest first; each with `_path`."""
+    order = commit_order()
+    found: dict[tuple[str, str], list[tuple]] = {}
+    for path in results.glob("*/*/*.json"):
+        match = NAME.match(path.name)
+        if not match:
+            continue
+        date, commit, n = match.group(1), match.group(2), int(match.group(3) or 1)
+        result = normalise(json.loads(path.read_text()))
+        result["_path"] = path.relative_to(results.parent.parent).as_posix()
+        result["_commit"] = commit
+        key = (date, order.get(commit, 0), n)
+        found.setdefault((path.parts[-3], path.parts[-2]), []).append((key, result))
+    return {k: [r for _, r in sorted(v, key=lambda x: x[0], reverse=True)] for k, v in found.items()}
+
+
+def matches(row: dict, want: dict) -> bool:
+    return all(row.get(k) == v for k, v in want.items())
+
+
+def current_rows(results: list[dict], rows_key: str, shown: list[dict] | None) -> list[tuple[dict, dict]]:
+    """(row, the result it came from): the latest file's rows, then cases only older files measured."""
+    picked: list[tuple[dict, dict]] = []
+    seen: set[str] = set()
+    for result in results:
+        for row in result.get(rows_key, []):
+            case = label(row)
+            if case not in seen and (shown is None or any(matches(row, w) for w in shown)):
+                seen.add(case)
+                picked.append((row, result))
+    if shown is not None:
+        picked.sort(key=lambda p: next(i for i, w in enumerate(shown) if matches(p[0], w)))
+    return picked
+
+
+def label(row: dict) -> str:
+    """A row's case in a few words: 'mla_decode B128 ctx 4K H16'."""
+    parts = [str(row[k]) for k in ("op", "step", "engine", "what") if k in row]
+    for key, fmt in (("batch", "B{}"), ("tokens", "T{}"), ("context", "ctx {}"), ("heads", "H{}"),
+                     ("keys_per_row", "{} keys"), ("threads", "{} thread(s)")):
+        if key in row:
+            value = row[key]
+            if key == "context" and value % 1024 == 0:
+                value = f"{value // 1024}K"
+            parts.append(fmt.format(value))
+    return " ".join(parts)
+
+
+def cell(value, fmt: str, scale: float = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return fmt.format(value * scale if scale != 1 else value)
+
+
+def target_lines(data: dict) -> list[str]:
+    lines = ["| benchmark | case | figure | target | device | measured | status | commit | issue |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for bench, want, figure, op, threshold, issue in TARGETS:
+        devices = sorted(d for b, d in data if b == bench)
+        rows_key = BENCHES[bench][1]
+        measured = []
+        for device in devices:
+            value, source = None, None
+            for result in data.get((bench, device), []):
+                row = next((r for r in result.get(rows_key, []) if matches(r, want) and figure in r), None)
+                if row is not None and not (isinstance(row[figure], float) and math.isnan(row[figure])):
+                    value, source = row[figure], result
+                    break
+            if value is not None:
+                status = "met" if COMPARE[op](value, threshold) else "**not met**"
+                measured.append((device, f"{value:.3g}", status, f"{source['_commit']} ({source['date']})"))
+        for device, shown, status, commit in measured or [("—", "—", "not measured", "—")]:
+            lines.append(f"| {bench} | {label(want)} | `{figure}` | {SIGN[op]} {threshold} | {device} | {shown} "
+                         f"| {status} | {commit} | {issue} |")
+    return lines
+
+
+def render(data: dict) -> str:
+    out = ["# Benchmark results", "",
+           "Generated by `python bench/report.py` from the result files under `bench/results/` "
+           "(`<bench>/<device>/<date>-<commit>.json`, logs beside them); do not edit by hand. "
+           "Each table shows, per device, the latest run's figures (by date, then commit order; a case "
+           "that run left out comes from the latest run that measured it: see the commit column). How each figure was reached, and what "
+           "was tried and not kept, is in `bench/notes/`.", "",
+           "## Targets", "", *target_lines(data)]
+    for bench, (title, rows_key, shown, columns) in BENCHES.items():
+        devices = sorted(d for b, d in data if b == bench)
+        if not devices:
+            continue
+        out += ["", f"## {title}", "",
+                "| device | case | " + " | ".join(c[0] for c in columns) + " | commit (date) |",
+                "|---|---|" + "---|" * len(columns) + "---|"]
+        for device in devices:
+            for row, result in current_rows(data[(bench, device)], rows_key, shown):
+                cells = [cell(row.get(c[1]), c[2], *c[3:]) for c in columns]
+                out.append(f"| {device} | {label(row)} | " + " | ".join(cells) + f" | {result['_commit']} ({result['date']}) |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=BENCH / "RESULTS.md")
+    args = parser.parse_args()
+    args.out.write_text(render(load()))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
