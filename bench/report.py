@@ -26,7 +26,8 @@ ALIASES = {"gpu_slug": "device", "cases": "rows", "copy_bandwidth_GBps": "copy_b
            "bf16_matmul_TFLOPs": "bf16_matmul_tflop_s", "GBps": "gb_s", "TFLOPs": "tflop_s",
            "kernel_TFLOPs": "kernel_tflop_s", "topk_GBps_one_pass": "topk_gb_s_one_pass"}
 
-# bench: (title, row list, rows shown (None: all; else each a dict the row must match), columns).
+# table: (title, row list, rows shown (None: all; else each a dict the row must match), columns). A table is
+# named by its bench (the folder under results/), or "<bench>:<name>" for a second table of the same files.
 # A column is (header, key, format); `us` is derived from `ms`, `roofline_ratio` from graph_ms / roofline_ms.
 BENCHES = {
     "kernels": ("MLA decode, MoE and prefill kernels (`bench/kernels.py`)", "rows",
@@ -62,6 +63,20 @@ BENCHES = {
                     [dict(batch=b, step="verify k=1") for b in (1, 32)],
                     [("ms", "ms", "{:.2f}"), ("× decode", "x_decode", "{:.2f}"),
                      ("roofline × decode's", "roofline_x_decode", "{:.2f}")]),
+    "speculative:match": ("Speculative decoding: requests keeping k = 0's tokens, demo model, 8 random prompts "
+                          "(`bench/speculative.py --match`; every batch and k in the result file)", "token_match_rows",
+                          [dict(mode=m, batch=8) for m in ("default", "batch-invariant")]
+                          + [dict(mode=m, batch=1, k=3) for m in ("default", "batch-invariant")],
+                          [("same tokens", "matched", "{}"), ("of", "requests", "{}"),
+                           ("tok/s", "output_tok_s", "{:.0f}"), ("acceptance", "acceptance_rate", "{:.2f}"),
+                           ("target ms / iter", "target_ms_per_iteration", "{:.3f}"),
+                           ("drafter ms / iter", "drafter_ms_per_iteration", "{:.3f}"),
+                           ("host and rest ms / iter", "rest_ms_per_iteration", "{:.3f}")]),
+    "speculative:speedup": ("Speculative decoding: estimated decode speed-up on v2-lite's measured steps "
+                            "(`bench/speculative.py`)", "estimated_speedup_rows", None,
+                            [("acceptance rate", "acceptance_rate", "{:.2f}"), ("tokens / iter", "tokens_per_iteration",
+                                                                               "{:.2f}"),
+                             ("iteration × decode", "iteration_x_decode", "{:.2f}"), ("speed-up", "speedup", "{:.2f}")]),
     "throughput": ("Engine throughput, v2-lite (`bench/throughput.py`)", "rows", None,
                    [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                     ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
@@ -97,6 +112,8 @@ TARGETS = [
     ("v4-step", dict(batch=64, context=65536), "pct_roofline", ">=", 70, "DeepSeek-V4"),
     ("speculative", dict(batch=1, step="verify k=1"), "x_decode", "<=", 1.15, "MTP speculative decoding"),
     ("speculative", dict(batch=32, step="verify k=1"), "x_decode", "<=", 1.3, "MTP speculative decoding"),
+    ("speculative:match", dict(mode="batch-invariant", batch=8, k=3), "matched", ">=", 8, "promises hold"),
+    ("speculative:match", dict(mode="batch-invariant", batch=1, k=3), "matched", ">=", 8, "promises hold"),
     ("soak", dict(what="unexpected exceptions"), "count", "<=", 0, "soak"),
     ("soak", dict(what="leaked blocks"), "count", "<=", 0, "soak"),
     ("cpu", dict(threads=1), "stream_busy_tok_s", ">=", 200, "CPU"),
@@ -149,6 +166,11 @@ def load(results: Path = RESULTS) -> dict[tuple[str, str], list[dict]]:
     return {k: [r for _, r in sorted(v, key=lambda x: x[0], reverse=True)] for k, v in found.items()}
 
 
+def folder(table: str) -> str:
+    """The bench (results folder) a table of BENCHES reads."""
+    return table.split(":")[0]
+
+
 def matches(row: dict, want: dict) -> bool:
     return all(row.get(k) == v for k, v in want.items())
 
@@ -170,8 +192,8 @@ def current_rows(results: list[dict], rows_key: str, shown: list[dict] | None) -
 
 def label(row: dict) -> str:
     """A row's case in a few words: 'mla_decode B128 ctx 4K H16'."""
-    parts = [str(row[k]) for k in ("op", "step", "engine", "what") if k in row]
-    for key, fmt in (("batch", "B{}"), ("tokens", "T{}"), ("context", "ctx {}"), ("heads", "H{}"),
+    parts = [str(row[k]) for k in ("op", "step", "engine", "what", "mode", "acceptance") if k in row]
+    for key, fmt in (("k", "k={}"), ("batch", "B{}"), ("tokens", "T{}"), ("context", "ctx {}"), ("heads", "H{}"),
                      ("keys_per_row", "{} keys"), ("threads", "{} thread(s)")):
         if key in row:
             value = row[key]
@@ -191,12 +213,12 @@ def target_lines(data: dict) -> list[str]:
     lines = ["| benchmark | case | figure | target | device | measured | status | commit | issue |",
              "|---|---|---|---|---|---|---|---|---|"]
     for bench, want, figure, op, threshold, issue in TARGETS:
-        devices = sorted(d for b, d in data if b == bench)
+        devices = sorted(d for b, d in data if b == folder(bench))
         rows_key = BENCHES[bench][1]
         measured = []
         for device in devices:
             value, source = None, None
-            for result in data.get((bench, device), []):
+            for result in data.get((folder(bench), device), []):
                 row = next((r for r in result.get(rows_key, []) if matches(r, want) and figure in r), None)
                 if row is not None and not (isinstance(row[figure], float) and math.isnan(row[figure])):
                     value, source = row[figure], result
@@ -219,14 +241,14 @@ def render(data: dict) -> str:
            "was tried and not kept, is in `bench/notes/`.", "",
            "## Targets", "", *target_lines(data)]
     for bench, (title, rows_key, shown, columns) in BENCHES.items():
-        devices = sorted(d for b, d in data if b == bench)
+        devices = sorted(d for b, d in data if b == folder(bench))
         if not devices:
             continue
         out += ["", f"## {title}", "",
                 "| device | case | " + " | ".join(c[0] for c in columns) + " | commit (date) |",
                 "|---|---|" + "---|" * len(columns) + "---|"]
         for device in devices:
-            for row, result in current_rows(data[(bench, device)], rows_key, shown):
+            for row, result in current_rows(data[(folder(bench), device)], rows_key, shown):
                 cells = [cell(row.get(c[1]), c[2], *c[3:]) for c in columns]
                 out.append(f"| {device} | {label(row)} | " + " | ".join(cells) + f" | {result['_commit']} ({result['date']}) |")
     return "\n".join(out) + "\n"

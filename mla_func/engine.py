@@ -55,8 +55,10 @@ class Engine:
     tokens, independent of what else is running, at a cost in speed (off by default; see
     README "Batch invariance"). `speculative_tokens=k` (1 to 8; 0, the default, is off)
     drafts k tokens a decode step with the model's MTP layer (`load_model(..., mtp=True)`)
-    and verifies them in one step (`mla_func.speculative`); tokens are those of decoding
-    without drafts (`mla_func.acceptance`), and `speculative_stats` counts accepted drafts.
+    and verifies them in one step (`mla_func.speculative`); with `batch_invariant=True` the
+    tokens are exactly those of decoding without drafts (`mla_func.acceptance`; in the default
+    mode a verify row's last bits can follow its step's row count, see README "Speculative
+    decoding"), and `speculative_stats` counts accepted drafts.
     """
 
     def __init__(
