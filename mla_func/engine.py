@@ -24,15 +24,15 @@ from typing import Any
 import torch
 
 from .checkpoint import Model
+from .draws import DrawRows, draw_tokens
 from .engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
 from .kernels import default_backend, ops_for
 from .mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
-from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
 from .prepare import extra_cache_groups, init_state
 from .requests import (CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent, check_request,
                        check_score_ids, split_call)
-from .sampling import request_seed, sample
+from .sampling import request_seed
 from .scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
 from .speculative import SpeculativeDecoder, SpeculativeStats
 from .state.block_allocator import OutOfBlocks
@@ -128,9 +128,11 @@ class Engine:
         self.step = make_step(model, fn=target_step_fn if c.speculative_tokens else None, **step_args)
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
                                 dtype=model.dtype, device=model.device)
+        # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
+        self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
             make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model), **step_args),
-            init_drafter_state(model, self.state), ops_for(c.backend, batch_invariant=c.batch_invariant))
+            init_drafter_state(model, self.state), self._ops)
         self._rng = random.Random(seed)
         self._next_id = 0
 
@@ -273,35 +275,19 @@ class Engine:
         live: dict[Hashable, tuple[CheckedRequest, int]],
         outputs: dict[Hashable, list[int]],
     ) -> list[int | tuple[int, ...] | None]:
-        """Run one scheduled step and sample its logits rows; returns a token (or None) per row."""
+        """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
         out = self._target_step(scheduled.plan)
         rows = scheduled.rows
-        with_logits = [i for i, row in enumerate(rows) if row.num_logits]
-        if not with_logits:
+        draws = DrawRows()
+        for i, row in enumerate(rows):
+            if row.num_logits:
+                request_id = scheduled.request_ids[i]
+                request, seed = live[request_id]
+                draws.add(len(draws.index), request, seed, outputs[request_id], row.seq_len)
+        if not draws.index:
             return [None] * len(rows)
-        ids = [scheduled.request_ids[i] for i in with_logits]
-        requests = [live[rid][0] for rid in ids]
-        logits = adjust_logits(out.logits, requests, [outputs[rid] for rid in ids])
-        if all(r.params.greedy for r in requests):
-            # Greedy rows need no noise: skip the [N, V] draw (a host-side fact, so no sync).
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            device, vocab = logits.device, logits.shape[-1]
-            tokens = sample(
-                logits,
-                # 0 for greedy rows, so the device decides exactly as `SamplingParams.greedy` did.
-                temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
-                                         device=device),
-                top_k=torch.tensor([min(r.params.top_k, vocab) for r in requests], device=device),
-                top_p=torch.tensor([r.params.top_p for r in requests], device=device),
-                seeds=torch.tensor([live[rid][1] for rid in ids], dtype=torch.int64, device=device),
-                positions=torch.tensor([rows[i].seq_len for i in with_logits], dtype=torch.int64, device=device),
-                use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in requests),
-                # The backend's draw: one launch on Triton instead of the reference's ~30 small ops.
-                ops=ops_for(self.config.backend, batch_invariant=self.config.batch_invariant),
-            ).tolist()
-        by_row: dict[int, int | tuple[int, ...]] = dict(zip(with_logits, tokens))
-        return [by_row.get(i) for i in range(len(rows))]
+        tokens = iter(draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist())
+        return [next(tokens) if row.num_logits else None for row in rows]
 
     def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:
         tokenizer = self.model.tokenizer

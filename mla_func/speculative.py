@@ -46,13 +46,12 @@ from typing import Any
 import torch
 
 from .acceptance import accepted_lengths
+from .draws import DrawRows, draw_tokens
 from .batch import Batch
 from .kernels import Ops
 from .mode import ForwardMode
-from .penalties import adjust_logits
 from .plan import SeqPlan, StepPlan
 from .requests import CheckedRequest
-from .sampling import sample
 from .scheduler import ScheduledStep
 from .state.kv_cache import KVCacheState
 from .step import Step, StepOutput
@@ -82,42 +81,6 @@ class SpeculativeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")
-
-
-@dataclass(frozen=True, slots=True)
-class _Rows:
-    """Rows to draw a token from: logits row indices and, per row, its request, context, seed and key position."""
-
-    index: list[int]
-    requests: list[CheckedRequest]
-    contexts: list[list[int]]
-    seeds: list[int]
-    positions: list[int]
-
-
-def draw(logits: torch.Tensor, rows: _Rows, *, penalties: bool, ops: Ops) -> torch.Tensor:
-    """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key
-    by `ops`' sampling op."""
-    device = logits.device
-    if not rows.index:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    picked = logits.index_select(0, torch.tensor(rows.index, device=device))
-    reqs = rows.requests
-    if penalties:
-        picked = adjust_logits(picked, reqs, rows.contexts)
-    if all(r.params.greedy for r in reqs):
-        return picked.argmax(dim=-1)
-    vocab = picked.shape[-1]
-    return sample(
-        picked,
-        temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in reqs], device=device),
-        top_k=torch.tensor([min(r.params.top_k, vocab) for r in reqs], device=device),
-        top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
-        seeds=torch.tensor(rows.seeds, dtype=torch.int64, device=device),
-        positions=torch.tensor(rows.positions, dtype=torch.int64, device=device),
-        use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in reqs),
-        ops=ops,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +148,7 @@ class SpeculativeDecoder:
         decode_ids = ids[num_prefill:]
         logits, hidden = target.output.logits, target.output.hidden      # [N, V], [N, D]: every real row
 
-        rows, done, offset = _Rows([], [], [], [], []), [], 0
+        rows, done, offset = DrawRows(), [], 0
         for i, s in enumerate(plan.prefill):
             offset += s.num_tokens
             if s.num_logits:  # the chunk completes its prompt
@@ -194,7 +157,7 @@ class SpeculativeDecoder:
         for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
             for j in range(q):
                 self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
-        tokens = draw(logits, rows, penalties=True, ops=self.ops)           # [len(done) + B * q]
+        tokens = draw_tokens(logits, rows, penalties=True, ops=self.ops)           # [len(done) + B * q]
         verify_tokens = tokens[len(done):].view(len(decode_ids), q)
         drafted = torch.tensor(drafts, dtype=torch.int64, device=tokens.device).view(len(decode_ids), q - 1)
         accepted = accepted_lengths(verify_tokens, drafted)
@@ -226,13 +189,9 @@ class SpeculativeDecoder:
         return out
 
     @staticmethod
-    def _add(rows: _Rows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
+    def _add(rows: DrawRows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
         request, seed = live[rid]
-        rows.index.append(index)
-        rows.requests.append(request)
-        rows.contexts.append(context)
-        rows.seeds.append(seed)
-        rows.positions.append(position)
+        rows.add(index, request, seed, context, position)
 
     def _draft(self, plan: StepPlan, decode_ids: Sequence[Hashable], live: Live,
                outputs: dict[Hashable, list[int]]) -> list[tuple[int, ...]]:
@@ -261,10 +220,10 @@ class SpeculativeDecoder:
             batch = replace(batch, input_ids=torch.cat([token, batch.input_ids[n:]]),
                             hidden=torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]))
             out = self._drafter_step(batch, mode)
-            rows = _Rows([], [], [], [], [])
+            rows = DrawRows()
             for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
                 self._add(rows, b, rid, live, [], s.start_pos + i)
-            token, hidden = draw(out.output.logits, rows, penalties=False, ops=self.ops), out.output.hidden
+            token, hidden = draw_tokens(out.output.logits, rows, penalties=False, ops=self.ops), out.output.hidden
             chain.append(token)
         later = to_host(torch.stack(chain, dim=1))  # the draft chain's one host sync
         return [(d.token, *rest) for d, rest in zip(firsts, later)]
@@ -277,7 +236,7 @@ class SpeculativeDecoder:
         (-1, b): the position follows from the drafts it accepts)."""
         q = plan.decode_q_len
         prefill, patch_rows, continuing = [], [], []
-        rows = _Rows([], [], [], [], [])
+        rows = DrawRows()
         offset, num_logits = 0, 0
         for s, rid in zip(plan.prefill, ids):
             request = live[rid][0]
@@ -307,7 +266,7 @@ class SpeculativeDecoder:
         ids_t = batch.input_ids.index_copy(0, torch.tensor(patch_rows, dtype=torch.int64, device=device), tokens)
         fed = hidden.new_zeros(mode.num_tokens, hidden.shape[1]).index_copy(0, real, hidden)
         out = self._drafter_step(replace(batch, input_ids=ids_t, hidden=fed), mode)
-        drafts = draw(out.output.logits, rows, penalties=False, ops=self.ops)
+        drafts = draw_tokens(out.output.logits, rows, penalties=False, ops=self.ops)
         pick = torch.cat([torch.arange(num_logits, device=device),
                           num_logits + torch.arange(len(decode), device=device) * q + accepted])
         return drafts.index_select(0, pick), out.output.hidden.index_select(0, pick), continuing

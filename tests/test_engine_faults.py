@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import mla_func as mf
-import mla_func.engine
+import mla_func.draws
 import mla_func.speculative
 from mla_func.speculative import SpeculativeStats
 from mla_func.step import Step
@@ -130,8 +130,9 @@ class Fault:
             return call(step, state, batch, mode)
 
         monkeypatch.setattr(Step, "__call__", step_call)
-        points = {mla_func.speculative: ("adjust_logits", "sample", "accepted_lengths", "to_host"),
-                  mla_func.engine: ("adjust_logits", "sample")}
+        # Every draw, plain or speculative, goes through mla_func.draws.
+        points = {mla_func.draws: ("adjust_logits", "sample"),
+                  mla_func.speculative: ("accepted_lengths", "to_host")}
         for module, names in points.items():
             for name in names:
                 monkeypatch.setattr(module, name, self._wrap(getattr(module, name),
