@@ -18,7 +18,7 @@ def test_a_short_soak_finds_nothing_and_writes_its_counts(tmp_path):
     result = subprocess.run([sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stdout + result.stderr
-    (path,) = tmp_path.glob("soak-cpu-*.json")
+    (path,) = tmp_path.glob("soak/cpu/*.json")   # bench/common.py's <bench>/<device>/<date>-<commit>.json
     report = json.loads(path.read_text())
     counts = report["counts"]
     assert report["failures"] == 0 and report["unexpected"] == []
