@@ -105,7 +105,7 @@ def test_this_machine_refuses_what_it_cannot_hold():
 
 def test_a_model_that_fits_loads_to_the_byte(monkeypatch, v32_folder):
     assert mf.load_model("tiny", device="cpu").config.model_type == "deepseek_v3"   # this machine's own reading
-    config = mf.ModelConfig.from_file(v32_folder / "config.json")
+    config = mf.read_config(v32_folder / "config.json")
     need = memory.params_bytes(config, torch.float32, max_model_len=64)
     monkeypatch.setattr(memory, "available_bytes", lambda device: need)
     mf.load_model(v32_folder, device="cpu", max_model_len=64)
@@ -158,3 +158,22 @@ def test_a_v4_model_names_what_it_does_not_support():
         mf.load_model("v4-tiny", device="cpu", mtp=True)
     assert str(error.value).startswith(MTP_UNSUPPORTED_V4 + ": ")
     assert MTP_UNSUPPORTED_V4 == "DeepSeek-V4 multi-token prediction is not supported"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_model_over_its_free_memory_is_refused_up_front():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    free = torch.cuda.mem_get_info(device)[0]
+    assert memory.available_bytes(device) == free
+    config = PRESETS["v32-lite"]()
+    # float64 v32-lite: about 120 GiB, over an H100's 80 GB (an H200's 141 GB could hold it).
+    needed = memory.params_bytes(config, torch.float64)
+    if needed <= free:
+        pytest.skip(f"this GPU has {free / GIB:.0f} GiB free, enough for {needed / GIB:.0f} GiB")
+    allocated, started = torch.cuda.memory_allocated(device), time.perf_counter()
+    with pytest.raises(mf.NotEnoughMemory, match=r"v32-lite.*GiB in float64, but cuda(:\d+)? has"):
+        mf.load_model("v32-lite", dtype=torch.float64, device="cuda")
+    assert time.perf_counter() - started < 5
+    assert torch.cuda.memory_allocated(device) == allocated   # refused before a byte was allocated
