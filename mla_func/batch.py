@@ -61,7 +61,7 @@ class SegmentRows:
     """The rows [start, stop) of one segment, each as a query of its own, in every cache group.
 
     Built once per step on the device from the batch (`segment_rows.step_rows`) for models
-    with cache groups past 0, whose layers treat every row alone (DeepSeek-V4's).
+    with cache groups past 0, whose layers treat every row alone (a family's sliding-window or compressed layers).
     """
 
     key_lens: torch.Tensor                # [n] int32, tokens the row sees: its position + 1 (0: padding)

@@ -1,6 +1,6 @@
 """The addressing of cache groups 1.. for one step: slot mappings and block tables per group.
 
-Only models with several cache groups build these (DeepSeek-V2/V3 have one, whose
+Only models with several cache groups build these (an MLA model has one, whose
 addressing is the batch's own `slot_mapping` and block tables). Group g's entry
 e = p // tokens_per_entry is written by the token at position p that completes
 it ((p + 1) % tokens_per_entry == 0), in slot table[e // block_size] * block_size

@@ -16,7 +16,8 @@ import torch
 
 from .checkpoint_files import CheckpointError, CheckpointFolder
 from .config import ConfigError, ModelConfig
-from .config_hf import config_from_json
+from .families import FAMILIES, config_from_json
+from .family import Family
 from .memory import require_memory
 from .mtp_params import NO_MTP_LAYER, MTPParams, load_mtp, mtp_layer_index, mtp_optional_shapes, mtp_tensor_shapes
 from .params import Params, params_from_hf
@@ -24,7 +25,6 @@ from .tensor_shapes import hf_tensor_count, hf_tensor_shapes
 from .presets import PRESETS, SHIPPED_PRESETS, preset_names
 from .random_weights import random_params
 from .safetensors_file import TensorEntry, read_header, read_tensor
-from .v4_params import canonical_names, checkpoint_dtype
 
 __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
@@ -78,6 +78,7 @@ def load_model(
     progress: bool | None = None,
     max_model_len: int | None = None,
     mtp: bool = False,
+    families: Mapping[str, Family] = FAMILIES,
 ) -> Model:
     """Load a checkpoint folder (config.json + *.safetensors) or a preset name.
 
@@ -107,6 +108,8 @@ def load_model(
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
             default max_position_embeddings, capped at `DEFAULT_MAX_POSITIONS`
             (an engine with a longer max_model_len extends them).
+    families: config.json's model_type -> the `Family` that reads and runs it (`families.FAMILIES`;
+            pass `{**FAMILIES, "my_model": MY_FAMILY}` to load a family of one's own).
     """
     # Truthiness would read mtp="no" as True and load a layer nobody asked for.
     if not isinstance(mtp, bool):
@@ -124,7 +127,7 @@ def load_model(
                 "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
             )
         return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len,
-                            mtp=mtp, label=name)
+                            mtp=mtp, label=name, families=families)
     if name in PRESETS and not Path(name).exists():
         config = PRESETS[name]()
         require_memory(f"preset {name!r}", config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
@@ -137,7 +140,7 @@ def load_model(
             f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
     return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len, mtp=mtp,
-                        label=str(path))
+                        label=str(path), families=families)
 
 
 def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
@@ -166,16 +169,16 @@ class _Located:
 
 def _load_folder(
     path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None,
-    mtp: bool = False, label: str,
+    mtp: bool = False, label: str, families: Mapping[str, Family],
 ) -> Model:
     """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy);
     `label` names the model in a memory error (the preset's name for a shipped preset)."""
     folder = CheckpointFolder.at(path)
     if not folder.has("config.json"):
         raise CheckpointError(f"{path}: no config.json")
-    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
+    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"), families)
     with ExitStack() as stack:
-        located = canonical_names(config, _locate_tensors(folder, stack), folder.root)
+        located = config.family.canonical_names(config, _locate_tensors(folder, stack), folder.root)
         expected = _expected_tensors(folder, config, located)
         if mtp:
             expected.update(mtp_tensor_shapes(config))
@@ -183,7 +186,7 @@ def _load_folder(
             expected.update({n: s for n, s in mtp_optional_shapes(config).items() if n in located})
         _check_tensor_names(folder, config, expected, located)
         require_memory(label, config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
-        dtypes = {name: checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
+        dtypes = {name: config.family.checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
 
         def fetch(name: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from io import FileIO
 from pathlib import Path
 from typing import Any
 
-# A DeepSeek-V3 shard index (about 90,000 tensors) is under 10 MiB.
+# The shard index of a 671B-parameter model (about 90,000 tensors) is under 10 MiB.
 MAX_JSON_BYTES = 64 << 20
 
 

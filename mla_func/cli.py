@@ -29,7 +29,7 @@ import torch
 from .checkpoint import Model, load_model
 from .checkpoint_files import CheckpointFolder
 from .config import ConfigError, ModelConfig
-from .config_hf import config_from_json
+from .families import config_from_json
 from .engine import Engine
 from .kernels import BACKENDS
 from .presets import PRESETS, SHIPPED_PRESETS
@@ -312,9 +312,9 @@ def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
     if not speculative_tokens:
         return
     flag = f"--speculative-tokens {speculative_tokens}"
-    if source.config.v4 is not None:
-        raise UsageError(f"{flag}: {source.name} is a DeepSeek-V4 model, whose multi-token-prediction (MTP) "
-                         "layers are not supported yet; run it without --speculative-tokens")
+    if source.config.family.mtp_layer_kind is None:
+        raise UsageError(f"{flag}: {source.name} is a {source.config.family.title} model, whose multi-token-prediction "
+                         "(MTP) layers are not supported yet; run it without --speculative-tokens")
     if source.folder is None:
         return
     # DeepSeek-V3 stores its MTP layer after the decoder layers. transformers' DeepseekV3Config
@@ -329,9 +329,9 @@ def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
 
 def check_invariance(source: ModelSource, batch_invariant: bool) -> None:
     """Refuse --batch-invariant for a model without batch-invariant ops, by the flag, before the load."""
-    if batch_invariant and source.config.v4 is not None:
-        raise UsageError(f"--batch-invariant: {source.name} is a DeepSeek-V4 model, whose layers have no "
-                         "batch-invariant ops yet; run it without --batch-invariant")
+    if batch_invariant and not source.config.family.supports_batch_invariant:
+        raise UsageError(f"--batch-invariant: {source.name} is a {source.config.family.title} model, whose layers "
+                         "have no batch-invariant ops yet; run it without --batch-invariant")
 
 
 def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:

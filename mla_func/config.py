@@ -1,24 +1,25 @@
-"""ModelConfig: the shapes and numerics of a DeepSeek-V2/V3/V3.2 model (V4's own fields in `v4_config`), and their validation.
+"""ModelConfig: the shapes and numerics of a model, and the validation of the fields every family shares.
 
-Reading and writing Hugging Face config.json dicts is in `config_hf`.
+A config carries its `Family` (`family`), which checks the family's own fields and reads
+and writes its config.json dicts (`families.config_from_hf_dict` picks it by model_type).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the family modules import this one
+    from .family import Family
     from .v4_config import V4Config
 
 # The routing op validates the same method names; one definition serves the config and the kernels.
 from .kernels.checks import GROUP_LIMITED_METHODS, TOPK_METHODS
 from .config_fields import ConfigError, check_bool, check_choice, check_int, check_positive, is_int, is_number, refuse
 
-__all__ = ["MODEL_TYPES", "V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig", "RopeConfig", "is_int",
+__all__ = ["V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig", "RopeConfig", "is_int",
+           "validate_indexer", "validate_no_indexer", "validate_v3_routing",
            "is_number", "refuse", "yarn_mscale"]
 
 # The scorings DeepSeek-V2/V3 define. The routing op also takes V4's sqrt(softplus),
@@ -66,7 +67,8 @@ class ModelConfig:
     Names follow DeepSeek's config.json. `n_routed_experts=None` means a dense model. V3.2's
     indexer (`index_*`, None for V2/V3): `index_n_heads` heads of `index_head_dim` score every
     earlier token; each query attends to the `index_topk` best. Every field is checked on construction (type and range); a bad one raises
-    `ConfigError` naming it.
+    `ConfigError` naming it. `family` is the model's `Family`: the shared fields are checked here,
+    the family's own by `family.validate`.
     """
 
     model_type: str
@@ -102,6 +104,7 @@ class ModelConfig:
     index_head_dim: int | None = None
     index_topk: int | None = None
     v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `v4_config`
+    family: Family = field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -126,8 +129,8 @@ class ModelConfig:
 
     @property
     def is_sparse(self) -> bool:
-        """DeepSeek Sparse Attention (V3.2): every layer has an indexer and attends to its top-k keys."""
-        return self.model_type == "deepseek_v32"
+        """Every layer has an indexer and attends to its top-k keys (DeepSeek Sparse Attention, V3.2's)."""
+        return self.index_topk is not None
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -136,28 +139,9 @@ class ModelConfig:
             and layer % self.moe_layer_freq == 0
         )
 
-    @classmethod
-    def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (model_type deepseek_v2, deepseek_v3 or deepseek_v32)."""
-        from .config_hf import config_from_hf_dict
-
-        return config_from_hf_dict(raw)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read a config.json file; errors name the file and the field."""
-        from .config_hf import read_config
-
-        return read_config(Path(path))
-
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json dict that `from_hf_dict` reads back to an equal config."""
-        from .config_hf import config_to_hf_dict
-
-        return config_to_hf_dict(self)
-
-
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4")
+        """The config.json dict that `families.config_from_hf_dict` reads back to an equal config."""
+        return self.family.config_to_hf(self)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -200,13 +184,11 @@ def _validate_rope(r: RopeConfig) -> None:
 
 
 def _validate(c: ModelConfig) -> None:
-    check_choice("model_type", c.model_type, MODEL_TYPES)
-    if (c.model_type == "deepseek_v4") != (c.v4 is not None):
-        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
+    check_choice("model_type", c.model_type, c.family.model_types)
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "v_head_dim", "max_position_embeddings"):
         check_int(name, getattr(c, name), 1)
-    if c.v4 is None:  # V4's is its shared expert's width, moe_intermediate_size, checked with the MoE fields
+    if c.family.dense_mlp:  # otherwise it is the shared expert's width, moe_intermediate_size, checked with the MoE fields
         check_int("intermediate_size", c.intermediate_size, 1)
     if not is_int(c.qk_rope_head_dim) or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2:
         raise refuse("qk_rope_head_dim", c.qk_rope_head_dim, "must be a positive even integer")
@@ -221,22 +203,17 @@ def _validate(c: ModelConfig) -> None:
     if not (math.isfinite(c.softmax_scale) and c.softmax_scale > 0):
         raise refuse("rope_parameters.mscale_all_dim", c.rope.mscale_all_dim,
                      f"makes the softmax scale {c.softmax_scale}, not a finite positive number")
-    _validate_indexer(c)
     check_int("first_k_dense_replace", c.first_k_dense_replace, 0)
     check_int("moe_layer_freq", c.moe_layer_freq, 1)
-    # Every V4 layer routes to experts; n_routed_experts=None is a dense V2/V3 model.
-    check_int("n_routed_experts", c.n_routed_experts, 1, optional=c.v4 is None)
-    if c.v4 is not None:
-        from .v4_config import validate_v4
-
-        validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim,
-                    max_positions=c.max_position_embeddings)
+    # n_routed_experts=None is a dense model, in a family whose layers may be dense.
+    check_int("n_routed_experts", c.n_routed_experts, 1, optional=c.family.dense_mlp)
+    c.family.validate(c)
     if c.n_routed_experts is not None:
         _validate_moe(c, c.n_routed_experts)
 
 
 def _validate_moe(c: ModelConfig, experts: int) -> None:
-    """The MoE fields of every model with experts (V2, V3, V3.2 and V4), then its family's routing."""
+    """The MoE fields of every model with experts, then its family's routing."""
     check_int("num_experts_per_tok", c.num_experts_per_tok, 1, experts, why="n_routed_experts")
     check_int("moe_intermediate_size", c.moe_intermediate_size, 1)
     check_int("n_shared_experts", c.n_shared_experts, 0)
@@ -245,35 +222,11 @@ def _validate_moe(c: ModelConfig, experts: int) -> None:
         # The reference implementations place an MoE block in every layer from
         # first_k_dense_replace on; other frequencies have no oracle to match.
         raise refuse("moe_layer_freq", c.moe_layer_freq, "only 1 is supported")
-    if c.v4 is not None:
-        _validate_v4_routing(c)
-    else:
-        _validate_v3_routing(c, experts)
+    c.family.validate_routing(c, experts)
 
 
-def _validate_v4_routing(c: ModelConfig) -> None:
-    """What V4's MoE (`hash_moe.route`) fixes whatever the config says: a value that would be ignored is refused."""
-    check_choice("scoring_func", c.scoring_func, V4_SCORING_FUNCS)
-    if c.topk_method != "greedy":
-        raise refuse("topk_method", c.topk_method, "DeepSeek-V4 takes the top-k over all experts: must be 'greedy'")
-    for name in ("n_group", "topk_group"):
-        if getattr(c, name) is not None:
-            raise refuse(name, getattr(c, name), "DeepSeek-V4 routes without expert groups: must be null")
-    if c.norm_topk_prob is not True:
-        raise refuse("norm_topk_prob", c.norm_topk_prob,
-                     "DeepSeek-V4 always normalises the chosen weights: must be true")
-    if c.n_shared_experts != 1:
-        # The reference builds exactly one shared expert of moe_intermediate_size, whatever this says.
-        raise refuse("n_shared_experts", c.n_shared_experts, "DeepSeek-V4 has exactly one shared expert: must be 1")
-    if c.first_k_dense_replace != 0:
-        raise refuse("first_k_dense_replace", c.first_k_dense_replace,
-                     "every DeepSeek-V4 layer is an MoE layer (mlp_layer_types): must be 0")
-    if c.intermediate_size != c.moe_intermediate_size:
-        raise refuse("intermediate_size", c.intermediate_size, "DeepSeek-V4 has no dense MLP: must equal "
-                     f"moe_intermediate_size={c.moe_intermediate_size}, its shared expert's width")
-
-
-def _validate_v3_routing(c: ModelConfig, experts: int) -> None:
+def validate_v3_routing(c: ModelConfig, experts: int) -> None:
+    """DeepSeek-V2/V3's routing fields (V3.2 routes as V3 does)."""
     check_choice("scoring_func", c.scoring_func, V3_SCORING_FUNCS)
     check_choice("topk_method", c.topk_method, TOPK_METHODS)
     check_int("n_group", c.n_group, 1, optional=True)
@@ -289,12 +242,15 @@ def _validate_v3_routing(c: ModelConfig, experts: int) -> None:
             raise refuse("n_group", c.n_group, "noaux_tc scores a group by its top-2 experts: need >= 2 experts a group")
 
 
-def _validate_indexer(c: ModelConfig) -> None:
+def validate_no_indexer(c: ModelConfig) -> None:
+    """A model without V3.2's indexer leaves its fields null."""
     for name in ("index_n_heads", "index_head_dim", "index_topk"):
-        if not c.is_sparse and getattr(c, name) is not None:
+        if getattr(c, name) is not None:
             raise refuse(name, getattr(c, name), "only deepseek_v32 models have an indexer (must be null)")
-    if not c.is_sparse:
-        return
+
+
+def validate_indexer(c: ModelConfig) -> None:
+    """V3.2's indexer fields, against the shared ones."""
     check_int("index_n_heads", c.index_n_heads, 1)
     check_int("index_head_dim", c.index_head_dim, 1)
     # A row attends to at most max_position_embeddings keys, and the top-k's output is [tokens, index_topk]:

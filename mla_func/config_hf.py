@@ -1,21 +1,22 @@
-"""Hugging Face config.json <-> ModelConfig.
+"""Hugging Face config.json <-> ModelConfig, for DeepSeek-V2/V3 and V3.2 (the MLA and DSA families).
 
 The reader checks what JSON can get wrong (a missing field, a string where a
 number belongs, an object that is a list); `ModelConfig` checks every value's
 type and range on construction. Either raises `ConfigError` naming the field;
-`read_config` adds the file.
+`families.read_config` adds the file.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .checkpoint_files import read_json_file
-from .config import MODEL_TYPES, ConfigError, ModelConfig, RopeConfig, is_int, refuse
+from .config import ModelConfig, RopeConfig, is_int, refuse
 from .config_fields import as_float, at_most, check_entries
+
+if TYPE_CHECKING:
+    from .family import Family
 
 # Fields that carry no meaning for inference (training knobs, bookkeeping, values
 # derived from other fields). Anything neither read nor listed here is reported.
@@ -42,19 +43,6 @@ _READ_FIELDS = frozenset({
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
-
-
-def read_config(path: Path) -> ModelConfig:
-    """Read config.json at `path` (a regular file, at most a few MiB of JSON)."""
-    return config_from_json(read_json_file(path, error=ConfigError), str(path))
-
-
-def config_from_json(raw: Any, label: str) -> ModelConfig:
-    """`config_from_hf_dict`, with the file `label` in every error."""
-    try:
-        return config_from_hf_dict(raw)
-    except ConfigError as e:
-        raise ConfigError(f"{label}: {e}") from None
 
 
 def _or_default(raw: Mapping[str, Any], name: str, default: Any) -> Any:
@@ -155,17 +143,9 @@ def _refuse_unsupported_v32(raw: Mapping[str, Any]) -> None:
                          f"only dense layers before first_k_dense_replace={dense} and MoE layers after are supported")
 
 
-def config_from_hf_dict(raw: Any) -> ModelConfig:
-    """Read a Hugging Face config.json dict (model_type deepseek_v2, deepseek_v3 or deepseek_v32)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    if model_type == "deepseek_v4":
-        from .v4_config_hf import v4_config_from_hf_dict
-
-        return v4_config_from_hf_dict(raw)
-    if model_type not in MODEL_TYPES:
-        raise refuse("model_type", model_type, f"expected one of {MODEL_TYPES}")
+def config_from_hf_dict(raw: Mapping[str, Any], family: Family) -> ModelConfig:
+    """Read a Hugging Face config.json dict of `family` (model_type deepseek_v2, deepseek_v3 or deepseek_v32)."""
+    model_type = raw["model_type"]  # `families.config_from_hf_dict` picked this family by it
     _refuse_unsupported(raw)
     is_v32 = model_type == "deepseek_v32"
     if is_v32:
@@ -187,6 +167,7 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
     is_v3 = model_type in ("deepseek_v3", "deepseek_v32")
     max_positions = _or_default(raw, "max_position_embeddings", 4096)
     return ModelConfig(
+        family=family,
         model_type=model_type,
         **{name: raw[name] for name in _REQUIRED},
         q_lora_rank=raw.get("q_lora_rank"),
@@ -217,10 +198,6 @@ def config_from_hf_dict(raw: Any) -> ModelConfig:
 
 def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
     """The config.json dict that `config_from_hf_dict` reads back to an equal config."""
-    if c.v4 is not None:
-        from .v4_config_hf import v4_config_to_hf_dict
-
-        return v4_config_to_hf_dict(c)
     architecture = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "deepseek_v32": "DeepseekV32ForCausalLM"}[c.model_type]
     out: dict[str, Any] = {"architectures": [architecture], "model_type": c.model_type}
@@ -231,7 +208,7 @@ def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
     ):
         out[name] = getattr(c, name)
-    if c.is_sparse:
+    if c.index_topk is not None:
         out.update(index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim, index_topk=c.index_topk)
     out["num_key_value_heads"] = c.num_attention_heads
     out["hidden_act"] = "silu"

@@ -115,7 +115,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
             num_blocks=c.num_blocks, max_model_len=c.max_model_len,
-            # The model's cache groups past the token group (DeepSeek-V4's compressed entries), as the state's.
+            # The model's cache groups past the token group (`Family.cache_groups`: compressed entries, say), as the state's.
             extra_cache_groups=extra_cache_groups(model.config, c.num_blocks, c.block_size),
             long_prefill_token_threshold=c.long_prefill_token_threshold, enable_mixed=c.enable_mixed,
             enable_prefix_caching=c.enable_prefix_caching, speculative_tokens=c.speculative_tokens,

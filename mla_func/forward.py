@@ -61,8 +61,9 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
     if mode.cache_groups and mode.cache_groups != state.groups:
         raise ValueError(f"{name}: the batch was planned for cache groups {mode.cache_groups}, the state has "
                          f"{state.groups}")
-    if mode.batch_invariant and params.config.v4 is not None:
-        raise ValueError(f"{name}: batch-invariant steps cover DeepSeek-V2/V3/V3.2 models; DeepSeek-V4's layers "
+    if mode.batch_invariant and not params.config.family.supports_batch_invariant:
+        raise ValueError(f"{name}: batch-invariant steps cover families with batch-invariant ops; "
+                         f"{params.config.family.title}'s layers "
                          "have no batch-invariant ops yet (decide the step with batch_invariant=False)")
     if ops is None:
         return ops_for(mode.backend, mode.batch_invariant)
@@ -82,9 +83,9 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     ops = _check(name, params, state, batch, mode, kinds, ops)
     ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
                        rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy,
-                       # Row by row attention (batch-invariant steps, sparse layers) reads every row's own
+                       # Row by row attention (batch-invariant steps, `Family.attends_by_row`) reads every row's own
                        # block table and key count: made once here for all layers.
-                       rows=row_metadata(batch, mode) if mode.batch_invariant or config.index_topk else None)
+                       rows=row_metadata(batch, mode) if mode.batch_invariant or config.family.attends_by_row else None)
     delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
     residual: torch.Tensor | None = None
     caches = []

@@ -9,15 +9,16 @@ A layer kind is a value with three functions:
   body reads and the new residual. Being the kind's own function, it decides how
   the residual is carried: the decoder layer fuses its input norm into its first
   projection (one launch at decode sizes); a kind with another residual form
-  (hyper-connections) writes its own;
+  writes its own;
 * `body(p, entered, residual, cache, ctx)`: the rest of the layer; returns
   (delta, residual, new cache). The residual it hands the next layer's `enter` is
-  the kind's own value (a tensor [T, D] for the decoder layers; hyper-connections
-  hand on their streams with a pending write-back); the last layer's is a tensor
+  the kind's own value (a tensor [T, D] for the decoder layers; a kind with several
+  residual streams hands on those with a pending write-back); the last layer's is a tensor
   [T, D], which the forward's final norm adds to delta.
 
 The forward runs `enter` then `body` for each layer with that layer's kind, so a
-model made of new kinds needs no change in the forward or the step.
+model made of new kinds needs no change in the forward or the step: its family
+(`Family.layer_kinds`) says which kind each layer is.
 `LayerContext` carries the per-step facts every layer may read: the batch (its
 `input_ids` included, for hash routing), the mode, the op table.
 """
@@ -37,7 +38,6 @@ from .mode import ForwardMode
 from .moe import feed_forward
 from .params import LayerParams
 from .rows import RowMetadata
-from .sparse_attention import DSA_DECODER
 from .state.kv_cache import zeroed_mla_caches
 from .state.layer_cache import CacheGroup, MLALayerCache
 
@@ -48,7 +48,7 @@ class LayerContext:
 
     valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
     rows:  every row as its own query (`rows.row_metadata`), made once a step for the
-           layers that attend row by row (the batch-invariant path, sparse attention); None otherwise
+           layers that attend row by row (the batch-invariant path, `Family.attends_by_row`); None otherwise
     """
 
     batch: Batch
@@ -80,7 +80,7 @@ class LayerKind(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MLADecoderLayer:
-    """DeepSeek-V2/V3's layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
+    """The MLA decoder layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
 
     name: str = "mla"
 
@@ -113,21 +113,10 @@ MLA_DECODER = MLADecoderLayer()
 
 
 def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
-    """The kind of each layer of a model: every DeepSeek-V2/V3 layer is an MLA decoder layer, every
-    V3.2 layer a sparse-attention one (`sparse_attention.DSADecoderLayer`); DeepSeek-V4's are
-    sliding-window, CSA or HCA layers (`v4_layers`)."""
-    if config.v4 is not None:
-        from .v4_layers import v4_layer_kinds
-
-        return v4_layer_kinds(config)
-    kind: LayerKind = DSA_DECODER if config.is_sparse else MLA_DECODER
-    return (kind,) * config.num_hidden_layers
+    """The kind of each layer of a model, as its family says (`Family.layer_kinds`)."""
+    return config.family.layer_kinds(config)
 
 
 def cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
     """Every cache group a model's state needs: the token group, then the groups its layer kinds add."""
-    if config.v4 is not None:
-        from .v4_layers import v4_cache_groups
-
-        return (tokens, *v4_cache_groups(config.v4, tokens))
-    return (tokens,)
+    return (tokens, *config.family.cache_groups(config, tokens))

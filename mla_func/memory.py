@@ -2,7 +2,7 @@
 
 `load_model` asks before it allocates anything, so a preset or checkpoint too large for
 the machine is refused in a moment instead of running out of memory layers into loading
-(v32-lite in float32 is 60 GiB of random weights). The need is what the params
+(a 16B-parameter shape preset in float32 is 60 GiB of random weights). The need is what the params
 pytree holds once loaded: every tensor of the checkpoint's shapes in the dtype the params
 keep it in, the RoPE tables, and the MTP layer when asked for. Loading also holds one
 layer's tensors twice for a moment while they are stacked; that is not counted.
@@ -18,11 +18,8 @@ import torch
 
 from .config import ModelConfig
 from .mtp_params import mtp_tensor_shapes
-from .params import held_dtype
 from .rope_tables import rope_positions
 from .tensor_shapes import hf_tensor_shapes
-from .v4_config import SLIDING
-from .v4_params import v4_held_dtype
 
 __all__ = ["NotEnoughMemory", "available_bytes", "check_fits", "params_bytes", "require_memory"]
 
@@ -39,16 +36,16 @@ def params_bytes(config: ModelConfig, dtype: torch.dtype, *, mtp: bool = False, 
     """Bytes the params of `config` hold once loaded in `dtype` (with the first MTP layer when `mtp`).
 
     The tensors of `hf_tensor_shapes` (and `mtp_tensor_shapes`), each in the dtype the params hold
-    it in (`params.held_dtype`, `v4_params.v4_held_dtype`), plus the float32 RoPE tables of
+    it in (`Family.held_dtype`), plus the float32 RoPE tables of
     `rope_positions(config, max_model_len)` positions. A tied head and the MTP layer's embedding and
     head are the model's own tensors, counted once. Raises what `mtp_tensor_shapes` raises for a
     model without MTP support, and ValueError for a bad max_model_len, as loading would.
     """
     shapes = {**hf_tensor_shapes(config), **(mtp_tensor_shapes(config) if mtp else {})}
-    held = held_dtype if config.v4 is None else v4_held_dtype
+    held = config.family.held_dtype
     total = sum(math.prod(shape) * held(name, dtype).itemsize for name, shape in shapes.items())
-    # cos and sin, [positions, R / 2] float32 each; V4's CSA and HCA layers share a second pair (their own rope).
-    pairs = 1 if config.v4 is None or all(kind == SLIDING for kind in config.v4.layer_types) else 2
+    # cos and sin, [positions, R / 2] float32 each, per pair the family's layers rotate with.
+    pairs = config.family.rope_table_pairs(config)
     table = rope_positions(config, max_model_len) * (config.qk_rope_head_dim // 2) * torch.float32.itemsize
     return total + pairs * 2 * table
 

@@ -28,12 +28,11 @@ from .batch import Batch, BatchError
 from .checkpoint import Model
 from .config import ModelConfig
 from .forward import ForwardOutput, forward_outputs
-from .layers import MLA_DECODER, LayerContext, LayerKind
+from .layers import LayerContext, LayerKind
 from .mode import ForwardMode
 from .mtp_params import MTPParams
 from .params import Params
 from .prepare import init_state
-from .sparse_attention import DSA_DECODER
 from .state.kv_cache import KVCacheState
 from .state.layer_cache import CacheGroup
 
@@ -70,8 +69,12 @@ class MTPLayer:
 
 
 def mtp_layer(config: ModelConfig) -> MTPLayer:
-    """The MTP layer kind of a model: its decoder layer is the model's own kind (sparse for V3.2)."""
-    return MTPLayer(DSA_DECODER if config.is_sparse else MLA_DECODER)
+    """The MTP layer kind of a model: its decoder layer is the kind its family names (`Family.mtp_layer_kind`).
+    ValueError for a family whose MTP layers are not run."""
+    base = config.family.mtp_layer_kind
+    if base is None:
+        raise ValueError(f"mtp_layer: {config.family.title} multi-token-prediction (MTP) layers are not supported")
+    return MTPLayer(base)
 
 
 def drafter_params(model: Model) -> Params:

@@ -23,16 +23,18 @@ import torch
 from .checkpoint_files import CheckpointError
 from .config import ModelConfig
 from .params import LayerParams, Params, TensorFetch, TensorGet, checked_fetch, layer_params
-from .tensor_shapes import layer_tensor_shapes
+from .mla_tensor_shapes import layer_tensor_shapes
 from .pytree import register_dataclass
 
-__all__ = ["MTP_OPTIONAL_TENSORS", "MTP_UNSUPPORTED_V4", "NO_MTP_LAYER", "MTPParams", "load_mtp", "mtp_layer_index",
+__all__ = ["MTP_OPTIONAL_TENSORS", "MTP_UNSUPPORTED", "MTP_UNSUPPORTED_V4", "NO_MTP_LAYER", "MTPParams", "load_mtp", "mtp_layer_index",
            "mtp_params_from_hf", "mtp_tensor_shapes"]
 
 # Fixed phrases of the two errors that refuse mtp=True, for callers (the command line) to recognise:
-# the start of a DeepSeek-V4 model's, and what a checkpoint saved without its MTP layer is told
-# (after the folder's name).
-MTP_UNSUPPORTED_V4 = "DeepSeek-V4 multi-token prediction is not supported"
+# what follows the family's title for a family whose MTP layers are not run (MTP_UNSUPPORTED_V4 is
+# the whole start of a DeepSeek-V4 model's), and what a checkpoint saved without its MTP layer is
+# told (after the folder's name).
+MTP_UNSUPPORTED = "multi-token prediction is not supported"
+MTP_UNSUPPORTED_V4 = "DeepSeek-V4 " + MTP_UNSUPPORTED
 NO_MTP_LAYER = "the checkpoint has no multi-token-prediction (MTP) layer"
 
 # Tensors of an MTP layer that a checkpoint may leave out (the model's own are used then).
@@ -57,9 +59,10 @@ class MTPParams:
 
 
 def mtp_layer_index(config: ModelConfig, depth: int = 0) -> int:
-    """The checkpoint layer index of MTP layer `depth` (0 is the first), for DeepSeek-V2/V3/V3.2."""
-    if config.v4 is not None:
-        raise CheckpointError(MTP_UNSUPPORTED_V4 + ": its MTP layers (`mtp.*` tensors) are not loaded or run yet, so "
+    """The checkpoint layer index of MTP layer `depth` (0 is the first): it follows the decoder layers.
+    CheckpointError for a family whose MTP layers are not run (`Family.mtp_layer_kind` None)."""
+    if config.family.mtp_layer_kind is None:
+        raise CheckpointError(f"{config.family.title} {MTP_UNSUPPORTED}: its MTP layers are not loaded or run yet, so "
                               "speculative decoding (load_model(..., mtp=True)) cannot draft with them; load the "
                               "model with mtp=False")
     return config.num_hidden_layers + depth

@@ -116,12 +116,13 @@ class Params:
         """These params with RoPE tables covering `max_positions` positions (<= max_position_embeddings)."""
         if max_positions == self.max_positions:
             return self
-        if self.config.v4 is not None:
-            from .v4_params_load import v4_with_max_positions
+        return self.config.family.with_max_positions(self, rope_positions(self.config, max_positions))
 
-            return v4_with_max_positions(self, rope_positions(self.config, max_positions))
-        cos, sin = rope_tables(self.config, self.rope_cos.device, rope_positions(self.config, max_positions))
-        return dataclasses.replace(self, rope_cos=cos, rope_sin=sin)
+
+def mla_with_max_positions(params: Params, num_positions: int) -> Params:
+    """`params` with the one pair of RoPE tables a DeepSeek-V2/V3/V3.2 model has, of `num_positions` positions."""
+    cos, sin = rope_tables(params.config, params.rope_cos.device, num_positions)
+    return dataclasses.replace(params, rope_cos=cos, rope_sin=sin)
 
 
 def split_shared(shared: MLPParams, num_shared: int) -> list[MLPParams]:
@@ -159,7 +160,7 @@ def params_from_hf(
     progress: bool = False,
     max_model_len: int | None = None,
 ) -> Params:
-    """Build the params pytree from tensors named as in a Hugging Face checkpoint.
+    """Build the params pytree from tensors named as in a Hugging Face checkpoint, as the model's family does.
 
     `fetch(name)` returns one tensor (already checked against `tensor_shapes.hf_tensor_shapes`);
     it is called once per name, layer by layer, so a large model never holds two
@@ -167,11 +168,20 @@ def params_from_hf(
     The RoPE tables cover `rope_positions(config, max_model_len)` positions.
     Raises CheckpointError naming a tensor that holds NaN or inf once converted.
     """
-    if config.v4 is not None:
-        from .v4_params_load import v4_params_from_hf
+    return config.family.params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
+                                        max_model_len=max_model_len)
 
-        return v4_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
-                                 max_model_len=max_model_len)
+
+def mla_params_from_hf(
+    config: ModelConfig,
+    fetch: TensorFetch,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: bool = False,
+    max_model_len: int | None = None,
+) -> Params:
+    """`params_from_hf` for DeepSeek-V2/V3/V3.2 (the MLA and DSA families' `Family.params_from_hf`)."""
     get = checked_fetch(fetch, dtype=dtype, device=device)
     c = config
     layers = [layer_params(c, i, get, dtype)

@@ -37,7 +37,7 @@ def init_state(
 ) -> KVCacheState:
     """A zeroed state for a model: each layer's cache of its kind, in cache group 0 of
     `num_blocks` blocks of `block_size` tokens (block 0 is scratch, so `num_blocks - 1`
-    blocks hold sequences). For DeepSeek-V2/V3 each layer's cache is [num_blocks, block_size, C + R].
+    blocks hold sequences). For an MLA layer the cache is [num_blocks, block_size, C + R].
 
     model:  a `Model` (then dtype and device default to the model's, which the forward
             requires) or a `ModelConfig` (then they default to float32 on the CPU).
@@ -57,7 +57,7 @@ def init_state(
 
 
 def extra_cache_groups(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[CacheGroup, ...]:
-    """The cache groups past group 0 that `init_state` makes for a model (none for DeepSeek-V2/V3)."""
+    """The cache groups past group 0 that `init_state` makes for a model (none for a family whose layers cache only tokens)."""
     return cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))[1:]
 
 

@@ -18,12 +18,15 @@ from pathlib import Path
 from types import MappingProxyType
 
 from .config import ModelConfig, RopeConfig
+from .dsa_family import DSA
+from .mla_family import MLA
 from .v4_presets import v4_mini, v4_tiny
 
 
 def tiny() -> ModelConfig:
     """A few-layer DeepSeek-V3-shaped model for CPU tests (MLA with q_lora, MoE with noaux_tc)."""
     return ModelConfig(
+        family=MLA,
         model_type="deepseek_v3",
         vocab_size=512,
         hidden_size=64,
@@ -54,6 +57,7 @@ def tiny() -> ModelConfig:
 def v2_lite() -> ModelConfig:
     """DeepSeek-V2-Lite's shapes: 27 layers, 16 heads, kv_lora_rank 512, 64 experts top-6 + 2 shared."""
     return ModelConfig(
+        family=MLA,
         model_type="deepseek_v2",
         vocab_size=102400,
         hidden_size=2048,
@@ -96,6 +100,7 @@ def v32_lite() -> ModelConfig:
     128 dims keeping the 2048 best keys. V3.2 routes by sigmoid scores with noaux_tc (one group here)."""
     return dataclasses.replace(
         v2_lite(),
+        family=DSA,
         model_type="deepseek_v32",
         q_lora_rank=1536,
         scoring_func="sigmoid",

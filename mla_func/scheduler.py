@@ -40,7 +40,7 @@ start of a step gets a decode row in that step unless it is preempted in that
 step; without it, no such request waits two steps in a row.
 
 Cache groups: a request holds one block table per cache group of the model
-(`SchedulerConfig.cache_groups`; one for DeepSeek-V2/V3), and every block
+(`SchedulerConfig.cache_groups`; one for an MLA model), and every block
 operation covers all groups at once through a `GroupedAllocator`.
 
 A request finishes inside `update` when it samples one of its `stop_token_ids`

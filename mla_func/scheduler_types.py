@@ -26,7 +26,7 @@ class SchedulerConfig:
     max_num_batched_tokens must be >= max_num_seqs, so that after every running
     request's decode token there is budget left for a prefill chunk.
     block_size, num_blocks: cache group 0 (one entry per token).
-    extra_cache_groups: cache groups 1.. (none for DeepSeek-V2/V3); each has its own
+    extra_cache_groups: cache groups 1.. (none for an MLA model); each has its own
     blocks, block tables and accounting (see `state.cache_groups`).
     carry_periods: periods of the layer kinds' state kept outside full blocks; prefix
     hits are cut to multiples of them (see `state.cache_groups`).

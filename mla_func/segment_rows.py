@@ -1,6 +1,6 @@
 """Each segment's rows as single queries in every cache group: built once per step, on the device.
 
-Layer kinds whose every query row has its own key set (DeepSeek-V4's window and
+Layer kinds whose every query row has its own key set (a sliding window and
 compressed entries) read, per row, its key count and its sequence's block table in
 each cache group. `row_metadata` gives them for group 0; the same function over
 each group's tables gives them for the others. `build_batch` stores the result in

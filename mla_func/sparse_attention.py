@@ -16,21 +16,18 @@ same whichever segment it is computed in, and mixed steps need nothing more.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import LATENT_NORM_EPS
 from .config import ModelConfig
 from .indexer import index_query_key, index_weight_scale
+from .layers import LayerContext
 from .moe import feed_forward
 from .params import LayerParams
 from .rows import row_metadata
 from .state.kv_cache import zeroed_dsa_cache
 from .state.layer_cache import CacheGroup, DSALayerCache
-
-if TYPE_CHECKING:  # layers imports this module to pick the kind
-    from .layers import LayerContext
 
 __all__ = ["DSA_DECODER", "DSADecoderLayer", "sparse_mla_attention"]
 

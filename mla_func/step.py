@@ -85,7 +85,8 @@ class _Captured:
 
 def _copy_leaves(static: Batch, batch: Batch) -> None:
     """Copy batch's tensors into the graph's static input buffers: one multi-tensor launch per dtype
-    (a V4 decode batch has 14 leaves, and a copy a leaf had cost 14 launches before every replay)."""
+    (a decode batch of several cache groups had 14 leaves, and a copy a leaf had cost 14 launches before
+    every replay)."""
     statics, static_spec = tree_flatten(static)
     values, spec = tree_flatten(batch)
     if spec != static_spec:
@@ -298,9 +299,9 @@ def make_step(
               depend on its own sequence only, not on its batch-mates, the padding rung,
               the step kind or where a prompt was cut into chunks (`ForwardMode.batch_invariant`).
     """
-    if batch_invariant and model.config.v4 is not None:
-        raise ValueError("make_step: batch_invariant=True covers DeepSeek-V2/V3/V3.2 models; DeepSeek-V4's layers "
-                         "have no batch-invariant ops yet")
+    if batch_invariant and not model.config.family.supports_batch_invariant:
+        raise ValueError(f"make_step: batch_invariant=True covers families with batch-invariant ops; "
+                         f"{model.config.family.title}'s layers have no batch-invariant ops yet")
     device = model.device
     use_graphs = graphs and device.type == "cuda"
     if padding is None and not use_graphs:

@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import V4_SCORING_FUNCS, ConfigError, RopeConfig, is_number, refuse
-from .config_fields import as_float, at_most, check_entries, check_int, check_positive
+from .config import V4_SCORING_FUNCS, ConfigError, ModelConfig, RopeConfig, is_number, refuse
+from .config_fields import as_float, at_most, check_choice, check_entries, check_int, check_positive
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
-           "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4"]
+           "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4",
+           "validate_v4_config", "validate_v4_routing"]
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -72,6 +73,37 @@ class V4Config:
         if layer_type == HCA:
             return self.hca_rate
         raise ValueError(f"rate: {layer_type!r} layers have no compressor")
+
+
+def validate_v4_config(c: ModelConfig) -> None:
+    """The V4 family's own checks (`Family.validate`): a V4 config, and only one, carries `v4`."""
+    if c.v4 is None:
+        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
+    validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim,
+                max_positions=c.max_position_embeddings)
+
+
+def validate_v4_routing(c: ModelConfig, experts: int) -> None:
+    """What V4's MoE (`hash_moe.route`) fixes whatever the config says: a value that would be ignored is refused."""
+    check_choice("scoring_func", c.scoring_func, V4_SCORING_FUNCS)
+    if c.topk_method != "greedy":
+        raise refuse("topk_method", c.topk_method, "DeepSeek-V4 takes the top-k over all experts: must be 'greedy'")
+    for name in ("n_group", "topk_group"):
+        if getattr(c, name) is not None:
+            raise refuse(name, getattr(c, name), "DeepSeek-V4 routes without expert groups: must be null")
+    if c.norm_topk_prob is not True:
+        raise refuse("norm_topk_prob", c.norm_topk_prob,
+                     "DeepSeek-V4 always normalises the chosen weights: must be true")
+    if c.n_shared_experts != 1:
+        # The reference builds exactly one shared expert of moe_intermediate_size, whatever this says.
+        raise refuse("n_shared_experts", c.n_shared_experts, "DeepSeek-V4 has exactly one shared expert: must be 1")
+    if c.first_k_dense_replace != 0:
+        raise refuse("first_k_dense_replace", c.first_k_dense_replace,
+                     "every DeepSeek-V4 layer is an MoE layer (mlp_layer_types): must be 0")
+    if c.intermediate_size != c.moe_intermediate_size:
+        raise refuse("intermediate_size", c.intermediate_size, "DeepSeek-V4 has no dense MLP: must equal "
+                     f"moe_intermediate_size={c.moe_intermediate_size}, its shared expert's width")
+
 
 
 def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int, max_positions: int) -> None:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig, refuse
 from .config_fields import as_float
 from .v4_config import V4_IGNORED, refuse_unsupported_v4, v4_from_hf, v4_to_hf
+
+if TYPE_CHECKING:
+    from .family import Family
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
              "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
@@ -31,8 +34,8 @@ def _eos(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
-    """Read a deepseek_v4 config.json dict; ConfigError names the field."""
+def v4_config_from_hf_dict(raw: Mapping[str, Any], family: Family) -> ModelConfig:
+    """Read a deepseek_v4 config.json dict into a config of `family` (V4's); ConfigError names the field."""
     refuse_unsupported_v4(raw)
     for name in _REQUIRED:
         if raw.get(name) is None:
@@ -41,10 +44,11 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
     v4, main_rope, rope_dim = v4_from_hf(raw, max_positions)
     unknown = sorted(str(name) for name in set(raw) - _READ - V4_IGNORED)
     if unknown:
-        warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=4)
+        warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=3)
     moe_inter = raw["moe_intermediate_size"]
     nope = v4.head_dim - rope_dim
     return ModelConfig(
+        family=family,
         model_type="deepseek_v4",
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],

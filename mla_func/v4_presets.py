@@ -6,6 +6,7 @@ from typing import Any
 
 from .config import ModelConfig
 from .v4_config_hf import v4_config_from_hf_dict
+from .v4_family import V4
 
 _KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "compressed_sparse_attention"]
@@ -13,7 +14,7 @@ _KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compresse
 
 def _config(**fields: Any) -> ModelConfig:
     return v4_config_from_hf_dict({"model_type": "deepseek_v4", "layer_types": _KINDS,
-                                   "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"], **fields})
+                                   "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"], **fields}, V4)
 
 
 def v4_tiny() -> ModelConfig:

@@ -25,7 +25,7 @@ def add_mtp_layer(path: Path, seed: int, *, with_copies: bool = False, echo: boo
     to the target's logits one position back (its guess for the next token is the target's
     guess for the current one).
     """
-    config = mf.ModelConfig.from_file(path / "config.json")
+    config = mf.read_config(path / "config.json")
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(path / "model.safetensors")
     for name, shape in mtp_tensor_shapes(config).items():

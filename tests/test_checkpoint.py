@@ -124,9 +124,9 @@ def test_legacy_rope_scaling_config_reads_like_rope_parameters(checkpoint, refer
                 mscale=1.0, mscale_all_dim=0.8)
     legacy = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 5000.0, "rope_scaling": yarn}
     modern = config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, **{k: v for k, v in yarn.items() if k != "type"}}}
-    a, b = mf.ModelConfig.from_hf_dict(legacy), mf.ModelConfig.from_hf_dict(modern)
+    a, b = mf.config_from_hf_dict(legacy), mf.config_from_hf_dict(modern)
     assert a == b and a.rope.kind == "yarn" and a.rope.theta == 5000.0
-    assert mf.ModelConfig.from_hf_dict(a.to_hf_dict()) == a
+    assert mf.config_from_hf_dict(a.to_hf_dict()) == a
 
 
 def test_not_a_checkpoint_or_preset(tmp_path):

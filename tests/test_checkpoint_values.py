@@ -197,7 +197,7 @@ def test_a_step_past_the_tables_is_refused_on_the_host(checkpoint):
 def test_model_config_from_file_names_the_file_and_field(checkpoint):
     edit_config(checkpoint, rope_theta=float("nan"), rope_parameters=None)
     with pytest.raises(mf.ConfigError, match=r"ckpt/config.json: config field 'rope_parameters.rope_theta' = nan"):
-        mf.ModelConfig.from_file(checkpoint / "config.json")
+        mf.read_config(checkpoint / "config.json")
 
 
 @pytest.mark.parametrize(

@@ -188,7 +188,7 @@ def test_values_past_max_position_embeddings_are_clamped_to_it(folders, tmp_path
     torch.testing.assert_close(logits(huge, tokens), logits(enough, tokens), rtol=1e-5, atol=1e-5)
     # A config built in Python is refused rather than changed.
     raw = json.loads((folders[model] / "config.json").read_text())
-    base = mf.ModelConfig.from_hf_dict(raw)
+    base = mf.config_from_hf_dict(raw)
     bound = r"must be an integer in \[1, max_position_embeddings=256\]"
     with pytest.raises(mf.ConfigError, match=rf"'{field}' = 257: {bound}"):
         if model == "v4":

@@ -138,15 +138,15 @@ def test_indexer_tensors_are_checked_like_every_other(folder, tmp_path):
 def test_unsupported_v32_configs_are_refused_by_name(folder, changes, field):
     raw = {**json.loads((folder / "config.json").read_text()), **changes}
     with pytest.raises(mf.ConfigError, match=f"'{field}'"):
-        mf.ModelConfig.from_hf_dict(raw)
+        mf.config_from_hf_dict(raw)
 
 
 def test_v32_config_round_trips_and_v3_refuses_indexer_fields(model):
     c = model.config
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (V32["index_n_heads"], V32["index_head_dim"], 8)
-    assert mf.ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    assert mf.config_from_hf_dict(c.to_hf_dict()) == c
     with pytest.raises(mf.ConfigError, match="'index_n_heads' = 16: only deepseek_v32"):
-        dataclasses.replace(c, model_type="deepseek_v3")
+        dataclasses.replace(c, family=mf.family_for("deepseek_v3"), model_type="deepseek_v3")
 
 
 def test_v32_lite_preset_has_the_issue_shapes():
@@ -156,13 +156,13 @@ def test_v32_lite_preset_has_the_issue_shapes():
     assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts) == (64, 6, 2)
     assert "v32-lite" in mf.PRESETS and hf_tensor_count(c) == len(hf_tensor_shapes(c))
     assert hf_tensor_shapes(c)["model.layers.3.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
-    assert mf.ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    assert mf.config_from_hf_dict(c.to_hf_dict()) == c
 
 
 def test_both_names_of_the_sparse_attention_layer_are_read(folder):
     raw = json.loads((folder / "config.json").read_text())
     for name in ("indexed_attention", "deepseek_sparse_attention"):
-        config = mf.ModelConfig.from_hf_dict({**raw, "layer_types": [name] * raw["num_hidden_layers"]})
+        config = mf.config_from_hf_dict({**raw, "layer_types": [name] * raw["num_hidden_layers"]})
         assert config.is_sparse and config.index_topk == 8
 
 

@@ -26,7 +26,7 @@ def _raw(folder) -> dict:
 
 def test_config_reads_every_v4_field_and_writes_it_back(folder):
     raw = _raw(folder)
-    config = mf.ModelConfig.from_hf_dict(raw)
+    config = mf.config_from_hf_dict(raw)
     v = config.v4
     assert v is not None and config.model_type == "deepseek_v4"
     assert v.layer_types == tuple(raw["layer_types"]) and v.mlp_layer_types == tuple(raw["mlp_layer_types"])
@@ -34,7 +34,7 @@ def test_config_reads_every_v4_field_and_writes_it_back(folder):
     assert config.qk_rope_head_dim == 8 and config.qk_head_dim == v.head_dim == 16
     assert config.rope.kind == "default" and v.compress_rope.kind == "yarn"
     assert v.compress_rope.attention_factor == 1.0 and v.compress_rope.theta == raw["rope_parameters"]["compress"]["rope_theta"]
-    assert mf.ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    assert mf.config_from_hf_dict(config.to_hf_dict()) == config
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -52,7 +52,7 @@ def test_config_reads_every_v4_field_and_writes_it_back(folder):
 def test_unsupported_fields_are_refused_by_name(folder, field, value):
     raw = {**_raw(folder), field: value}
     with pytest.raises(mf.ConfigError, match=field):
-        mf.ModelConfig.from_hf_dict(raw)
+        mf.config_from_hf_dict(raw)
 
 
 def test_rope_blocks_are_checked_by_name(folder):
@@ -60,10 +60,10 @@ def test_rope_blocks_are_checked_by_name(folder):
     main = {**raw["rope_parameters"]["main"], "rope_type": "yarn", "factor": 2.0,
             "original_max_position_embeddings": 64}
     with pytest.raises(mf.ConfigError, match="rope_parameters.main.rope_type"):
-        mf.ModelConfig.from_hf_dict({**raw, "rope_parameters": {**raw["rope_parameters"], "main": main}})
+        mf.config_from_hf_dict({**raw, "rope_parameters": {**raw["rope_parameters"], "main": main}})
     whole = {name: {**block, "partial_rotary_factor": 1.0} for name, block in raw["rope_parameters"].items()}
     with pytest.raises(mf.ConfigError, match="partial_rotary_factor"):
-        mf.ModelConfig.from_hf_dict({**raw, "rope_parameters": whole})
+        mf.config_from_hf_dict({**raw, "rope_parameters": whole})
 
 
 def test_loaded_params_hold_every_tensor_in_place(folder):
@@ -117,7 +117,7 @@ def test_hash_tables_must_name_experts(folder, tmp_path):
 def test_the_tensor_count_is_the_length_of_the_tensor_list(folder, overrides):
     from mla_func.tensor_shapes import hf_tensor_count, hf_tensor_shapes
 
-    config = mf.ModelConfig.from_hf_dict({**_raw(folder), **overrides})
+    config = mf.config_from_hf_dict({**_raw(folder), **overrides})
     assert hf_tensor_count(config) == len(hf_tensor_shapes(config))
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..mla_family import MLA
 from ..mtp_params import MTPParams, load_mtp, mtp_tensor_shapes
 from ..params import Params, params_from_hf
 from ..pytree import tree_leaves
@@ -26,6 +27,7 @@ def demo_model_config(vocab_size: int, **overrides: Any) -> ModelConfig:
     halves the largest matrix of so small a model.
     """
     config = ModelConfig(
+        family=MLA,
         model_type="deepseek_v3",
         vocab_size=vocab_size,
         hidden_size=192,
