@@ -1,5 +1,9 @@
 """`mla-func`'s user errors and notes, run in a subprocess as a user would: each error is one
-`error:` line (no usage block) naming the option, with exit status 2, and comes before the load."""
+`error:` line (no usage block) naming the option, with exit status 2, and comes before the load.
+
+Each kind of mistake runs in a subprocess at least once; its further variants, which argparse
+refuses before anything else runs, call `cli.main` in the test's own process (the same output,
+without a second's interpreter start each)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ import resource
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import transformers
 
+from mla_func import cli
 from mla_func.presets import v32_lite
 from mla_func.tensor_shapes import hf_tensor_shapes
 
@@ -35,6 +41,15 @@ def mla_func(*args: str, timeout: int = 240, limit_memory: int | None = None) ->
                           preexec_fn=cap)
 
 
+def parse_only(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`mla-func ARGS` for arguments the parser refuses (or answers, --help) before anything runs:
+    `cli.main` in this process, its exit status and output as a subprocess's would be."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mla-func", *args], exited.value.code or 0, out, err)
+
+
 def assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None:
     assert (result.returncode, result.stderr) == (2, f"error: {expected}\n"), result.stderr
     assert result.stdout == ""
@@ -51,12 +66,14 @@ def assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None
     (("bench", "--num-prompts", "0"), "--num-prompts: expected an int >= 1, got 0"),
     (("bench", "--speculative-tokens", "-1"), "--speculative-tokens: expected an int in [0, 8], got -1"),
 ])
-def test_a_bad_option_value_is_one_line_naming_the_option_and_its_range(args, expected):
-    assert_one_error(mla_func(*args, "--model", MISSING), expected)
+def test_a_bad_option_value_is_one_line_naming_the_option_and_its_range(args, expected, capsys):
+    # The report's own cases as a user runs them; the other variants in this process.
+    run = mla_func if args[2:3] in (("--speculative-tokens",), ("--threads",)) else partial(parse_only, capsys)
+    assert_one_error(run(*args, "--model", MISSING), expected)
 
 
-def test_a_bad_choice_lists_the_choices_on_one_line():
-    result = mla_func("generate", "x", "--model", MISSING, "--dtype", "f16")
+def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
+    result = parse_only(capsys, "generate", "x", "--model", MISSING, "--dtype", "f16")
     assert result.returncode == 2
     assert re.fullmatch(r"error: --dtype: invalid choice: 'f16' \(choose from '?bfloat16'?, '?float16'?, '?float32'?\)\n",
                         result.stderr), result.stderr
@@ -74,13 +91,15 @@ def test_a_bad_choice_lists_the_choices_on_one_line():
     (("generate", "two", "words"), "unexpected argument 'words'; see mla-func generate --help"),
     (("generate",), "the following arguments are required: prompt; see mla-func generate --help"),
 ])
-def test_an_unknown_option_suggests_the_closest_ones_of_its_command(args, expected):
-    assert_one_error(mla_func(*args), expected)
+def test_an_unknown_option_suggests_the_closest_ones_of_its_command(args, expected, capsys):
+    # The misspelling from the report as a user runs it; the other variants in this process.
+    run = mla_func if args == ("generate", "x", "--temprature", "0") else partial(parse_only, capsys)
+    assert_one_error(run(*args), expected)
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
-def test_help_still_prints_the_usage(command):
-    result = mla_func(command, "--help")
+def test_help_still_prints_the_usage(command, capsys):
+    result = parse_only(capsys, command, "--help")
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith(f"usage: mla-func {command} ") and "--speculative-tokens" in result.stdout
 
