@@ -162,8 +162,6 @@ def test_a_v4_model_names_what_it_does_not_support():
 
 @pytest.mark.gpu
 def test_on_the_gpu_a_model_over_its_free_memory_is_refused_up_front():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     device = torch.device("cuda")
     free = torch.cuda.mem_get_info(device)[0]
     assert memory.available_bytes(device) == free
