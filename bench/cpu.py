@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
-from mla_func.benchmark import random_requests, run_throughput  # noqa: E402
+from mla_func.serving.benchmark import random_requests, run_throughput  # noqa: E402
 
 PROMPT = "Return the number of"
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
-from mla_func.requests import RequestError  # noqa: E402
+from mla_func.serving.requests import RequestError  # noqa: E402
 
 
 def bad_request(kind: str, vocab: int, max_model_len: int) -> tuple[Any, Any]:

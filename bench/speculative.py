@@ -46,8 +46,8 @@ import common  # noqa: E402
 from step import touched_bytes  # noqa: E402
 
 import mla_func as mf  # noqa: E402
-from mla_func.benchmark import run_throughput  # noqa: E402
-from mla_func.mtp import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn  # noqa: E402
+from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn  # noqa: E402
+from mla_func.serving.benchmark import run_throughput  # noqa: E402
 
 BLOCK_SIZE = 64
 

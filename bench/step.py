@@ -31,6 +31,7 @@ import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.kernels import ops_for, record_expert_choice  # noqa: E402
+from mla_func.models.mla.params import MLPParams, MoEParams  # noqa: E402
 
 BLOCK_SIZE = 64
 
@@ -62,14 +63,14 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
     p = model.params
     weight = nbytes(p.lm_head) + nbytes(p.norm) + mode.num_decode_seqs * p.embed.shape[1] * p.embed.element_size()
     distinct = []
-    moe_layers = [layer for layer in p.layers if isinstance(layer.mlp, mf.params.MoEParams)]
+    moe_layers = [layer for layer in p.layers if isinstance(layer.mlp, MoEParams)]
     for layer in p.layers:
         a = layer.attn
         weight += sum(nbytes(t) for t in (a.qkv_a_proj, a.kv_a_norm, a.w_uk, a.w_uv, a.o_proj, a.q_a_norm,
                                           a.q_b_proj, layer.input_norm, layer.post_attention_norm))
         if layer.indexer is not None:
             weight += sum(nbytes(t) for t in dataclasses.astuple(layer.indexer))
-        if isinstance(layer.mlp, mf.params.MLPParams):
+        if isinstance(layer.mlp, MLPParams):
             weight += nbytes(layer.mlp.gate_up) + nbytes(layer.mlp.down)
     for layer, ids in zip(moe_layers, chosen):
         m = layer.mlp

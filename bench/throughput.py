@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
-from mla_func.benchmark import random_requests, run_throughput  # noqa: E402
+from mla_func.serving.benchmark import random_requests, run_throughput  # noqa: E402
 
 
 def transformers_throughput(config: mf.ModelConfig, prompts: list[list[int]], output_len: int, batch: int) -> dict:

@@ -3,25 +3,26 @@
     logits, state = forward(params, state, batch, mode)
 """
 
-from .batch import Batch, BatchError, DecodeMetadata, PrefillMetadata, check_batch
-from .batch_build import build_batch
-from .checkpoint import CheckpointError, Model, load_model
-from .config import ConfigError, ModelConfig, RopeConfig
-from .engine import Completion, Engine, RequestError, StreamEvent
-from .families import FAMILIES, config_from_hf_dict, family_for, read_config, registry
-from .family import Family
-from .forward import ForwardOutput, decode, forward, forward_outputs, prefill
-from .layers import LayerContext, LayerKind, layer_kinds
-from .memory import NotEnoughMemory
-from .mode import ForwardMode, PaddingPolicy, SegmentKind
-from .params import Params
-from .plan import SeqPlan, StepPlan
-from .prepare import init_state, plan_step, prepare_step
-from .presets import PRESETS
-from .sampling import SamplingParams
-from .state.kv_cache import DonatedStateError, KVCacheState
-from .state.layer_cache import CacheGroup, DSALayerCache, MLALayerCache
-from .step import Step, StepOutput, make_step, padding_ladders
+from mla_func.core.batch import Batch, BatchError, DecodeMetadata, PrefillMetadata, check_batch
+from mla_func.core.batch_build import build_batch
+from mla_func.core.config import ConfigError, ModelConfig, RopeConfig
+from mla_func.core.family import Family
+from mla_func.core.forward import ForwardOutput, decode, forward, forward_outputs, prefill
+from mla_func.core.layers import LayerContext, LayerKind, layer_kinds
+from mla_func.core.mode import ForwardMode, PaddingPolicy, SegmentKind
+from mla_func.core.model import Model
+from mla_func.core.params import Params
+from mla_func.core.plan import SeqPlan, StepPlan
+from mla_func.core.prepare import init_state, plan_step, prepare_step
+from mla_func.core.step import Step, StepOutput, make_step, padding_ladders
+from mla_func.models.load import CheckpointError, load_model
+from mla_func.models.memory import NotEnoughMemory
+from mla_func.models.presets import PRESETS
+from mla_func.models.registry import FAMILIES, config_from_hf_dict, family_for, read_config, registry
+from mla_func.serving.engine import Completion, Engine, RequestError, StreamEvent
+from mla_func.serving.sampling import SamplingParams
+from mla_func.state.kv_cache import DonatedStateError, KVCacheState
+from mla_func.state.layer_cache import CacheGroup, DSALayerCache, MLALayerCache
 
 __all__ = [
     "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DSALayerCache",

@@ -63,10 +63,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_bf16()
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_bf16()
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,7 +4,7 @@ Shapes use: T rows (one query token each), Hi indexer heads, Di index_head_dim,
 W block-table width, bs block size, L = W * bs key positions a row may see,
 H heads, C = kv_lora_rank, R = qk_rope_head_dim, Dv = v_head_dim, k selected keys.
 
-Every row carries its own block table and key count (`mla_func.rows.RowMetadata`):
+Every row carries its own block table and key count (`mla_func.core.rows.RowMetadata`):
 a row at position p sees keys [0, p]; padded rows see none (key_lens 0). These
 references keep static shapes and do no host sync, so they capture in a CUDA
 graph; they read each row's whole table for the scores (in chunks of rows), and

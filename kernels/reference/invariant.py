@@ -4,7 +4,7 @@ A BLAS picks its code path by the problem's shape (a GEMV for one row, other
 blockings for more), so `F.linear(x)[t]` may change in the last bits with the
 number of rows of x. Here every product runs on tiles of exactly `ROW_TILE` rows
 (the last one zero-padded): each BLAS call has one shape, so a row reduces the
-same way in a batch of 1 or of 1000 (checked by tests/test_batch_invariance.py).
+same way in a batch of 1 or of 1000 (checked by tests/core/test_batch_invariance.py).
 
 Attention (`mla_decode`) takes one query a row, cut into chunks of
 `SPLIT_KEYS` keys at absolute positions and merged one chunk after the other,

@@ -2,7 +2,7 @@
 
 The noise for row i and vocab entry v is a hash of (seeds[i], positions[i], v): a
 row's token depends only on its own logits, temperature, seed and position, so
-the op is row-local (batch-invariant in every table). `mla_func.sampling` builds
+the op is row-local (batch-invariant in every table). `mla_func.serving.sampling` builds
 top-k, top-p and the request-level settings on top of `gumbel_max`.
 """
 

@@ -108,7 +108,7 @@ def mla_decode(
     int32; seq_lens [B] int32 (0: padded row); w_uv [H, Dv, C] or None
     returns out [B, H, C] (with w_uv [B, H, Dv]) in q's dtype, lse [B, H] float32.
     Several causal queries a sequence (q_len > 1) are given as one row each
-    (`mla_func.rows.row_metadata`), which is what makes them equal to decode rows.
+    (`mla_func.core.rows.row_metadata`), which is what makes them equal to decode rows.
     """
     if q_len != 1:
         raise ValueError(f"q_len: the batch-invariant decode takes one query a row (give each query its own row "

@@ -19,7 +19,7 @@ sampler's `gumbel_max` run one program per row with tiles sized by the model's
 dimensions. `prefill_attention` stays in the table for its contract but the
 batch-invariant forward does not call it: prefill rows take `mla_decode` like
 decode rows, so a token's bits do not depend on the step kind (see
-`mla_func.attention`).
+`mla_func.models.mla.attention`).
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from ..mla_family import MLA
-from ..mtp_params import MTPParams, load_mtp, mtp_tensor_shapes
-from ..params import Params, params_from_hf
-from ..pytree import tree_leaves
-from ..tensor_shapes import hf_tensor_shapes
+from mla_func.core.config import ModelConfig
+from mla_func.core.params import Params, params_from_hf
+from mla_func.models.mla.family import MLA
+from mla_func.models.mtp.params import MTPParams, load_mtp, mtp_tensor_shapes
+from mla_func.models.tensor_shapes import hf_tensor_shapes
+from mla_func.pytree import tree_leaves
 
 
 def demo_model_config(vocab_size: int, **overrides: Any) -> ModelConfig:

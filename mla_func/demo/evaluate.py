@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint import Model
-from . import data
-from .lm import perplexity
-from .report import samples
-from .speculation import speculation_report
+from mla_func.core.model import Model
+from mla_func.demo import data
+from mla_func.demo.lm import perplexity
+from mla_func.demo.report import samples
+from mla_func.demo.speculation import speculation_report
 
 
 def eval_subset_documents() -> list[data.Document]:

@@ -1,6 +1,6 @@
 """Writing a params pytree back out as a Hugging Face checkpoint folder.
 
-`params_to_hf` is the inverse of `mla_func.params.params_from_hf`: it undoes the
+`params_to_hf` is the inverse of `mla_func.models.mla.params.params_from_hf`: it undoes the
 two load-time reshapes (per-head `w_uk` / `w_uv` back into `kv_b_proj`, stacked
 experts back into one gate/up/down triple per expert) and names every tensor as
 `hf_tensor_shapes` does (and an MTP layer's as `mtp_params.mtp_tensor_shapes` does).
@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
-from ..mtp_params import MTPParams, mtp_layer_index, mtp_tensor_shapes
-from ..params import LayerParams, MLPParams, MoEParams, Params, join_shared
-from ..tensor_shapes import hf_tensor_shapes
+from mla_func.core.config import ModelConfig
+from mla_func.core.params import Params
+from mla_func.models.mla.params import LayerParams, MLPParams, MoEParams, join_shared
+from mla_func.models.mtp.params import MTPParams, mtp_layer_index, mtp_tensor_shapes
+from mla_func.models.tensor_shapes import hf_tensor_shapes
 
 
 def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:

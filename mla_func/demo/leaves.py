@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..mtp_params import MTPParams
-from ..params import LayerParams, MoEParams, Params
-from ..pytree import tree_flatten, tree_unflatten
+from mla_func.core.params import Params
+from mla_func.models.mla.params import LayerParams, MoEParams
+from mla_func.models.mtp.params import MTPParams
+from mla_func.pytree import tree_flatten, tree_unflatten
 
 # What training updates: the model's params and, when it has one, its MTP layer.
 TrainTree = tuple[Params, MTPParams | None]

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..batch import Batch
-from ..config import ModelConfig
-from ..forward import forward
-from ..mode import ForwardMode
-from ..params import Params
-from ..plan import SeqPlan, StepPlan
-from ..prepare import init_state, plan_step
-from ..state.kv_cache import KVCacheState
+from mla_func.core.batch import Batch
+from mla_func.core.config import ModelConfig
+from mla_func.core.forward import forward
+from mla_func.core.mode import ForwardMode
+from mla_func.core.params import Params
+from mla_func.core.plan import SeqPlan, StepPlan
+from mla_func.core.prepare import init_state, plan_step
+from mla_func.state.kv_cache import KVCacheState
 
 
 def windows_step(config: ModelConfig, windows: Sequence[Sequence[int]], *, block_size: int,

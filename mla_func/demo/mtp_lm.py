@@ -2,7 +2,7 @@
 
 For a window w of L + 1 tokens the model's step feeds w[0:L] at positions 0..L-1 and
 leaves the normalised hidden state h_p at each. The MTP layer (depth 1) then runs as the
-engine's drafter does in its catch-up step (`mla_func.speculative`): its row at position
+engine's drafter does in its catch-up step (`mla_func.serving.speculative`): its row at position
 p is fed the token w[p+1] and h_p, over a cache of its own addressed by the same
 positions, and predicts w[p+2]:
 
@@ -23,15 +23,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Model
-from ..forward import forward, forward_outputs
-from ..kernels import Ops
-from ..mtp import drafter_params, mtp_layer
-from ..mtp_params import MTPParams
-from ..params import Params
-from ..plan import SeqPlan, StepPlan
-from ..prepare import init_state, plan_step
-from .lm import windows_step
+from mla_func.core.forward import forward, forward_outputs
+from mla_func.core.model import Model
+from mla_func.core.params import Params
+from mla_func.core.plan import SeqPlan, StepPlan
+from mla_func.core.prepare import init_state, plan_step
+from mla_func.demo.lm import windows_step
+from mla_func.kernels import Ops
+from mla_func.models.mtp.layer import drafter_params, mtp_layer
+from mla_func.models.mtp.params import MTPParams
 
 
 def mtp_logits(params: Params, mtp: MTPParams, windows: Sequence[Sequence[int]], hidden: torch.Tensor, *,

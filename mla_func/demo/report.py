@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..checkpoint import Model
-from ..config import ModelConfig
-from ..engine import Engine
-from ..sampling import SamplingParams
+from mla_func.core.config import ModelConfig
+from mla_func.core.model import Model
+from mla_func.serving.engine import Engine
+from mla_func.serving.sampling import SamplingParams
 
 
 def samples(model: Model, prompts: Sequence[str], *, max_new_tokens: int, temperature: float, seed: int) -> list[dict]:

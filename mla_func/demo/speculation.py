@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import Model, load_model
-from ..engine import Engine
-from ..sampling import SamplingParams
-from . import MODEL_DIR, data
-from .mtp_lm import mtp_scores
+from mla_func.core.model import Model
+from mla_func.demo import MODEL_DIR, data
+from mla_func.demo.mtp_lm import mtp_scores
+from mla_func.models.load import load_model
+from mla_func.serving.engine import Engine
+from mla_func.serving.sampling import SamplingParams
 
 PROMPTS = 64         # held-out documents whose openings are the prompts
 PROMPT_TOKENS = 16   # tokens of each prompt, <|bos|> included

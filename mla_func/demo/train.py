@@ -46,18 +46,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_model
-from ..kernels import ops_for, record_expert_choice
-from ..mtp_params import MTPParams
-from ..params import Params
-from . import MODEL_DIR, data
-from .architecture import count_parameters, demo_model_config, init_mtp_params, init_params
-from .evaluate import evaluate
-from .export import save_checkpoint
-from .leaves import LeafLayout
-from .lm import perplexity
-from .mtp_lm import windows_losses
-from .report import training_md
+from mla_func.core.params import Params
+from mla_func.demo import MODEL_DIR, data
+from mla_func.demo.architecture import count_parameters, demo_model_config, init_mtp_params, init_params
+from mla_func.demo.evaluate import evaluate
+from mla_func.demo.export import save_checkpoint
+from mla_func.demo.leaves import LeafLayout
+from mla_func.demo.lm import perplexity
+from mla_func.demo.mtp_lm import windows_losses
+from mla_func.demo.report import training_md
+from mla_func.kernels import ops_for, record_expert_choice
+from mla_func.models.load import load_model
+from mla_func.models.mtp.params import MTPParams
 
 SAMPLE_PROMPTS = ("Return the number of", "Create a new", "This module provides", "If the")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import TOLERANCE, generator, randn, strided
+from support.kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.attention import absorb_query as ref_absorb_query
 from mla_func.kernels.triton.absorb import absorb_query
 

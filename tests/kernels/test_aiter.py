@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("aiter")
 
-from kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn  # noqa: E402
+from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn  # noqa: E402
 from mla_func.kernels import aiter as aiter_kernels  # noqa: E402
 from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, paged_cache, randn
+from support.kernel_cases import generator, paged_cache, randn
 from mla_func.kernels.reference import attention as ref
 
 

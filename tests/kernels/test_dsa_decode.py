@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn, strided
+from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn, strided
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.triton import dsa_decode as tri
 from mla_func.kernels.triton import dsa_indexer, dsa_topk

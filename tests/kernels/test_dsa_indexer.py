@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, paged_cache, randn, strided
+from support.kernel_cases import generator, paged_cache, randn, strided
 from mla_func.kernels.triton import dsa_indexer as tri
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, strided
+from support.kernel_cases import generator, strided
 from mla_func.kernels.triton import dsa_topk as tri
 from mla_func.kernels.triton import dsa_topk_row as row_topk
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernel_cases import generator
+from support.kernel_cases import generator
 from mla_func.kernels.triton import dsa_topk as tri
 from mla_func.kernels.triton import dsa_topk_filtered as filtered
 from test_dsa_topk import oracle_top_k

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, randn, strided
+from support.kernel_cases import generator, randn, strided
 from mla_func.kernels.reference.latent import write_latent as ref_write_latent
 from mla_func.kernels.reference.latent import write_latent_absorb as ref_write_latent_absorb
 from mla_func.kernels.triton.latent import write_latent, write_latent_absorb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import TOLERANCE, generator, randn, strided
+from support.kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference.linear import linear as ref_linear
 from mla_func.kernels.reference.linear import rms_norm_linear as ref_rms_norm_linear
 from mla_func.kernels.reference.linear import logits_of

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernel_cases import assert_close, generator, randn, strided
+from support.kernel_cases import assert_close, generator, randn, strided
 from mla_func.kernels.reference import moe as ref
 from mla_func.kernels.triton import moe as tri
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernel_cases import generator, paged_cache, randn
+from support.kernel_cases import generator, paged_cache, randn
 from mla_func.kernels.reference import attention as ref
 
 H, DN, R, DV, C, BS = 3, 8, 4, 6, 16, 4

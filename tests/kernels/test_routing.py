@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, randn, strided
+from support.kernel_cases import generator, randn, strided
 from mla_func.kernels.reference import routing as ref
 from mla_func.kernels.triton import routing as tri
 

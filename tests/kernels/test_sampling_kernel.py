@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator, strided
+from support.kernel_cases import generator, strided
 from mla_func.kernels import ops_for
 from mla_func.kernels.reference import sampling as ref_sampling
 from mla_func.kernels.triton import sampling
@@ -139,7 +139,7 @@ def test_tables_bind_the_kernel():
 
 
 def test_sample_through_either_table_gives_the_same_tokens(device):
-    from mla_func.sampling import sample
+    from mla_func.serving.sampling import sample
 
     logits, temperature, seeds, positions = _rows(8, 130, torch.bfloat16, seed=9, device=device)
     top_k = torch.tensor([0, 0, 5, 0, 1, 0, 3, 0], device=device)

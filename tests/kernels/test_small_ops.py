@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
+from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
 from mla_func.kernels.reference import attention as ref_attention
 from mla_func.kernels.reference import cache as ref_cache
 from mla_func.kernels.reference import norm as ref_norm

@@ -92,7 +92,7 @@ def test_aiter_page_list_matches_block_table(device):
 
 def test_aiter_decode_of_several_queries_is_the_reference(device):
     # AITER's kernel serves one query a sequence; q_len > 1 is named to run the reference.
-    from kernel_cases import generator, paged_cache, randn
+    from support.kernel_cases import generator, paged_cache, randn
     from mla_func.kernels import aiter as aiter_kernels
     from mla_func.kernels.reference import attention as ref_attention
 

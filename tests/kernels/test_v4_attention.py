@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
+from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
 from mla_func.kernels.reference.v4_paged import window_entry_attention as reference
 from mla_func.kernels.triton.v4_attention import window_entry_attention
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_close, generator, randn
+from support.kernel_cases import assert_close, generator, randn
 from mla_func.kernels.reference.v4_paged import compress_entries as reference
 from mla_func.kernels.triton.v4_compress import compress_entries
 

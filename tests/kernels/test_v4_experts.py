@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_close, generator, randn
+from support.kernel_cases import assert_close, generator, randn
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton.v4_experts import clamped_experts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import generator
+from support.kernel_cases import generator
 from mla_func.kernels.reference.v4_hc import hc_mix_weights as reference
 from mla_func.kernels.triton.v4_hc import hc_mix_weights
 

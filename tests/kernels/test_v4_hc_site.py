@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import TOLERANCE, generator, randn, strided
+from support.kernel_cases import TOLERANCE, generator, randn, strided
 from mla_func.kernels.reference import v4_hc as ref
 from mla_func.kernels.triton import v4_hc_site
 from mla_func.kernels.triton.v4_hc_site import hc_head, hc_site, hc_write_back, hc_write_back_site

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_close, generator, randn, strided
+from support.kernel_cases import assert_close, generator, randn, strided
 from mla_func.kernels.reference import v4_attention as ref
 from mla_func.kernels.triton.v4_norm import unit_rms
 from mla_func.kernels.triton.v4_rope import rope_tail

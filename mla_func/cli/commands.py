@@ -1,0 +1,474 @@
+"""The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput.
+
+Every option is checked before the model loads (sampling options by building the
+`SamplingParams`, the device and backend against what this machine has, drafts and
+lengths against the model's config.json or preset, read without its weights), so a
+mistake costs no load time. User errors print one `error:` line, without argparse's
+usage block, and exit with 2; Ctrl-C prints a summary line and exits with 130
+(128 + SIGINT), as shells expect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from mla_func.checkpoint.files import CheckpointFolder
+from mla_func.checkpoint.safetensors_file import read_header
+from mla_func.cli.streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completion
+from mla_func.core.config import ConfigError, ModelConfig
+from mla_func.core.model import Model
+from mla_func.kernels import BACKENDS
+from mla_func.models.load import load_model
+from mla_func.models.presets import PRESETS, SHIPPED_PRESETS
+from mla_func.models.registry import config_from_json
+from mla_func.serving.engine import Engine
+from mla_func.serving.sampling import SamplingParams
+
+# One torch thread per process: on a CPU that other processes also use, torch's
+# intra-op pool waits at every op for its slowest (descheduled) thread, and a single
+# stream of a small model ran 10-100x slower on two threads than on one; only
+# batched work on a quiet CPU gained from a second (bench/cpu.py, bench/notes/cpu.md).
+DEFAULT_CPU_THREADS = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(ValueError):
+    """A bad option value, found before any work starts; the message names the option."""
+
+
+# A value such as -5 is an argument, not an option (none of the options looks like a number).
+_NUMBER = re.compile(r"-\d+(\.\d*)?([eE][-+]?\d+)?$|-\.\d+([eE][-+]?\d+)?$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with every mistake one `error:` line (no usage block: it hid the error below
+    fourteen lines), and an unknown option answered with the closest ones this command has."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse says "argument --threads: ..."; the CLI's own errors say "--threads: ...".
+        message = message.removeprefix("argument ")
+        if message.startswith("the following arguments are required"):
+            message += f"; see {self.prog} --help"
+        self.exit(EXIT_ERROR, f"error: {message}\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # Unknown arguments are refused here, by the parser they were given to: a command's
+        # parser knows its own options, while the top-level one, which argparse lets refuse
+        # them, knows only --help and --version.
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown_arguments(extras))
+        return parsed, extras
+
+    def unknown_arguments(self, extras: list[str]) -> str:
+        """The error of arguments this parser has no place for: each unknown option with the
+        closest known ones, or else the stray values."""
+        flags = [a.split("=", 1)[0] for a in extras if a.startswith("-") and not _NUMBER.match(a)]
+        if not flags:
+            return f"unexpected argument{'s' if len(extras) > 1 else ''} {' '.join(extras)!r}; see {self.prog} --help"
+        return "; ".join(self.unknown_option(flag) for flag in flags)
+
+    def unknown_option(self, flag: str) -> str:
+        # self._option_string_actions is argparse's own table of this parser's option strings. They
+        # are compared without their dashes, which every one shares: with them, --seeds was "close" to --threads.
+        options = {option.lstrip("-"): option for option in self._option_string_actions}
+        close = difflib.get_close_matches(flag.lstrip("-"), list(options), n=3)
+        if not close:
+            return f"unknown option {flag}; see {self.prog} --help"
+        return f"unknown option {flag}: did you mean {_or([options[name] for name in close])}?"
+
+
+def _or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOption:
+    """A `generate` option that sets one `SamplingParams` field (a bool field is an on/off flag)."""
+
+    flag: str
+    field: str
+    type: type
+    default: Any
+    help: str
+
+
+# `generate`'s sampling options, in --help order; their defaults are the CLI's, not SamplingParams'.
+SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
+    SamplingOption("--max-tokens", "max_tokens", int, 64, "most tokens to generate"),
+    SamplingOption("--temperature", "temperature", float, 0.8, "0 = greedy"),
+    SamplingOption("--top-k", "top_k", int, 0, "keep the k most likely tokens; 0 = off"),
+    SamplingOption("--top-p", "top_p", float, 1.0, "keep the most likely tokens up to this probability; 1 = off"),
+    SamplingOption("--seed", "seed", int, None,
+                   "sampling seed (default: a fresh random seed each run, shown in the summary line)"),
+    SamplingOption("--ignore-eos", "ignore_eos", bool, False, "keep generating after the end-of-sequence token"),
+    SamplingOption("--repetition-penalty", "repetition_penalty", float, 1.0,
+                   "divide positive / multiply negative logits of prompt and output tokens; 1 = off"),
+    SamplingOption("--presence-penalty", "presence_penalty", float, 0.0,
+                   "subtract from the logits of tokens already generated; 0 = off"),
+    SamplingOption("--frequency-penalty", "frequency_penalty", float, 0.0,
+                   "subtract once per time a token was generated; 0 = off"),
+    SamplingOption("--min-tokens", "min_tokens", int, 0, "no end-of-sequence or stop token before this many tokens"),
+)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = "off" if action.nargs == 0 and action.default is False else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def fresh_seed() -> int:
+    """A seed from the operating system's randomness, for a run without --seed.
+
+    The engine's own per-request seeds come from a generator it seeds with 0, so leaving
+    the seed to it would sample the same text on every run. 32 bits keep it short to
+    copy from the summary line into --seed.
+    """
+    return secrets.randbits(32)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The `SamplingParams` of `generate`'s options, with a fresh seed unless --seed gives one;
+    UsageError naming the option if one is invalid."""
+    values = {o.field: getattr(args, o.field) for o in SAMPLING_OPTIONS}
+    if values["seed"] is None:
+        values["seed"] = fresh_seed()
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        flag = next((o.flag for o in SAMPLING_OPTIONS if f"SamplingParams.{o.field} " in str(e)), "sampling option")
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The --device value, checked against this machine (default: cuda when available, else cpu)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise UsageError(f"--device {name}: CUDA is not available ({why}); available: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda, got {name!r}")
+    return device
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """The kernel backends that can run on `device` here.
+
+    Triton kernels need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1,
+    which runs them on CPU tensors, slowly); AITER needs ROCm's `aiter` package.
+    """
+    found = ["torch"]
+    if importlib.util.find_spec("triton") is not None and (
+        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        found.append("triton")
+    if device.type == "cuda" and torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
+        found.append("aiter")
+    return found
+
+
+def check_backend(backend: str | None, device: torch.device) -> None:
+    available = available_backends(device)
+    if backend is None or backend in available:
+        return
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed (pip install 'mla-func[triton]')"
+    elif backend == "triton":
+        why = "its kernels need a CUDA GPU (or TRITON_INTERPRET=1 for Triton's slow CPU interpreter)"
+    else:
+        why = "it needs ROCm and its aiter package"
+    raise UsageError(f"--backend {backend}: not available on {device} here: {why}; available: {', '.join(available)}")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="checkpoint folder or preset name")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="weight dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="kernels (default: triton on cuda, torch elsewhere)")
+    parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly, without CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant steps: a request's tokens do not depend on what else runs, "
+                             "drafts included (slower on a GPU; not for DeepSeek-V4 models)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help=f"torch CPU threads (default: {DEFAULT_CPU_THREADS} on cpu; torch's own choice on cuda)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _add_draft_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-tokens", type=_draft_count, default=0,
+                        help="tokens drafted a step by the model's MTP layer and verified in one step, 1 to 8 "
+                             "(0 = off; the summary line then reports the acceptance rate)")
+
+
+def _draft_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 8], got {text!r}") from None
+    if not 0 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 8], got {value}")
+    return value
+
+
+def prepare(args: argparse.Namespace) -> torch.device:
+    """Check the model options and apply the thread policy; returns the device to load on."""
+    device = resolve_device(args.device)
+    check_backend(args.backend, device)
+    threads = args.threads or (DEFAULT_CPU_THREADS if device.type == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return device
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What `load_model(name)` will load, known without reading a weight: its config, and the
+    checkpoint folder it reads (None for a shape preset, whose random weights include an MTP layer)."""
+
+    name: str
+    config: ModelConfig
+    folder: CheckpointFolder | None
+
+
+def model_source(name: str) -> ModelSource | None:
+    """--model's config, from its config.json or preset, resolved as `load_model` resolves the name
+    (a folder of a preset's name wins); None where there is no config.json to read, which load_model
+    refuses with its own error (no such folder or preset, the list of presets)."""
+    path = Path(name)
+    if not path.exists() and name in PRESETS:
+        return ModelSource(name, PRESETS[name](), None)
+    if not path.exists() and name in SHIPPED_PRESETS:
+        path = SHIPPED_PRESETS[name]
+    if not (path / "config.json").is_file():
+        return None
+    folder = CheckpointFolder.at(path)
+    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"))
+    return ModelSource(name, config, folder)
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def tensor_names(folder: CheckpointFolder) -> list[str] | None:
+    """A checkpoint folder's tensor names, from its index or else its shards' headers (no tensor
+    is read); None where the folder does not show them plainly (a malformed index, no shards),
+    which the loader then reports."""
+    if folder.has(_INDEX):
+        index = folder.read_json(_INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        return list(weight_map) if isinstance(weight_map, dict) else None
+    shards = [file for file in folder.names() if file.endswith(".safetensors")]
+    if not shards:
+        return None
+    names: list[str] = []
+    for file in shards:
+        with folder.open(file) as handle:
+            names.extend(read_header(handle, folder.label(file)))
+    return names
+
+
+def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
+    """Refuse --speculative-tokens for a model without a multi-token-prediction layer to draft with,
+    by the flag: loading it with mtp=True would fail on a tensor list or a Python argument."""
+    if not speculative_tokens:
+        return
+    flag = f"--speculative-tokens {speculative_tokens}"
+    if source.config.family.mtp_layer_kind is None:
+        raise UsageError(f"{flag}: {source.name} is a {source.config.family.title} model, whose multi-token-prediction "
+                         "(MTP) layers are not supported yet; run it without --speculative-tokens")
+    if source.folder is None:
+        return
+    # DeepSeek-V3 stores its MTP layer after the decoder layers. transformers' DeepseekV3Config
+    # says num_nextn_predict_layers 1 even where save_pretrained wrote no such layer, so the
+    # tensors decide.
+    prefix = f"model.layers.{source.config.num_hidden_layers}."
+    names = tensor_names(source.folder)
+    if names is not None and not any(name.startswith(prefix) for name in names):
+        raise UsageError(f"{flag} needs a checkpoint with a multi-token-prediction (MTP) layer, and "
+                         f"{source.name} has none (no {prefix}* tensors); run it without --speculative-tokens")
+
+
+def check_invariance(source: ModelSource, batch_invariant: bool) -> None:
+    """Refuse --batch-invariant for a model without batch-invariant ops, by the flag, before the load."""
+    if batch_invariant and not source.config.family.supports_batch_invariant:
+        raise UsageError(f"--batch-invariant: {source.name} is a {source.config.family.title} model, whose layers "
+                         "have no batch-invariant ops yet; run it without --batch-invariant")
+
+
+def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:
+    """Refuse prompts and outputs longer than the model runs, before the load and the warm-up."""
+    longest = args.max_input_len + args.output_len
+    if longest > config.max_position_embeddings:
+        raise UsageError(
+            f"--max-input-len {args.max_input_len} + --output-len {args.output_len} = {longest} tokens, over "
+            f"the model's maximum length {config.max_position_embeddings} ({args.model}'s max_position_embeddings)"
+        )
+
+
+def check_model(args: argparse.Namespace) -> ModelSource | None:
+    """The model's config and drafts, checked before the load; None as for `model_source`."""
+    source = model_source(args.model)
+    if source is not None:
+        check_drafts(source, args.speculative_tokens)
+        check_invariance(source, args.batch_invariant)
+    return source
+
+
+def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> Model:
+    started = time.perf_counter()
+    say(f"loading {args.model} on {device}")
+    model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device,
+                       mtp=args.speculative_tokens > 0)
+    say(f"loaded in {time.perf_counter() - started:.1f} s")
+    return model
+
+
+def read_prompt(text: str) -> str:
+    """The prompt argument; "-" reads it from standard input (without the final newline a file or echo ends with)."""
+    if text != "-":
+        return text
+    prompt = sys.stdin.read().removesuffix("\n").removesuffix("\r")
+    if not prompt:
+        raise UsageError("the prompt read from standard input (prompt '-') is empty")
+    return prompt
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    prompt = read_prompt(args.prompt)
+    device = prepare(args)
+    check_model(args)
+    model = load(args, device, say=lambda msg: None)
+    engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
+                    max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
+                    batch_invariant=args.batch_invariant)
+    return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    from mla_func.serving.benchmark import run_throughput
+
+    if args.min_input_len > args.max_input_len:
+        raise UsageError(f"--min-input-len {args.min_input_len} is above --max-input-len {args.max_input_len}")
+    device = prepare(args)
+    source = check_model(args)
+    if source is not None:
+        check_bench_lengths(args, source.config)
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    model = load(args, device, say)
+    result = run_throughput(
+        model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
+        output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
+        speculative_tokens=args.speculative_tokens, batch_invariant=args.batch_invariant,
+    )
+    print(
+        f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
+        f"in {result['seconds']:.2f} s: {result['output_tok_s']:.1f} output tokens/s, "
+        f"{result['total_tok_s']:.1f} total tokens/s"
+        + (f", acceptance rate {result['acceptance_rate']:.0%}" if args.speculative_tokens else "")
+    )
+    return 0
+
+
+def _version() -> str:
+    try:
+        version = metadata.version("mla-func")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    return f"mla-func {version} (torch {torch.__version__}, {cuda})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mla-func", description="DeepSeek-style MLA inference.", formatter_class=_DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a completion of a prompt", formatter_class=_DefaultsFormatter,
+                              description="Stream a completion of PROMPT, then print a summary line on stderr.")
+    gen.add_argument("prompt", help="the text to continue ('-' reads it from standard input; token ids such as "
+                                    "'1 2 3' for a model without a tokenizer)")
+    _add_model_args(gen)
+    _add_draft_arg(gen)
+    for option in SAMPLING_OPTIONS:
+        if option.type is bool:
+            gen.add_argument(option.flag, dest=option.field, action="store_true", help=option.help)
+        else:
+            gen.add_argument(option.flag, dest=option.field, type=option.type, default=option.default,
+                             help=option.help)
+    gen.set_defaults(run=generate_main)
+
+    bench = commands.add_parser("bench", help="offline throughput on random prompts", formatter_class=_DefaultsFormatter,
+                                description="Generate --output-len tokens (greedy, no early stop) for each of "
+                                            "--num-prompts random prompts; print the throughput.")
+    _add_model_args(bench)
+    bench.add_argument("--num-prompts", type=_positive_int, default=64, help="requests")
+    bench.add_argument("--min-input-len", type=_positive_int, default=32, help="shortest prompt, in tokens")
+    bench.add_argument("--max-input-len", type=_positive_int, default=128, help="longest prompt, in tokens")
+    bench.add_argument("--output-len", type=_positive_int, default=32, help="tokens generated per request")
+    bench.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in one step")
+    bench.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="most tokens in one step")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    _add_draft_arg(bench)
+    bench.set_defaults(run=bench_main)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

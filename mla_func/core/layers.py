@@ -1,0 +1,84 @@
+"""Layer kinds: what one kind of layer caches and how it runs, composed by the forward.
+
+A layer kind is a value with three functions:
+
+* `init_cache(config, groups, dtype, device)`: the zeroed cache of one layer of
+  this kind (a frozen pytree such as `MLALayerCache`);
+* `enter(p, delta, residual, ctx)`: the start of the layer, where the previous
+  layer's output `delta` meets the residual stream. It returns what the layer's
+  body reads and the new residual. Being the kind's own function, it decides how
+  the residual is carried: the decoder layer fuses its input norm into its first
+  projection (one launch at decode sizes); a kind with another residual form
+  writes its own;
+* `body(p, entered, residual, cache, ctx)`: the rest of the layer; returns
+  (delta, residual, new cache). The residual it hands the next layer's `enter` is
+  the kind's own value (a tensor [T, D] for the decoder layers; a kind with several
+  residual streams hands on those with a pending write-back); the last layer's is a tensor
+  [T, D], which the forward's final norm adds to delta.
+
+The forward runs `enter` then `body` for each layer with that layer's kind, so a
+model made of new kinds needs no change in the forward or the step: its family
+(`Family.layer_kinds`) says which kind each layer is.
+`LayerContext` carries the per-step facts every layer may read: the batch (its
+`input_ids` included, for hash routing), the mode, the op table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from mla_func.core.batch import Batch
+from mla_func.core.config import ModelConfig
+from mla_func.core.mode import ForwardMode
+from mla_func.core.rows import RowMetadata
+from mla_func.kernels import Ops
+from mla_func.state.layer_cache import CacheGroup
+
+
+@dataclass(frozen=True, slots=True)
+class LayerContext:
+    """What a layer may read besides its params, its input and its cache.
+
+    valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
+    rows:  every row as its own query (`rows.row_metadata`), made once a step for the
+           layers that attend row by row (the batch-invariant path, `Family.attends_by_row`); None otherwise
+    """
+
+    batch: Batch
+    mode: ForwardMode
+    config: ModelConfig
+    ops: Ops
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    valid: torch.Tensor
+    inplace: bool
+    rows: RowMetadata | None = None
+
+
+class LayerKind(Protocol):
+    """The functions the forward composes for each layer (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
+                   device: torch.device | str) -> Any: ...
+
+    def enter(self, p: Any, delta: torch.Tensor, residual: Any,
+              ctx: LayerContext) -> tuple[Any, torch.Tensor]: ...
+
+    def body(self, p: Any, entered: Any, residual: torch.Tensor, cache: Any,
+             ctx: LayerContext) -> tuple[torch.Tensor, Any, Any]: ...
+
+
+def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    """The kind of each layer of a model, as its family says (`Family.layer_kinds`)."""
+    return config.family.layer_kinds(config)
+
+
+def cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
+    """Every cache group a model's state needs: the token group, then the groups its layer kinds add."""
+    return (tokens, *config.family.cache_groups(config, tokens))

@@ -1,0 +1,237 @@
+"""ForwardMode: everything static about a step, decided once by one rule.
+
+`ForwardMode.decide(plan, ...)` is the only place that looks at a plan to choose
+the segment kind, the real and padded sizes, the decode query length, whether
+the logits rows are the step's rows, and whether the step may replay a CUDA
+graph. `ForwardMode.padded_only` builds, with the same constructor, the mode of
+an all-padding step of given padded sizes (what graph warm-up captures). Batch
+building, the forward and graph memoization read the mode; none of them
+re-derives any of it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+
+from mla_func.core.plan import StepPlan
+from mla_func.state.layer_cache import CacheGroup
+
+
+class SegmentKind(str, enum.Enum):
+    """What rows a step holds. A str enum, so "decode" and SegmentKind.DECODE compare equal."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+SEGMENT_KINDS = tuple(SegmentKind)
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingPolicy:
+    """Ladders of padded sizes. An empty ladder means "no padding": sizes are exact.
+
+    decode_seqs:        padded decode sequence counts, ascending.
+    prefill_tokens:     padded prefill token counts, ascending.
+    prefill_seqs:       padded prefill sequence counts, ascending.
+    block_table_widths: padded block-table widths, ascending.
+
+    A size above the largest rung of its ladder is not padded, and the step does
+    not use a graph (see `ForwardMode.decide`).
+    """
+
+    decode_seqs: tuple[int, ...] = ()
+    prefill_tokens: tuple[int, ...] = ()
+    prefill_seqs: tuple[int, ...] = ()
+    block_table_widths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("decode_seqs", "prefill_tokens", "prefill_seqs", "block_table_widths"):
+            ladder = getattr(self, name)
+            if any(b <= a for a, b in zip(ladder, ladder[1:])) or any(r < 1 for r in ladder):
+                raise ValueError(f"PaddingPolicy.{name}: expected positive ascending sizes, got {ladder}")
+
+    @staticmethod
+    def exact() -> PaddingPolicy:
+        return PaddingPolicy()
+
+
+def _pad(size: int, ladder: Sequence[int]) -> tuple[int, bool]:
+    """(padded size, whether it fits the ladder); 0 stays 0 and always fits."""
+    if size == 0:
+        return 0, True
+    for rung in ladder:
+        if rung >= size:
+            return rung, True
+    return size, not ladder
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardMode:
+    """The static description of one step.
+
+    Rows of a step are laid out as [prefill tokens | padding | decode rows | padding]:
+    `padded_prefill_tokens` rows for the prefill segment, then `padded_decode_seqs`
+    sequences of `decode_q_len` rows each for the decode segment (the rows of one
+    sequence in position order).
+
+    gather_logits: whether the logits rows must be gathered by `batch.logits_indices`;
+                   False when they are the step's rows in order (a decode step whose
+                   every row gives logits), which spares a gather.
+    graph_fallback: the step asked for a graph (its kind may use one) but a size did
+                   not fit the ladders, so it runs eagerly; the step warns once.
+    block_size:    the tokens a block of the state's cache group 0 holds; the forward
+                   refuses a state of another block size.
+    cache_groups:  the state's cache groups when the mode was decided for them (empty:
+                   decided for group 0's block size alone); the forward checks them.
+    group_widths:  the block-table width of each cache group 1.., derived from
+                   `block_table_width` (they cover the same tokens), so no ladder of their own.
+    batch_invariant: the step runs the backend's batch-invariant op table and sends every
+                   row, prefill rows included, through the absorbed decode path, so that a
+                   row's bits depend on its own sequence only (a family's attention decides how).
+    """
+
+    kind: SegmentKind
+    backend: str
+    num_prefill_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_logits: int
+    padded_prefill_tokens: int
+    padded_prefill_seqs: int
+    padded_decode_seqs: int
+    padded_num_logits: int
+    block_table_width: int
+    use_graph: bool = False
+    decode_q_len: int = 1
+    gather_logits: bool = True
+    graph_fallback: bool = False
+    block_size: int = 0
+    cache_groups: tuple[CacheGroup, ...] = ()
+    group_widths: tuple[int, ...] = ()
+    batch_invariant: bool = False
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Real decode rows: decode sequences times their query length."""
+        return self.num_decode_seqs * self.decode_q_len
+
+    @property
+    def padded_decode_rows(self) -> int:
+        return self.padded_decode_seqs * self.decode_q_len
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the step, padding included."""
+        return self.padded_prefill_tokens + self.padded_decode_rows
+
+    @property
+    def static_key(self) -> tuple[object, ...]:
+        """What fixes every tensor shape of the step: the key graphs are memoized on."""
+        return (
+            self.kind.value,
+            self.padded_prefill_tokens,
+            self.padded_prefill_seqs,
+            self.padded_decode_seqs,
+            self.decode_q_len,
+            self.padded_num_logits,
+            self.gather_logits,
+            self.block_table_width,
+            self.block_size,
+            self.group_widths,
+            self.backend,
+            self.batch_invariant,
+        )
+
+    @staticmethod
+    def _make(kind: SegmentKind, backend: str, block_size: int, real: dict[str, int], padded: dict[str, int],
+              num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
+              cache_groups: tuple[CacheGroup, ...] = (), batch_invariant: bool = False) -> ForwardMode:
+        """The one constructor: derives the logits sizes and the other groups' widths from the segment sizes."""
+        tokens = padded["width"] * block_size
+        group_widths = tuple(-(-tokens // g.tokens_per_block) for g in cache_groups[1:])
+        padded_decode_rows = padded["decode_seqs"] * decode_q_len
+        # Ordinary steps have at most one logits row a sequence (a verify row one per
+        # query token); scoring a whole prompt has more and is sized exactly.
+        padded_num_logits = max(num_logits, padded["prefill_seqs"] + padded_decode_rows)
+        rows_are_logits = (kind is SegmentKind.DECODE and num_logits == real["decode_seqs"] * decode_q_len
+                           and padded_num_logits == padded_decode_rows)
+        return ForwardMode(
+            kind=kind, backend=backend,
+            num_prefill_tokens=real["prefill_tokens"], num_prefill_seqs=real["prefill_seqs"],
+            num_decode_seqs=real["decode_seqs"], num_logits=num_logits,
+            padded_prefill_tokens=padded["prefill_tokens"], padded_prefill_seqs=padded["prefill_seqs"],
+            padded_decode_seqs=padded["decode_seqs"], padded_num_logits=padded_num_logits,
+            block_table_width=padded["width"], use_graph=use_graph, decode_q_len=decode_q_len,
+            gather_logits=not rows_are_logits, graph_fallback=graph_fallback, block_size=block_size,
+            cache_groups=cache_groups, group_widths=group_widths, batch_invariant=batch_invariant,
+        )
+
+    @staticmethod
+    def padded_only(kind: SegmentKind, *, backend: str, block_size: int, prefill_tokens: int = 0,
+                    prefill_seqs: int = 0, decode_seqs: int = 0, block_table_width: int, decode_q_len: int = 1,
+                    use_graph: bool = True, cache_groups: tuple[CacheGroup, ...] = (),
+                    batch_invariant: bool = False) -> ForwardMode:
+        """The mode of a step of only padding rows with these padded sizes: the static key real
+        steps of those sizes have (graph warm-up captures with it)."""
+        zero = {"prefill_tokens": 0, "prefill_seqs": 0, "decode_seqs": 0, "width": 0}
+        padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
+                  "width": block_table_width}
+        return ForwardMode._make(SegmentKind(kind), backend, block_size, zero, padded, 0, decode_q_len, use_graph,
+                                 False, cache_groups, batch_invariant)
+
+    def without_real_rows(self) -> ForwardMode:
+        """This mode's shapes and static key, with every row padding."""
+        return replace(self, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
+
+    @staticmethod
+    def decide(
+        plan: StepPlan,
+        *,
+        block_size: int,
+        backend: str = "torch",
+        padding: PaddingPolicy | None = None,
+        graphs: bool = False,
+        graph_kinds: Collection[str] = SEGMENT_KINDS,
+        cache_groups: Sequence[CacheGroup] = (),
+        batch_invariant: bool = False,
+    ) -> ForwardMode:
+        """The single rule that fixes a step's kind, sizes and graph use.
+
+        A step uses a graph only when `graphs` is on, its kind is in `graph_kinds`
+        and every size fits its padding ladder; otherwise its sizes are exact and
+        it runs eagerly. `cache_groups` are the state's (group 0 of `block_size`); the
+        widths of groups 1.. follow group 0's. The decode query length is the plan's `decode_q_len` (the
+        batch checks that every decode sequence feeds that many tokens).
+        """
+        if not plan.prefill and not plan.decode:
+            raise ValueError("StepPlan: a step needs at least one sequence")
+        if cache_groups and cache_groups[0].block_size != block_size:
+            raise ValueError(f"cache_groups[0].block_size: expected block_size {block_size}, got "
+                             f"{cache_groups[0].block_size}")
+        padding = padding or PaddingPolicy.exact()
+        kind = (SegmentKind.MIXED if plan.prefill and plan.decode
+                else SegmentKind.PREFILL if plan.prefill else SegmentKind.DECODE)
+        q_len = plan.decode_q_len
+        if q_len < 1:
+            raise ValueError(f"StepPlan.decode_q_len: expected at least 1, got {q_len}")
+        widths_needed = [math.ceil(s.seq_len / block_size) for s in (*plan.prefill, *plan.decode)]
+        real = {"prefill_tokens": plan.num_prefill_tokens, "prefill_seqs": len(plan.prefill),
+                "decode_seqs": len(plan.decode), "width": max(widths_needed)}
+        ladders = {"prefill_tokens": padding.prefill_tokens, "prefill_seqs": padding.prefill_seqs,
+                   "decode_seqs": padding.decode_seqs, "width": padding.block_table_widths}
+        fitted = {name: _pad(size, ladders[name]) for name, size in real.items()}
+        fits = all(ok for _, ok in fitted.values())
+        wanted = graphs and kind in graph_kinds
+        use_graph = wanted and fits
+        # A step that cannot or may not use a graph runs at its exact size: padding buys
+        # nothing there. (Without graphs at all, an explicit ladder still pads.)
+        padded = (dict(real) if not fits or (graphs and not wanted)
+                  else {name: size for name, (size, _) in fitted.items()})
+        return ForwardMode._make(kind, backend, block_size, real, padded, plan.num_logits, q_len, use_graph,
+                                 graph_fallback=wanted and not fits, cache_groups=tuple(cache_groups),
+                                 batch_invariant=batch_invariant)

@@ -1,0 +1,43 @@
+"""A loaded model: its config, params, tokenizer and optional MTP layer, as one value."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mla_func.core.config import ModelConfig
+from mla_func.core.params import Params
+
+if TYPE_CHECKING:  # annotation only: the MTP layer's params belong to its model folder, above this one
+    from mla_func.models.mtp.params import MTPParams
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A loaded model: its config, its params pytree, its tokenizer when it has one, and its first
+    multi-token-prediction layer when loaded with `mtp=True` (the drafter of speculative decoding)."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Any = None  # tokenizers.Tokenizer, or None
+    mtp: MTPParams | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.params.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params.embed.dtype
+
+    @property
+    def max_positions(self) -> int:
+        """Positions its RoPE tables cover: the longest sequence it can run."""
+        return self.params.max_positions
+
+    def with_max_positions(self, max_positions: int) -> Model:
+        """This model with RoPE tables for `max_positions` positions (ValueError past max_position_embeddings)."""
+        return dataclasses.replace(self, params=self.params.with_max_positions(max_positions))

@@ -1,0 +1,42 @@
+"""The DSA family: DeepSeek-V3.2 (model_type deepseek_v32), MLA with DeepSeek Sparse Attention, as a `Family`.
+
+V3.2 is V3 plus an indexer in every layer: its params, checkpoint names and
+config.json are V3's with the indexer's (`indexer_params`, read by the same
+loaders as `mla_family`'s), and every layer, its MTP layer included, is a sparse
+attention layer (`sparse_attention.DSA_DECODER`) that attends row by row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mla_func.core.config import ModelConfig, validate_indexer
+from mla_func.core.family import Family
+from mla_func.core.layers import LayerKind
+from mla_func.models.dsa.attention import DSA_DECODER
+from mla_func.models.mla.family import MLA, refuse_v4_fields
+
+__all__ = ["DSA"]
+
+
+def _validate(c: ModelConfig) -> None:
+    refuse_v4_fields(c)
+    validate_indexer(c)
+
+
+def _layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    return (DSA_DECODER,) * config.num_hidden_layers
+
+
+# MLA's record but for what the indexer changes: its config checks, its layer kind (its MTP
+# layer's too), and row-by-row attention in every step.
+DSA: Family = dataclasses.replace(
+    MLA,
+    name="dsa",
+    title="DeepSeek-V3.2",
+    model_types=("deepseek_v32",),
+    validate=_validate,
+    layer_kinds=_layer_kinds,
+    attends_by_row=True,
+    mtp_layer_kind=DSA_DECODER,
+)

@@ -1,0 +1,49 @@
+"""The MLA decoder layer kind: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_func.core.config import ModelConfig
+from mla_func.core.layers import LayerContext
+from mla_func.models.mla.attention import mla_attention
+from mla_func.models.mla.moe import feed_forward
+from mla_func.models.mla.params import LayerParams
+from mla_func.state.kv_cache import zeroed_mla_caches
+from mla_func.state.layer_cache import CacheGroup, MLALayerCache
+
+
+@dataclass(frozen=True, slots=True)
+class MLADecoderLayer:
+    """The MLA decoder layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
+
+    name: str = "mla"
+
+    def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
+                   device: torch.device | str) -> MLALayerCache:
+        return zeroed_mla_caches(1, config.kv_cache_dim, groups[0], dtype=dtype, device=device)[0]
+
+    def enter(self, p: LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
+              ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta [T, D] -> (qkv_a [T, Q + C + R] of norm(residual + delta), residual + delta)."""
+        eps = ctx.config.rms_norm_eps
+        if residual is None:
+            return ctx.ops.dense.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj), delta
+        qkv_a, residual = ctx.ops.dense.rms_norm_linear(delta, p.input_norm, eps, p.attn.qkv_a_proj, residual=residual)
+        return qkv_a, residual
+
+    def body(self, p: LayerParams, entered: torch.Tensor, residual: torch.Tensor, cache: MLALayerCache,
+             ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, MLALayerCache]:
+        attn_out, kv = mla_attention(
+            p.attn, entered, cache.kv, ctx.batch, ctx.mode, ctx.config, ctx.ops, ctx.rope_cos, ctx.rope_sin,
+            inplace=ctx.inplace, rows=ctx.rows,
+        )
+        x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
+        # In place, the cache value is unchanged: keep it rather than build one per layer per step.
+        new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
+        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache
+
+
+MLA_DECODER = MLADecoderLayer()

@@ -1,0 +1,44 @@
+"""DeepSeek-V4's MoE block: hash-routed or score-routed experts with clamped SwiGLU, plus shared experts.
+
+Routing scores are `sqrtsoftplus` (sqrt(softplus(logit))) or `sigmoid` of the
+router's logits. A `hash_moe` layer takes each token's experts from a fixed table
+of its token id (`tid2eid`); a `moe` layer takes the top-k of score + bias (the
+bias only steers the choice). Either way the chosen experts are weighted by
+their scores, normalised to sum 1, times `routed_scaling_factor`. Every expert,
+shared ones included, clamps its gate and up pre-activations to `swiglu_limit`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_func.core.config import ModelConfig
+from mla_func.kernels import Ops
+from mla_func.models.v4.params import V4MoEParams
+
+
+def route(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
+          ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D], input_ids [T], valid [T] bool -> (weights [T, k + S] float32, ids [T, k + S] int64).
+
+    The routed experts come first (from `tid2eid` for a hash layer, else the top-k of
+    score + bias), then every shared expert (stacked after the routed ones in w13 / w2)
+    with weight 1. Padded rows get id -1 and weight 0: they take no expert. One op,
+    `moe.route`, the routing of every MoE model here, with V4's scoring and fixed ids.
+    """
+    fixed = p.tid2eid[input_ids] if p.tid2eid is not None else None
+    return ops.moe.route(x, p.gate, p.e_score_correction_bias if fixed is None else None, valid,
+                         top_k=config.num_experts_per_tok, scoring_func=config.scoring_func, topk_method="greedy",
+                         n_group=None, topk_group=None, norm_topk_prob=True,
+                         routed_scaling_factor=config.routed_scaling_factor,
+                         num_shared=p.w13.shape[0] - p.num_routed, fixed_ids=fixed)
+
+
+def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
+           ops: Ops) -> torch.Tensor:
+    """The routed experts' weighted sum plus the shared experts, in one expert launch: x [T, D] -> [T, D]."""
+    v = config.v4
+    if v is None:
+        raise ValueError(f"v4_moe: expected a deepseek_v4 config, got {config.model_type!r}")
+    weights, ids = route(p, x, input_ids, valid, config, ops)
+    return ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)

@@ -1,0 +1,144 @@
+"""DeepSeek-V4's layer kinds: sliding-window, CSA and HCA attention layers, with hyper-connections.
+
+A V4 layer's residual is N = hc_mult streams [T, N, D] (see `hyper_connections`).
+`enter` is where the previous layer's output meets them: the previous layer hands
+its MoE output as delta and, as residual, the streams with the write-back weights
+still to apply (`HyperResidual`); one op writes it back and runs the attention's
+mHC site on the new streams (the first layer starts from N copies of the
+embedding and runs the site alone). `body` runs the attention, writes its output
+back fused with the MoE block's site, runs the MoE block and hands on its output
+and its pending write-back.
+
+The last layer applies its write-back, collapses the streams with the model's
+hyper head (its params hold it) and hands the forward that one hidden state as
+delta with a zero residual, so the forward's final add-and-norm is the model's
+final norm.
+
+Each kind's cache (`state.v4_cache.V4LayerCache`) holds the leaves that kind
+needs; the compressed kinds' entries live in their own cache group
+(`v4_cache_groups`): group 1.. in the order CSA, HCA, for the kinds the model has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_func.core.config import ModelConfig
+from mla_func.core.layers import LayerContext
+from mla_func.models.v4.attention import v4_attention
+from mla_func.models.v4.config import CSA, HCA, SLIDING, V4Config
+from mla_func.models.v4.hash_moe import v4_moe
+from mla_func.models.v4.hyper_connections import HyperResidual
+from mla_func.models.v4.params import HyperConnectionParams, V4LayerParams
+from mla_func.state.layer_cache import CacheGroup
+from mla_func.state.v4_cache import V4LayerCache, compressed_group, zeroed_v4_cache
+
+
+def compressed_types(v: V4Config) -> tuple[str, ...]:
+    """The compressed layer types the model has, in cache-group order (group 1, 2, ...)."""
+    return tuple(t for t in (CSA, HCA) if t in v.layer_types)
+
+
+def v4_cache_groups(v: V4Config, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
+    """Cache groups 1..: one per compressed layer type the model has, beside the token group."""
+    return tuple(compressed_group(tokens, v.rate(t)) for t in compressed_types(v))
+
+
+@dataclass(frozen=True, slots=True)
+class V4Entered:
+    """What a V4 layer's body reads: the attention's input and the mHC write-back weights."""
+
+    x: torch.Tensor     # [T, D] the collapsed streams, normalised by attn_norm
+    post: torch.Tensor  # [T, N] float32
+    comb: torch.Tensor  # [T, N, N] float32
+
+
+def _v4(config: ModelConfig) -> V4Config:
+    if config.v4 is None:
+        raise ValueError(f"V4 layer kinds need a deepseek_v4 config, got {config.model_type!r}")
+    return config.v4
+
+
+@dataclass(frozen=True, slots=True)
+class V4DecoderLayer:
+    """One V4 layer: `attention` is a V4 layer type, `head` marks the last layer."""
+
+    attention: str
+    head: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"v4 {self.attention}"
+
+    def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
+                   device: torch.device | str) -> V4LayerCache:
+        v = _v4(config)
+        if self.attention == SLIDING:
+            return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=0, compressor_width=0, index_dim=0,
+                                   dtype=dtype, device=device)
+        entry_group = 1 + compressed_types(v).index(self.attention)
+        expected = compressed_group(groups[0], v.rate(self.attention))
+        if len(groups) <= entry_group or groups[entry_group] != expected:
+            raise ValueError(f"{self.attention} layers keep their entries in cache group {entry_group} = {expected}; "
+                             f"the state's groups are {groups} (make the state with init_state(model, ...))")
+        overlap = self.attention == CSA
+        return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=entry_group,
+                               compressor_width=(2 if overlap else 1) * v.head_dim,
+                               index_dim=v.index_head_dim if overlap else 0, dtype=dtype, device=device)
+
+    def _site(self, p: HyperConnectionParams, norm: torch.Tensor, streams: torch.Tensor, ctx: LayerContext
+              ) -> V4Entered:
+        v = _v4(ctx.config)
+        x, post, comb = ctx.ops.v4.hc_site(streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
+                                           hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        return V4Entered(x, post, comb)
+
+    def _write_back_site(self, written: V4Entered | HyperResidual, out: torch.Tensor, streams: torch.Tensor,
+                         p: HyperConnectionParams, norm: torch.Tensor, ctx: LayerContext
+                         ) -> tuple[V4Entered, torch.Tensor]:
+        """out [T, D] written back into streams [T, N, D] by `written`'s weights, then the site `p`, `norm`
+        -> (the site's output, the new streams)."""
+        v = _v4(ctx.config)
+        new, x, post, comb = ctx.ops.v4.hc_write_back_site(
+            written.post, written.comb, out, streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
+            hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
+        return V4Entered(x, post, comb), new
+
+    def enter(self, p: V4LayerParams, delta: torch.Tensor, residual: HyperResidual | None,
+              ctx: LayerContext) -> tuple[V4Entered, torch.Tensor]:
+        """delta: the embedding [T, D] (first layer, residual None) or the last layer's MoE output [T, D],
+        which `residual` writes back -> (entered, streams [T, N, D])."""
+        if residual is None:
+            streams = delta.unsqueeze(1).expand(-1, _v4(ctx.config).hc_mult, -1).contiguous()
+            return self._site(p.attn_hc, p.attn_norm, streams, ctx), streams
+        return self._write_back_site(residual, delta, residual.streams, p.attn_hc, p.attn_norm, ctx)
+
+    def body(self, p: V4LayerParams, entered: V4Entered, residual: torch.Tensor, cache: V4LayerCache,
+             ctx: LayerContext) -> tuple[torch.Tensor, HyperResidual | torch.Tensor, V4LayerCache]:
+        """residual: the streams [T, N, D] -> (the MoE output [T, D], its pending write-back, cache); the last
+        layer: (the hyper head's output [T, D], zeros [T, D], cache)."""
+        out, cache = v4_attention(p.attn, entered.x, cache, ctx.batch, ctx.mode, self.attention, ctx.config, ctx.ops,
+                                  inplace=ctx.inplace)
+        ffn, streams = self._write_back_site(entered, out, residual, p.ffn_hc, p.ffn_norm, ctx)
+        y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config, ctx.ops)
+        if not self.head:
+            return y, HyperResidual(streams, ffn.post, ffn.comb), cache
+        if p.hc_head is None:
+            raise ValueError("the last V4 layer's params must hold the hyper head (hc_head)")
+        v = _v4(ctx.config)
+        streams = ctx.ops.v4.hc_write_back(ffn.post, ffn.comb, y, streams)
+        head = p.hc_head
+        final = ctx.ops.v4.hc_head(streams, head.fn, head.base, head.scale, hc_eps=v.hc_eps,
+                                   norm_eps=ctx.config.rms_norm_eps)
+        return final, torch.zeros_like(final), cache
+
+
+def v4_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:
+    """The kind of each layer of a V4 model, by its layer type."""
+    types = _v4(config).layer_types
+    return tuple(V4DecoderLayer(t, head=i == len(types) - 1) for i, t in enumerate(types))
+
+
+__all__ = ["V4DecoderLayer", "V4Entered", "compressed_types", "v4_cache_groups", "v4_layer_kinds"]

@@ -1,0 +1,68 @@
+"""Drawing a step's tokens: the one packing of requests' settings into the sampler.
+
+Every place that turns logits rows into tokens (a plain step's rows, a verify step's rows, the
+drafter's chain and catch-up) lists the rows it draws with `DrawRows` and calls `draw_tokens`:
+each row gets its request's penalties (when asked), temperature, top-k, top-p, its seed and the
+key position of the token it draws, so a row's token is the same function of its logits
+wherever it is drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mla_func.kernels import Ops
+from mla_func.serving.penalties import adjust_logits
+from mla_func.serving.requests import CheckedRequest
+from mla_func.serving.sampling import sample
+
+__all__ = ["DrawRows", "draw_tokens"]
+
+
+@dataclass(slots=True)
+class DrawRows:
+    """The rows to draw a token from, in order: each one's logits row index, request, context (the
+    tokens penalties count), seed and key position (the index the drawn token will have)."""
+
+    index: list[int] = field(default_factory=list)
+    requests: list[CheckedRequest] = field(default_factory=list)
+    contexts: list[list[int]] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def add(self, index: int, request: CheckedRequest, seed: int, context: list[int], position: int) -> None:
+        self.index.append(index)
+        self.requests.append(request)
+        self.contexts.append(context)
+        self.seeds.append(seed)
+        self.positions.append(position)
+
+
+def draw_tokens(logits: torch.Tensor, rows: DrawRows, *, penalties: bool, ops: Ops) -> torch.Tensor:
+    """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key
+    by `ops`' sampling op; `penalties` applies each request's penalties and min_tokens first."""
+    device = logits.device
+    if not rows.index:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    identity = rows.index == list(range(logits.shape[0]))
+    picked = logits if identity else logits.index_select(0, torch.tensor(rows.index, device=device))
+    reqs = rows.requests
+    if penalties:
+        picked = adjust_logits(picked, reqs, rows.contexts)
+    if all(r.params.greedy for r in reqs):
+        # Greedy rows need no noise: skip the [M, V] draw (a host-side fact, so no sync).
+        return picked.argmax(dim=-1)
+    vocab = picked.shape[-1]
+    return sample(
+        picked,
+        # 0 for greedy rows, so the device decides exactly as `SamplingParams.greedy` did.
+        temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in reqs], device=device),
+        top_k=torch.tensor([min(r.params.top_k, vocab) for r in reqs], device=device),
+        top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
+        seeds=torch.tensor(rows.seeds, dtype=torch.int64, device=device),
+        positions=torch.tensor(rows.positions, dtype=torch.int64, device=device),
+        use_top_k_top_p=any(r.params.top_k or r.params.top_p < 1 for r in reqs),
+        ops=ops,
+    )

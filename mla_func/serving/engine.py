@@ -1,0 +1,324 @@
+"""Engine: continuous batching of generation requests over the memoized step.
+
+The engine owns the KV state, the scheduler and the step. Each iteration asks the scheduler
+for a plan, runs it through `make_step`, samples the rows that produce logits on the device
+with each request's own key (seed, position), and feeds the tokens back. A request with bad
+input fails alone: its completion carries the error, and every other request of the batch
+runs to its end. Every request is checked (`mla_func.serving.requests`) before any is queued; each
+row's penalties and min_tokens (`mla_func.serving.penalties`) are applied to its logits on the
+device before sampling.
+
+An error or an interrupt inside an iteration (a step, drawing, the drafter, a host sync)
+reaches the caller, aborts that call's requests and frees their blocks, and leaves the
+engine usable: every step of its state goes through `Engine._target_step`, which keeps the
+state the step returns before anything else runs (the drafter's state is kept the same way
+in `mla_func.serving.speculative`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from mla_func.core.model import Model
+from mla_func.core.plan import SeqPlan, StepPlan
+from mla_func.core.prepare import extra_cache_groups, init_state
+from mla_func.core.step import StepOutput, make_step
+from mla_func.kernels import default_backend, ops_for
+from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
+from mla_func.serving.draws import DrawRows, draw_tokens
+from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
+from mla_func.serving.requests import (CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent, check_request,
+                       check_score_ids, split_call)
+from mla_func.serving.sampling import request_seed
+from mla_func.serving.scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
+from mla_func.serving.speculative import SpeculativeDecoder, SpeculativeStats
+from mla_func.state.block_allocator import OutOfBlocks
+
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
+
+
+class Engine:
+    """Scheduler + sampler + state around one model.
+
+    Defaults: block_size 16; num_blocks from free memory (85% of free GPU memory less 2 GiB
+    on CUDA, an eighth of RAM on CPU), at most what max_num_seqs full-length sequences need;
+    max_num_seqs 64; max_num_batched_tokens 2048; long_prefill_token_threshold 512; mixed
+    batches and prefix caching on; max_model_len the model's maximum; backend "triton" on
+    CUDA, "torch" elsewhere; CUDA graphs on where CUDA is, for decode steps only
+    (`graph_kinds`): decode steps are launch-bound and few shapes recur, while prefill and
+    mixed steps are compute-bound and would each need a graph for every combination of
+    padded sizes they meet. `batch_invariant=True` makes a request's logits, and so its
+    tokens, independent of what else is running, at a cost in speed (off by default; see
+    README "Batch invariance"). `speculative_tokens=k` (1 to 8; 0, the default, is off)
+    drafts k tokens a decode step with the model's MTP layer (`load_model(..., mtp=True)`)
+    and verifies them in one step (`mla_func.serving.speculative`); with `batch_invariant=True` the
+    tokens are exactly those of decoding without drafts (`mla_func.serving.acceptance`; in the default
+    mode a verify row's last bits can follow its step's row count, see README "Speculative
+    decoding"), and `speculative_stats` counts accepted drafts.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int | None = 512,
+        enable_mixed: bool = True,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        backend: str | None = None,
+        graphs: bool = True,
+        graph_kinds: tuple[str, ...] = ("decode",),
+        seed: int = 0,
+        batch_invariant: bool = False,
+        speculative_tokens: int = 0,
+    ):
+        for name, flag in (("enable_mixed", enable_mixed), ("enable_prefix_caching", enable_prefix_caching),
+                           ("graphs", graphs), ("batch_invariant", batch_invariant)):
+            check_flag(name, flag)
+        check_limit("max_num_seqs", max_num_seqs, 1)
+        check_limit("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_limit("long_prefill_token_threshold", long_prefill_token_threshold, 0, or_none=True)
+        check_limit("seed", seed, None)
+        check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
+        if speculative_tokens and model.mtp is None:
+            raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
+        if max_model_len is None:
+            max_model_len = model.max_positions
+        check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
+                     "the model's max_position_embeddings")
+        check_limit("block_size", block_size, 1)
+        if num_blocks is not None:
+            check_limit("num_blocks", num_blocks, 2, why="block 0 is the scratch block")
+        if max_model_len > model.max_positions:  # RoPE tables are built as long as the engine needs
+            model = model.with_max_positions(max_model_len)
+        self.model = model
+        self.config = EngineConfig(
+            block_size=block_size,
+            num_blocks=(num_blocks if num_blocks is not None
+                        else default_num_blocks(model, block_size, max_num_seqs, max_model_len,
+                                                speculative=bool(speculative_tokens))),
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold, enable_mixed=enable_mixed,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            backend=backend or default_backend(model.device), graphs=graphs, graph_kinds=tuple(graph_kinds),
+            batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
+        )
+        c = self.config
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
+            num_blocks=c.num_blocks, max_model_len=c.max_model_len,
+            # The model's cache groups past the token group (`Family.cache_groups`: compressed entries, say), as the state's.
+            extra_cache_groups=extra_cache_groups(model.config, c.num_blocks, c.block_size),
+            long_prefill_token_threshold=c.long_prefill_token_threshold, enable_mixed=c.enable_mixed,
+            enable_prefix_caching=c.enable_prefix_caching, speculative_tokens=c.speculative_tokens,
+        ))
+        step_args: dict[str, Any] = dict(
+            backend=c.backend, graphs=c.graphs, graph_kinds=c.graph_kinds, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len, block_size=c.block_size,
+            batch_invariant=c.batch_invariant)
+        # With drafts, the target's steps also return every row's hidden state, which the drafter reads.
+        self.step = make_step(model, fn=target_step_fn if c.speculative_tokens else None, **step_args)
+        self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
+                                dtype=model.dtype, device=model.device)
+        # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
+        self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
+        self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
+            make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model), **step_args),
+            init_drafter_state(model, self.state), self._ops)
+        self._rng = random.Random(seed)
+        self._next_id = 0
+
+    def warmup(self, *, progress: bool = True) -> int:
+        """Capture every decode graph the step's ladders allow (one per batch rung and table-width rung;
+        with drafts, for each verify length 1..k+1, and the drafter's), now rather than on first use.
+        Without graphs (or off CUDA) it does nothing. Returns how many graphs were captured."""
+        max_q = self.config.speculative_tokens + 1
+        before = len(self.step.captured_keys)
+        modes = [m for q in range(1, max_q + 1) for m in self.step.decode_graph_modes(self.state, decode_q_len=q)]
+        self.step.warmup(self.state, modes, progress=progress)
+        drafter = 0 if self._speculative is None else self._speculative.warmup(
+            max_q, self.model.config.hidden_size, progress=progress)
+        return len(self.step.captured_keys) - before + drafter
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        """Drafts proposed and accepted so far (all zero without speculative_tokens)."""
+        return self._speculative.stats if self._speculative is not None else SpeculativeStats()
+
+    # ---- requests ---------------------------------------------------------------
+
+    @property
+    def requests_started(self) -> int:
+        """Requests this engine has accepted so far: the next one's request id (ids count up from 0
+        in call order, a bad request taking none)."""
+        return self._next_id
+
+    @property
+    def limits(self) -> Limits:
+        c = self.config
+        return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
+                      c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer)
+
+    # ---- generation ---------------------------------------------------------------
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
+    ) -> list[Completion]:
+        """One completion per prompt, in order. A bad request's completion has `error` set.
+
+        Raises RequestError (index None) only if the call itself is malformed; see `mla_func.serving.requests`.
+        """
+        completions = [e.completion for e in self.generate_stream(prompts, params) if e.completion is not None]
+        return sorted(completions, key=lambda c: c.index)
+
+    def generate_stream(
+        self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
+    ) -> Iterator[StreamEvent]:
+        """Yield each sampled token as soon as its step ends; a request's last event carries its completion.
+
+        Bad requests come first, as events with token_id -1 and a completion whose
+        `error` is set. Closing the stream at any point aborts what is left and
+        frees every block it held.
+        """
+        calls = split_call(prompts, params)
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("generate: the engine is already generating (one generate at a time)")
+        limits = self.limits
+        checked: list[CheckedRequest] = []
+        errors: list[tuple[int, RequestError]] = []
+        for index, (prompt, p) in enumerate(calls):
+            try:
+                checked.append(check_request(index, prompt, p, limits))
+            except RequestError as error:
+                errors.append((index, error))
+        live: dict[Hashable, tuple[CheckedRequest, int]] = {}  # request id -> (request, seed)
+        outputs: dict[Hashable, list[int]] = {}
+        unfinished: set[Hashable] = set()
+        try:
+            for c in checked:
+                new_id = self._next_id
+                self._next_id += 1
+                live[new_id] = (c, request_seed(c.params, self._rng))
+                outputs[new_id] = []
+                self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
+                unfinished.add(new_id)
+            for index, failure in errors:
+                yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
+            while (scheduled := self.scheduler.schedule()) is not None:
+                with self._inference():
+                    sampled = self._iterate(scheduled, live, outputs)
+                finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
+                unfinished -= finished.keys()
+                if (spec := self._speculative) is not None:
+                    spec.forget(*finished)
+                for request_id, tokens in zip(scheduled.request_ids, sampled):
+                    if tokens is None:
+                        continue
+                    done = finished.get(request_id)
+                    # A verify row gives several tokens; the scheduler keeps them up to a stop or the length.
+                    kept = done.output_token_ids[len(outputs[request_id]):] if done else (
+                        (tokens,) if isinstance(tokens, int) else tokens)
+                    request = live[request_id][0]
+                    for j, token in enumerate(kept):
+                        outputs[request_id].append(token)
+                        last = j == len(kept) - 1
+                        yield StreamEvent(request.index, token,
+                                          self._completion(request, done) if done is not None and last else None)
+        finally:
+            # An abandoned stream or an error must not leave requests holding blocks.
+            for request_id in unfinished:
+                self.scheduler.finish(request_id)
+            if (spec := self._speculative) is not None:
+                spec.forget(*unfinished)
+
+    def _inference(self) -> torch.inference_mode:
+        # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
+        return torch.inference_mode(not self.step.graphs)
+
+    def _target_step(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` on the engine's state: the one place that state is donated.
+
+        The step donates `self.state` and returns a new live state over the same buffers; it is
+        stored here as the step returns, before anything after it (drawing, the drafter's catch-up, a
+        host sync, an interrupt) can raise, so no fault leaves the engine holding a donated state. A
+        step marks its state donated only once it has run, so one that raises part-way leaves it live;
+        the cache entries it wrote lie past what the scheduler counts, and later steps overwrite them.
+        """
+        batch, mode = self.step.prepare(self.state, plan)
+        self.state, out = self.step(self.state, batch, mode)
+        return out
+
+    def _iterate(
+        self,
+        scheduled: ScheduledStep,
+        live: dict[Hashable, tuple[CheckedRequest, int]],
+        outputs: dict[Hashable, list[int]],
+    ) -> list[int | tuple[int, ...] | None]:
+        """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row."""
+        spec = self._speculative
+        if spec is None:
+            return self._run(scheduled, live, outputs)
+        verify = spec.draft(scheduled, live, outputs)
+        return spec.accept(verify, self._target_step(verify.plan), live, outputs)
+
+    def _run(
+        self,
+        scheduled: ScheduledStep,
+        live: dict[Hashable, tuple[CheckedRequest, int]],
+        outputs: dict[Hashable, list[int]],
+    ) -> list[int | tuple[int, ...] | None]:
+        """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
+        out = self._target_step(scheduled.plan)
+        rows = scheduled.rows
+        draws = DrawRows()
+        for i, row in enumerate(rows):
+            if row.num_logits:
+                request_id = scheduled.request_ids[i]
+                request, seed = live[request_id]
+                draws.add(len(draws.index), request, seed, outputs[request_id], row.seq_len)
+        if not draws.index:
+            return [None] * len(rows)
+        tokens = iter(draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist())
+        return [next(tokens) if row.num_logits else None for row in rows]
+
+    def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:
+        tokenizer = self.model.tokenizer
+        text = tokenizer.decode(list(finished.output_token_ids)) if tokenizer is not None else None
+        return Completion(request.index, finished.prompt_token_ids, finished.output_token_ids,
+                          finished.finish_reason.value, text=text)
+
+    # ---- scoring ---------------------------------------------------------------------
+
+    def score(self, token_ids: Prompt) -> torch.Tensor:
+        """The [T, V] logits of every position of a prompt, through the prefill path.
+
+        Runs in chunks of at most max_num_batched_tokens tokens, in blocks borrowed
+        from the cache and returned afterwards. Bad input raises RequestError
+        (checked as a generate prompt is, up to max_model_len tokens).
+        """
+        ids = check_score_ids(token_ids, self.limits)
+        c, blocks, tables = self.config, self.scheduler.blocks, self.scheduler.blocks.empty_tables()  # all groups'
+        try:
+            blocks.allocate(tables, blocks.blocks_needed(tables, len(ids)))
+        except OutOfBlocks as e:
+            raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks "
+                                     f"({e})") from None
+        try:
+            rows, seq_tables = [], [tuple(t) for t in tables]
+            for start in range(0, len(ids), c.max_num_batched_tokens):
+                chunk = ids[start : start + c.max_num_batched_tokens]
+                plan = StepPlan(prefill=(SeqPlan(chunk, start, seq_tables[0], len(chunk), tuple(seq_tables[1:])),))
+                with self._inference():
+                    out = self._target_step(plan)
+                rows.append(out.logits)
+            return torch.cat(rows)
+        finally:
+            blocks.free(tables)

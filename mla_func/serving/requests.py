@@ -1,0 +1,196 @@
+"""Requests: what a caller may hand to `Engine.generate` / `generate_stream` / `score`, checked in one place.
+
+Every check of request-level input is here, and the only exception it raises is
+`RequestError`, whatever Python value it is given. Checking has no side effects:
+the engine checks every request of a call first and only then queues the valid
+ones, so the scheduler never holds a request whose checks did not finish.
+
+Accepted prompts: a string (tokenized with the model's tokenizer, which must
+exist), or token ids as a list, tuple or range of ints, or a 1-D integer tensor.
+Token ids must be ints (not bools, floats or strings: nothing is coerced) in
+[0, vocab_size). An empty prompt is refused, text or ids alike: to generate
+from the start of a sequence, pass the beginning-of-sequence id.
+`generate("text")` is one prompt, the same as `generate(["text"])`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from mla_func.serving.sampling import SamplingParams, describe
+
+Prompt = str | Sequence[int]
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+class RequestError(ValueError):
+    """A request is invalid; the message names it by the caller's index. The others still run.
+
+    index is None when the call as a whole is invalid (prompts not a list, a
+    params list of the wrong length): then nothing ran.
+    """
+
+    def __init__(self, index: int | None, message: str):
+        super().__init__(message if index is None else f"request {index}: {message}")
+        self.index = index
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The result of one prompt.
+
+    finish_reason: "stop" (a stop or end-of-sequence token), "length" (max_tokens
+    or the model's maximum length), "abort", or "error" (then `error` says why and
+    token_ids is empty).
+    """
+
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    text: str | None = None
+    error: RequestError | None = None
+
+    def raise_for_error(self) -> Completion:
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One sampled token of one request; `completion` is set on its last event (token_id -1 on an error)."""
+
+    index: int
+    token_id: int
+    completion: Completion | None = None
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the engine can take: the model's vocabulary and end-of-sequence ids, the cache's size."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    block_size: int
+    num_usable_blocks: int
+    tokenizer: Tokenizer | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request that passed every check. stop_token_ids: the params' own plus, unless ignore_eos, EOS."""
+
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    stop_token_ids: tuple[int, ...]
+
+
+def split_call(prompts: object, params: object) -> list[tuple[object, object]]:
+    """(prompt, params) per request of one call; RequestError(None) if the call itself is malformed."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError(None, f"prompts must be a list of prompts (strings or token id lists), got "
+                                 f"{type(prompts).__name__}")
+    if params is None or isinstance(params, (SamplingParams, Mapping)):
+        return [(p, params) for p in prompts]
+    if not isinstance(params, (list, tuple)):
+        raise RequestError(None, "params must be a SamplingParams, a mapping of its fields, None, or a list of "
+                                 f"those (one per prompt), got {type(params).__name__}")
+    if len(params) != len(prompts):
+        raise RequestError(None, f"params: expected one per prompt ({len(prompts)}), got {len(params)}")
+    return list(zip(prompts, params))
+
+
+def check_params(index: int | None, params: object) -> SamplingParams:
+    """SamplingParams from a SamplingParams, a mapping of its fields, or None (the defaults)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if not isinstance(params, Mapping):
+        raise RequestError(index, f"params must be a SamplingParams, a mapping of its fields or None, got "
+                                  f"{type(params).__name__}")
+    bad_keys = [k for k in params if not isinstance(k, str) or k not in SamplingParams.__dataclass_fields__]
+    if bad_keys:
+        raise RequestError(index, f"unknown SamplingParams fields {describe(bad_keys)}; expected some of "
+                                  f"{sorted(SamplingParams.__dataclass_fields__)}")
+    try:
+        return SamplingParams(**params)
+    except ValueError as e:  # SamplingParams' own checks, which name the field and value
+        raise RequestError(index, str(e)) from None
+
+
+def check_token_ids(index: int | None, prompt: object, limits: Limits, *, what: str = "the prompt") -> tuple[int, ...]:
+    """The token ids of a prompt (text is tokenized); see the module docstring for what is accepted."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(index, f"{what} is empty")
+        if limits.tokenizer is None:
+            raise RequestError(index, f"{what} is text but the model has no tokenizer.json; pass token ids")
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in prompt):
+            raise RequestError(index, f"{what} holds a lone surrogate, which is not text a tokenizer can encode")
+        return check_token_ids(index, tuple(limits.tokenizer.encode(prompt).ids), limits, what=what)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+            raise RequestError(index, f"{what} as a tensor must be 1-D of an integer dtype, got "
+                                      f"{tuple(prompt.shape)} {prompt.dtype}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple, range)):
+        raise RequestError(index, f"{what} must be a string or a list/tuple/range of token ids, got "
+                                  f"{type(prompt).__name__}")
+    ids = tuple(prompt)
+    if not ids:
+        raise RequestError(index, f"{what} is empty")
+    for position, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RequestError(index, f"token ids must be ints, got {describe(t)} ({type(t).__name__}) "
+                                      f"at position {position}")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(index, f"token ids must be in [0, {limits.vocab_size}), got {describe(bad[:8])}")
+    return ids
+
+
+def check_request(index: int, prompt: object, params: object, limits: Limits) -> CheckedRequest:
+    """Every check of one generation request; RequestError(index) naming the first that fails."""
+    checked = check_params(index, params)
+    ids = check_token_ids(index, prompt, limits)
+    vocab = limits.vocab_size
+    bad_stops = [t for t in checked.stop_token_ids if t >= vocab]
+    if bad_stops:
+        raise RequestError(index, f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {describe(bad_stops)}")
+    stop = checked.stop_token_ids if checked.ignore_eos else checked.stop_token_ids + limits.eos_token_ids
+    if checked.min_tokens and len(set(stop)) >= vocab:
+        raise RequestError(index, f"min_tokens {checked.min_tokens} with every token of the vocabulary a stop token "
+                                  "leaves nothing to sample")
+    if len(ids) >= limits.max_model_len:
+        raise RequestError(index, f"the prompt has {len(ids)} tokens; the maximum length is {limits.max_model_len} "
+                                  "(prompt plus at least one generated token)")
+    # The scheduler's own bound, checked here so that queuing cannot fail: the last
+    # sampled token is never fed back, so the cache holds at most max_len - 1 tokens.
+    max_len = min(len(ids) + checked.max_tokens, limits.max_model_len)
+    blocks = -(-(max_len - 1) // limits.block_size)
+    if blocks > limits.num_usable_blocks:
+        raise RequestError(index, f"needs up to {blocks} KV blocks ({max_len - 1} tokens) but the cache has only "
+                                  f"{limits.num_usable_blocks} usable blocks of {limits.block_size} tokens")
+    return CheckedRequest(index, ids, checked, stop)
+
+
+def check_score_ids(token_ids: object, limits: Limits) -> tuple[int, ...]:
+    """The token ids `Engine.score` may run: a prompt's checks, with up to max_model_len tokens."""
+    ids = check_token_ids(None, token_ids, limits, what="score: token_ids")
+    if len(ids) > limits.max_model_len:
+        raise RequestError(None, f"score: {len(ids)} tokens exceed max_model_len {limits.max_model_len}")
+    return ids

@@ -1,0 +1,272 @@
+"""Speculative decoding with the model's MTP layer: draft, verify, accept, catch up, one scheduled step at a time.
+
+One iteration, for the step the scheduler planned (decode rows of `decode_q_len` = 1 + k'
+tokens, k' <= k drafts):
+
+1. draft (`SpeculativeDecoder.draft`): each decode sequence's first draft (and the
+   drafter's hidden state after it) came from the previous iteration's catch-up; drafts
+   2..k' are drafter decode steps at positions c .. c + k' - 2, each fed the previous
+   draft and hidden state on the device. One host sync brings the chain's drafts back
+   (none for k' = 1). Returns the `Verify`: the drafts and the target step's plan;
+2. verify: the engine runs that plan on its own state, one target step, the decode rows
+   fed [last token, drafts] (a decode segment of k' + 1 causal query tokens a sequence,
+   through the absorbed decode kernel), the prefill chunks with logits and hidden states
+   for every row (the drafter needs them);
+3. accept (`SpeculativeDecoder.accept`, steps 3 to 5): every verify row's token is drawn
+   with the request's key and the drafts are accepted as `acceptance` says, on the device;
+4. catch up: one drafter step over the same rows as the target's, each row fed the
+   token after it (a prompt token, the token just drawn, or a verify row's token) and
+   the target's hidden state of that row, which writes the drafter's cache where the
+   target's is valid and draws the next first drafts from the rows that will continue.
+   Rows after a rejected draft write dead entries that later steps overwrite;
+5. one host sync brings the tokens, the accepted counts and the next first drafts back,
+   and only then are the next first drafts and the counts recorded.
+
+Faults: the decoder never holds the target's state (the engine runs step 2 and keeps the
+state that step returns), and it keeps the drafter's new state as each drafter step
+returns, so an error or an interrupt anywhere in an iteration leaves both states live.
+Until step 5 ends, an iteration changes no draft and no count (it only drops those of
+the requests the scheduler preempted for it), so after a fault `drafts` still matches
+the scheduler, which was not updated either; the engine then aborts the call's requests
+and `forget`s their drafts, so a later call finds none. The cache entries a failed
+iteration wrote lie at or past each sequence's computed length, dead as a rejected
+draft's are, in blocks the prefix cache registers only once an iteration has ended.
+
+Draft, verify and catch-up steps are ordinary steps of `make_step` (memoized and
+graph-captured by their modes; the query length is part of the static key). The two
+host syncs (`to_host`) sit between steps: after the draft chain and after the catch-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from mla_func.core.batch import Batch
+from mla_func.core.mode import ForwardMode
+from mla_func.core.plan import SeqPlan, StepPlan
+from mla_func.core.step import Step, StepOutput
+from mla_func.kernels import Ops
+from mla_func.serving.acceptance import accepted_lengths
+from mla_func.serving.draws import DrawRows, draw_tokens
+from mla_func.serving.requests import CheckedRequest
+from mla_func.serving.scheduler import ScheduledStep
+from mla_func.state.kv_cache import KVCacheState
+
+__all__ = ["Draft", "SpeculativeDecoder", "SpeculativeStats", "Verify", "to_host"]
+
+Live = dict[Hashable, tuple[CheckedRequest, int]]   # request id -> (request, seed)
+Sampled = list[int | tuple[int, ...] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A sequence's first draft for its verify row at `position` (its start_pos)."""
+
+    position: int
+    token: int
+    hidden: torch.Tensor   # [D] the drafter's normalised hidden state after the draft
+
+
+@dataclass(slots=True)
+class SpeculativeStats:
+    """Counts over verify rows: drafts proposed and drafts accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """An iteration's drafts and the target step that verifies them (`SpeculativeDecoder.draft`).
+
+    plan: the scheduled plan with each decode row fed [last token, its drafts], and logits (and
+          hidden states) for every prefill row, which the drafter's catch-up reads.
+    """
+
+    scheduled: ScheduledStep
+    drafts: tuple[tuple[int, ...], ...]   # per decode row, decode_q_len - 1 drafts
+    plan: StepPlan
+
+
+def to_host(values: torch.Tensor) -> list[Any]:
+    """Bring device values to the host: the iteration's host syncs, both of them through here."""
+    return values.tolist()
+
+
+class SpeculativeDecoder:
+    """The drafter's step and state beside the engine's target step.
+
+    An iteration is `draft`, then the engine's own step of `Verify.plan` on the target's
+    state (which this class never holds), then `accept`.
+    """
+
+    def __init__(self, drafter: Step, drafter_state: KVCacheState, ops: Ops):
+        self.drafter = drafter
+        self.ops = ops  # the engine's op table, whose sampling op draws every token here
+        self.state = drafter_state
+        self.drafts: dict[Hashable, Draft] = {}
+        self.stats = SpeculativeStats()
+
+    def warmup(self, max_q_len: int, hidden_size: int, *, progress: bool) -> int:
+        """Capture the drafter's decode graphs for every step length 1..max_q_len (its draft steps
+        have one row a sequence, its catch-up steps one per verified row); returns how many."""
+        before = len(self.drafter.captured_keys)
+        modes = [m for q in range(1, max_q_len + 1) for m in self.drafter.decode_graph_modes(self.state, decode_q_len=q)]
+        self.drafter.warmup(self.state, modes, progress=progress, hidden_size=hidden_size)
+        return len(self.drafter.captured_keys) - before
+
+    def forget(self, *request_ids: Hashable) -> None:
+        """Drop requests' pending drafts (they finished or were preempted; a recompute drafts anew)."""
+        for request_id in request_ids:
+            self.drafts.pop(request_id, None)
+
+    def draft(self, scheduled: ScheduledStep, live: Live, outputs: dict[Hashable, list[int]]) -> Verify:
+        """Step 1: the drafts of `scheduled`'s decode rows, and the plan of the target step that verifies them."""
+        plan, ids = scheduled.plan, scheduled.request_ids
+        self.forget(*scheduled.preempted)  # before the catch-up, which drafts anew for one re-admitted at once
+        drafts = self._draft(plan, ids[len(plan.prefill):], live, outputs)
+        target_plan = StepPlan(
+            prefill=tuple(replace(s, num_logits=s.num_tokens) for s in plan.prefill),
+            decode=tuple(replace(s, token_ids=s.token_ids[:1] + d) for s, d in zip(plan.decode, drafts)),
+            decode_q_len=plan.decode_q_len)
+        return Verify(scheduled, tuple(drafts), target_plan)
+
+    def accept(self, verify: Verify, target: StepOutput, live: Live, outputs: dict[Hashable, list[int]]) -> Sampled:
+        """Steps 3 to 5, after the target's step of `verify.plan` gave `target`: per row of the scheduled
+        step, its tokens (an int for a prefill row that completes its prompt, a tuple for a decode row,
+        None otherwise). Records the next first drafts and the counts only once everything else has run."""
+        plan, ids, drafts = verify.scheduled.plan, verify.scheduled.request_ids, verify.drafts
+        num_prefill, q = len(plan.prefill), plan.decode_q_len
+        decode_ids = ids[num_prefill:]
+        logits, hidden = target.output.logits, target.output.hidden      # [N, V], [N, D]: every real row
+
+        rows, done, offset = DrawRows(), [], 0
+        for i, s in enumerate(plan.prefill):
+            offset += s.num_tokens
+            if s.num_logits:  # the chunk completes its prompt
+                done.append(i)
+                self._add(rows, offset - 1, ids[i], live, outputs[ids[i]], s.seq_len)
+        for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
+            for j in range(q):
+                self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
+        tokens = draw_tokens(logits, rows, penalties=True, ops=self.ops)           # [len(done) + B * q]
+        verify_tokens = tokens[len(done):].view(len(decode_ids), q)
+        drafted = torch.tensor(drafts, dtype=torch.int64, device=tokens.device).view(len(decode_ids), q - 1)
+        accepted = accepted_lengths(verify_tokens, drafted)
+        first, next_hidden, continuing = self._catch_up(plan, ids, live, outputs, tokens, hidden, accepted)
+
+        host = to_host(torch.cat([tokens, accepted, first]))  # the iteration's one sync after its steps
+        n_tokens, n_acc = len(rows.index), len(decode_ids)
+        sampled: Sampled = [None] * len(ids)
+        for k, i in enumerate(done):
+            sampled[i] = host[k]
+        counts = host[n_tokens:n_tokens + n_acc]
+        for b, a in enumerate(counts):
+            sampled[num_prefill + b] = tuple(host[len(done) + b * q: len(done) + b * q + a + 1])
+        next_drafts = {}
+        for k, (rid, position, b) in enumerate(continuing):
+            if b >= 0:  # a verify row continues after the tokens it keeps
+                position = plan.decode[b].start_pos + counts[b] + 1
+            next_drafts[rid] = Draft(position, host[n_tokens + n_acc + k], next_hidden[k])
+        # The iteration's only changes to the decoder, after the last thing that can fail.
+        self.drafts.update(next_drafts)
+        self.stats.drafted += (q - 1) * n_acc
+        self.stats.accepted += sum(counts)
+        return sampled
+
+    def _drafter_step(self, batch: Batch, mode: ForwardMode) -> StepOutput:
+        """Run the drafter on its state. The step donates `self.state`; its new state is kept here as
+        the step returns, so whatever raises afterwards leaves the decoder a live state."""
+        self.state, out = self.drafter(self.state, batch, mode)
+        return out
+
+    @staticmethod
+    def _add(rows: DrawRows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
+        request, seed = live[rid]
+        rows.add(index, request, seed, context, position)
+
+    def _draft(self, plan: StepPlan, decode_ids: Sequence[Hashable], live: Live,
+               outputs: dict[Hashable, list[int]]) -> list[tuple[int, ...]]:
+        """The drafts of each decode row (decode_q_len - 1 of them)."""
+        q = plan.decode_q_len
+        if q == 1:
+            return [()] * len(decode_ids)
+        firsts = []
+        for s, rid in zip(plan.decode, decode_ids):
+            draft = self.drafts.get(rid)
+            if draft is None or draft.position != s.start_pos:
+                raise RuntimeError(f"speculative decoding: request {rid!r} has no first draft for position "
+                                   f"{s.start_pos} (got {None if draft is None else draft.position})")
+            firsts.append(draft)
+        if q == 2:
+            return [(d.token,) for d in firsts]
+        device = self.state.device
+        token = torch.tensor([d.token for d in firsts], dtype=torch.int64, device=device)   # [B]
+        hidden = torch.stack([d.hidden for d in firsts])                                  # [B, D]
+        chain = []
+        for i in range(2, q):  # draft i: the row at c + i - 2 fed draft i - 1, for the token at c + i
+            step_plan = StepPlan(decode=tuple(SeqPlan((0,), s.start_pos + i - 2, s.block_table, 1, s.group_block_tables)
+                                              for s in plan.decode))
+            batch, mode = self.drafter.prepare(self.state, step_plan)
+            n, pad = len(firsts), mode.num_tokens - len(firsts)
+            batch = replace(batch, input_ids=torch.cat([token, batch.input_ids[n:]]),
+                            hidden=torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]))
+            out = self._drafter_step(batch, mode)
+            rows = DrawRows()
+            for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
+                self._add(rows, b, rid, live, [], s.start_pos + i)
+            token, hidden = draw_tokens(out.output.logits, rows, penalties=False, ops=self.ops), out.output.hidden
+            chain.append(token)
+        later = to_host(torch.stack(chain, dim=1))  # the draft chain's one host sync
+        return [(d.token, *rest) for d, rest in zip(firsts, later)]
+
+    def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, outputs: dict[Hashable, list[int]],
+                  tokens: torch.Tensor, hidden: torch.Tensor,
+                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Hashable, int, int]]]:
+        """The drafter over the target step's rows; returns the next first drafts [M], their hidden states
+        [M, D] and, for each, (request id, the position of its next verify row, or for verify row b
+        (-1, b): the position follows from the drafts it accepts)."""
+        q = plan.decode_q_len
+        prefill, patch_rows, continuing = [], [], []
+        rows = DrawRows()
+        offset, num_logits = 0, 0
+        for s, rid in zip(plan.prefill, ids):
+            request = live[rid][0]
+            full = list(request.prompt_token_ids) + outputs[rid]
+            end = s.seq_len
+            nxt = full[end] if end < len(full) else 0
+            if end >= len(full):
+                patch_rows.append(offset + s.num_tokens - 1)     # fed the token drawn just now
+            logits = 1 if end >= len(full) - 1 else 0
+            prefill.append(SeqPlan(s.token_ids[1:] + (nxt,), s.start_pos, s.block_table, logits, s.group_block_tables))
+            if logits:
+                self._add(rows, num_logits, rid, live, [], end + 1)
+                continuing.append((rid, end, -1))
+                num_logits += 1
+            offset += s.num_tokens
+        decode = tuple(SeqPlan((0,) * q, s.start_pos, s.block_table, q, s.group_block_tables) for s in plan.decode)
+        for b, (s, rid) in enumerate(zip(plan.decode, ids[len(plan.prefill):])):
+            for j in range(q):
+                self._add(rows, num_logits + b * q + j, rid, live, [], s.start_pos + j + 2)
+            continuing.append((rid, -1, b))
+        batch, mode = self.drafter.prepare(self.state, StepPlan(prefill=tuple(prefill), decode=decode, decode_q_len=q))
+        device = tokens.device
+        split, n_decode = mode.padded_prefill_tokens, len(decode) * q
+        patch_rows += range(split, split + n_decode)
+        real = torch.cat([torch.arange(offset, device=device), torch.arange(split, split + n_decode, device=device)])
+        # The rows fed a token drawn this iteration, in the order `tokens` holds them.
+        ids_t = batch.input_ids.index_copy(0, torch.tensor(patch_rows, dtype=torch.int64, device=device), tokens)
+        fed = hidden.new_zeros(mode.num_tokens, hidden.shape[1]).index_copy(0, real, hidden)
+        out = self._drafter_step(replace(batch, input_ids=ids_t, hidden=fed), mode)
+        drafts = draw_tokens(out.output.logits, rows, penalties=False, ops=self.ops)
+        pick = torch.cat([torch.arange(num_logits, device=device),
+                          num_logits + torch.arange(len(decode), device=device) * q + accepted])
+        return drafts.index_select(0, pick), out.output.hidden.index_select(0, pick), continuing

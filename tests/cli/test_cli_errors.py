@@ -1,0 +1,223 @@
+"""`mla-func`'s user errors and notes, run in a subprocess as a user would: each error is one
+`error:` line (no usage block) naming the option, with exit status 2, and comes before the load.
+
+Each kind of mistake runs in a subprocess at least once; its further variants, which argparse
+refuses before anything else runs, call `cli.main` in the test's own process (the same output,
+without a second's interpreter start each)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import transformers
+
+import mla_func.cli.commands as cli
+from mla_func.models.presets import v32_lite
+from mla_func.models.tensor_shapes import hf_tensor_shapes
+
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, as on a fresh machine
+MISSING = "/nonexistent/model"  # a model that would fail to load: an error about it means the load came first
+
+
+def mla_func(*args: str, timeout: int = 240, limit_memory: int | None = None) -> subprocess.CompletedProcess:
+    """`mla-func ARGS` in a subprocess; `limit_memory` caps its address space (bytes)."""
+    exe = shutil.which("mla-func")
+    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+
+    def cap() -> None:
+        if limit_memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_memory, limit_memory))
+
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=ENV, input="",
+                          preexec_fn=cap)
+
+
+def parse_only(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`mla-func ARGS` for arguments the parser refuses (or answers, --help) before anything runs:
+    `cli.main` in this process, its exit status and output as a subprocess's would be."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mla-func", *args], exited.value.code or 0, out, err)
+
+
+def assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert (result.returncode, result.stderr) == (2, f"error: {expected}\n"), result.stderr
+    assert result.stdout == ""
+
+
+# ---- option values and unknown options: argparse's errors, one line each -----------------------------
+
+@pytest.mark.parametrize("args, expected", [
+    (("generate", "x", "--speculative-tokens", "9"), "--speculative-tokens: expected an int in [0, 8], got 9"),
+    (("generate", "x", "--threads", "0"), "--threads: expected an int >= 1, got 0"),
+    (("generate", "x", "--threads=0"), "--threads: expected an int >= 1, got 0"),
+    (("generate", "x", "--max-tokens", "many"), "--max-tokens: invalid int value: 'many'"),
+    (("generate", "x", "--max-tokens"), "--max-tokens: expected one argument"),
+    (("bench", "--num-prompts", "0"), "--num-prompts: expected an int >= 1, got 0"),
+    (("bench", "--speculative-tokens", "-1"), "--speculative-tokens: expected an int in [0, 8], got -1"),
+])
+def test_a_bad_option_value_is_one_line_naming_the_option_and_its_range(args, expected, capsys):
+    # The report's own cases as a user runs them; the other variants in this process.
+    run = mla_func if args[2:3] in (("--speculative-tokens",), ("--threads",)) else partial(parse_only, capsys)
+    assert_one_error(run(*args, "--model", MISSING), expected)
+
+
+def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
+    result = parse_only(capsys, "generate", "x", "--model", MISSING, "--dtype", "f16")
+    assert result.returncode == 2
+    assert re.fullmatch(r"error: --dtype: invalid choice: 'f16' \(choose from '?bfloat16'?, '?float16'?, '?float32'?\)\n",
+                        result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("generate", "x", "--temprature", "0"), "unknown option --temprature: did you mean --temperature?"),
+    (("generate", "x", "--temprature=0"), "unknown option --temprature: did you mean --temperature?"),
+    (("generate", "x", "--top_k", "3"), "unknown option --top_k: did you mean --top-k or --top-p?"),
+    (("generate", "x", "--seeds", "3"), "unknown option --seeds: did you mean --seed?"),
+    (("bench", "--num-promts", "3"), "unknown option --num-promts: did you mean --num-prompts?"),
+    (("generate", "x", "--frobnicate"), "unknown option --frobnicate; see mla-func generate --help"),
+    (("generate", "x", "--temprature", "0", "--modle", "tiny"),
+     "unknown option --temprature: did you mean --temperature?; unknown option --modle: did you mean --model?"),
+    (("generate", "two", "words"), "unexpected argument 'words'; see mla-func generate --help"),
+    (("generate",), "the following arguments are required: prompt; see mla-func generate --help"),
+])
+def test_an_unknown_option_suggests_the_closest_ones_of_its_command(args, expected, capsys):
+    # The misspelling from the report as a user runs it; the other variants in this process.
+    run = mla_func if args == ("generate", "x", "--temprature", "0") else partial(parse_only, capsys)
+    assert_one_error(run(*args), expected)
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_help_still_prints_the_usage(command, capsys):
+    result = parse_only(capsys, command, "--help")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith(f"usage: mla-func {command} ") and "--speculative-tokens" in result.stdout
+
+
+# ---- drafts on a model without a multi-token-prediction layer ----------------------------------------
+
+def test_drafts_on_a_v4_model_name_the_flag_and_why():
+    result = mla_func("generate", "1 2", "--model", "v4-tiny", "--speculative-tokens", "2")
+    assert_one_error(result, "--speculative-tokens 2: v4-tiny is a DeepSeek-V4 model, whose multi-token-prediction "
+                             "(MTP) layers are not supported yet; run it without --speculative-tokens")
+
+
+def test_batch_invariance_on_a_v4_model_names_the_flag_and_why():
+    result = mla_func("bench", "--model", "v4-tiny", "--batch-invariant", "--num-prompts", "1")
+    assert_one_error(result, "--batch-invariant: v4-tiny is a DeepSeek-V4 model, whose layers have no "
+                             "batch-invariant ops yet; run it without --batch-invariant")
+
+
+def test_batch_invariant_drafts_run():
+    result = mla_func("generate", "1 2 3", "--model", "tiny", "--batch-invariant", "--speculative-tokens", "2",
+                      "--max-tokens", "6", "--temperature", "0", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 6 and "acceptance" in result.stderr
+
+
+def tiny_deepseek_v3(folder: Path, **save: str) -> Path:
+    """README's tiny transformers DeepSeek-V3 checkpoint: config.json says num_nextn_predict_layers 1,
+    but save_pretrained writes no MTP layer."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(folder, **save)
+    return folder
+
+
+@pytest.mark.parametrize("save", [{}, {"max_shard_size": "200KB"}], ids=["one file", "sharded with an index"])
+def test_drafts_on_a_checkpoint_without_an_mtp_layer_name_the_flag(tmp_path, save):
+    folder = tiny_deepseek_v3(tmp_path / "tiny-deepseek-v3", **save)
+    assert (folder / "model.safetensors.index.json").exists() == bool(save)
+    for command in (("generate", "1 2 3"), ("bench",)):
+        result = mla_func(*command, "--model", str(folder), "--speculative-tokens", "1")
+        assert_one_error(result, f"--speculative-tokens 1 needs a checkpoint with a multi-token-prediction (MTP) "
+                                 f"layer, and {folder} has none (no model.layers.2.* tensors); run it without "
+                                 "--speculative-tokens")
+    plain = mla_func("generate", "1 2 3", "--model", str(folder), "--max-tokens", "2", "--temperature", "0")
+    assert plain.returncode == 0, plain.stderr
+
+
+def test_drafts_on_a_shape_preset_use_its_random_mtp_layer():
+    result = mla_func("generate", "1 2 3", "--model", "tiny", "--speculative-tokens", "1", "--max-tokens", "3",
+                      "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "acceptance rate" in result.stderr
+
+
+# ---- lengths: refused before the load (bench), cut with a note (generate) ----------------------------
+
+def test_bench_prompts_longer_than_the_model_are_refused_before_the_load():
+    result = mla_func("bench", "--min-input-len", "500", "--max-input-len", "600")
+    assert_one_error(result, "--max-input-len 600 + --output-len 32 = 632 tokens, over the model's maximum length "
+                             "512 (demo's max_position_embeddings)")
+
+
+def test_max_tokens_past_the_model_length_is_cut_with_a_note():
+    prompt = " ".join(["Return the number of items."] * 83)   # 499 of the demo's tokens: 13 fit after it
+    result = mla_func("generate", prompt, "--max-tokens", "5000", "--temperature", "0", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    note, summary = result.stderr.splitlines()
+    assert note == ("note: --max-tokens 5000 cut to 13: the model's maximum length is 512 and the prompt has "
+                    "499 tokens")
+    assert summary.startswith("[prompt tokens 499, generated tokens 13,") and "finish reason length]" in summary
+
+
+# ---- the seed: fresh each run unless given, shown in the summary line ------------------------------
+
+SAMPLED = ("generate", "1 2 3", "--model", "tiny", "--max-tokens", "24", "--temperature", "1", "--ignore-eos",
+           "--threads", "1")
+
+
+def summary_seed(result: subprocess.CompletedProcess) -> int:
+    assert result.returncode == 0, result.stderr
+    found = re.search(r", seed (\d+), finish reason length\]$", result.stderr.strip())
+    assert found is not None, result.stderr
+    return int(found.group(1))
+
+
+def test_runs_without_a_seed_differ_and_the_summary_seed_repeats_one():
+    # tiny's random weights spread probability over its 512 tokens: 24 equal draws by chance are negligible.
+    first, second = mla_func(*SAMPLED), mla_func(*SAMPLED)
+    assert summary_seed(first) != summary_seed(second)
+    assert first.stdout != second.stdout
+    again = mla_func(*SAMPLED, "--seed", str(summary_seed(first)))
+    assert summary_seed(again) == summary_seed(first) and again.stdout == first.stdout
+
+
+def test_runs_with_the_same_seed_are_equal():
+    first, second = mla_func(*SAMPLED, "--seed", "12345"), mla_func(*SAMPLED, "--seed", "12345")
+    assert summary_seed(first) == summary_seed(second) == 12345
+    assert first.stdout == second.stdout and len(first.stdout.split()) == 24
+
+
+def test_a_greedy_run_shows_no_seed():
+    result = mla_func("generate", "1 2 3", "--model", "tiny", "--max-tokens", "3", "--temperature", "0")
+    assert result.returncode == 0 and "seed" not in result.stderr, result.stderr
+
+
+# ---- a model too big for this machine --------------------------------------------------------------
+
+V32_LITE_BYTES = 4 * sum(math.prod(shape) for shape in hf_tensor_shapes(v32_lite()).values())  # float32 on CPU
+PHYSICAL_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.skipif(PHYSICAL_MEMORY >= V32_LITE_BYTES, reason="this machine has the memory for v32-lite")
+def test_a_model_too_big_for_this_machine_is_refused_up_front():
+    # The cap keeps a load that does not refuse from taking the machine's memory: it then fails at
+    # an allocation instead, with a traceback that fails this test.
+    result = mla_func("generate", "1 2", "--model", "v32-lite", timeout=120, limit_memory=8 << 30)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert re.fullmatch(r"error: [^\n]*\d[^\n]*\n", result.stderr), result.stderr[-2000:]

@@ -1,0 +1,75 @@
+"""The MoE block (routed + shared experts) against transformers' own MoE module.
+
+Decode-sized steps run the shared experts inside the fused MoE call; larger
+steps run them as dense GEMMs. Both must compute transformers' block, with one
+shared expert (V3) and with two (V2-Lite), whose MLP the params cut into slices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_func as mf
+from mla_func.kernels import ops_for
+from mla_func.models.mla.moe import SHARED_IN_FUSED_MAX_TOKENS, moe, route, shared_experts
+from mla_func.models.mla.params import MoEParams
+from support.mla_reference import make_reference, rel_err, save_reference
+
+# transformers routes in float32 even in a float64 model, which bounds the agreement.
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module", params=[("v2-greedy", 2), ("v3-qlora-noaux", 1)], ids=["v2-2shared", "v3-1shared"])
+def pair(request, tmp_path_factory):
+    variant, num_shared = request.param
+    reference = make_reference(variant, dtype=torch.float64, seed=7, n_shared_experts=num_shared)
+    path = save_reference(reference, tmp_path_factory.mktemp(variant))
+    return reference, mf.load_model(path, dtype=torch.float64, device="cpu")
+
+
+@pytest.mark.parametrize("num_tokens", [3, SHARED_IN_FUSED_MAX_TOKENS, SHARED_IN_FUSED_MAX_TOKENS + 1, 40])
+def test_moe_block_matches_transformers(pair, num_tokens):
+    reference, model = pair
+    layer = 1                                                        # layer 0 is dense
+    p = model.params.layers[layer].mlp
+    assert isinstance(p, MoEParams) and p.num_shared == model.config.n_shared_experts
+    x = torch.randn(num_tokens, model.config.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(num_tokens))
+    valid = torch.ones(num_tokens, dtype=torch.bool)
+    with torch.no_grad():
+        want = reference.model.layers[layer].mlp(x[None])[0]
+    got = moe(p, x, valid, model.config, ops_for("torch"))
+    assert rel_err(got, want) < TOL
+
+
+def test_fused_and_dense_shared_experts_agree(pair):
+    _, model = pair
+    p, ops, config = model.params.layers[1].mlp, ops_for("torch"), model.config
+    x = torch.randn(5, config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(5, dtype=torch.bool)
+    weights, ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
+    fused = ops.moe.fused_moe(x, p.w13, p.w2, weights, ids)
+    weights, ids = route(p, x, valid, config, ops)
+    dense = ops.moe.fused_moe(x, p.w13[:p.num_routed], p.w2[:p.num_routed], weights, ids) + shared_experts(p, x)
+    assert rel_err(fused, dense) < 1e-12
+
+
+def test_padded_rows_take_no_expert(pair):
+    _, model = pair
+    p = model.params.layers[1].mlp
+    x = torch.randn(6, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    valid = torch.tensor([True, True, True, True, False, False])
+    out = moe(p, x, valid, model.config, ops_for("torch"))
+    assert torch.all(out[4:] == 0)
+    torch.testing.assert_close(out[:4], moe(p, x[:4], valid[:4], model.config, ops_for("torch")))
+
+
+def test_export_rebuilds_the_shared_mlp(pair):
+    reference, model = pair
+    from mla_func.demo.export import params_to_hf
+
+    tensors = params_to_hf(model.params)
+    for name, want in reference.state_dict().items():
+        if "shared_experts" in name or "q_proj" in name or "kv_a_proj" in name or "q_a_proj" in name:
+            assert torch.equal(tensors[name], want), name
