@@ -80,7 +80,7 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
         weight += nbytes(m.gate) + (experts + m.num_shared) * per_expert
     c = model.config
     keys = context + 1
-    if c.is_sparse:
+    if c.has_indexer:
         # A sparse layer reads every indexer key and only the selected latent rows.
         per_seq = min(keys, c.index_topk) * c.kv_cache_dim + keys * c.index_head_dim
     else:

@@ -13,7 +13,7 @@ from mla_func.core.mode import ForwardMode, PaddingPolicy, SegmentKind
 from mla_func.core.model import Model
 from mla_func.core.params import Params
 from mla_func.core.plan import SeqPlan, StepPlan
-from mla_func.core.prepare import init_state, plan_step, prepare_step
+from mla_func.core.prepare import init_state, plan_step
 from mla_func.core.step import Step, StepOutput, make_step, padding_ladders
 from mla_func.models.load import CheckpointError, load_model
 from mla_func.models.memory import NotEnoughMemory
@@ -31,6 +31,6 @@ __all__ = [
     "MLALayerCache", "Model", "ModelConfig", "NotEnoughMemory", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
     "RequestError", "RopeConfig", "SamplingParams", "SegmentKind", "SeqPlan", "Step", "StepOutput", "StepPlan",
     "StreamEvent", "build_batch", "check_batch", "config_from_hf_dict", "decode", "family_for", "forward", "forward_outputs", "init_state",
-    "layer_kinds", "load_model", "make_step", "padding_ladders", "plan_step", "prefill", "prepare_step", "read_config",
+    "layer_kinds", "load_model", "make_step", "padding_ladders", "plan_step", "prefill", "read_config",
     "registry",
 ]

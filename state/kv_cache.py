@@ -29,8 +29,7 @@ from mla_func.pytree import register_dataclass, static_field, tree_leaves
 from .block_allocator import SCRATCH_BLOCK
 from .layer_cache import CacheGroup, DSALayerCache, LayerCache, MLALayerCache
 
-__all__ = ["SCRATCH_BLOCK", "CacheGroup", "DSALayerCache", "DonatedStateError", "KVCacheState", "MLALayerCache",
-           "init_state"]
+__all__ = ["SCRATCH_BLOCK", "CacheGroup", "DSALayerCache", "DonatedStateError", "KVCacheState", "MLALayerCache"]
 
 
 class DonatedStateError(RuntimeError):
@@ -65,10 +64,24 @@ class KVCacheState:
     scratch: tuple[torch.Tensor, ...] = ()
     _liveness: _Liveness = static_field(default_factory=_Liveness, init=False, repr=False, compare=False)
 
+    @classmethod
+    def checked(
+        cls,
+        layer_caches: Sequence[Any],
+        *,
+        groups: Sequence[CacheGroup],
+        scratch: Sequence[torch.Tensor] = (),
+    ) -> KVCacheState:
+        """A state of the given layer caches (one a layer, in layer order), checked against the
+        geometry of `groups` (`check_geometry`): how a state is made from fresh caches."""
+        state = cls(layers=tuple(layer_caches), groups=tuple(groups), scratch=tuple(scratch))
+        state.check_geometry()
+        return state
+
     def check_geometry(self) -> None:
         """Raise ValueError unless every layer's paged tensors match its group's geometry.
 
-        Run where a state is made (`init_state`), not on every step: handles made by
+        Run where a state is made (`checked`), not on every step: handles made by
         tree operations keep the leaves they were made from.
         """
         if not self.layers:
@@ -147,18 +160,6 @@ class KVCacheState:
     def renewed(self) -> KVCacheState:
         """A new live handle over the same buffers: every field (so every leaf) kept, liveness fresh."""
         return replace(self)
-
-
-def init_state(
-    layer_caches: Sequence[Any],
-    *,
-    groups: Sequence[CacheGroup],
-    scratch: Sequence[torch.Tensor] = (),
-) -> KVCacheState:
-    """A state of the given layer caches, checked against the geometry of `groups`."""
-    state = KVCacheState(layers=tuple(layer_caches), groups=tuple(groups), scratch=tuple(scratch))
-    state.check_geometry()
-    return state
 
 
 def zeroed_mla_caches(

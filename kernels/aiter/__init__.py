@@ -23,7 +23,8 @@ import torch
 
 from ..checks import check_dtype, check_shape
 from ..reference import attention as ref_attention
-from ..registry import REFERENCE, Ops
+from ..ops import Ops
+from ..reference.table import REFERENCE
 
 
 def _import_aiter() -> tuple[Any, Any]:

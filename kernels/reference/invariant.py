@@ -21,7 +21,7 @@ from typing import overload
 import torch
 
 from ..checks import as_dtype, check_shape
-from ..registry import Ops
+from ..ops import Ops
 from . import attention as ref_attention
 from . import dsa as ref_dsa
 from . import latent as ref_latent

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..registry import REFERENCE, Ops
+from ..ops import Ops
+from ..reference.table import REFERENCE
 from .absorb import absorb_query
 from .cache import write_kv
 from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace

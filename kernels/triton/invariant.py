@@ -30,7 +30,7 @@ from typing import overload
 import torch
 
 from ..reference.linear import logits_of
-from ..registry import Ops
+from ..ops import Ops
 from .decode_invariant import mla_decode
 from .dsa_decode import sparse_mla_decode
 from .invariant_matmul import bmm, linear

@@ -7,6 +7,10 @@ host). `check_batch` checks shapes and dtypes against the mode, with no device s
 Padded rows: input id 0, position 0, slot -1 (writes nothing), no sequence
 (prefill) or a sequence of length 0 (decode), block table entries pointing at
 the scratch block, so they attend to nothing and produce zero attention output.
+
+The batch holds only what the host plans (and what a graph copies in on every
+replay): the per-row view layers read (each row's key count and block table in
+every cache group) is derived from it on the device by the forward (`rows`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import torch
 
 from mla_func.core.mode import ForwardMode
 from mla_func.core.plan_checks import BatchError
-from mla_func.pytree import register_dataclass, static_field
+from mla_func.pytree import register_dataclass
 
-__all__ = ["Batch", "BatchError", "DecodeMetadata", "GroupMetadata", "PrefillMetadata", "SegmentRows", "check_batch"]
+__all__ = ["Batch", "BatchError", "DecodeMetadata", "GroupMetadata", "PrefillMetadata", "check_batch"]
 
 
 @register_dataclass
@@ -57,22 +61,6 @@ class GroupMetadata:
 
 @register_dataclass
 @dataclass(frozen=True, slots=True)
-class SegmentRows:
-    """The rows [start, stop) of one segment, each as a query of its own, in every cache group.
-
-    Built once per step on the device from the batch (`segment_rows.step_rows`) for models
-    with cache groups past 0, whose layers treat every row alone (a family's sliding-window or compressed layers).
-    """
-
-    key_lens: torch.Tensor                # [n] int32, tokens the row sees: its position + 1 (0: padding)
-    block_table: torch.Tensor             # [n, W] int32, the row's sequence's group-0 table
-    group_tables: tuple[torch.Tensor, ...]  # per cache group 1.., [n, Wg] int32
-    start: int = static_field(default=0)
-    stop: int = static_field(default=0)
-
-
-@register_dataclass
-@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's inputs. Rows: [prefill tokens | padding | decode rows | padding]."""
 
@@ -83,7 +71,6 @@ class Batch:
     prefill: PrefillMetadata | None = None
     decode: DecodeMetadata | None = None
     groups: tuple[GroupMetadata, ...] = ()     # cache groups 1.. (none for one group)
-    rows: tuple[SegmentRows, ...] = ()         # per segment with rows, when there are groups 1..
     # [T, D] the hidden state each row continues from: the input of a drafter step (an MTP
     # layer reads the target's states beside its tokens); None for a model's own steps.
     hidden: torch.Tensor | None = None
@@ -148,21 +135,3 @@ def check_batch(batch: Batch, mode: ForwardMode) -> None:
                                  f"{'no table' if table is None else 'a table'}")
             if table is not None:
                 _expect(f"groups[{i}].{name}_block_table", table, (n, group_width), torch.int32)
-    _check_rows(batch, mode)
-
-
-def _check_rows(batch: Batch, mode: ForwardMode) -> None:
-    if not mode.group_widths:
-        return
-    bounds = [(a, b) for a, b in ((0, mode.padded_prefill_tokens), (mode.padded_prefill_tokens, mode.num_tokens))
-              if b > a]
-    if [(r.start, r.stop) for r in batch.rows] != bounds:
-        raise BatchError(f"rows: expected segments {bounds} from the mode, got {[(r.start, r.stop) for r in batch.rows]}")
-    for i, r in enumerate(batch.rows):
-        n = r.stop - r.start
-        _expect(f"rows[{i}].key_lens", r.key_lens, (n,), torch.int32)
-        _expect(f"rows[{i}].block_table", r.block_table, (n, mode.block_table_width), torch.int32)
-        if len(r.group_tables) != len(mode.group_widths):
-            raise BatchError(f"rows[{i}].group_tables: expected {len(mode.group_widths)}, got {len(r.group_tables)}")
-        for g, (table, width) in enumerate(zip(r.group_tables, mode.group_widths), start=1):
-            _expect(f"rows[{i}].group_tables[{g - 1}]", table, (n, width), torch.int32)

@@ -8,7 +8,6 @@ sync; the result satisfies `check_batch` by construction and is checked anyway.
 from __future__ import annotations
 
 import array
-from dataclasses import replace
 
 import torch
 
@@ -17,7 +16,6 @@ from mla_func.core.batch_groups import build_group_metadata
 from mla_func.core.mode import ForwardMode
 from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.plan_checks import plan_is_valid, raise_for_plan
-from mla_func.core.segment_rows import step_rows
 from mla_func.state.block_allocator import SCRATCH_BLOCK
 
 
@@ -146,9 +144,6 @@ def build_batch(
         decode=decode,
         groups=build_group_metadata(plan, mode, device) if mode.group_widths else (),
     )
-    if mode.group_widths:
-        # Layers over several cache groups read each row alone: once per step, here, not per layer.
-        batch = replace(batch, rows=step_rows(batch, mode))
     check_batch(batch, mode)
     return batch
 

@@ -103,7 +103,7 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
-    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `v4_config`
+    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `models.v4.config`
     family: Family = field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,7 +128,7 @@ class ModelConfig:
         return scale
 
     @property
-    def is_sparse(self) -> bool:
+    def has_indexer(self) -> bool:
         """Every layer has an indexer and attends to its top-k keys (DeepSeek Sparse Attention, V3.2's)."""
         return self.index_topk is not None
 

@@ -2,8 +2,10 @@
 
 The forward composes the layers' own functions (see `layers`): embed, then for
 each layer its kind's `enter` and `body` over that layer's params and cache, then
-the final norm and the logits rows. `prefill` and `decode` are the same function
-restricted to one segment kind; `forward` accepts any kind, mixed included,
+the final norm and the logits rows. Per-step facts the layers share are made once
+before the first layer (`LayerContext`; every row's own view, `rows.row_metadata`,
+when `rows.rows_needed` says a layer reads it). `prefill` and `decode` are the same
+function restricted to one segment kind; `forward` accepts any kind, mixed included,
 where prefill rows and decode rows share every projection and differ only in the
 attention path each segment takes (each with its own metadata).
 
@@ -24,7 +26,7 @@ from mla_func.core.batch import Batch, check_batch
 from mla_func.core.layers import LayerContext, LayerKind, layer_kinds
 from mla_func.core.mode import ForwardMode, SegmentKind
 from mla_func.core.params import Params
-from mla_func.core.rows import row_metadata
+from mla_func.core.rows import row_metadata, rows_needed
 from mla_func.kernels import Ops, ops_for
 from mla_func.pytree import register_dataclass
 from mla_func.state.kv_cache import KVCacheState
@@ -83,9 +85,9 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     ops = _check(name, params, state, batch, mode, kinds, ops)
     ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
                        rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy,
-                       # Row by row attention (batch-invariant steps, `Family.attends_by_row`) reads every row's own
-                       # block table and key count: made once here for all layers.
-                       rows=row_metadata(batch, mode) if mode.batch_invariant or config.family.attends_by_row else None)
+                       # Every row's own key count and block tables, made once here for all layers (on the device,
+                       # so a captured graph makes it too and replays copy nothing more in).
+                       rows=row_metadata(batch, mode) if rows_needed(config, mode) else None)
     delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
     residual: torch.Tensor | None = None
     caches = []

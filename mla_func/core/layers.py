@@ -20,7 +20,8 @@ The forward runs `enter` then `body` for each layer with that layer's kind, so a
 model made of new kinds needs no change in the forward or the step: its family
 (`Family.layer_kinds`) says which kind each layer is.
 `LayerContext` carries the per-step facts every layer may read: the batch (its
-`input_ids` included, for hash routing), the mode, the op table.
+`input_ids` included, for hash routing), the mode, the op table, and every row's
+own view (`rows`), built once a step by the forward for the kinds that attend row by row.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from mla_func.state.layer_cache import CacheGroup
 class LayerContext:
     """What a layer may read besides its params, its input and its cache.
 
-    valid: [T] bool, True for real rows (padding rows are False; see `Batch.valid`)
-    rows:  every row as its own query (`rows.row_metadata`), made once a step for the
-           layers that attend row by row (the batch-invariant path, `Family.attends_by_row`); None otherwise
+    valid: [T] bool, True for real rows (padding rows are False; see `Batch.real_rows`)
+    rows:  every row as its own query, in every cache group (`rows.RowMetadata`: key_lens [T],
+           block_table [T, W], group_tables [T, W_g] per group 1..), made once a step by the forward
+           when `rows.rows_needed` (batch-invariant steps, `Family.attends_by_row`, cache groups past 0);
+           None otherwise. A kind that reads it raises ValueError when it is None: it is never rebuilt.
     """
 
     batch: Batch

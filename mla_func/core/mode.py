@@ -70,6 +70,15 @@ def _pad(size: int, ladder: Sequence[int]) -> tuple[int, bool]:
     return size, not ladder
 
 
+def _groups(cache_groups: Sequence[CacheGroup]) -> tuple[CacheGroup, ...]:
+    """`cache_groups` as a mode holds them; raises unless group 0 is there (every size follows its blocks).
+    A state's groups are a tuple already, so a step pays no copy."""
+    groups = tuple(cache_groups)
+    if not groups:
+        raise ValueError("ForwardMode: cache_groups must hold group 0 (the state's groups: KVCacheState.groups)")
+    return groups
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardMode:
     """The static description of one step.
@@ -84,12 +93,11 @@ class ForwardMode:
                    every row gives logits), which spares a gather.
     graph_fallback: the step asked for a graph (its kind may use one) but a size did
                    not fit the ladders, so it runs eagerly; the step warns once.
-    block_size:    the tokens a block of the state's cache group 0 holds; the forward
-                   refuses a state of another block size.
-    cache_groups:  the state's cache groups when the mode was decided for them (empty:
-                   decided for group 0's block size alone); the forward checks them.
-    group_widths:  the block-table width of each cache group 1.., derived from
-                   `block_table_width` (they cover the same tokens), so no ladder of their own.
+    cache_groups:  the geometry of the state the mode was decided for (`KVCacheState.groups`,
+                   group 0 always included): the step's one source of block sizes; the forward
+                   refuses a state of other groups. Derived from it, read-only:
+                   `block_size` (the tokens a block of group 0 holds) and `group_widths`
+                   (each group 1..'s block-table width, from `block_table_width`).
     batch_invariant: the step runs the backend's batch-invariant op table and sends every
                    row, prefill rows included, through the absorbed decode path, so that a
                    row's bits depend on its own sequence only (a family's attention decides how).
@@ -106,14 +114,26 @@ class ForwardMode:
     padded_decode_seqs: int
     padded_num_logits: int
     block_table_width: int
+    cache_groups: tuple[CacheGroup, ...]
     use_graph: bool = False
     decode_q_len: int = 1
     gather_logits: bool = True
     graph_fallback: bool = False
-    block_size: int = 0
-    cache_groups: tuple[CacheGroup, ...] = ()
-    group_widths: tuple[int, ...] = ()
     batch_invariant: bool = False
+
+    @property
+    def block_size(self) -> int:
+        """Tokens a block of cache group 0 holds (group 0 has one entry per token)."""
+        return self.cache_groups[0].block_size
+
+    @property
+    def group_widths(self) -> tuple[int, ...]:
+        """The block-table width of each cache group 1..: the blocks that cover the tokens of
+        `block_table_width` group-0 blocks (the same tokens), so groups need no ladder of their own."""
+        if len(self.cache_groups) == 1:
+            return ()   # the common case, read per layer: no tuple built
+        tokens = self.block_table_width * self.cache_groups[0].block_size
+        return tuple(-(-tokens // g.tokens_per_block) for g in self.cache_groups[1:])
 
     @property
     def num_decode_rows(self) -> int:
@@ -131,7 +151,8 @@ class ForwardMode:
 
     @property
     def static_key(self) -> tuple[object, ...]:
-        """What fixes every tensor shape of the step: the key graphs are memoized on."""
+        """What fixes every tensor shape of the step: the key graphs are memoized on. The cache
+        groups enter as `block_size` and `group_widths`: their block counts fix no step shape."""
         return (
             self.kind.value,
             self.padded_prefill_tokens,
@@ -148,12 +169,10 @@ class ForwardMode:
         )
 
     @staticmethod
-    def _make(kind: SegmentKind, backend: str, block_size: int, real: dict[str, int], padded: dict[str, int],
-              num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
-              cache_groups: tuple[CacheGroup, ...] = (), batch_invariant: bool = False) -> ForwardMode:
-        """The one constructor: derives the logits sizes and the other groups' widths from the segment sizes."""
-        tokens = padded["width"] * block_size
-        group_widths = tuple(-(-tokens // g.tokens_per_block) for g in cache_groups[1:])
+    def _make(kind: SegmentKind, backend: str, cache_groups: tuple[CacheGroup, ...], real: dict[str, int],
+              padded: dict[str, int], num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
+              batch_invariant: bool = False) -> ForwardMode:
+        """The one constructor: derives the logits sizes from the segment sizes."""
         padded_decode_rows = padded["decode_seqs"] * decode_q_len
         # Ordinary steps have at most one logits row a sequence (a verify row one per
         # query token); scoring a whole prompt has more and is sized exactly.
@@ -166,23 +185,22 @@ class ForwardMode:
             num_decode_seqs=real["decode_seqs"], num_logits=num_logits,
             padded_prefill_tokens=padded["prefill_tokens"], padded_prefill_seqs=padded["prefill_seqs"],
             padded_decode_seqs=padded["decode_seqs"], padded_num_logits=padded_num_logits,
-            block_table_width=padded["width"], use_graph=use_graph, decode_q_len=decode_q_len,
-            gather_logits=not rows_are_logits, graph_fallback=graph_fallback, block_size=block_size,
-            cache_groups=cache_groups, group_widths=group_widths, batch_invariant=batch_invariant,
+            block_table_width=padded["width"], cache_groups=cache_groups, use_graph=use_graph,
+            decode_q_len=decode_q_len, gather_logits=not rows_are_logits, graph_fallback=graph_fallback,
+            batch_invariant=batch_invariant,
         )
 
     @staticmethod
-    def padded_only(kind: SegmentKind, *, backend: str, block_size: int, prefill_tokens: int = 0,
+    def padded_only(kind: SegmentKind, *, backend: str, cache_groups: Sequence[CacheGroup], prefill_tokens: int = 0,
                     prefill_seqs: int = 0, decode_seqs: int = 0, block_table_width: int, decode_q_len: int = 1,
-                    use_graph: bool = True, cache_groups: tuple[CacheGroup, ...] = (),
-                    batch_invariant: bool = False) -> ForwardMode:
+                    use_graph: bool = True, batch_invariant: bool = False) -> ForwardMode:
         """The mode of a step of only padding rows with these padded sizes: the static key real
-        steps of those sizes have (graph warm-up captures with it)."""
+        steps of those sizes have (graph warm-up captures with it). `cache_groups` as in `decide`."""
         zero = {"prefill_tokens": 0, "prefill_seqs": 0, "decode_seqs": 0, "width": 0}
         padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
                   "width": block_table_width}
-        return ForwardMode._make(SegmentKind(kind), backend, block_size, zero, padded, 0, decode_q_len, use_graph,
-                                 False, cache_groups, batch_invariant)
+        return ForwardMode._make(SegmentKind(kind), backend, _groups(cache_groups), zero, padded, 0, decode_q_len,
+                                 use_graph, False, batch_invariant)
 
     def without_real_rows(self) -> ForwardMode:
         """This mode's shapes and static key, with every row padding."""
@@ -192,27 +210,26 @@ class ForwardMode:
     def decide(
         plan: StepPlan,
         *,
-        block_size: int,
+        cache_groups: Sequence[CacheGroup],
         backend: str = "torch",
         padding: PaddingPolicy | None = None,
         graphs: bool = False,
         graph_kinds: Collection[str] = SEGMENT_KINDS,
-        cache_groups: Sequence[CacheGroup] = (),
         batch_invariant: bool = False,
     ) -> ForwardMode:
         """The single rule that fixes a step's kind, sizes and graph use.
 
         A step uses a graph only when `graphs` is on, its kind is in `graph_kinds`
         and every size fits its padding ladder; otherwise its sizes are exact and
-        it runs eagerly. `cache_groups` are the state's (group 0 of `block_size`); the
-        widths of groups 1.. follow group 0's. The decode query length is the plan's `decode_q_len` (the
+        it runs eagerly. `cache_groups` are the state's (`KVCacheState.groups`, group 0
+        first): group 0's block size fixes the block-table width, and the widths of
+        groups 1.. follow it. The decode query length is the plan's `decode_q_len` (the
         batch checks that every decode sequence feeds that many tokens).
         """
         if not plan.prefill and not plan.decode:
             raise ValueError("StepPlan: a step needs at least one sequence")
-        if cache_groups and cache_groups[0].block_size != block_size:
-            raise ValueError(f"cache_groups[0].block_size: expected block_size {block_size}, got "
-                             f"{cache_groups[0].block_size}")
+        groups = _groups(cache_groups)
+        block_size = groups[0].block_size
         padding = padding or PaddingPolicy.exact()
         kind = (SegmentKind.MIXED if plan.prefill and plan.decode
                 else SegmentKind.PREFILL if plan.prefill else SegmentKind.DECODE)
@@ -232,6 +249,6 @@ class ForwardMode:
         # nothing there. (Without graphs at all, an explicit ladder still pads.)
         padded = (dict(real) if not fits or (graphs and not wanted)
                   else {name: size for name, (size, _) in fitted.items()})
-        return ForwardMode._make(kind, backend, block_size, real, padded, plan.num_logits, q_len, use_graph,
-                                 graph_fallback=wanted and not fits, cache_groups=tuple(cache_groups),
-                                 batch_invariant=batch_invariant)
+        return ForwardMode._make(kind, backend, groups, real, padded, plan.num_logits, q_len, use_graph,
+                                 graph_fallback=wanted and not fits, batch_invariant=batch_invariant)
+

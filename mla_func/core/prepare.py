@@ -1,10 +1,10 @@
 """From a model, a state and a host plan to what one step runs on: the state, the mode and the batch.
 
 `init_state` makes a model's state (every layer's cache of its kind, in the
-model's dtype and on its device by default); `prepare_step` decides a plan's
-mode and builds its batch, checked against the model and the state. `plan_step`
-is `prepare_step` without padding ladders, and `Step.prepare` is `prepare_step`
-with the step's own.
+model's dtype and on its device by default); `plan_step` decides a plan's mode
+for the state's cache groups and builds its batch, checked against the model and
+the state: at exact sizes by default, and `Step.prepare` calls it with the step's
+padding ladders and graph settings.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from mla_func.core.model import Model
 from mla_func.core.plan import StepPlan
 from mla_func.kernels import default_backend
 from mla_func.state.kv_cache import KVCacheState
-from mla_func.state.kv_cache import init_state as _init_caches
 from mla_func.state.layer_cache import CacheGroup
 
 
@@ -53,15 +52,11 @@ def init_state(
     device = device or "cpu"
     groups = cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))
     kinds = layer_kinds(config) if layers is None else layers
-    return _init_caches([k.init_cache(config, groups, dtype=dtype, device=device) for k in kinds], groups=groups)
+    return KVCacheState.checked([k.init_cache(config, groups, dtype=dtype, device=device) for k in kinds],
+                                groups=groups)
 
 
-def extra_cache_groups(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[CacheGroup, ...]:
-    """The cache groups past group 0 that `init_state` makes for a model (none for a family whose layers cache only tokens)."""
-    return cache_groups(config, CacheGroup(num_blocks=num_blocks, block_size=block_size))[1:]
-
-
-def prepare_step(
+def plan_step(
     config: ModelConfig,
     state: KVCacheState,
     plan: StepPlan,
@@ -73,17 +68,23 @@ def prepare_step(
     max_position: int | None = None,
     batch_invariant: bool = False,
 ) -> tuple[Batch, ForwardMode]:
-    """Decide the mode of `plan` and build its batch, checking it against the model and the state.
+    """Decide the mode of `plan` for `state`'s cache groups and build its batch, checking it
+    against the model and the state.
 
-    backend defaults to "triton" on CUDA and "torch" elsewhere.
+    backend:      defaults to "triton" on CUDA and "torch" elsewhere.
+    padding:      the ladders sizes are padded to (default: none, exact sizes).
+    graphs, graph_kinds: whether the step may replay a graph, and for which segment kinds
+                  (`ForwardMode.decide`); `Step.prepare` passes its own with its ladders.
+    max_position: positions must stay below it: the RoPE tables' length (`Model.max_positions`,
+                  below the config's max_position_embeddings when the model was loaded with a
+                  smaller `max_model_len`); defaults to the config's max_position_embeddings.
     batch_invariant: run the step with the backend's batch-invariant ops and attention path
                   (`ForwardMode.batch_invariant`).
-    max_position: positions must stay below it: the RoPE tables' length (`Model.max_positions`);
-                  defaults to the config's max_position_embeddings.
+    Returns the batch (its tensors on the state's device) and the mode.
     """
     mode = ForwardMode.decide(
-        plan, block_size=state.block_size, backend=backend or default_backend(state.device), padding=padding,
-        graphs=graphs, graph_kinds=graph_kinds, cache_groups=state.groups, batch_invariant=batch_invariant,
+        plan, cache_groups=state.groups, backend=backend or default_backend(state.device), padding=padding,
+        graphs=graphs, graph_kinds=graph_kinds, batch_invariant=batch_invariant,
     )
     batch = build_batch(
         plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
@@ -91,26 +92,6 @@ def prepare_step(
         max_position=config.max_position_embeddings if max_position is None else max_position,
     )
     return batch, mode
-
-
-def plan_step(
-    config: ModelConfig,
-    state: KVCacheState,
-    plan: StepPlan,
-    *,
-    backend: str | None = None,
-    padding: PaddingPolicy | None = None,
-    graphs: bool = False,
-    max_position: int | None = None,
-    batch_invariant: bool = False,
-) -> tuple[Batch, ForwardMode]:
-    """`prepare_step` for a plain (unmemoized) step: exact sizes unless `padding` is given.
-
-    max_position: the RoPE tables' length (`model.max_positions`) when the model was loaded
-                  with a `max_model_len` below the config's max_position_embeddings.
-    """
-    return prepare_step(config, state, plan, backend=backend, padding=padding, graphs=graphs,
-                        max_position=max_position, batch_invariant=batch_invariant)
 
 
 def state_bytes_per_block(model: Model, block_size: int) -> int:

@@ -35,10 +35,11 @@ from mla_func.core.ladders import padding_ladders
 from mla_func.core.mode import SEGMENT_KINDS, ForwardMode, PaddingPolicy, SegmentKind
 from mla_func.core.model import Model
 from mla_func.core.plan import StepPlan
-from mla_func.core.prepare import prepare_step
+from mla_func.core.prepare import plan_step
 from mla_func.kernels import default_backend
 from mla_func.pytree import tree_flatten, tree_map
 from mla_func.state.kv_cache import KVCacheState
+from mla_func.state.layer_cache import CacheGroup
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ class _Captured:
 
 def _copy_leaves(static: Batch, batch: Batch) -> None:
     """Copy batch's tensors into the graph's static input buffers: one multi-tensor launch per dtype
-    (a decode batch of several cache groups had 14 leaves, and a copy a leaf had cost 14 launches before
-    every replay)."""
+    (a decode batch of three cache groups has 10 leaves, and a copy a leaf would cost 10 launches before
+    every replay; the per-row view is made inside the graph, `rows.row_metadata`, and is never copied)."""
     statics, static_spec = tree_flatten(static)
     values, spec = tree_flatten(batch)
     if spec != static_spec:
@@ -145,9 +146,9 @@ class Step:
     def prepare(self, state: KVCacheState, plan: StepPlan) -> tuple[Batch, ForwardMode]:
         """Decide the mode of `plan` (padded to this step's ladders) and build its batch."""
         self._check_state(state, "step.prepare")
-        return prepare_step(self.config, state, plan, backend=self.backend, padding=self.padding,
-                            graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position,
-                            batch_invariant=self.batch_invariant)
+        return plan_step(self.config, state, plan, backend=self.backend, padding=self.padding,
+                         graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position,
+                         batch_invariant=self.batch_invariant)
 
     def __call__(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
         self._check_state(state, "step")
@@ -188,19 +189,23 @@ class Step:
                            decode_q_len: int = 1) -> tuple[ForwardMode, ...]:
         """The modes of every decode graph this step's ladders allow: one per (batch rung, width rung).
 
-        state: the state they will run on (its cache groups are part of the key);
-               without it, modes for the step's block size and one cache group.
+        state: the state they will run on (the modes carry its cache groups; their block sizes
+               are part of the key); without it, modes of group 0 alone at the step's block size,
+               for their count and keys only: their group 0's block count is a stand-in (the least
+               a group may have), so the forward refuses them on a state.
         decode_q_len: query tokens a decode sequence feeds (1 + the drafts a verify step checks).
         """
-        block_size = state.block_size if state is not None else self.block_size
-        groups = state.groups if state is not None else ()
         if not self.graphs or SegmentKind.DECODE not in self.graph_kinds:
             return ()
-        if block_size is None:
+        if state is not None:
+            groups = state.groups
+        elif self.block_size is None:
             raise ValueError("decode_graph_modes: this step accepts any block size; pass the state's")
+        else:
+            groups = (CacheGroup(num_blocks=2, block_size=self.block_size),)
         return tuple(
-            ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, block_size=block_size,
-                                    decode_seqs=seqs, block_table_width=width, cache_groups=groups,
+            ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, cache_groups=groups,
+                                    decode_seqs=seqs, block_table_width=width,
                                     batch_invariant=self.batch_invariant, decode_q_len=decode_q_len)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths

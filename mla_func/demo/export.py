@@ -3,7 +3,7 @@
 `params_to_hf` is the inverse of `mla_func.models.mla.params.params_from_hf`: it undoes the
 two load-time reshapes (per-head `w_uk` / `w_uv` back into `kv_b_proj`, stacked
 experts back into one gate/up/down triple per expert) and names every tensor as
-`hf_tensor_shapes` does (and an MTP layer's as `mtp_params.mtp_tensor_shapes` does).
+`hf_tensor_shapes` does (and an MTP layer's as `models.mtp.params.mtp_tensor_shapes` does).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def params_to_hf(params: Params, mtp: MTPParams | None = None) -> dict[str, torc
 
     The result has exactly the names and shapes of `hf_tensor_shapes(params.config)`,
     so `params_from_hf(config, out.__getitem__, ...)` rebuilds equal params. With `mtp`,
-    also its MTP layer's, as DeepSeek-V3 names them (`mtp_params.mtp_tensor_shapes`); its
+    also its MTP layer's, as DeepSeek-V3 names them (`models.mtp.params.mtp_tensor_shapes`); its
     embedding and head are written only where they are not the model's own (a shared
     tensor is read back from the model's, so a copy would only double the file).
     """

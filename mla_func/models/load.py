@@ -72,7 +72,7 @@ def load_model(
     seed:   for shape presets with random weights, the seed of their initialisation
             (done directly on `device`).
     mtp:    also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.`,
-            see `mtp_params`) as `Model.mtp`, the drafter of `Engine(speculative_tokens=)`; a
+            see `models.mtp.params`) as `Model.mtp`, the drafter of `Engine(speculative_tokens=)`; a
             checkpoint without one is refused. A shape preset gets a random one. A DeepSeek-V4
             model refuses it (its MTP layers are not supported yet).
     progress: a progress bar over layers; by default shown for models of over a
@@ -80,7 +80,7 @@ def load_model(
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
             default max_position_embeddings, capped at `DEFAULT_MAX_POSITIONS`
             (an engine with a longer max_model_len extends them).
-    families: config.json's model_type -> the `Family` that reads and runs it (`families.FAMILIES`;
+    families: config.json's model_type -> the `Family` that reads and runs it (`models.registry.FAMILIES`;
             pass `{**FAMILIES, "my_model": MY_FAMILY}` to load a family of one's own).
     """
     # Truthiness would read mtp="no" as True and load a layer nobody asked for.

@@ -15,7 +15,7 @@ import torch
 
 from mla_func.kernels import Ops
 from mla_func.serving.penalties import adjust_logits
-from mla_func.serving.requests import CheckedRequest
+from mla_func.serving.requests import CheckedRequest, LiveRequest
 from mla_func.serving.sampling import sample
 
 __all__ = ["DrawRows", "draw_tokens"]
@@ -32,11 +32,13 @@ class DrawRows:
     seeds: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
-    def add(self, index: int, request: CheckedRequest, seed: int, context: list[int], position: int) -> None:
+    def add(self, index: int, live: LiveRequest, context: list[int], position: int) -> None:
+        """Row `index` of the logits, drawn for `live`'s request with its seed at key `position`;
+        `context` is what its penalties count (its output so far, and any drafts before the row)."""
         self.index.append(index)
-        self.requests.append(request)
+        self.requests.append(live.request)
         self.contexts.append(context)
-        self.seeds.append(seed)
+        self.seeds.append(live.seed)
         self.positions.append(position)
 
 

@@ -19,22 +19,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any
 
 import torch
 
 from mla_func.core.model import Model
 from mla_func.core.plan import SeqPlan, StepPlan
-from mla_func.core.prepare import extra_cache_groups, init_state
-from mla_func.core.step import StepOutput, make_step
+from mla_func.core.prepare import init_state
+from mla_func.core.step import StepOutput
 from mla_func.kernels import default_backend, ops_for
 from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from mla_func.serving.draws import DrawRows, draw_tokens
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
-from mla_func.serving.requests import (CheckedRequest, Completion, Limits, ParamsLike, Prompt, RequestError, StreamEvent, check_request,
-                       check_score_ids, split_call)
+from mla_func.serving.requests import (CheckedRequest, Completion, Limits, LiveRequest, ParamsLike, Prompt,
+                                       RequestError, StreamEvent, check_request, check_score_ids, split_call)
 from mla_func.serving.sampling import request_seed
-from mla_func.serving.scheduler import FinishedRequest, Request, ScheduledStep, Scheduler, SchedulerConfig
+from mla_func.serving.scheduler import FinishedRequest, Request, ScheduledStep, Scheduler
 from mla_func.serving.speculative import SpeculativeDecoder, SpeculativeStats
 from mla_func.state.block_allocator import OutOfBlocks
 
@@ -112,26 +111,17 @@ class Engine:
             batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
         )
         c = self.config
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
-            num_blocks=c.num_blocks, max_model_len=c.max_model_len,
-            # The model's cache groups past the token group (`Family.cache_groups`: compressed entries, say), as the state's.
-            extra_cache_groups=extra_cache_groups(model.config, c.num_blocks, c.block_size),
-            long_prefill_token_threshold=c.long_prefill_token_threshold, enable_mixed=c.enable_mixed,
-            enable_prefix_caching=c.enable_prefix_caching, speculative_tokens=c.speculative_tokens,
-        ))
-        step_args: dict[str, Any] = dict(
-            backend=c.backend, graphs=c.graphs, graph_kinds=c.graph_kinds, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len, block_size=c.block_size,
-            batch_invariant=c.batch_invariant)
         # With drafts, the target's steps also return every row's hidden state, which the drafter reads.
-        self.step = make_step(model, fn=target_step_fn if c.speculative_tokens else None, **step_args)
+        self.step = c.build_step(model, fn=target_step_fn if c.speculative_tokens else None)
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
                                 dtype=model.dtype, device=model.device)
+        # The state's own cache groups (group 0 of tokens, then the family's, `Family.cache_groups`), so the
+        # scheduler allocates in exactly the geometry the steps write.
+        self.scheduler = Scheduler(c.scheduler_config(self.state.groups))
         # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
         self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
-            make_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model), **step_args),
+            c.build_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model)),
             init_drafter_state(model, self.state), self._ops)
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -199,45 +189,47 @@ class Engine:
                 checked.append(check_request(index, prompt, p, limits))
             except RequestError as error:
                 errors.append((index, error))
-        live: dict[Hashable, tuple[CheckedRequest, int]] = {}  # request id -> (request, seed)
-        outputs: dict[Hashable, list[int]] = {}
-        unfinished: set[Hashable] = set()
+        # Request id -> its record, for exactly the requests the scheduler holds: one leaves as it finishes,
+        # and whatever is left when the call ends is aborted.
+        live: dict[Hashable, LiveRequest] = {}
         try:
             for c in checked:
                 new_id = self._next_id
                 self._next_id += 1
-                live[new_id] = (c, request_seed(c.params, self._rng))
-                outputs[new_id] = []
+                seed = request_seed(c.params, self._rng)
                 self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
-                unfinished.add(new_id)
+                live[new_id] = LiveRequest(c, seed)
             for index, failure in errors:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
                 with self._inference():
-                    sampled = self._iterate(scheduled, live, outputs)
-                finished = {f.request_id: f for f in self.scheduler.update(scheduled, sampled)}
-                unfinished -= finished.keys()
+                    sampled = self._iterate(scheduled, live)
+                # Finished requests leave `live` before any event is yielded: a stream closed at one of
+                # them then aborts only what the scheduler still holds.
+                finished = {f.request_id: (f, live.pop(f.request_id))
+                            for f in self.scheduler.update(scheduled, sampled)}
                 if (spec := self._speculative) is not None:
                     spec.forget(*finished)
                 for request_id, tokens in zip(scheduled.request_ids, sampled):
                     if tokens is None:
                         continue
-                    done = finished.get(request_id)
+                    ended = finished.get(request_id)
+                    done, entry = ended if ended is not None else (None, live[request_id])
+                    output = entry.output_token_ids
                     # A verify row gives several tokens; the scheduler keeps them up to a stop or the length.
-                    kept = done.output_token_ids[len(outputs[request_id]):] if done else (
+                    kept = done.output_token_ids[len(output):] if done else (
                         (tokens,) if isinstance(tokens, int) else tokens)
-                    request = live[request_id][0]
                     for j, token in enumerate(kept):
-                        outputs[request_id].append(token)
+                        output.append(token)
                         last = j == len(kept) - 1
-                        yield StreamEvent(request.index, token,
-                                          self._completion(request, done) if done is not None and last else None)
+                        yield StreamEvent(entry.request.index, token,
+                                          self._completion(entry.request, done) if done is not None and last else None)
         finally:
             # An abandoned stream or an error must not leave requests holding blocks.
-            for request_id in unfinished:
+            for request_id in live:
                 self.scheduler.finish(request_id)
             if (spec := self._speculative) is not None:
-                spec.forget(*unfinished)
+                spec.forget(*live)
 
     def _inference(self) -> torch.inference_mode:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
@@ -256,34 +248,25 @@ class Engine:
         self.state, out = self.step(self.state, batch, mode)
         return out
 
-    def _iterate(
-        self,
-        scheduled: ScheduledStep,
-        live: dict[Hashable, tuple[CheckedRequest, int]],
-        outputs: dict[Hashable, list[int]],
-    ) -> list[int | tuple[int, ...] | None]:
-        """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row."""
+    def _iterate(self, scheduled: ScheduledStep,
+                 live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
+        """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row.
+        `live` holds the record of every request the step has a row of."""
         spec = self._speculative
         if spec is None:
-            return self._run(scheduled, live, outputs)
-        verify = spec.draft(scheduled, live, outputs)
-        return spec.accept(verify, self._target_step(verify.plan), live, outputs)
+            return self._run(scheduled, live)
+        verify = spec.draft(scheduled, live)
+        return spec.accept(verify, self._target_step(verify.plan), live)
 
-    def _run(
-        self,
-        scheduled: ScheduledStep,
-        live: dict[Hashable, tuple[CheckedRequest, int]],
-        outputs: dict[Hashable, list[int]],
-    ) -> list[int | tuple[int, ...] | None]:
+    def _run(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
         """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
         out = self._target_step(scheduled.plan)
         rows = scheduled.rows
         draws = DrawRows()
         for i, row in enumerate(rows):
             if row.num_logits:
-                request_id = scheduled.request_ids[i]
-                request, seed = live[request_id]
-                draws.add(len(draws.index), request, seed, outputs[request_id], row.seq_len)
+                entry = live[scheduled.request_ids[i]]
+                draws.add(len(draws.index), entry, entry.output_token_ids, row.seq_len)
         if not draws.index:
             return [None] * len(rows)
         tokens = iter(draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist())

@@ -1,20 +1,35 @@
-"""The engine's limits: the `EngineConfig` and the checks and defaults of its arguments."""
+"""The engine's limits: the `EngineConfig` and the checks and defaults of its arguments.
+
+`EngineConfig` is the one carrier of the engine's limits: the scheduler's config and every
+step the engine runs (the target's and the drafter's) are built from it by its methods, so
+no limit is handed on twice by hand.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mla_func.core.model import Model
 from mla_func.core.prepare import state_bytes_per_block
+from mla_func.core.step import Step, StepFn, make_step
 from mla_func.models.mtp.layer import drafter_bytes_per_block
+from mla_func.serving.scheduler_types import SchedulerConfig, check_token_budget
+from mla_func.state.layer_cache import CacheGroup
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """The engine's limits; every field has a documented default (see `Engine`)."""
+    """The engine's limits; every field has a documented default (see `Engine`).
+
+    block_size and num_blocks are those of the state's cache group 0, which `init_state` is
+    given; the scheduler then reads the state's own groups (`scheduler_config`).
+    Raises ValueError if max_num_batched_tokens cannot fit a decode row of every sequence
+    (`check_token_budget`, the scheduler's rule, checked here before a state is allocated).
+    """
 
     block_size: int
     num_blocks: int
@@ -29,6 +44,34 @@ class EngineConfig:
     graph_kinds: tuple[str, ...]
     batch_invariant: bool
     speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_token_budget(self.max_num_seqs, self.max_num_batched_tokens, self.speculative_tokens)
+
+    def scheduler_config(self, cache_groups: tuple[CacheGroup, ...], *,
+                         carry_periods: tuple[int, ...] = ()) -> SchedulerConfig:
+        """The scheduler's config: these limits over `cache_groups`, the state's own (`KVCacheState.groups`,
+        group 0 of num_blocks blocks of block_size tokens), so state and scheduler read one geometry.
+        Raises ValueError if group 0 is not this config's (a state made for another engine)."""
+        first = cache_groups[0] if cache_groups else None
+        if first is None or (first.num_blocks, first.block_size) != (self.num_blocks, self.block_size):
+            raise ValueError(f"EngineConfig.scheduler_config: cache group 0 must have num_blocks={self.num_blocks} "
+                             f"and block_size={self.block_size}, as a state made from this config has; got {first}")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, cache_groups=cache_groups,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, enable_mixed=self.enable_mixed,
+            enable_prefix_caching=self.enable_prefix_caching, carry_periods=carry_periods,
+            speculative_tokens=self.speculative_tokens)
+
+    def build_step(self, model: Model, *, fn: StepFn | None = None, params: Any = None) -> Step:
+        """`make_step(model, fn=fn, params=params)` with these limits: backend, graphs and the kinds that
+        use them, padding ladders for max_num_seqs, max_num_batched_tokens and max_model_len, block_size
+        (checked at every call) and batch invariance."""
+        return make_step(model, fn=fn, params=params, backend=self.backend, graphs=self.graphs,
+                         graph_kinds=self.graph_kinds, max_num_seqs=self.max_num_seqs,
+                         max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                         block_size=self.block_size, batch_invariant=self.batch_invariant)
 
 
 def check_limit(name: str, value: object, low: int | None, high: int | None = None, what: str = "",

@@ -16,7 +16,7 @@ from the start of a sequence, pass the beginning-of-sequence id.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -94,6 +94,23 @@ class CheckedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRequest:
+    """A request the engine is generating for: what every draw of its tokens reads.
+
+    request:          the checked request (its params, prompt and stop ids)
+    seed:             its sampling seed (`sampling.request_seed`): with a token's position, its draw's key
+    output_token_ids: the tokens streamed to the caller so far, the context its penalties and
+                      min_tokens count. The record's fields never change, but this list grows in
+                      place: the engine's host loop appends each token as it streams it, so a step
+                      allocates no new record or list for a request.
+    """
+
+    request: CheckedRequest
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 def split_call(prompts: object, params: object) -> list[tuple[object, object]]:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from mla_func.kernels.checks import as_dtype
+from mla_func.kernels.ops import Ops
 from mla_func.kernels.reference.sampling import MIN_TEMPERATURE, uniform_noise
-from mla_func.kernels.registry import REFERENCE, Ops
+from mla_func.kernels.reference.table import REFERENCE
 
 # The noise and the greedy threshold live beside the draw op (`mla_func.kernels.reference.sampling`),
 # which every backend's kernel matches bit for bit; they are re-exported here for callers.

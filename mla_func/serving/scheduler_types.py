@@ -17,17 +17,31 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # finished from outside with `Scheduler.finish`
 
 
+def check_token_budget(max_num_seqs: int, max_num_batched_tokens: int, speculative_tokens: int) -> None:
+    """ValueError unless a step's token budget fits a decode row (1 + speculative_tokens tokens) of
+    every running request: the scheduler's rule, which `EngineConfig` checks too, so that an engine
+    refuses its limits before its state is allocated."""
+    per_decode = speculative_tokens + 1
+    if max_num_batched_tokens < max_num_seqs * per_decode:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({max_num_seqs}) * {per_decode} tokens a decode row, or running decodes could use the whole "
+            "budget"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Static limits of the scheduler.
+    """Static limits of the scheduler, and the geometry of the cache it allocates.
 
     long_prefill_token_threshold: most tokens in one prefill chunk; 0 or None
     means a chunk is limited only by the step's token budget.
     max_num_batched_tokens must be >= max_num_seqs, so that after every running
     request's decode token there is budget left for a prefill chunk.
-    block_size, num_blocks: cache group 0 (one entry per token).
-    extra_cache_groups: cache groups 1.. (none for an MLA model); each has its own
-    blocks, block tables and accounting (see `state.cache_groups`).
+    cache_groups: the cache's groups, as the state that the steps run on has them
+    (`KVCacheState.groups`): group 0 holds one entry per token (its block_size and
+    num_blocks are this config's), groups 1.. (none for an MLA model) each have their
+    own blocks, block tables and accounting (see `state.cache_groups`).
     carry_periods: periods of the layer kinds' state kept outside full blocks; prefix
     hits are cut to multiples of them (see `state.cache_groups`).
     speculative_tokens: drafts verified per decode row (0: plain decoding); a decode row
@@ -37,31 +51,27 @@ class SchedulerConfig:
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    block_size: int
-    num_blocks: int
     max_model_len: int
+    cache_groups: tuple[CacheGroup, ...]
     long_prefill_token_threshold: int | None = None
     enable_mixed: bool = True
     enable_prefix_caching: bool = True
-    extra_cache_groups: tuple[CacheGroup, ...] = ()
     carry_periods: tuple[int, ...] = ()
     speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the scratch block), got {self.num_blocks}")
+        # `CacheGroup` checks each group's own sizes (block 0 is scratch, so num_blocks >= 2).
+        if not self.cache_groups:
+            raise ValueError("cache_groups: expected at least one cache group (group 0, one entry per token), got none")
+        if self.cache_groups[0].tokens_per_entry != 1:
+            raise ValueError(f"cache_groups[0].tokens_per_entry: group 0 holds one entry per token, got "
+                             f"{self.cache_groups[0].tokens_per_entry}")
         if self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
-        per_decode = self.speculative_tokens + 1
-        if self.max_num_batched_tokens < self.max_num_seqs * per_decode:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) * {per_decode} tokens a decode row, or running decodes could use the whole "
-                "budget"
-            )
+        check_token_budget(self.max_num_seqs, self.max_num_batched_tokens, self.speculative_tokens)
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 or None, got {self.long_prefill_token_threshold}"
@@ -72,8 +82,14 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     @property
-    def cache_groups(self) -> tuple[CacheGroup, ...]:
-        return (CacheGroup(self.num_blocks, self.block_size), *self.extra_cache_groups)
+    def block_size(self) -> int:
+        """Tokens a block of cache group 0 holds."""
+        return self.cache_groups[0].block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of cache group 0, block 0 (scratch) included."""
+        return self.cache_groups[0].num_blocks
 
 
 @dataclass(frozen=True, slots=True)

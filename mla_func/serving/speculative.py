@@ -39,7 +39,7 @@ host syncs (`to_host`) sit between steps: after the draft chain and after the ca
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,13 +52,13 @@ from mla_func.core.step import Step, StepOutput
 from mla_func.kernels import Ops
 from mla_func.serving.acceptance import accepted_lengths
 from mla_func.serving.draws import DrawRows, draw_tokens
-from mla_func.serving.requests import CheckedRequest
+from mla_func.serving.requests import LiveRequest
 from mla_func.serving.scheduler import ScheduledStep
 from mla_func.state.kv_cache import KVCacheState
 
 __all__ = ["Draft", "SpeculativeDecoder", "SpeculativeStats", "Verify", "to_host"]
 
-Live = dict[Hashable, tuple[CheckedRequest, int]]   # request id -> (request, seed)
+Live = Mapping[Hashable, LiveRequest]   # request id -> the engine's record of that request
 Sampled = list[int | tuple[int, ...] | None]
 
 
@@ -128,18 +128,19 @@ class SpeculativeDecoder:
         for request_id in request_ids:
             self.drafts.pop(request_id, None)
 
-    def draft(self, scheduled: ScheduledStep, live: Live, outputs: dict[Hashable, list[int]]) -> Verify:
-        """Step 1: the drafts of `scheduled`'s decode rows, and the plan of the target step that verifies them."""
+    def draft(self, scheduled: ScheduledStep, live: Live) -> Verify:
+        """Step 1: the drafts of `scheduled`'s decode rows, and the plan of the target step that verifies them.
+        `live` holds a record of every request `scheduled` has a row of."""
         plan, ids = scheduled.plan, scheduled.request_ids
         self.forget(*scheduled.preempted)  # before the catch-up, which drafts anew for one re-admitted at once
-        drafts = self._draft(plan, ids[len(plan.prefill):], live, outputs)
+        drafts = self._draft(plan, ids[len(plan.prefill):], live)
         target_plan = StepPlan(
             prefill=tuple(replace(s, num_logits=s.num_tokens) for s in plan.prefill),
             decode=tuple(replace(s, token_ids=s.token_ids[:1] + d) for s, d in zip(plan.decode, drafts)),
             decode_q_len=plan.decode_q_len)
         return Verify(scheduled, tuple(drafts), target_plan)
 
-    def accept(self, verify: Verify, target: StepOutput, live: Live, outputs: dict[Hashable, list[int]]) -> Sampled:
+    def accept(self, verify: Verify, target: StepOutput, live: Live) -> Sampled:
         """Steps 3 to 5, after the target's step of `verify.plan` gave `target`: per row of the scheduled
         step, its tokens (an int for a prefill row that completes its prompt, a tuple for a decode row,
         None otherwise). Records the next first drafts and the counts only once everything else has run."""
@@ -153,15 +154,17 @@ class SpeculativeDecoder:
             offset += s.num_tokens
             if s.num_logits:  # the chunk completes its prompt
                 done.append(i)
-                self._add(rows, offset - 1, ids[i], live, outputs[ids[i]], s.seq_len)
+                entry = live[ids[i]]
+                rows.add(offset - 1, entry, entry.output_token_ids, s.seq_len)
         for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
+            entry = live[rid]
             for j in range(q):
-                self._add(rows, offset + b * q + j, rid, live, outputs[rid] + list(drafts[b][:j]), s.start_pos + j + 1)
+                rows.add(offset + b * q + j, entry, entry.output_token_ids + list(drafts[b][:j]), s.start_pos + j + 1)
         tokens = draw_tokens(logits, rows, penalties=True, ops=self.ops)           # [len(done) + B * q]
         verify_tokens = tokens[len(done):].view(len(decode_ids), q)
         drafted = torch.tensor(drafts, dtype=torch.int64, device=tokens.device).view(len(decode_ids), q - 1)
         accepted = accepted_lengths(verify_tokens, drafted)
-        first, next_hidden, continuing = self._catch_up(plan, ids, live, outputs, tokens, hidden, accepted)
+        first, next_hidden, continuing = self._catch_up(plan, ids, live, tokens, hidden, accepted)
 
         host = to_host(torch.cat([tokens, accepted, first]))  # the iteration's one sync after its steps
         n_tokens, n_acc = len(rows.index), len(decode_ids)
@@ -188,13 +191,7 @@ class SpeculativeDecoder:
         self.state, out = self.drafter(self.state, batch, mode)
         return out
 
-    @staticmethod
-    def _add(rows: DrawRows, index: int, rid: Hashable, live: Live, context: list[int], position: int) -> None:
-        request, seed = live[rid]
-        rows.add(index, request, seed, context, position)
-
-    def _draft(self, plan: StepPlan, decode_ids: Sequence[Hashable], live: Live,
-               outputs: dict[Hashable, list[int]]) -> list[tuple[int, ...]]:
+    def _draft(self, plan: StepPlan, decode_ids: Sequence[Hashable], live: Live) -> list[tuple[int, ...]]:
         """The drafts of each decode row (decode_q_len - 1 of them)."""
         q = plan.decode_q_len
         if q == 1:
@@ -222,14 +219,13 @@ class SpeculativeDecoder:
             out = self._drafter_step(batch, mode)
             rows = DrawRows()
             for b, (s, rid) in enumerate(zip(plan.decode, decode_ids)):
-                self._add(rows, b, rid, live, [], s.start_pos + i)
+                rows.add(b, live[rid], [], s.start_pos + i)
             token, hidden = draw_tokens(out.output.logits, rows, penalties=False, ops=self.ops), out.output.hidden
             chain.append(token)
         later = to_host(torch.stack(chain, dim=1))  # the draft chain's one host sync
         return [(d.token, *rest) for d, rest in zip(firsts, later)]
 
-    def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, outputs: dict[Hashable, list[int]],
-                  tokens: torch.Tensor, hidden: torch.Tensor,
+    def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, tokens: torch.Tensor, hidden: torch.Tensor,
                   accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Hashable, int, int]]]:
         """The drafter over the target step's rows; returns the next first drafts [M], their hidden states
         [M, D] and, for each, (request id, the position of its next verify row, or for verify row b
@@ -239,8 +235,8 @@ class SpeculativeDecoder:
         rows = DrawRows()
         offset, num_logits = 0, 0
         for s, rid in zip(plan.prefill, ids):
-            request = live[rid][0]
-            full = list(request.prompt_token_ids) + outputs[rid]
+            entry = live[rid]
+            full = list(entry.request.prompt_token_ids) + entry.output_token_ids
             end = s.seq_len
             nxt = full[end] if end < len(full) else 0
             if end >= len(full):
@@ -248,14 +244,15 @@ class SpeculativeDecoder:
             logits = 1 if end >= len(full) - 1 else 0
             prefill.append(SeqPlan(s.token_ids[1:] + (nxt,), s.start_pos, s.block_table, logits, s.group_block_tables))
             if logits:
-                self._add(rows, num_logits, rid, live, [], end + 1)
+                rows.add(num_logits, entry, [], end + 1)
                 continuing.append((rid, end, -1))
                 num_logits += 1
             offset += s.num_tokens
         decode = tuple(SeqPlan((0,) * q, s.start_pos, s.block_table, q, s.group_block_tables) for s in plan.decode)
         for b, (s, rid) in enumerate(zip(plan.decode, ids[len(plan.prefill):])):
+            entry = live[rid]
             for j in range(q):
-                self._add(rows, num_logits + b * q + j, rid, live, [], s.start_pos + j + 2)
+                rows.add(num_logits + b * q + j, entry, [], s.start_pos + j + 2)
             continuing.append((rid, -1, b))
         batch, mode = self.drafter.prepare(self.state, StepPlan(prefill=tuple(prefill), decode=decode, decode_q_len=q))
         device = tokens.device

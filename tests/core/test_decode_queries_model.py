@@ -77,9 +77,10 @@ def test_decode_rows_must_feed_the_segment_query_length():
 
 def test_query_length_is_part_of_the_static_key():
     plan = lambda q: mf.StepPlan(decode=(mf.SeqPlan(tuple(range(1, q + 1)), 4, (1, 2, 3), q),), decode_q_len=q)  # noqa: E731
-    one, two = (mf.ForwardMode.decide(plan(q), block_size=4) for q in (1, 2))
+    groups = (mf.CacheGroup(num_blocks=16, block_size=4),)
+    one, two = (mf.ForwardMode.decide(plan(q), cache_groups=groups) for q in (1, 2))
     assert one.static_key != two.static_key and (one.num_tokens, two.num_tokens) == (1, 2)
     assert not one.gather_logits and not two.gather_logits
     # One logits row of two query tokens: the logits rows are gathered.
     last_only = mf.StepPlan(decode=(mf.SeqPlan((1, 2), 4, (1, 2, 3), 1),), decode_q_len=2)
-    assert mf.ForwardMode.decide(last_only, block_size=4).gather_logits
+    assert mf.ForwardMode.decide(last_only, cache_groups=groups).gather_logits

@@ -102,19 +102,20 @@ def test_bad_plans_are_refused_on_the_host(model, plan, message):
 
 def test_an_empty_plan_is_refused():
     with pytest.raises(ValueError, match="at least one sequence"):
-        mf.ForwardMode.decide(mf.StepPlan(), block_size=4)
+        mf.ForwardMode.decide(mf.StepPlan(), cache_groups=(mf.CacheGroup(16, 4),))
 
 
 def test_decide_pads_to_ladders_and_falls_back_above_them():
     ladder = mf.PaddingPolicy(decode_seqs=(1, 2, 4, 8), prefill_tokens=(16, 32), prefill_seqs=(2, 4), block_table_widths=(4, 8))
+    groups = (mf.CacheGroup(num_blocks=16, block_size=4),)
     decode = mf.StepPlan(decode=tuple(mf.SeqPlan((1,), 5, (1, 2)) for _ in range(3)))
-    mode = mf.ForwardMode.decide(decode, block_size=4, padding=ladder, graphs=True)
+    mode = mf.ForwardMode.decide(decode, cache_groups=groups, padding=ladder, graphs=True)
     assert (mode.kind, mode.padded_decode_seqs, mode.block_table_width, mode.use_graph) == ("decode", 4, 4, True)
     assert mode.num_tokens == 4 and mode.padded_num_logits == 4
     big = mf.StepPlan(decode=tuple(mf.SeqPlan((1,), 5, (1, 2)) for _ in range(9)))
-    mode = mf.ForwardMode.decide(big, block_size=4, padding=ladder, graphs=True)
+    mode = mf.ForwardMode.decide(big, cache_groups=groups, padding=ladder, graphs=True)
     assert (mode.padded_decode_seqs, mode.use_graph) == (9, False)
-    assert mf.ForwardMode.decide(decode, block_size=4, padding=ladder, graphs=False).use_graph is False
+    assert mf.ForwardMode.decide(decode, cache_groups=groups, padding=ladder, graphs=False).use_graph is False
 
 
 @settings(max_examples=25, deadline=None)
@@ -200,7 +201,7 @@ def test_an_explicit_op_table_records_the_experts_chosen(model):
     state = fresh_state(model)
     plan = mf.StepPlan(prefill=(mf.SeqPlan((3, 4, 5), 0, blocks(0, 8), 1),))
     padding = mf.PaddingPolicy(prefill_tokens=(8,), prefill_seqs=(2,), block_table_widths=(4,))
-    mode = mf.ForwardMode.decide(plan, block_size=BLOCK_SIZE, padding=padding)
+    mode = mf.ForwardMode.decide(plan, cache_groups=state.groups, padding=padding)
     batch = mf.build_batch(plan, mode, block_size=BLOCK_SIZE, device="cpu")
     ops, chosen = record_expert_choice(ops_for("torch"))
     logits, _ = mf.forward(model.params, state, batch, mode, copy=True, ops=ops)

@@ -87,7 +87,7 @@ def test_an_all_padding_batch_runs_and_writes_only_the_scratch_block(model):
     before = [c.clone() for c in state.leaves()]
     mode = mf.ForwardMode.decide(
         mf.StepPlan(prefill=(mf.SeqPlan((1, 2), 0, (1,)),), decode=(mf.SeqPlan((3,), 2, (2,)),)),
-        block_size=4, padding=ladder,
+        cache_groups=state.groups, padding=ladder,
     )
     empty = dataclasses.replace(mode, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
     batch = mf.build_batch(mf.StepPlan(), empty, block_size=4, device="cpu")

@@ -130,7 +130,8 @@ def test_warmup_captures_largest_first_and_later_steps_replay(model):
     step = mf.make_step(model, backend="triton", padding=LADDER)
     state = with_context(model, [5, 6, 7])
     modes = [
-        mf.ForwardMode.decide(decode_plan([5] * n), block_size=BLOCK_SIZE, backend="triton", padding=LADDER, graphs=True)
+        mf.ForwardMode.decide(decode_plan([5] * n), cache_groups=state.groups, backend="triton", padding=LADDER,
+                              graphs=True)
         for n in (1, 2, 4, 8)
     ]
     before = [c.clone() for c in state.leaves()]

@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 
 from mla_func.serving.scheduler import FinishReason, Request, ScheduledStep, Scheduler, SchedulerConfig
+from mla_func.state.layer_cache import CacheGroup
 from test_scheduler import VOCAB, PagedFakeModel, next_token, run_alone
 
 
@@ -55,7 +56,7 @@ def _verify(model: PagedFakeModel, step: ScheduledStep, rng: random.Random) -> l
 @pytest.mark.parametrize("num_blocks", [14, 200])
 def test_verify_rows_keep_the_tokens_of_decoding_alone(k, num_blocks):
     rng = random.Random(k * 100 + num_blocks)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=20, block_size=4, num_blocks=num_blocks,
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=20, cache_groups=(CacheGroup(num_blocks, 4),),
                           max_model_len=48, long_prefill_token_threshold=6, speculative_tokens=k)
     shared = [rng.randrange(VOCAB) for _ in range(8)]
     requests = []
@@ -87,7 +88,7 @@ def test_verify_rows_keep_the_tokens_of_decoding_alone(k, num_blocks):
 
 
 def test_a_verify_row_never_passes_its_request_length():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_blocks=20, max_model_len=64,
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, cache_groups=(CacheGroup(20, 4),), max_model_len=64,
                           speculative_tokens=3)
     sched = Scheduler(cfg)
     sched.add(Request("a", (1, 2, 3), max_tokens=3))
@@ -100,7 +101,7 @@ def test_a_verify_row_never_passes_its_request_length():
 
 
 def test_verify_tokens_are_checked():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_blocks=20, max_model_len=64,
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, cache_groups=(CacheGroup(20, 4),), max_model_len=64,
                           speculative_tokens=2)
     sched = Scheduler(cfg)
     sched.add(Request("a", (1, 2, 3), max_tokens=10))
@@ -109,5 +110,5 @@ def test_verify_tokens_are_checked():
     with pytest.raises(ValueError, match=r"row 0 \('a'\) has num_logits=3 but got sampled token \(1, 2, 3, 4\)"):
         sched.update(step, [(1, 2, 3, 4)])
     with pytest.raises(ValueError, match="max_num_batched_tokens \\(8\\) must be >= max_num_seqs \\(4\\) \\* 3"):
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, block_size=4, num_blocks=20, max_model_len=64,
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, cache_groups=(CacheGroup(20, 4),), max_model_len=64,
                         speculative_tokens=2)

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_func.serving.scheduler import FinishReason, Request, ScheduledStep, Scheduler, SchedulerConfig
+from mla_func.state.layer_cache import CacheGroup
 
 VOCAB = 23
 
@@ -177,9 +178,8 @@ def workloads(draw):
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=draw(st.integers(max_num_seqs, 24)),
-        block_size=block_size,
         # Room for a handful of tokens up to a few requests: small enough to force preemption.
-        num_blocks=1 + ceil_div(draw(st.integers(1, 64)), block_size),
+        cache_groups=(CacheGroup(1 + ceil_div(draw(st.integers(1, 64)), block_size), block_size),),
         max_model_len=draw(st.integers(2, 48)),
         long_prefill_token_threshold=draw(st.sampled_from([None, 0, 1, 3, 7])),
         enable_mixed=draw(st.booleans()),
@@ -217,7 +217,7 @@ def test_every_request_finishes_with_the_tokens_it_gets_alone(workload):
 def test_preemption_recomputes_to_the_same_tokens():
     # 7 usable blocks of 2 tokens: three requests that each grow to 12 tokens cannot all stay.
     cfg = SchedulerConfig(
-        max_num_seqs=3, max_num_batched_tokens=16, block_size=2, num_blocks=8, max_model_len=64
+        max_num_seqs=3, max_num_batched_tokens=16, cache_groups=(CacheGroup(8, 2),), max_model_len=64
     )
     reqs = [Request(f"r{i}", tuple(range(i, i + 4)), max_tokens=9) for i in range(3)]
     outputs, steps, _ = drive(cfg, [(0, r) for r in reqs])
@@ -233,7 +233,7 @@ def test_preemption_recomputes_to_the_same_tokens():
 def test_prefix_cache_skips_the_shared_full_blocks(caching):
     bs = 4
     cfg = SchedulerConfig(
-        max_num_seqs=2, max_num_batched_tokens=64, block_size=bs, num_blocks=16, max_model_len=64,
+        max_num_seqs=2, max_num_batched_tokens=64, cache_groups=(CacheGroup(16, bs),), max_model_len=64,
         enable_prefix_caching=caching,
     )
     shared = list(range(10))  # two full blocks and a partial one
@@ -262,7 +262,7 @@ def test_prefix_cache_skips_the_shared_full_blocks(caching):
 
 def test_decodes_keep_running_while_a_long_prompt_is_chunked():
     cfg = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=8, block_size=4, num_blocks=64, max_model_len=256,
+        max_num_seqs=4, max_num_batched_tokens=8, cache_groups=(CacheGroup(64, 4),), max_model_len=256,
         long_prefill_token_threshold=4,
     )
     short = [Request(f"s{i}", (i, i + 1), max_tokens=20) for i in range(3)]
@@ -276,7 +276,7 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked():
 
 def test_unmixed_steps_alternate():
     cfg = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=8, block_size=4, num_blocks=64, max_model_len=256,
+        max_num_seqs=4, max_num_batched_tokens=8, cache_groups=(CacheGroup(64, 4),), max_model_len=256,
         long_prefill_token_threshold=4, enable_mixed=False,
     )
     reqs = [Request("s", (1, 2), max_tokens=20), Request("long", tuple(range(40)), max_tokens=1)]
@@ -287,7 +287,7 @@ def test_unmixed_steps_alternate():
 
 
 def test_add_rejects_requests_that_cannot_fit():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_blocks=3, max_model_len=16)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, cache_groups=(CacheGroup(3, 4),), max_model_len=16)
     sched = Scheduler(cfg)
     with pytest.raises(ValueError, match=r"'big'.*needs up to 3 KV blocks.*only 2 usable"):
         sched.add(Request("big", tuple(range(8)), max_tokens=5))
@@ -304,11 +304,11 @@ def test_request_and_config_validation_name_the_bad_value():
     with pytest.raises(ValueError, match="'x'.*empty"):
         Request("x", (), max_tokens=1)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(2\) must be >= max_num_seqs \(4\)"):
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2, block_size=1, num_blocks=4, max_model_len=8)
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2, cache_groups=(CacheGroup(4, 1),), max_model_len=8)
 
 
 def test_update_rejects_misuse_and_abort_frees_blocks():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=2, num_blocks=8, max_model_len=32)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, cache_groups=(CacheGroup(8, 2),), max_model_len=32)
     sched = Scheduler(cfg)
     sched.add(Request("a", (1, 2, 3), max_tokens=4))
     sched.add(Request("b", (4, 5, 6), max_tokens=4))
@@ -335,7 +335,7 @@ def test_an_older_prefill_preempts_a_younger_decode_chosen_in_the_same_step():
     # step; "young" decodes from step 1 on. In step 4 one block is left: young's decode takes
     # it first, then old's chunk needs a block and young is preempted after being chosen.
     cfg = SchedulerConfig(
-        max_num_seqs=2, max_num_batched_tokens=4, block_size=2, num_blocks=8, max_model_len=64,
+        max_num_seqs=2, max_num_batched_tokens=4, cache_groups=(CacheGroup(8, 2),), max_model_len=64,
         long_prefill_token_threshold=2,
     )
     old = Request("old", tuple(range(10)), max_tokens=1)
@@ -357,7 +357,7 @@ def _run_to_end(sched: Scheduler, model: PagedFakeModel) -> dict:
 
 
 def test_a_cancelled_step_is_scheduled_again():
-    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=6, block_size=2, num_blocks=12, max_model_len=32)
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=6, cache_groups=(CacheGroup(12, 2),), max_model_len=32)
     sched, model = Scheduler(cfg), PagedFakeModel(cfg.block_size)
     reqs = [Request("a", (1, 2, 3, 4), max_tokens=3), Request("b", (6, 7), max_tokens=3)]
     for r in reqs:
@@ -384,7 +384,7 @@ def test_a_cancelled_step_is_scheduled_again():
 
 
 def test_a_step_whose_requests_were_all_aborted_is_dropped():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=2, num_blocks=8, max_model_len=32)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, cache_groups=(CacheGroup(8, 2),), max_model_len=32)
     sched, model = Scheduler(cfg), PagedFakeModel(cfg.block_size)
     sched.add(Request("a", (1, 2, 3), max_tokens=4))
     sched.schedule()

@@ -24,7 +24,7 @@ import mla_func as mf
 from mla_func.models.mla.layer import MLA_DECODER
 from mla_func.pytree import register_dataclass, static_field
 from mla_func.serving.scheduler import Request, Scheduler, SchedulerConfig
-from mla_func.state.kv_cache import init_state as raw_init_state
+from mla_func.state.kv_cache import KVCacheState
 from mla_func.state.layer_cache import CacheGroup
 
 
@@ -35,10 +35,11 @@ def configs(draw):
     group_block_size = draw(st.integers(1, 3))
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(4, 16)),
-        block_size=block_size, num_blocks=draw(st.integers(6, 24)), max_model_len=draw(st.integers(8, 40)),
+        cache_groups=(CacheGroup(draw(st.integers(6, 24)), block_size),
+                      CacheGroup(draw(st.integers(4, 16)), group_block_size, ratio)),
+        max_model_len=draw(st.integers(8, 40)),
         long_prefill_token_threshold=draw(st.sampled_from([None, 3, 5])), enable_mixed=draw(st.booleans()),
         enable_prefix_caching=draw(st.booleans()),
-        extra_cache_groups=(CacheGroup(draw(st.integers(4, 16)), group_block_size, ratio),),
         carry_periods=(draw(st.sampled_from([1, ratio])),),
     )
     return cfg
@@ -50,7 +51,7 @@ def _check_batch(plan, cfg, groups, ladder_extra):
         prefill_tokens=(plan.num_prefill_tokens + ladder_extra,) if plan.prefill else (),
         prefill_seqs=(len(plan.prefill) + ladder_extra,) if plan.prefill else (),
     )
-    mode = mf.ForwardMode.decide(plan, block_size=cfg.block_size, padding=padding, cache_groups=groups)
+    mode = mf.ForwardMode.decide(plan, cache_groups=groups, padding=padding)
     batch = mf.build_batch(plan, mode, device="cpu", num_blocks=cfg.num_blocks)
     g = groups[1]
     (meta,) = batch.groups
@@ -116,8 +117,8 @@ def test_two_groups_through_scheduler_and_batch(cfg, seed, ladder_extra):
 
 
 def test_prefix_hits_stop_where_every_group_is_aligned():
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=2, num_blocks=32, max_model_len=64,
-                          extra_cache_groups=(CacheGroup(32, 1, 3),))
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                          cache_groups=(CacheGroup(32, 2), CacheGroup(32, 1, 3)))
     sched = Scheduler(cfg)
     prompt = tuple(range(1, 15))  # 14 tokens
     sched.add(Request("a", prompt, max_tokens=1))
@@ -172,12 +173,12 @@ def test_padding_is_inert_for_every_leaf_of_two_groups(tiny):
     kinds = (*mf.layer_kinds(model.config), EntryLayer())
     params = dataclasses.replace(model.params, layers=(*model.params.layers, None))
     caches = [k.init_cache(model.config, groups, dtype=model.dtype, device="cpu") for k in kinds]
-    state = raw_init_state(caches, groups=groups)
+    state = KVCacheState.checked(caches, groups=groups)
     assert kinds[0] is MLA_DECODER and len(state.leaves()) == len(kinds)
     plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(range(3, 10)), 0, (1, 2), 1, ((1, 2),)),
                                 mf.SeqPlan((4, 5, 6), 0, (3,), 1, ((3,),))))
-    exact = mf.ForwardMode.decide(plan, block_size=4, cache_groups=groups)
-    padded = mf.ForwardMode.decide(plan, block_size=4, cache_groups=groups, padding=mf.PaddingPolicy(
+    exact = mf.ForwardMode.decide(plan, cache_groups=groups)
+    padded = mf.ForwardMode.decide(plan, cache_groups=groups, padding=mf.PaddingPolicy(
         prefill_tokens=(16,), prefill_seqs=(4,), block_table_widths=(5,)))
     assert padded.num_tokens == 16 and padded.group_widths == (4,) and exact.group_widths == (2,)
     (_, exact_state), (_, padded_state) = _exact_and_padded(params, state, plan, exact, padded, kinds)
@@ -210,20 +211,20 @@ def test_padding_is_inert_for_every_leaf_in_mixed_steps(tiny, lengths, context, 
     groups = (CacheGroup(32, 2), CacheGroup(32, 1, ratio))
     kinds = (*mf.layer_kinds(model.config), EntryLayer())
     params = dataclasses.replace(model.params, layers=(*model.params.layers, None))
-    state = raw_init_state([k.init_cache(model.config, groups, dtype=model.dtype, device="cpu") for k in kinds],
-                           groups=groups)
+    state = KVCacheState.checked([k.init_cache(model.config, groups, dtype=model.dtype, device="cpu") for k in kinds],
+                                 groups=groups)
     tables = [tuple(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
     ctx_plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(range(5, 5 + context)), 0, tables[2], 0, (tables[2],)),))
-    mode = mf.ForwardMode.decide(ctx_plan, block_size=2, cache_groups=groups)
+    mode = mf.ForwardMode.decide(ctx_plan, cache_groups=groups)
     _, state = mf.forward(params, state, mf.build_batch(ctx_plan, mode, device="cpu"), mode, layers=kinds)
     plan = mf.StepPlan(
         prefill=tuple(mf.SeqPlan(tuple(range(2, 2 + n)), 0, tables[i], 1, (tables[i],)) for i, n in enumerate(lengths)),
         decode=(mf.SeqPlan(tuple(range(40, 40 + q_len)), context, tables[2], q_len, (tables[2],)),),
         decode_q_len=q_len,
     )
-    exact = mf.ForwardMode.decide(plan, block_size=2, cache_groups=groups)
+    exact = mf.ForwardMode.decide(plan, cache_groups=groups)
     tokens, pseqs, dseqs, width = extra
-    padded = mf.ForwardMode.decide(plan, block_size=2, cache_groups=groups, padding=mf.PaddingPolicy(
+    padded = mf.ForwardMode.decide(plan, cache_groups=groups, padding=mf.PaddingPolicy(
         prefill_tokens=(exact.padded_prefill_tokens + tokens,), prefill_seqs=(exact.padded_prefill_seqs + pseqs,),
         decode_seqs=(1 + dseqs,), block_table_widths=(exact.block_table_width + width,)))
     assert padded.num_tokens == exact.num_tokens + tokens + dseqs * q_len

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mla_func as mf
-from mla_func.state.kv_cache import init_state as raw_init_state
+from mla_func.state.kv_cache import KVCacheState
 from mla_func.state.layer_cache import CacheGroup, MLALayerCache
 
 
@@ -59,7 +59,7 @@ def test_block_table_entries_outside_the_cache_are_refused(model, table):
         mf.plan_step(model.config, state, plan)
     # Without the state's block count (a hand-built batch), a negative id is still refused.
     if min(table) < 0:
-        mode = mf.ForwardMode.decide(plan, block_size=4)
+        mode = mf.ForwardMode.decide(plan, cache_groups=state.groups)
         with pytest.raises(mf.BatchError, match="block ids must be in"):
             mf.build_batch(plan, mode, device="cpu")
 
@@ -69,9 +69,9 @@ def test_geometry_of_every_layer_is_checked():
     good = MLALayerCache(kv=torch.zeros(4, 2, 8))
     bad = MLALayerCache(kv=torch.zeros(4, 3, 8))
     with pytest.raises(ValueError, match=r"layers\[1\]: a paged tensor of group 0 must start with"):
-        raw_init_state([good, bad], groups=[group])
+        KVCacheState.checked([good, bad], groups=[group])
     with pytest.raises(ValueError, match=r"layers\[0\].group: expected in \[0, 1\), got 1"):
-        raw_init_state([dataclasses.replace(good, group=1)], groups=[group])
+        KVCacheState.checked([dataclasses.replace(good, group=1)], groups=[group])
 
 
 def test_donation_and_copy_apply_to_every_leaf(model):
@@ -96,7 +96,7 @@ def test_bytes_per_block_follows_the_leaves(model):
 
 def test_group_zero_holds_one_entry_per_token():
     with pytest.raises(ValueError, match=r"groups\[0\].tokens_per_entry: group 0 holds one entry per token, got 2"):
-        raw_init_state([MLALayerCache(kv=torch.zeros(4, 2, 8))], groups=[CacheGroup(4, 2, 2)])
+        KVCacheState.checked([MLALayerCache(kv=torch.zeros(4, 2, 8))], groups=[CacheGroup(4, 2, 2)])
 
 
 def test_plan_step_checks_positions_against_the_rope_tables():

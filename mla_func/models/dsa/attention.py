@@ -21,7 +21,6 @@ import torch
 
 from mla_func.core.config import ModelConfig
 from mla_func.core.layers import LayerContext
-from mla_func.core.rows import row_metadata
 from mla_func.models.dsa.indexer import index_query_key, index_weight_scale
 from mla_func.models.mla.attention import LATENT_NORM_EPS
 from mla_func.models.mla.moe import feed_forward
@@ -43,6 +42,7 @@ def sparse_mla_attention(
 
     x [T, D] the layer's normalised input; kv_cache [num_blocks, bs, C + R];
     index_cache [num_blocks, bs, Di]
+    ctx.rows: the step's per-row view (block_table [T, W], key_lens [T]), which the forward makes
     returns (output [T, D], the latent cache and the indexer-key cache with this step's rows written)
     """
     a, config, ops, batch = p.attn, ctx.config, ctx.ops, ctx.batch
@@ -66,8 +66,11 @@ def sparse_mla_attention(
     index_q, index_key, head_weights = index_query_key(p.indexer, x, q_all[:, heads_dim:], index_k, batch.positions,
                                                        ctx.rope_cos, ctx.rope_sin, config, ops)
     index_cache = ops.dsa.write_index_key(index_cache, batch.slot_mapping, index_key, inplace=ctx.inplace)
-    # Made once a step by the forward for models with sparse layers (here only if a caller's own context lacks it).
-    rows = ctx.rows if ctx.rows is not None else row_metadata(batch, ctx.mode)
+    # Every row's own keys, made once a step by the forward (`rows.rows_needed`: this family attends by row).
+    rows = ctx.rows
+    if rows is None:
+        raise ValueError("sparse_mla_attention: the step's row metadata (LayerContext.rows) is missing: the forward "
+                         "builds it when rows.rows_needed holds (the family attends by row)")
     scores = ops.dsa.index_scores(index_q, head_weights, index_cache, rows.block_table, rows.key_lens,
                                   weight_scale=index_weight_scale(p.indexer))
     indices = ops.dsa.top_k_indices(scores, rows.key_lens, k=config.index_topk)       # [T, k]

@@ -2,8 +2,8 @@
 
 V3.2 is V3 plus an indexer in every layer: its params, checkpoint names and
 config.json are V3's with the indexer's (`indexer_params`, read by the same
-loaders as `mla_family`'s), and every layer, its MTP layer included, is a sparse
-attention layer (`sparse_attention.DSA_DECODER`) that attends row by row.
+loaders as `models.mla.family`'s), and every layer, its MTP layer included, is a sparse
+attention layer (`models.dsa.attention.DSA_DECODER`) that attends row by row.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ Both compute the same function (tests check `absorbed == decompressed`).
 
 A batch-invariant step (`mode.batch_invariant`) sends every row, prefill rows
 included, through the absorbed path, each row a query of its own over its own
-sequence's keys (`rows.row_metadata`): the two paths agree only to rounding, and a
-token must get the same bits whether a prefill chunk or a decode step computes
-it, and wherever a chunk boundary falls.
+sequence's keys (`LayerContext.rows`, made once a step by the forward): the two
+paths agree only to rounding, and a token must get the same bits whether a
+prefill chunk or a decode step computes it, and wherever a chunk boundary falls.
 """
 
 from __future__ import annotations
@@ -106,14 +106,16 @@ def mla_attention(
     qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
     `project`; the forward makes it with the norm, `ops.dense.rms_norm_linear`);
     kv_cache [num_blocks, bs, C + R]
-    rows: the step's `row_metadata`, which a batch-invariant mode needs
+    rows: the step's per-row view (`LayerContext.rows`: block_table [T, W], key_lens [T]), which a
+          batch-invariant mode needs; other modes do not read it
     returns (output [T, D], the layer's cache with this step's latents written)
     """
     q, latent = project(p, qkv_a, config, ops)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
     if mode.batch_invariant:
         if rows is None:
-            raise ValueError("mla_attention: a batch-invariant mode needs the step's row metadata (rows=)")
+            raise ValueError("mla_attention: a batch-invariant mode needs the step's row metadata (rows=, "
+                             "LayerContext.rows, which the forward builds when rows.rows_needed holds)")
         return _row_attention(p, q_nope, q_pe, latent, kv_cache, batch, rows, config, ops, cos, sin, inplace)
     split = mode.padded_prefill_tokens
     # The write comes first so that prefill reads its own keys from the cache like any context;

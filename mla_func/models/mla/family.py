@@ -1,9 +1,9 @@
 """The MLA family: DeepSeek-V2 and V3 (model_type deepseek_v2, deepseek_v3), as a `Family`.
 
-Every layer is an MLA decoder layer (`models.mla.layer.MLA_DECODER`) over one latent cache
+Every layer is an MLA decoder layer (`layer.MLA_DECODER`) over one latent cache
 group; params, checkpoint names and config.json are V2/V3's (`params`,
-`mla_tensor_shapes`, `config_hf`). V3.2 (`dsa_family`) reuses the pieces here
-that it shares.
+`tensor_shapes`, `config_hf` in this folder). V3.2 (`models.dsa.family`) reuses the
+pieces here that it shares.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def indexer_tensor_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[i
     """The indexer tensors of one layer (`prefix` is "model.layers.{i}.self_attn.") with their shapes;
     none for a model without an indexer."""
     c = config
-    if not c.is_sparse or c.index_n_heads is None or c.index_head_dim is None or c.q_lora_rank is None:
+    if not c.has_indexer or c.index_n_heads is None or c.index_head_dim is None or c.q_lora_rank is None:
         return {}
     i = prefix + "indexer."
     heads, dim = c.index_n_heads, c.index_head_dim
@@ -61,7 +61,7 @@ def indexer_projections(config: ModelConfig, prefix: str,
                         get: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(wq_b [Hi * Di, Q], wk [Di, D]) of one layer from `get(name)`, or None without an indexer:
     the rows the layer's loader appends to `q_b_proj` and `qkv_a_proj`."""
-    if not config.is_sparse:
+    if not config.has_indexer:
         return None
     i = prefix + "indexer."
     return get(i + "wq_b.weight"), get(i + "wk.weight")
@@ -74,7 +74,7 @@ def indexer_params(config: ModelConfig, prefix: str, get: Callable[[str], torch.
     The head weights are held in `wide` (at least float32): the reference computes them in
     float32 from the widened input, and they scale every score.
     """
-    if not config.is_sparse:
+    if not config.has_indexer:
         return None
     i = prefix + "indexer."
     return IndexerParams(

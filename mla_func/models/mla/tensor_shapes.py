@@ -11,7 +11,7 @@ __all__ = ["layer_tensor_shapes", "mla_tensor_count", "mla_tensor_shapes"]
 def mla_tensor_count(config: ModelConfig) -> int:
     """len(mla_tensor_shapes(config)), counted without listing them (a config may claim 10**9 layers)."""
     c = config
-    attention = 4 + (1 if c.q_lora_rank is None else 3) + (INDEXER_TENSORS_PER_LAYER if c.is_sparse else 0)
+    attention = 4 + (1 if c.q_lora_rank is None else 3) + (INDEXER_TENSORS_PER_LAYER if c.has_indexer else 0)
     moe_layers = 0 if c.n_routed_experts is None else max(0, c.num_hidden_layers - c.first_k_dense_replace)
     dense_layers = c.num_hidden_layers - moe_layers
     per_moe = 1 + (c.topk_method == "noaux_tc") + 3 * (c.n_routed_experts or 0) + 3 * bool(c.n_shared_experts)

@@ -19,18 +19,19 @@ position. Heads are then projected in `o_groups` groups (`o_a_proj`), mixed by
 
 The caches are written first (window keys, compressor inputs, completed entries),
 then each segment's rows (prefill, then decode) read their own keys through their
-own block tables (`batch.rows`, built once per step): prefill and decode rows take
-the same per-row path, each with its own segment's metadata.
+own block tables: slices (`RowMetadata.segments`) of the step's per-row view, which
+the forward builds once a step (`LayerContext.rows`, `rows.row_metadata`). Prefill
+and decode rows take the same per-row path, each with its own segment's metadata.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_func.core.batch import Batch, SegmentRows
+from mla_func.core.batch import Batch
 from mla_func.core.config import ModelConfig
 from mla_func.core.mode import ForwardMode
-from mla_func.core.segment_rows import step_rows
+from mla_func.core.rows import RowMetadata, SegmentRows
 from mla_func.kernels import Ops
 from mla_func.models.v4.compressor import write_entries
 from mla_func.models.v4.config import CSA, V4Config
@@ -107,9 +108,16 @@ def segment_attention(p: V4AttentionParams, cache: V4LayerCache, seg: SegmentRow
 
 
 def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, batch: Batch, mode: ForwardMode,
-                 layer_type: str, config: ModelConfig, ops: Ops, *, inplace: bool
+                 layer_type: str, config: ModelConfig, ops: Ops, *, inplace: bool, rows: RowMetadata | None
                  ) -> tuple[torch.Tensor, V4LayerCache]:
-    """x [T, D] (the layer's normalised input) -> (output [T, D], the cache with this step written)."""
+    """x [T, D] (the layer's normalised input) -> (output [T, D], the cache with this step written).
+
+    rows: the step's per-row view (`LayerContext.rows`: key_lens [T], block_table [T, W], group_tables
+          [T, W_g] per cache group 1..); every row of every segment attends through it.
+    """
+    if rows is None:
+        raise ValueError("v4_attention: the step's row metadata (LayerContext.rows) is missing: the forward builds "
+                         "it when rows.rows_needed holds (the family attends by row)")
     v = _v4(config)
     t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
     eps = config.rms_norm_eps
@@ -124,15 +132,13 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     q, q_index = ops.dense.linear(q_residual, p.q_b_proj).split([h * dh, p.q_b_proj.shape[0] - h * dh], dim=1)
     q = ops.v4.rope_tail(q.view(t, h, dh), cos, sin, positions=positions, unit_rms_eps=eps)  # [T, H, Dh]
     kv = ops.v4.rope_tail(ops.dense.rms_norm(kv, p.kv_norm, eps), cos, sin, positions=positions)  # [T, Dh]
-    # A model with compressed layers has cache groups past 0, and its batches carry the rows built once per
-    # step; one of sliding-window layers only has group 0 alone, whose rows are row_metadata's.
-    segments = batch.rows if mode.group_widths else step_rows(batch, mode)
+    segments = rows.segments(mode)
     cache = write_caches(p, kv, compressor_inputs, index_inputs, cache, batch, mode, segments, layer_type, config,
                          ops, inplace=inplace)
     outputs = []
     for seg in segments:
-        rows = slice(seg.start, seg.stop)
-        outputs.append(segment_attention(p, cache, seg, q[rows], q_index[rows], x[rows], positions[rows],
+        span = slice(seg.start, seg.stop)
+        outputs.append(segment_attention(p, cache, seg, q[span], q_index[span], x[span], positions[span],
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)

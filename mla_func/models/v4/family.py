@@ -1,9 +1,9 @@
 """The V4 family: DeepSeek-V4 (model_type deepseek_v4), as a `Family`.
 
-Sliding-window, CSA and HCA layers with hyper-connections (`v4_layers`), whose
+Sliding-window, CSA and HCA layers with hyper-connections (`layers`), whose
 compressed entries live in cache groups past the token group; V4's own config
-fields (`v4_config`, `v4_config_hf`), params and checkpoint names (`v4_params`,
-`v4_params_load`). It has no batch-invariant ops and its MTP layers are not run
+fields (`config`, `config_hf`), params and checkpoint names (`params`,
+`params_load`), all in this folder. It has no batch-invariant ops and its MTP layers are not run
 yet: both are refused by name.
 """
 
@@ -49,7 +49,7 @@ V4 = Family(
     params_from_hf=v4_params_from_hf,
     with_max_positions=v4_with_max_positions,
     rope_table_pairs=_rope_table_pairs,
-    attends_by_row=False,
+    attends_by_row=True,
     supports_batch_invariant=False,
     mtp_layer_kind=None,
 )

@@ -120,7 +120,7 @@ class V4DecoderLayer:
         """residual: the streams [T, N, D] -> (the MoE output [T, D], its pending write-back, cache); the last
         layer: (the hyper head's output [T, D], zeros [T, D], cache)."""
         out, cache = v4_attention(p.attn, entered.x, cache, ctx.batch, ctx.mode, self.attention, ctx.config, ctx.ops,
-                                  inplace=ctx.inplace)
+                                  inplace=ctx.inplace, rows=ctx.rows)
         ffn, streams = self._write_back_site(entered, out, residual, p.ffn_hc, p.ffn_norm, ctx)
         y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config, ctx.ops)
         if not self.head:

@@ -128,7 +128,7 @@ class V4LayerParams:
     mlp: V4MoEParams
     attn_hc: HyperConnectionParams
     ffn_hc: HyperConnectionParams
-    # The model's final stream collapse, held by the last layer (see `v4_layers`).
+    # The model's final stream collapse, held by the last layer (see `layers`).
     hc_head: HyperHeadParams | None = None
 
 

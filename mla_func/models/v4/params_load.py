@@ -1,4 +1,4 @@
-"""Building DeepSeek-V4's params pytree from checkpoint tensors (named as in `v4_params`)."""
+"""Building DeepSeek-V4's params pytree from checkpoint tensors (named as in `params`)."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def test_both_names_of_the_sparse_attention_layer_are_read(folder):
     raw = json.loads((folder / "config.json").read_text())
     for name in ("indexed_attention", "deepseek_sparse_attention"):
         config = mf.config_from_hf_dict({**raw, "layer_types": [name] * raw["num_hidden_layers"]})
-        assert config.is_sparse and config.index_topk == 8
+        assert config.has_indexer and config.index_topk == 8
 
 
 def test_indexer_rows_live_in_the_attention_matrices_and_export_back(model, folder):

@@ -15,6 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mla_func as mf
+from mla_func.core.rows import row_metadata, rows_needed
+from mla_func.kernels import ops_for
+from mla_func.models.v4.attention import v4_attention
 from mla_func.pytree import tree_leaves
 from support.v4_reference import Seq, new_state, save_reference
 
@@ -136,16 +139,33 @@ def test_padded_rows_change_no_real_cache_entry(model, prefill_tokens, prefill_s
             assert not bool(padded[first_unused[group]:].any()), "a row wrote into blocks no sequence holds"
 
 
-def test_the_batch_carries_each_segments_rows_and_check_batch_holds_it_to_the_mode(model):
+def test_the_step_rows_hold_each_segments_rows_in_every_group_and_the_batch_carries_none(model):
+    """One per-row view, built from the batch by the forward (never a field of the batch, so graph
+    replays copy none of it), sliced per segment by V4's attention."""
     state = new_state(model)
     batch, mode = mf.plan_step(model.config, state, _mixed_plan(state.groups, _fresh(4)))
-    assert [(r.start, r.stop) for r in batch.rows] == [(0, 16), (16, 18)]
-    decode_rows = batch.rows[1]
+    assert "rows" not in {f.name for f in dataclasses.fields(batch)}
+    assert rows_needed(model.config, mode)
+    rows = row_metadata(batch, mode)
+    assert [tuple(t.shape) for t in rows.group_tables] == [(18, w) for w in mode.group_widths]
+    segments = rows.segments(mode)
+    assert [(r.start, r.stop) for r in segments] == [(0, 16), (16, 18)]
+    decode_rows = segments[1]
     assert decode_rows.key_lens.tolist() == [HISTORY[0] + 1, HISTORY[1] + 1]
     # HCA entries (group 2, 16 tokens each): none complete at 14 tokens, so only the scratch block; one at 23.
     assert decode_rows.group_tables[1].tolist() == [[0, 0], [Seq(1, state.groups).tables()[2][0], 0]]
-    with pytest.raises(mf.BatchError, match="rows"):
-        mf.check_batch(dataclasses.replace(batch, rows=batch.rows[:1]), mode)
+    with pytest.raises(ValueError, match="cache groups past group 0"):
+        row_metadata(dataclasses.replace(batch, groups=batch.groups[:1]), mode)
+
+
+def test_v4_attention_refuses_a_step_without_its_rows(model):
+    state = new_state(model)
+    batch, mode = mf.plan_step(model.config, state, _mixed_plan(state.groups, _fresh(4)))
+    x = torch.zeros(mode.num_tokens, model.config.hidden_size)
+    ops = ops_for("torch")
+    with pytest.raises(ValueError, match="LayerContext.rows"):
+        v4_attention(model.params.layers[0].attn, x, state.layers[0], batch, mode, "sliding", model.config, ops,
+                     inplace=False, rows=None)
 
 
 def _step(model, state, prefill=(), decode=()):
