@@ -34,7 +34,7 @@ from mla_func.core.mode import ForwardMode
 from mla_func.core.rows import RowMetadata, SegmentRows
 from mla_func.kernels import Ops
 from mla_func.models.v4.compressor import write_entries
-from mla_func.models.v4.config import CSA, V4Config
+from mla_func.models.v4.config import CSA, V4Config, v4_fields
 from mla_func.models.v4.indexer import index_query, select_entries
 from mla_func.models.v4.params import V4AttentionParams
 from mla_func.state.v4_cache import V4LayerCache
@@ -52,7 +52,7 @@ def write_caches(p: V4AttentionParams, kv: torch.Tensor, compressor_inputs: torc
     kv [T, Dh]; compressor_inputs [T, Cc], index_inputs [T, Ci]: this step's tokens' projections
     (columns of the layer's input product; Cc, Ci 0 where the layer has no such compressor).
     """
-    v = _v4(config)
+    v = v4_fields(config)
     window = ops.mla.write_kv(cache.window, batch.slot_mapping, kv, inplace=inplace)
     if p.compressor is None or cache.compressor_inputs is None or cache.entries is None:
         return V4LayerCache(window=window)
@@ -118,7 +118,7 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     if rows is None:
         raise ValueError("v4_attention: the step's row metadata (LayerContext.rows) is missing: the forward builds "
                          "it when rows.rows_needed holds (the family attends by row)")
-    v = _v4(config)
+    v = v4_fields(config)
     t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
     eps = config.rms_norm_eps
     positions = batch.positions
@@ -146,9 +146,3 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
     grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
     return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
-
-
-def _v4(config: ModelConfig) -> V4Config:
-    if config.v4 is None:
-        raise ValueError(f"v4_attention: expected a deepseek_v4 config, got {config.model_type!r}")
-    return config.v4

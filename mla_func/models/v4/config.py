@@ -20,7 +20,7 @@ from mla_func.core.config_fields import as_float, at_most, check_choice, check_e
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
            "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4",
-           "validate_v4_config", "validate_v4_routing"]
+           "v4_fields", "validate_v4_config", "validate_v4_routing"]
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -73,6 +73,13 @@ class V4Config:
         if layer_type == HCA:
             return self.hca_rate
         raise ValueError(f"rate: {layer_type!r} layers have no compressor")
+
+
+def v4_fields(config: ModelConfig) -> V4Config:
+    """`config.v4`, DeepSeek-V4's own fields; ValueError for a config of another family."""
+    if config.v4 is None:
+        raise ValueError(f"expected a deepseek_v4 config, got model_type {config.model_type!r}")
+    return config.v4
 
 
 def validate_v4_config(c: ModelConfig) -> None:

@@ -28,7 +28,7 @@ import torch
 from mla_func.core.config import ModelConfig
 from mla_func.core.layers import LayerContext
 from mla_func.models.v4.attention import v4_attention
-from mla_func.models.v4.config import CSA, HCA, SLIDING, V4Config
+from mla_func.models.v4.config import CSA, HCA, SLIDING, V4Config, v4_fields
 from mla_func.models.v4.hash_moe import v4_moe
 from mla_func.models.v4.hyper_connections import HyperResidual
 from mla_func.models.v4.params import HyperConnectionParams, V4LayerParams
@@ -55,11 +55,6 @@ class V4Entered:
     comb: torch.Tensor  # [T, N, N] float32
 
 
-def _v4(config: ModelConfig) -> V4Config:
-    if config.v4 is None:
-        raise ValueError(f"V4 layer kinds need a deepseek_v4 config, got {config.model_type!r}")
-    return config.v4
-
 
 @dataclass(frozen=True, slots=True)
 class V4DecoderLayer:
@@ -74,7 +69,7 @@ class V4DecoderLayer:
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> V4LayerCache:
-        v = _v4(config)
+        v = v4_fields(config)
         if self.attention == SLIDING:
             return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=0, compressor_width=0, index_dim=0,
                                    dtype=dtype, device=device)
@@ -90,7 +85,7 @@ class V4DecoderLayer:
 
     def _site(self, p: HyperConnectionParams, norm: torch.Tensor, streams: torch.Tensor, ctx: LayerContext
               ) -> V4Entered:
-        v = _v4(ctx.config)
+        v = v4_fields(ctx.config)
         x, post, comb = ctx.ops.v4.hc_site(streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
                                            hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
         return V4Entered(x, post, comb)
@@ -100,7 +95,7 @@ class V4DecoderLayer:
                          ) -> tuple[V4Entered, torch.Tensor]:
         """out [T, D] written back into streams [T, N, D] by `written`'s weights, then the site `p`, `norm`
         -> (the site's output, the new streams)."""
-        v = _v4(ctx.config)
+        v = v4_fields(ctx.config)
         new, x, post, comb = ctx.ops.v4.hc_write_back_site(
             written.post, written.comb, out, streams, p.fn, p.base, p.scale, norm, iters=v.hc_sinkhorn_iters,
             hc_eps=v.hc_eps, norm_eps=ctx.config.rms_norm_eps)
@@ -111,7 +106,7 @@ class V4DecoderLayer:
         """delta: the embedding [T, D] (first layer, residual None) or the last layer's MoE output [T, D],
         which `residual` writes back -> (entered, streams [T, N, D])."""
         if residual is None:
-            streams = delta.unsqueeze(1).expand(-1, _v4(ctx.config).hc_mult, -1).contiguous()
+            streams = delta.unsqueeze(1).expand(-1, v4_fields(ctx.config).hc_mult, -1).contiguous()
             return self._site(p.attn_hc, p.attn_norm, streams, ctx), streams
         return self._write_back_site(residual, delta, residual.streams, p.attn_hc, p.attn_norm, ctx)
 
@@ -127,7 +122,7 @@ class V4DecoderLayer:
             return y, HyperResidual(streams, ffn.post, ffn.comb), cache
         if p.hc_head is None:
             raise ValueError("the last V4 layer's params must hold the hyper head (hc_head)")
-        v = _v4(ctx.config)
+        v = v4_fields(ctx.config)
         streams = ctx.ops.v4.hc_write_back(ffn.post, ffn.comb, y, streams)
         head = p.hc_head
         final = ctx.ops.v4.hc_head(streams, head.fn, head.base, head.scale, hc_eps=v.hc_eps,
@@ -137,7 +132,7 @@ class V4DecoderLayer:
 
 def v4_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:
     """The kind of each layer of a V4 model, by its layer type."""
-    types = _v4(config).layer_types
+    types = v4_fields(config).layer_types
     return tuple(V4DecoderLayer(t, head=i == len(types) - 1) for i, t in enumerate(types))
 
 

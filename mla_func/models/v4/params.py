@@ -18,7 +18,7 @@ import torch
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.checkpoint.safetensors_file import TensorEntry, load_dtype
 from mla_func.core.config import ModelConfig
-from mla_func.models.v4.config import CSA, SLIDING, V4Config
+from mla_func.models.v4.config import CSA, SLIDING, v4_fields
 from mla_func.pytree import register_dataclass
 
 
@@ -140,7 +140,7 @@ def _compressor_shapes(prefix: str, d: int, width: int, rate: int, overlap: bool
 
 def v4_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DeepSeek-V4 checkpoint of `config`, by name, with its shape."""
-    c, v = config, _v4(config)
+    c, v = config, v4_fields(config)
     d, h, n, q = c.hidden_size, c.num_attention_heads, v.hc_mult, c.q_lora_rank or 0
     e, inter = c.n_routed_experts or 0, c.moe_intermediate_size
     hc = (2 + n) * n
@@ -181,7 +181,7 @@ def v4_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def v4_tensor_count(config: ModelConfig) -> int:
     """len(v4_tensor_shapes(config)), counted without listing them."""
-    c, v = config, _v4(config)
+    c, v = config, v4_fields(config)
     per_layer = 2 + 6 + 8 + 2 + 3 * (c.n_routed_experts or 0) + 3 * bool(c.n_shared_experts)
     compressed = sum(t != SLIDING for t in v.layer_types)
     csa = sum(t == CSA for t in v.layer_types)
@@ -191,11 +191,6 @@ def v4_tensor_count(config: ModelConfig) -> int:
 def _expert_shapes(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "w1.weight": (inter, d), prefix + "w3.weight": (inter, d), prefix + "w2.weight": (d, inter)}
 
-
-def _v4(config: ModelConfig) -> V4Config:
-    if config.v4 is None:
-        raise ValueError(f"expected a deepseek_v4 config, got model_type {config.model_type!r}")
-    return config.v4
 
 
 # Tensors the reference keeps in float32 in every model dtype.
