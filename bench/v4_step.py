@@ -87,7 +87,7 @@ def routed_experts(model: mf.Model, state, batch_tensors, mode) -> list[int]:
 
 def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int) -> tuple[int, int]:
     """(weight bytes, cache bytes) one decode step must read."""
-    p, v = model.params, model.config.v4
+    p, v = model.params, model.config.family_fields
     assert v is not None
     weight = nbytes(p.lm_head) + nbytes(p.norm) + batch * p.embed.shape[1] * p.embed.element_size()
     cache = 0

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"mla_func": ROOT / "mla_func", "mla_func.kernels": ROOT / "kernels", "mla_func.state": ROOT / "state"}
 
 # Packages and modules that run every model the same way: they reach a model's family through
-# `config.family` only. `core.config` is left out: `ModelConfig` still carries V4's own fields
-# (`ModelConfig.v4`) beside the MLA ones. The loader and the CLI are not generic either: they
-# default to the registry of every family (`models.registry.FAMILIES`).
+# `config.family` only. `core.config` is left out: `ModelConfig` still holds the MLA families'
+# attention fields (kv_lora_rank, the indexer's) as shared fields, and their checks. The loader and
+# the CLI are not generic either: they default to the registry of every family (`models.registry.FAMILIES`).
 GENERIC_PACKAGES = ("mla_func.core", "mla_func.serving", "mla_func.checkpoint")
 GENERIC_MODULES = ("mla_func.models.memory", "mla_func.models.tensor_shapes", "mla_func.models.random_weights")
 NOT_GENERIC = ("mla_func.core.config",)

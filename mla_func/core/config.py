@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the family modules import this one
     from mla_func.core.family import Family
-    from mla_func.models.v4.config import V4Config
 
 # The routing op validates the same method names; one definition serves the config and the kernels.
 from mla_func.core.config_fields import ConfigError, check_bool, check_choice, check_int, check_positive, is_int, is_number, refuse
 from mla_func.kernels.checks import GROUP_LIMITED_METHODS, TOPK_METHODS
 
-__all__ = ["V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig", "RopeConfig", "is_int",
+__all__ = ["FamilyFields", "V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig", "RopeConfig", "is_int",
            "validate_indexer", "validate_no_indexer", "validate_v3_routing",
            "is_number", "refuse", "yarn_mscale"]
 
@@ -27,6 +26,15 @@ __all__ = ["V3_SCORING_FUNCS", "V4_SCORING_FUNCS", "ConfigError", "ModelConfig",
 V3_SCORING_FUNCS = ("softmax", "sigmoid")
 # DeepSeek-V4's scorings (its config.json default is sqrtsoftplus).
 V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyFields:
+    """The base of a family's own config fields, beyond those every family shares.
+
+    A family with fields of its own (names as in its config.json) subclasses this and its config
+    reader fills `ModelConfig.family_fields`; only that family's modules read them.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,7 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
-    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), see `models.v4.config`
+    family_fields: FamilyFields | None = None  # the family's own fields, when it has any (its FamilyFields)
     family: Family = field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:

@@ -157,7 +157,7 @@ def test_in_range_values_load(folders, tmp_path, model, field, value):
     if field == "num_experts_per_tok":
         edit_tensors(folder, _hash_tables_of_width(value))
     config = _load(folder).config
-    held = config.v4 if model == "v4" and field in ("hc_sinkhorn_iters", "sliding_window") else config
+    held = config.family_fields if model == "v4" and field in ("hc_sinkhorn_iters", "sliding_window") else config
     assert getattr(held, field) == value
 
 
@@ -182,7 +182,7 @@ def test_values_past_max_position_embeddings_are_clamped_to_it(folders, tmp_path
     tokens = list(range(3, 23))
     huge = _load(_edited(folders, tmp_path / "huge", model, **{field: 10**12}))
     enough = _load(_edited(folders, tmp_path / "enough", model, **{field: covering}))
-    config = huge.config.v4 if model == "v4" else huge.config
+    config = huge.config.family_fields if model == "v4" else huge.config
     assert getattr(config, field) == huge.config.max_position_embeddings == 256
     logits = _v32_logits if model == "v32" else _v4_logits
     torch.testing.assert_close(logits(huge, tokens), logits(enough, tokens), rtol=1e-5, atol=1e-5)
@@ -192,6 +192,6 @@ def test_values_past_max_position_embeddings_are_clamped_to_it(folders, tmp_path
     bound = r"must be an integer in \[1, max_position_embeddings=256\]"
     with pytest.raises(mf.ConfigError, match=rf"'{field}' = 257: {bound}"):
         if model == "v4":
-            dataclasses.replace(base, v4=dataclasses.replace(base.v4, sliding_window=257))
+            dataclasses.replace(base, family_fields=dataclasses.replace(base.family_fields, sliding_window=257))
         else:
             dataclasses.replace(base, index_topk=257)

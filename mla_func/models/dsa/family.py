@@ -14,13 +14,13 @@ from mla_func.core.config import ModelConfig, validate_indexer
 from mla_func.core.family import Family
 from mla_func.core.layers import LayerKind
 from mla_func.models.dsa.attention import DSA_DECODER
-from mla_func.models.mla.family import MLA, refuse_v4_fields
+from mla_func.models.mla.family import MLA, refuse_family_fields
 
 __all__ = ["DSA"]
 
 
 def _validate(c: ModelConfig) -> None:
-    refuse_v4_fields(c)
+    refuse_family_fields(c)
     validate_indexer(c)
 
 

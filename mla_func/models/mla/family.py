@@ -22,17 +22,17 @@ from mla_func.models.mla.params import held_dtype, mla_params_from_hf, mla_with_
 from mla_func.models.mla.tensor_shapes import mla_tensor_count, mla_tensor_shapes
 from mla_func.state.layer_cache import CacheGroup
 
-__all__ = ["MLA", "names_as_stored", "no_extra_groups", "one_rope_table_pair", "refuse_v4_fields", "weight_dtype"]
+__all__ = ["MLA", "names_as_stored", "no_extra_groups", "one_rope_table_pair", "refuse_family_fields", "weight_dtype"]
 
 
-def refuse_v4_fields(c: ModelConfig) -> None:
-    """A config of a family other than V4's leaves V4's fields (`v4`) unset."""
-    if c.v4 is not None:
-        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
+def refuse_family_fields(c: ModelConfig) -> None:
+    """A config of this family has no fields of its own (`family_fields` unset): V4's belong to V4 configs."""
+    if c.family_fields is not None:
+        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (family_fields)")
 
 
 def _validate(c: ModelConfig) -> None:
-    refuse_v4_fields(c)
+    refuse_family_fields(c)
     validate_no_indexer(c)
 
 

@@ -1,6 +1,6 @@
 """DeepSeek-V4's configuration: the fields V2/V3 do not have, and their Hugging Face config.json form.
 
-A V4 model is a `ModelConfig` whose `v4` field holds a `V4Config`. The shared
+A V4 model is a `ModelConfig` whose `family_fields` hold a `V4Config`. The shared
 fields keep their meaning where V4 has one (hidden_size, heads, q_lora_rank,
 experts, `rope` = the "main" rope of sliding-window layers); the MLA fields are
 derived from V4's single shared-KV head: `qk_rope_head_dim` is the rotated
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mla_func.core.config import V4_SCORING_FUNCS, ConfigError, ModelConfig, RopeConfig, is_number, refuse
+from mla_func.core.config import V4_SCORING_FUNCS, ConfigError, FamilyFields, ModelConfig, RopeConfig, is_number, refuse
 from mla_func.core.config_fields import as_float, at_most, check_choice, check_entries, check_int, check_positive
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
@@ -38,7 +38,7 @@ MAX_SINKHORN_ITERS = 1000
 
 
 @dataclass(frozen=True, slots=True)
-class V4Config:
+class V4Config(FamilyFields):
     """What DeepSeek-V4 adds to a `ModelConfig` (names as in config.json).
 
     layer_types:     per layer, one of ATTENTION_TYPES (every layer has a sliding window;
@@ -76,17 +76,18 @@ class V4Config:
 
 
 def v4_fields(config: ModelConfig) -> V4Config:
-    """`config.v4`, DeepSeek-V4's own fields; ValueError for a config of another family."""
-    if config.v4 is None:
+    """DeepSeek-V4's own fields (`config.family_fields`); ValueError for a config of another family."""
+    fields = config.family_fields
+    if not isinstance(fields, V4Config):
         raise ValueError(f"expected a deepseek_v4 config, got model_type {config.model_type!r}")
-    return config.v4
+    return fields
 
 
 def validate_v4_config(c: ModelConfig) -> None:
-    """The V4 family's own checks (`Family.validate`): a V4 config, and only one, carries `v4`."""
-    if c.v4 is None:
-        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (v4)")
-    validate_v4(c.v4, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim,
+    """The V4 family's own checks (`Family.validate`): a V4 config, and only one, carries `V4Config` fields."""
+    if not isinstance(c.family_fields, V4Config):
+        raise refuse("model_type", c.model_type, "a deepseek_v4 config, and only one, carries V4's fields (family_fields)")
+    validate_v4(c.family_fields, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rope_dim=c.qk_rope_head_dim,
                 max_positions=c.max_position_embeddings)
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mla_func.core.config import ModelConfig, refuse
 from mla_func.core.config_fields import as_float
-from mla_func.models.v4.config import V4_IGNORED, refuse_unsupported_v4, v4_from_hf, v4_to_hf
+from mla_func.models.v4.config import V4_IGNORED, V4Config, refuse_unsupported_v4, v4_from_hf, v4_to_hf
 
 if TYPE_CHECKING:
     from mla_func.core.family import Family
@@ -75,19 +75,19 @@ def v4_config_from_hf_dict(raw: Mapping[str, Any], family: Family) -> ModelConfi
         rms_norm_eps=as_float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         eos_token_ids=_eos(raw.get("eos_token_id")),
-        v4=v4,
+        family_fields=v4,
     )
 
 
 def v4_config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
     """The config.json dict that `v4_config_from_hf_dict` reads back to an equal config."""
-    if c.v4 is None:
+    if not isinstance(c.family_fields, V4Config):
         raise refuse("model_type", c.model_type, "not a deepseek_v4 config")
     out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
     for name in (*_REQUIRED, "n_shared_experts", "routed_scaling_factor", "scoring_func", "max_position_embeddings",
                  "rms_norm_eps", "tie_word_embeddings"):
         out[name] = getattr(c, name)
-    out.update(v4_to_hf(c.v4, c.rope, c.qk_rope_head_dim))
+    out.update(v4_to_hf(c.family_fields, c.rope, c.qk_rope_head_dim))
     out["hidden_act"] = "silu"
     if c.eos_token_ids:
         out["eos_token_id"] = list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else c.eos_token_ids[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mla_func.core.config import ModelConfig
 from mla_func.core.family import Family
-from mla_func.models.v4.config import SLIDING, validate_v4_config, validate_v4_routing
+from mla_func.models.v4.config import SLIDING, v4_fields, validate_v4_config, validate_v4_routing
 from mla_func.models.v4.config_hf import v4_config_from_hf_dict, v4_config_to_hf_dict
 from mla_func.models.v4.layers import v4_cache_groups, v4_layer_kinds
 from mla_func.models.v4.params import canonical_names, checkpoint_dtype, v4_held_dtype, v4_tensor_count, v4_tensor_shapes
@@ -22,12 +22,12 @@ __all__ = ["V4"]
 
 
 def _cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
-    return () if config.v4 is None else v4_cache_groups(config.v4, tokens)
+    return v4_cache_groups(v4_fields(config), tokens)
 
 
 def _rope_table_pairs(config: ModelConfig) -> int:
     # CSA and HCA layers (and their compressors and indexer) share a second pair: their own rope.
-    return 1 if config.v4 is None or all(kind == SLIDING for kind in config.v4.layer_types) else 2
+    return 1 if all(kind == SLIDING for kind in v4_fields(config).layer_types) else 2
 
 
 V4 = Family(

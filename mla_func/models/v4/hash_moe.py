@@ -14,6 +14,7 @@ import torch
 
 from mla_func.core.config import ModelConfig
 from mla_func.kernels import Ops
+from mla_func.models.v4.config import v4_fields
 from mla_func.models.v4.params import V4MoEParams
 
 
@@ -37,8 +38,6 @@ def route(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch
 def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
            ops: Ops) -> torch.Tensor:
     """The routed experts' weighted sum plus the shared experts, in one expert launch: x [T, D] -> [T, D]."""
-    v = config.v4
-    if v is None:
-        raise ValueError(f"v4_moe: expected a deepseek_v4 config, got {config.model_type!r}")
+    v = v4_fields(config)
     weights, ids = route(p, x, input_ids, valid, config, ops)
     return ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)

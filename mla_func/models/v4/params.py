@@ -18,7 +18,7 @@ import torch
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.checkpoint.safetensors_file import TensorEntry, load_dtype
 from mla_func.core.config import ModelConfig
-from mla_func.models.v4.config import CSA, SLIDING, v4_fields
+from mla_func.models.v4.config import CSA, SLIDING, V4Config, v4_fields
 from mla_func.pytree import register_dataclass
 
 
@@ -238,7 +238,7 @@ def canonical_names(config: ModelConfig, located: dict[str, _T], where: object) 
     """A V4 checkpoint's tensors under the names save_pretrained writes, whether written so or with
     DeepSeek's own top-level names (`embed.weight`, `layers.N.`, `hc_head_fn`); other models' unchanged.
     CheckpointError when one tensor is there under both names."""
-    if config.v4 is None:
+    if not isinstance(config.family_fields, V4Config):
         return located
     out: dict[str, _T] = {}
     for name, value in located.items():

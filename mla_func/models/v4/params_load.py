@@ -12,7 +12,7 @@ from mla_func.checkpoint.files import CheckpointError
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params
 from mla_func.core.rope_tables import rope_positions, rope_tables
-from mla_func.models.v4.config import CSA, SLIDING
+from mla_func.models.v4.config import CSA, SLIDING, v4_fields
 from mla_func.models.v4.params import (CompressorParams, HyperConnectionParams, HyperHeadParams, IndexerParams, V4AttentionParams,
                         V4LayerParams, V4MoEParams, v4_held_dtype)
 
@@ -22,10 +22,9 @@ TensorFetch = Callable[[str], torch.Tensor]
 def v4_rope_tables(config: ModelConfig, device: torch.device | str, num_positions: int
                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """((cos, sin) of the main rope, (cos, sin) of the compress rope), each [num_positions, R / 2] float32."""
-    if config.v4 is None:
-        raise ValueError(f"v4_rope_tables: expected a deepseek_v4 config, got {config.model_type!r}")
+    v = v4_fields(config)
     main = rope_tables(config, device, num_positions)
-    compress = rope_tables(dataclasses.replace(config, rope=config.v4.compress_rope), device, num_positions)
+    compress = rope_tables(dataclasses.replace(config, rope=v.compress_rope), device, num_positions)
     return main, compress
 
 
@@ -48,7 +47,7 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
     Raises CheckpointError naming a tensor that holds NaN or inf once converted, or a
     `tid2eid` entry that names no expert.
     """
-    v = config.v4
+    v = v4_fields(config)
     if v is None:
         raise ValueError(f"v4_params_from_hf: expected a deepseek_v4 config, got {config.model_type!r}")
 

@@ -27,7 +27,7 @@ def _raw(folder) -> dict:
 def test_config_reads_every_v4_field_and_writes_it_back(folder):
     raw = _raw(folder)
     config = mf.config_from_hf_dict(raw)
-    v = config.v4
+    v = config.family_fields
     assert v is not None and config.model_type == "deepseek_v4"
     assert v.layer_types == tuple(raw["layer_types"]) and v.mlp_layer_types == tuple(raw["mlp_layer_types"])
     assert (v.csa_rate, v.hca_rate, v.sliding_window, v.index_topk, v.hc_mult) == (4, 16, 8, 3, 3)
