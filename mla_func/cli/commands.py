@@ -1,4 +1,5 @@
-"""The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput.
+"""The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput,
+`quantize` converts a checkpoint folder to the block-scaled FP8 layout and back.
 
 Every option is checked before the model loads (sampling options by building the
 `SamplingParams`, the device and backend against what this machine has, drafts and
@@ -26,6 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from mla_func.checkpoint.convert import dequantize_checkpoint, quantize_checkpoint
 from mla_func.checkpoint.files import CheckpointFolder
 from mla_func.checkpoint.safetensors_file import read_header
 from mla_func.cli.streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completion
@@ -125,6 +127,9 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     SamplingOption("--frequency-penalty", "frequency_penalty", float, 0.0,
                    "subtract once per time a token was generated; 0 = off"),
     SamplingOption("--min-tokens", "min_tokens", int, 0, "no end-of-sequence or stop token before this many tokens"),
+    # A tuple field: the option may be repeated, each time adding one string.
+    SamplingOption("--stop", "stop", tuple, (),
+                   "stop before this text, which is not printed (repeat for several, at most 16; default: none)"),
 )
 
 
@@ -153,6 +158,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The `SamplingParams` of `generate`'s options, with a fresh seed unless --seed gives one;
     UsageError naming the option if one is invalid."""
     values = {o.field: getattr(args, o.field) for o in SAMPLING_OPTIONS}
+    for o in SAMPLING_OPTIONS:
+        if o.type is tuple:  # an option never given is None (argparse's append would grow a shared default)
+            values[o.field] = tuple(values[o.field] or o.default)
     if values["seed"] is None:
         values["seed"] = fresh_seed()
     try:
@@ -414,6 +422,21 @@ def bench_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def quantize_main(args: argparse.Namespace) -> int:
+    if args.dtype is not None and not args.dequantize:
+        raise UsageError("--dtype applies to --dequantize only (quantizing writes float8_e4m3fn weights)")
+    src, dst = Path(args.src), Path(args.dst)
+    if not (src / "config.json").is_file():
+        raise UsageError(f"SRC {args.src}: not a checkpoint folder (no config.json)")
+    # The converters check the rest (the destination, quantization_config, the tensors) before writing.
+    if args.dequantize:
+        dequantize_checkpoint(src, dst, dtype=_DTYPES[args.dtype or "bfloat16"], progress=True)
+    else:
+        quantize_checkpoint(src, dst, progress=True)
+    print(f"{'dequantized' if args.dequantize else 'quantized'} {args.src} -> {args.dst}")
+    return 0
+
+
 def _version() -> str:
     try:
         version = metadata.version("mla-func")
@@ -437,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     for option in SAMPLING_OPTIONS:
         if option.type is bool:
             gen.add_argument(option.flag, dest=option.field, action="store_true", help=option.help)
+        elif option.type is tuple:
+            gen.add_argument(option.flag, dest=option.field, action="append", default=None, metavar="STR",
+                             help=option.help)
         else:
             gen.add_argument(option.flag, dest=option.field, type=option.type, default=option.default,
                              help=option.help)
@@ -455,6 +481,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     _add_draft_arg(bench)
     bench.set_defaults(run=bench_main)
+
+    quantize = commands.add_parser("quantize", help="convert a checkpoint folder to block-scaled FP8, or back",
+                                   formatter_class=_DefaultsFormatter,
+                                   description="Write SRC's weights to DST in DeepSeek's released FP8 layout "
+                                               "(float8_e4m3fn values with a float32 scale per 128 x 128 block), "
+                                               "or with --dequantize back to float weights.")
+    quantize.add_argument("src", help="the checkpoint folder to read")
+    quantize.add_argument("dst", help="the folder to write (must not exist, or be empty)")
+    quantize.add_argument("--dequantize", action="store_true", help="read an FP8 checkpoint, write float weights")
+    quantize.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                          help="the dtype of dequantized weights (default: bfloat16; --dequantize only)")
+    quantize.set_defaults(run=quantize_main)
     return parser
 
 

@@ -102,7 +102,11 @@ def stream_completion(engine: Engine, prompt: str, params: SamplingParams, *, ou
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             generated += 1
-            if tokenizer is not None:
+            if event.text is not None:
+                # A request with --stop: the engine's own text, which holds back what could begin a
+                # stop string and never passes one.
+                out.write(event.text)
+            elif tokenizer is not None:
                 piece = decoder.step(tokenizer, event.token_id)
                 if piece is not None:
                     out.write(piece)

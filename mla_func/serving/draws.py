@@ -18,7 +18,7 @@ from mla_func.serving.penalties import adjust_logits
 from mla_func.serving.requests import CheckedRequest, LiveRequest
 from mla_func.serving.sampling import sample
 
-__all__ = ["DrawRows", "draw_tokens"]
+__all__ = ["DrawRows", "draw_tokens", "draw_tokens_with_logprobs"]
 
 
 @dataclass(slots=True)
@@ -45,14 +45,39 @@ class DrawRows:
 def draw_tokens(logits: torch.Tensor, rows: DrawRows, *, penalties: bool, ops: Ops) -> torch.Tensor:
     """[M] int64 tokens of logits[rows.index] ([N, V]), each drawn with its request's settings and key
     by `ops`' sampling op; `penalties` applies each request's penalties and min_tokens first."""
-    device = logits.device
     if not rows.index:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.zeros(0, dtype=torch.int64, device=logits.device)
+    return _draw(_picked(logits, rows, penalties), rows, ops)
+
+
+def draw_tokens_with_logprobs(logits: torch.Tensor, rows: DrawRows, *, penalties: bool, ops: Ops,
+                              top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draw_tokens`, with the logprobs of the rows the tokens are drawn from, all on the device.
+
+    Returns (tokens [M] int64, logprobs [M, top + 1] float32, top_ids [M, top] int64): logprobs[:, 0]
+    is each drawn token's, logprobs[:, 1:] those of its row's `top` most likely tokens (top_ids),
+    in descending order. They are `log_softmax` in float32 of the very rows drawn from, after
+    penalties and min_tokens but before temperature, top-k and top-p: the model's distribution,
+    as OpenAI's logprobs are, so they do not change with the sampling settings.
+    """
+    picked = _picked(logits, rows, penalties)  # [M, V]
+    tokens = _draw(picked, rows, ops)
+    logprobs = torch.log_softmax(picked.float(), dim=-1)  # [M, V]
+    best, top_ids = logprobs.topk(top, dim=-1)  # [M, top], sorted descending
+    return tokens, torch.cat([logprobs.gather(1, tokens[:, None]), best], dim=1), top_ids
+
+
+def _picked(logits: torch.Tensor, rows: DrawRows, penalties: bool) -> torch.Tensor:
+    """[M, V]: logits[rows.index], with the requests' penalties and min_tokens when `penalties`."""
     identity = rows.index == list(range(logits.shape[0]))
-    picked = logits if identity else logits.index_select(0, torch.tensor(rows.index, device=device))
+    picked = logits if identity else logits.index_select(0, torch.tensor(rows.index, device=logits.device))
+    return adjust_logits(picked, rows.requests, rows.contexts) if penalties else picked
+
+
+def _draw(picked: torch.Tensor, rows: DrawRows, ops: Ops) -> torch.Tensor:
+    """[M] int64 tokens of the rows `picked` ([M, V]), each with its request's settings and key."""
+    device = picked.device
     reqs = rows.requests
-    if penalties:
-        picked = adjust_logits(picked, reqs, rows.contexts)
     if all(r.params.greedy for r in reqs):
         # Greedy rows need no noise: skip the [M, V] draw (a host-side fact, so no sync).
         return picked.argmax(dim=-1)

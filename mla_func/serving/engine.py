@@ -28,12 +28,13 @@ from mla_func.core.prepare import init_state
 from mla_func.core.step import StepOutput
 from mla_func.kernels import default_backend, ops_for
 from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
-from mla_func.serving.draws import DrawRows, draw_tokens
+from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logprobs
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
 from mla_func.serving.requests import (CheckedRequest, Completion, Limits, LiveRequest, ParamsLike, Prompt,
-                                       RequestError, StreamEvent, check_request, check_score_ids, split_call)
+                                       RequestError, StopText, StreamEvent, TokenLogprob, check_request,
+                                       check_score_ids, split_call)
 from mla_func.serving.sampling import request_seed
-from mla_func.serving.scheduler import FinishedRequest, Request, ScheduledStep, Scheduler
+from mla_func.serving.scheduler import FinishedRequest, FinishReason, Request, ScheduledStep, Scheduler
 from mla_func.serving.speculative import SpeculativeDecoder, SpeculativeStats
 from mla_func.state.block_allocator import OutOfBlocks
 
@@ -155,7 +156,8 @@ class Engine:
     def limits(self) -> Limits:
         c = self.config
         return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
-                      c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer)
+                      c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer,
+                      speculative_tokens=c.speculative_tokens)
 
     # ---- generation ---------------------------------------------------------------
 
@@ -176,7 +178,9 @@ class Engine:
 
         Bad requests come first, as events with token_id -1 and a completion whose
         `error` is set. Closing the stream at any point aborts what is left and
-        frees every block it held.
+        frees every block it held. A request with `SamplingParams.stop` strings finishes
+        at the token whose text completes one (its blocks freed at once); its events carry
+        the text released so far (`StreamEvent.text`), never any past a stop string.
         """
         calls = split_call(prompts, params)
         if self.scheduler.has_unfinished():
@@ -198,7 +202,8 @@ class Engine:
                 self._next_id += 1
                 seed = request_seed(c.params, self._rng)
                 self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
-                live[new_id] = LiveRequest(c, seed)
+                live[new_id] = LiveRequest(c, seed, stop_text=StopText(c.params.stop) if c.params.stop else None,
+                                           logprobs=None if c.params.logprobs is None else [])
             for index, failure in errors:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
             while (scheduled := self.scheduler.schedule()) is not None:
@@ -222,8 +227,26 @@ class Engine:
                     for j, token in enumerate(kept):
                         output.append(token)
                         last = j == len(kept) - 1
+                        if (stop_text := entry.stop_text) is None:
+                            yield StreamEvent(entry.request.index, token,
+                                              self._completion(entry, done) if done is not None and last else None)
+                            continue
+                        text = stop_text.push(self.model.tokenizer, token)
+                        if stop_text.stopped:
+                            # Finished here, whatever the scheduler decided: its later tokens (a verify
+                            # row's) are dropped, and a request it still holds gives back its blocks now.
+                            if done is None:
+                                live.pop(request_id)
+                                self.scheduler.finish(request_id, FinishReason.STOP)
+                                if spec is not None:
+                                    spec.forget(request_id)
+                            yield StreamEvent(entry.request.index, token, self._completion(entry, None), text)
+                            break
+                        if done is not None and last:
+                            text += stop_text.flush()
                         yield StreamEvent(entry.request.index, token,
-                                          self._completion(entry.request, done) if done is not None and last else None)
+                                          self._completion(entry, done) if done is not None and last else None,
+                                          text)
         finally:
             # An abandoned stream or an error must not leave requests holding blocks.
             for request_id in live:
@@ -262,21 +285,51 @@ class Engine:
         """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
         out = self._target_step(scheduled.plan)
         rows = scheduled.rows
-        draws = DrawRows()
+        draws, entries = DrawRows(), []
         for i, row in enumerate(rows):
             if row.num_logits:
                 entry = live[scheduled.request_ids[i]]
                 draws.add(len(draws.index), entry, entry.output_token_ids, row.seq_len)
+                entries.append(entry)
         if not draws.index:
             return [None] * len(rows)
-        tokens = iter(draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist())
+        top = max((e.request.params.logprobs for e in entries if e.request.params.logprobs is not None), default=None)
+        if top is None:
+            drawn = draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist()
+        else:
+            drawn = self._draw_with_logprobs(out.logits, draws, entries, top)
+        tokens = iter(drawn)
         return [next(tokens) if row.num_logits else None for row in rows]
 
-    def _completion(self, request: CheckedRequest, finished: FinishedRequest) -> Completion:
-        tokenizer = self.model.tokenizer
-        text = tokenizer.decode(list(finished.output_token_ids)) if tokenizer is not None else None
-        return Completion(request.index, finished.prompt_token_ids, finished.output_token_ids,
-                          finished.finish_reason.value, text=text)
+    def _draw_with_logprobs(self, logits: torch.Tensor, draws: DrawRows, entries: list[LiveRequest],
+                            top: int) -> list[int]:
+        """The rows' tokens, appending each logprobs request's `TokenLogprob` to its record. Tokens,
+        logprobs and top ids reach the host in one transfer: the float32 logprobs travel bit-cast
+        to int64 beside the ids ([M, 1 + top + 1 + top])."""
+        tokens, logprobs, top_ids = draw_tokens_with_logprobs(logits, draws, penalties=True, ops=self._ops, top=top)
+        packed = torch.cat([tokens[:, None], top_ids, logprobs.view(torch.int32).long()], dim=1).cpu()
+        ids = packed[:, : top + 1].tolist()
+        values = packed[:, top + 1 :].to(torch.int32).view(torch.float32).tolist()
+        for entry, row_ids, row_values in zip(entries, ids, values):
+            if entry.logprobs is not None and (n := entry.request.params.logprobs) is not None:
+                alternatives = dict(zip(row_ids[1 : n + 1], row_values[1 : n + 1]))
+                entry.logprobs.append(TokenLogprob(row_values[0], alternatives))
+        return [row[0] for row in ids]
+
+    def _completion(self, entry: LiveRequest, finished: FinishedRequest | None) -> Completion:
+        """The completion of a finished request; `finished` None for one whose text reached a stop string
+        (its tokens up to the one that completed it). A request with stop strings has the text it
+        streamed (up to the stop string), so its events' texts join to the completion's."""
+        request, tokenizer = entry.request, self.model.tokenizer
+        if finished is None:
+            token_ids, reason = tuple(entry.output_token_ids), FinishReason.STOP
+        else:
+            token_ids, reason = finished.output_token_ids, finished.finish_reason
+        text = (entry.stop_text.text if entry.stop_text is not None
+                else tokenizer.decode(list(token_ids)) if tokenizer is not None else None)
+        logprobs = None if entry.logprobs is None else tuple(entry.logprobs[:len(token_ids)])
+        return Completion(request.index, request.prompt_token_ids, token_ids, reason.value, text=text,
+                          logprobs=logprobs)
 
     # ---- scoring ---------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from mla_func.serving.sampling import SamplingParams, describe
 
@@ -40,12 +41,27 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprobs of one generated token (`SamplingParams.logprobs`).
+
+    logprob: the token's own, float32 log-softmax of the logits it was drawn from (after penalties,
+             before temperature, top-k and top-p).
+    top:     token id -> logprob of the row's `logprobs` most likely tokens, most likely first (the
+             drawn token is among them only if it is one of them).
+    """
+
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """The result of one prompt.
 
-    finish_reason: "stop" (a stop or end-of-sequence token), "length" (max_tokens
+    finish_reason: "stop" (a stop or end-of-sequence token, or a stop string), "length" (max_tokens
     or the model's maximum length), "abort", or "error" (then `error` says why and
     token_ids is empty).
+    logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per token of token_ids; else None.
     """
 
     index: int
@@ -54,6 +70,7 @@ class Completion:
     finish_reason: str
     text: str | None = None
     error: RequestError | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     def raise_for_error(self) -> Completion:
         if self.error is not None:
@@ -63,15 +80,75 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
-    """One sampled token of one request; `completion` is set on its last event (token_id -1 on an error)."""
+    """One sampled token of one request; `completion` is set on its last event (token_id -1 on an error).
+
+    text: for a request with `SamplingParams.stop` strings, the text this token releases (possibly
+    empty): characters that could begin a stop string are held back until decided, so the stream
+    never shows text past a stop string, and the events' texts join to the completion's. None for
+    a request without stop strings (decode its token ids, as `mla_func.cli.streaming` does).
+    """
 
     index: int
     token_id: int
     completion: Completion | None = None
+    text: str | None = None
 
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> Any: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class StopText:
+    """The generated text of one request with stop strings, decoded a token at a time.
+
+    Detokenised by the tokenizer's `DecodeStream` (one token's decode a step, a character split over
+    tokens held until complete). Only `pending` is searched: the text not yet released, which is at
+    most the longest stop string less one character, plus the new text. Text before it was released
+    because no stop string can begin there, so only `pending` can hold a new match.
+    """
+
+    __slots__ = ("stops", "longest", "decoder", "released", "pending", "stopped")
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.longest = max(len(s) for s in stops)
+        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.released: list[str] = []
+        self.pending = ""
+        self.stopped = False  # a stop string was found: the text ends before it
+
+    def push(self, tokenizer: Any, token_id: int) -> str:
+        """Decode one more token; returns the text it releases. Sets `stopped` if a stop string appears."""
+        piece = self.decoder.step(tokenizer, token_id)
+        if not piece:
+            return ""
+        pending = self.pending + piece
+        matches = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if matches:
+            cut, self.stopped, self.pending = min(matches), True, ""
+        else:
+            # Hold back the longest tail that a stop string could still begin with.
+            cut = next((k for k in range(max(0, len(pending) - self.longest + 1), len(pending))
+                        if any(s.startswith(pending[k:]) for s in self.stops)), len(pending))
+            self.pending = pending[cut:]
+        out = pending[:cut]
+        if out:
+            self.released.append(out)
+        return out
+
+    def flush(self) -> str:
+        """The held-back text, released at a finish without a stop string."""
+        out, self.pending = self.pending, ""
+        if out:
+            self.released.append(out)
+        return out
+
+    @property
+    def text(self) -> str:
+        """All text released so far: at a stop, the completion's text (up to the stop string)."""
+        return "".join(self.released)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +161,7 @@ class Limits:
     block_size: int
     num_usable_blocks: int
     tokenizer: Tokenizer | None
+    speculative_tokens: int = 0  # drafts a decode step verifies (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +184,17 @@ class LiveRequest:
                       min_tokens count. The record's fields never change, but this list grows in
                       place: the engine's host loop appends each token as it streams it, so a step
                       allocates no new record or list for a request.
+    stop_text:        for a request with stop strings, its text so far (`StopText`, which grows in
+                      place too); None otherwise.
+    logprobs:         for a request with `SamplingParams.logprobs`, those of each token drawn so far
+                      (the engine appends them as it draws); None otherwise.
     """
 
     request: CheckedRequest
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
+    stop_text: StopText | None = None  # the decoded text, for a request with stop strings
+    logprobs: list[TokenLogprob] | None = None  # one per drawn token, for a request with logprobs
 
 
 def split_call(prompts: object, params: object) -> list[tuple[object, object]]:
@@ -188,6 +272,15 @@ def check_request(index: int, prompt: object, params: object, limits: Limits) ->
     bad_stops = [t for t in checked.stop_token_ids if t >= vocab]
     if bad_stops:
         raise RequestError(index, f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {describe(bad_stops)}")
+    if checked.stop and limits.tokenizer is None:
+        raise RequestError(index, "SamplingParams.stop needs the model's tokenizer (tokenizer.json) to find the "
+                                  f"strings in the text; this model has none: use stop_token_ids, got "
+                                  f"{describe(checked.stop)}")
+    if checked.logprobs is not None and limits.speculative_tokens:
+        # A verify row's tokens are drawn in `mla_func.serving.speculative`, which does not return logprobs.
+        raise RequestError(index, f"SamplingParams.logprobs {checked.logprobs} is not supported with speculative "
+                                  f"decoding (Engine speculative_tokens={limits.speculative_tokens}); use an "
+                                  "engine without drafts")
     stop = checked.stop_token_ids if checked.ignore_eos else checked.stop_token_ids + limits.eos_token_ids
     if checked.min_tokens and len(set(stop)) >= vocab:
         raise RequestError(index, f"min_tokens {checked.min_tokens} with every token of the vocabulary a stop token "

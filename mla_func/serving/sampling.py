@@ -43,6 +43,10 @@ def describe(value: object) -> str:
     return _BoundedRepr().repr(value)
 
 
+MAX_STOP_STRINGS = 16  # `SamplingParams.stop`: each is searched in every new piece of text
+MAX_LOGPROBS = 20  # `SamplingParams.logprobs`: top alternatives per token, as OpenAI's API allows
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -72,6 +76,15 @@ class SamplingParams:
     presence_penalty:   subtracted once from the logit of every token already in the output; 0 = off.
     frequency_penalty:  subtracted from a token's logit once per time it is in the output; 0 = off.
                         (Both additive penalties as in OpenAI's API: negative values encourage repeats.)
+    stop:               up to 16 non-empty strings (a list is accepted and kept as a tuple); when the
+                        generated text contains one, the request finishes with reason "stop". As in
+                        OpenAI's API and vLLM, the completion's text ends just before the stop string
+                        (which is not included), and its token ids run up to and including the token
+                        that completed it. Found across token boundaries; needs the model's tokenizer.
+    logprobs:           None (off) or 0..20: the completion then carries, per generated token, its
+                        logprob and that many top alternatives (`Completion.logprobs`). They are of the
+                        model's distribution after penalties and min_tokens, before temperature, top-k
+                        and top-p (as OpenAI's: the model's own probabilities, whatever the sampling).
     """
 
     temperature: float = 1.0
@@ -85,6 +98,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field_name: str, why: str) -> None:
@@ -115,6 +130,14 @@ class SamplingParams:
                 bad(name, "must be a number in [-1e6, 1e6] (0 = off)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be an int in [0, max_tokens={describe(self.max_tokens)}]")
+        if isinstance(self.stop, list):
+            # Frozen: normalise the list a caller (or JSON) gives to the tuple the field holds.
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if (not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            bad("stop", f"must be a tuple or list of at most {MAX_STOP_STRINGS} non-empty strings")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None (off) or an int in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

@@ -82,7 +82,7 @@ def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
 @pytest.mark.parametrize("args, expected", [
     (("generate", "x", "--temprature", "0"), "unknown option --temprature: did you mean --temperature?"),
     (("generate", "x", "--temprature=0"), "unknown option --temprature: did you mean --temperature?"),
-    (("generate", "x", "--top_k", "3"), "unknown option --top_k: did you mean --top-k or --top-p?"),
+    (("generate", "x", "--top_k", "3"), "unknown option --top_k: did you mean --top-k, --stop or --top-p?"),
     (("generate", "x", "--seeds", "3"), "unknown option --seeds: did you mean --seed?"),
     (("bench", "--num-promts", "3"), "unknown option --num-promts: did you mean --num-prompts?"),
     (("generate", "x", "--frobnicate"), "unknown option --frobnicate; see mla-func generate --help"),
