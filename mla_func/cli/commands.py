@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from mla_func.checkpoint.chat_template import read_chat_template
 from mla_func.checkpoint.convert import dequantize_checkpoint, quantize_checkpoint
 from mla_func.checkpoint.files import CheckpointFolder
 from mla_func.checkpoint.safetensors_file import read_header
@@ -63,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse says "argument --threads: ..."; the CLI's own errors say "--threads: ...".
         message = message.removeprefix("argument ")
-        if message.startswith("the following arguments are required"):
+        if message.startswith(("the following arguments are required", "one of the arguments")):
             message += f"; see {self.prog} --help"
         self.exit(EXIT_ERROR, f"error: {message}\n")
 
@@ -381,11 +382,35 @@ def read_prompt(text: str) -> str:
     return prompt
 
 
+def chat_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    """--chat's messages (a --system message first), or None for a plain prompt (argparse takes exactly one)."""
+    if args.chat is None:
+        if args.system is not None:
+            raise UsageError("--system needs --chat (a plain prompt goes to the model as it is)")
+        return None
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    return [*system, {"role": "user", "content": args.chat}]
+
+
+def check_chat_template(source: ModelSource | None, name: str) -> None:
+    """--chat needs the model's chat template: checked from its folder before the load (None: load_model's error)."""
+    if source is None:
+        return
+    template = read_chat_template(source.folder) if source.folder is not None else None
+    if template is None:
+        where = "a shape preset with random weights" if source.folder is None else str(source.folder.root)
+        raise UsageError(f"--chat: model {name} ({where}) has no chat template (tokenizer_config.json "
+                         "'chat_template' or chat_template.jinja); give a plain PROMPT")
+
+
 def generate_main(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    prompt = read_prompt(args.prompt)
+    messages = chat_messages(args)
+    prompt: str | list[dict[str, str]] = read_prompt(args.prompt) if messages is None else messages
     device = prepare(args)
-    check_model(args)
+    source = check_model(args)
+    if messages is not None:
+        check_chat_template(source, args.model)
     model = load(args, device, say=lambda msg: None)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
@@ -453,8 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="stream a completion of a prompt", formatter_class=_DefaultsFormatter,
                               description="Stream a completion of PROMPT, then print a summary line on stderr.")
-    gen.add_argument("prompt", help="the text to continue ('-' reads it from standard input; token ids such as "
-                                    "'1 2 3' for a model without a tokenizer)")
+    # PROMPT or --chat, exactly one: argparse refuses neither and both, each in one line.
+    prompt_or_chat = gen.add_mutually_exclusive_group(required=True)
+    prompt_or_chat.add_argument("prompt", nargs="?", default=None,
+                                help="the text to continue ('-' reads it from standard input; token ids such as "
+                                     "'1 2 3' for a model without a tokenizer)")
+    prompt_or_chat.add_argument("--chat", default=None, metavar="MESSAGE",
+                                help="a user message, sent through the model's chat template instead of a prompt")
+    gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     _add_model_args(gen)
     _add_draft_arg(gen)
     for option in SAMPLING_OPTIONS:

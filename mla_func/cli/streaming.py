@@ -14,6 +14,7 @@ from typing import TextIO
 from tokenizers.decoders import DecodeStream
 
 from mla_func.serving.engine import Engine
+from mla_func.serving.requests import chat_token_ids
 from mla_func.serving.sampling import SamplingParams
 
 EXIT_ERROR = 2
@@ -49,9 +50,12 @@ class StreamStats:
         )
 
 
-def prompt_token_ids(engine: Engine, prompt: str) -> list[int]:
+def prompt_token_ids(engine: Engine, prompt: str | list[dict[str, str]]) -> list[int]:
     """The prompt's token ids: text through the model's tokenizer, or for a model without one,
-    token ids written out ("1,2,3" or "1 2 3"); ValueError naming the prompt otherwise."""
+    token ids written out ("1,2,3" or "1 2 3"); a chat's messages through the model's chat template
+    (`mla_func.serving.requests.chat_token_ids`). ValueError naming the prompt otherwise."""
+    if not isinstance(prompt, str):
+        return list(chat_token_ids(None, prompt, engine.limits))
     tokenizer = engine.model.tokenizer
     if tokenizer is not None:
         return list(tokenizer.encode(prompt).ids)
@@ -75,8 +79,10 @@ def length_note(engine: Engine, prompt_tokens: int, params: SamplingParams) -> s
             f"and the prompt has {prompt_tokens} tokens")
 
 
-def stream_completion(engine: Engine, prompt: str, params: SamplingParams, *, out: TextIO, err: TextIO) -> int:
-    """Generate one completion of `prompt`, writing its text to `out` as it comes and a summary to `err`.
+def stream_completion(engine: Engine, prompt: str | list[dict[str, str]], params: SamplingParams, *, out: TextIO,
+                      err: TextIO) -> int:
+    """Generate one completion of `prompt` (text, or a chat's messages), writing its text to `out` as it comes
+    and a summary to `err`.
 
     Returns the exit status: 0, 2 when the request is refused (the reason on
     `err`), or 130 when interrupted by Ctrl-C (after the summary of what was generated).

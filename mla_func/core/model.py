@@ -1,4 +1,4 @@
-"""A loaded model: its config, params, tokenizer and optional MTP layer, as one value."""
+"""A loaded model: its config, params, tokenizer, chat template and optional MTP layer, as one value."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mla_func.checkpoint.chat_template import ChatTemplate
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params
 
@@ -17,13 +18,14 @@ if TYPE_CHECKING:  # annotation only: the MTP layer's params belong to its model
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A loaded model: its config, its params pytree, its tokenizer when it has one, and its first
-    multi-token-prediction layer when loaded with `mtp=True` (the drafter of speculative decoding)."""
+    """A loaded model: its config, its params pytree, its tokenizer and chat template when it has them,
+    and its first multi-token-prediction layer when loaded with `mtp=True` (the drafter of speculative decoding)."""
 
     config: ModelConfig
     params: Params
     tokenizer: Any = None  # tokenizers.Tokenizer, or None
     mtp: MTPParams | None = None
+    chat_template: ChatTemplate | None = None  # renders chat prompts (see `mla_func.checkpoint.chat_template`)
 
     @property
     def device(self) -> torch.device:

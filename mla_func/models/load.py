@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mla_func.checkpoint.chat_template import read_chat_template
 from mla_func.checkpoint.files import CheckpointError, CheckpointFolder
 from mla_func.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
 from mla_func.core.config import ConfigError, ModelConfig
@@ -62,6 +63,9 @@ def load_model(
     the file and the tensor or field. Before a tensor is allocated, the bytes the params
     will hold are checked against the memory available on `device`: `NotEnoughMemory`
     (a ValueError, from `mla_func.models.memory`) names both.
+
+    A folder's chat template (chat_template.jinja, or tokenizer_config.json's `chat_template`) is
+    `Model.chat_template`, read by `mla_func.checkpoint.chat_template`; None without one.
 
     A shipped preset ("demo") is a checkpoint folder inside the package; a shape
     preset ("tiny", "v2-lite") gets random weights. A folder path of the same
@@ -149,6 +153,7 @@ def _load_folder(
     if not folder.has("config.json"):
         raise CheckpointError(f"{path}: no config.json")
     config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"), families)
+    chat_template = read_chat_template(folder)  # read before the weights: a malformed one costs no load time
     with ExitStack() as stack:
         located = config.family.canonical_names(config, _locate_tensors(folder, stack), folder.root)
         expected = _expected_tensors(folder, config, located)
@@ -168,7 +173,8 @@ def _load_folder(
         params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress),
                                 max_model_len=max_model_len)
         drafter = load_mtp(config, params, fetch, dtype, device, frozenset(expected)) if mtp else None
-    return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter)
+    return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter,
+                 chat_template=chat_template)
 
 
 def _require_mtp_layer(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> None:

@@ -157,7 +157,7 @@ class Engine:
         c = self.config
         return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
                       c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer,
-                      speculative_tokens=c.speculative_tokens)
+                      speculative_tokens=c.speculative_tokens, chat_template=self.model.chat_template)
 
     # ---- generation ---------------------------------------------------------------
 

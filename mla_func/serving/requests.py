@@ -6,11 +6,16 @@ the engine checks every request of a call first and only then queues the valid
 ones, so the scheduler never holds a request whose checks did not finish.
 
 Accepted prompts: a string (tokenized with the model's tokenizer, which must
-exist), or token ids as a list, tuple or range of ints, or a 1-D integer tensor.
+exist), or token ids as a list, tuple or range of ints, or a 1-D integer tensor, or a chat: a
+list of messages ({"role": "system" | "user" | "assistant", "content": str}), rendered by the
+model's chat template (`Model.chat_template`, which must exist) ending with the assistant's turn,
+then tokenized without the tokenizer's added special tokens (the template writes its own).
 Token ids must be ints (not bools, floats or strings: nothing is coerced) in
 [0, vocab_size). An empty prompt is refused, text or ids alike: to generate
 from the start of a sequence, pass the beginning-of-sequence id.
-`generate("text")` is one prompt, the same as `generate(["text"])`.
+`generate("text")` is one prompt, the same as `generate(["text"])`; so is a chat: a list whose
+items are all message dicts is one chat prompt (`generate(messages)`), and a batch of chats is
+a list of them (`generate([chat_a, chat_b])`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from typing import Any, Protocol
 import torch
 from tokenizers.decoders import DecodeStream
 
+from mla_func.checkpoint.chat_template import ChatError, ChatTemplate
 from mla_func.serving.sampling import SamplingParams, describe
 
-Prompt = str | Sequence[int]
+ChatMessages = Sequence[Mapping[str, str]]  # {"role": ..., "content": ...} dicts
+Prompt = str | Sequence[int] | ChatMessages
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
 
@@ -95,7 +102,7 @@ class StreamEvent:
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> Any: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -162,6 +169,7 @@ class Limits:
     num_usable_blocks: int
     tokenizer: Tokenizer | None
     speculative_tokens: int = 0  # drafts a decode step verifies (0: none)
+    chat_template: ChatTemplate | None = None  # renders chat prompts; None: the model has none
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +207,10 @@ class LiveRequest:
 
 def split_call(prompts: object, params: object) -> list[tuple[object, object]]:
     """(prompt, params) per request of one call; RequestError(None) if the call itself is malformed."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or _is_one_chat(prompts):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise RequestError(None, f"prompts must be a list of prompts (strings or token id lists), got "
+        raise RequestError(None, f"prompts must be a list of prompts (strings, token id lists or chats), got "
                                  f"{type(prompts).__name__}")
     if params is None or isinstance(params, (SamplingParams, Mapping)):
         return [(p, params) for p in prompts]
@@ -212,6 +220,41 @@ def split_call(prompts: object, params: object) -> list[tuple[object, object]]:
     if len(params) != len(prompts):
         raise RequestError(None, f"params: expected one per prompt ({len(prompts)}), got {len(params)}")
     return list(zip(prompts, params))
+
+
+def _is_one_chat(prompts: object) -> bool:
+    # Every item a message: one chat. (A message dict is never a prompt of its own, so a list of them
+    # cannot be meant as a batch; a list mixing messages and prompts stays a batch, each checked alone.)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(m, Mapping) for m in prompts)
+
+
+def is_chat(prompt: object) -> bool:
+    """Whether a prompt is meant as a chat: a list or tuple holding a message dict (token ids never are)."""
+    return isinstance(prompt, (list, tuple)) and any(isinstance(m, Mapping) for m in prompt)
+
+
+def chat_token_ids(index: int | None, messages: object, limits: Limits) -> tuple[int, ...]:
+    """The token ids of a chat prompt: rendered by the model's template, tokenized, checked as a prompt.
+
+    RequestError when the model has no chat template or tokenizer, a message is bad (naming its index and
+    field), or the template refuses the chat.
+    """
+    if limits.chat_template is None:
+        raise RequestError(index, "the prompt is a chat (a list of messages) but the model has no chat template "
+                                  "(tokenizer_config.json 'chat_template' or chat_template.jinja); pass text or "
+                                  "token ids")
+    if limits.tokenizer is None:
+        raise RequestError(index, "the prompt is a chat but the model has no tokenizer.json to tokenize it")
+    try:
+        text = limits.chat_template.render(messages)  # type: ignore[arg-type]  # render checks what it is given
+    except ChatError as e:
+        raise RequestError(index, f"chat: {e}") from None
+    if not text:
+        raise RequestError(index, "the chat template rendered the chat as empty text")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise RequestError(index, "the chat holds a lone surrogate, which is not text a tokenizer can encode")
+    # The template writes the special tokens it wants (a beginning-of-sequence token among them).
+    return check_token_ids(index, tuple(limits.tokenizer.encode(text, add_special_tokens=False).ids), limits)
 
 
 def check_params(index: int | None, params: object) -> SamplingParams:
@@ -267,7 +310,7 @@ def check_token_ids(index: int | None, prompt: object, limits: Limits, *, what: 
 def check_request(index: int, prompt: object, params: object, limits: Limits) -> CheckedRequest:
     """Every check of one generation request; RequestError(index) naming the first that fails."""
     checked = check_params(index, params)
-    ids = check_token_ids(index, prompt, limits)
+    ids = chat_token_ids(index, prompt, limits) if is_chat(prompt) else check_token_ids(index, prompt, limits)
     vocab = limits.vocab_size
     bad_stops = [t for t in checked.stop_token_ids if t >= vocab]
     if bad_stops:

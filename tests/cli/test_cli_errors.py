@@ -89,7 +89,7 @@ def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
     (("generate", "x", "--temprature", "0", "--modle", "tiny"),
      "unknown option --temprature: did you mean --temperature?; unknown option --modle: did you mean --model?"),
     (("generate", "two", "words"), "unexpected argument 'words'; see mla-func generate --help"),
-    (("generate",), "the following arguments are required: prompt; see mla-func generate --help"),
+    (("generate",), "one of the arguments prompt --chat is required; see mla-func generate --help"),
 ])
 def test_an_unknown_option_suggests_the_closest_ones_of_its_command(args, expected, capsys):
     # The misspelling from the report as a user runs it; the other variants in this process.
