@@ -12,6 +12,12 @@ compiled kernels do not:
 The patches below widen bf16 dot operands to float32 first (exact, as a tensor
 core does) and round casts to nearest even (as the GPU does). They are applied
 only when the interpreter is active.
+
+Under pytest-xdist every worker is a process of its own, and torch would give each as many
+threads as the machine has cores: on a 2-core machine with 2 workers, 4 busy threads fight
+over 2 cores and OpenMP's spinning threads slow small ops by orders of magnitude. Each worker
+therefore takes its share of the cores, and keeps it: the command line's in-process tests set
+their own thread count (`--threads`, 1 on the CPU by default), which is put back after each test.
 """
 
 from __future__ import annotations
@@ -24,6 +30,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS > 1 else torch.get_num_threads()
+torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads():
+    """Each test starts with the worker's share of the cores, whatever the previous one set."""
+    if torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
+    yield
 
 
 def _patch_interpreter_bf16() -> None:
