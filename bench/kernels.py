@@ -2,6 +2,7 @@
 
     python bench/kernels.py [--commit SHA] [--out bench/results] [--skip-reference]
     python bench/kernels.py --sweep      # time tile-size candidates instead (no result file)
+    python bench/kernels.py --fp8        # only the block-scaled FP8 rows (with --sweep: their tiles)
 
 Prints a table and writes bench/results/kernels/<gpu>/<date>-<commit>.json. Both ceilings
 (device-to-device copy bandwidth, counting bytes read and written, and a bf16
@@ -24,7 +25,8 @@ import common  # noqa: E402
 
 from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
-from mla_func.kernels.triton import decode, moe, prefill  # noqa: E402
+from mla_func.kernels.triton import decode, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
+from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 DIM = KV_LORA_RANK + ROPE_DIM
@@ -160,6 +162,110 @@ def bench_prefill(num_tokens, ceilings, num_heads=16, nope_dim=128, v_dim=128, b
     return row
 
 
+# --- block-scaled FP8 linear and MoE ---------------------------------------------------------
+
+FP8_BLOCK = (128, 128)
+
+
+def _fp8_weights(shape, copies):
+    """`copies` random FP8 weights [..., N, K] with their [..., N/128, K/128] scales (about 1/sqrt(K) each)."""
+    *lead, n, k = shape
+    scale_shape = (*lead, math.ceil(n / FP8_BLOCK[0]), math.ceil(k / FP8_BLOCK[1]))
+    return [(torch.randn(shape, device="cuda", dtype=BF16).to(torch.float8_e4m3fn),
+             torch.rand(scale_shape, device="cuda") * 2 * k ** -0.5 / 448) for _ in range(copies)]
+
+
+def bench_fp8_gemm(num_tokens, n, k, ceilings, w8a8=True, tiles=None):
+    """The block GEMM at prefill sizes: whole op (activation quantization included) and GEMM alone."""
+    x = torch.randn(num_tokens, k, device="cuda", dtype=BF16)
+    (values, scale_inv), = _fp8_weights((n, k), 1)
+    a, a_scales = quantize_activations(x, FP8_BLOCK[1]) if w8a8 else (x, scale_inv)
+    gemm_ms = common.time_eager(lambda: fp8_linear.block_gemm(a, a_scales, values, scale_inv, FP8_BLOCK, w8a8, BF16,
+                                                              BF16, tiles))
+    ms = gemm_ms if tiles else common.time_eager(lambda: fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8))
+    flops = 2 * num_tokens * n * k
+    return dict(op="fp8_gemm", tokens=num_tokens, n=n, k=k, w8a8=w8a8, ms=ms, gemm_ms=gemm_ms,
+                tflop_s=flops / ms / 1e9, gemm_tflop_s=flops / gemm_ms / 1e9,
+                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], flops=flops)
+
+
+def bench_fp8_decode(num_tokens, n, k, ceilings, w8a8=False, tiles=None):
+    """The weight stream at decode sizes: graph replays over weight copies that do not fit L2 together."""
+    copies = min(16, max(2, math.ceil(L2_DEFEAT_BYTES / (n * k))))
+    weights = _fp8_weights((n, k), copies)
+    x = torch.randn(num_tokens, k, device="cuda", dtype=BF16)
+    ms = common.time_graph([lambda w=w: fp8_linear.fp8_linear(x, *w, w8a8=w8a8, stream=tiles) for w in weights])
+    num_bytes = n * k + weights[0][1].numel() * 4 + x.numel() * 2 + num_tokens * n * 2
+    return dict(op="fp8_linear", tokens=num_tokens, n=n, k=k, w8a8=w8a8, ms=ms, gb_s=num_bytes / ms / 1e6,
+                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"], bytes=num_bytes,
+                copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
+
+
+def bench_fp8_moe(num_tokens, ceilings, num_experts=32, top_k=8, hidden=7168, inter=2048, w8a8=False, config=None,
+                  routing_sets=8):
+    """The FP8 MoE over DeepSeek-V3's expert shapes; bytes are the distinct chosen experts' values and scales."""
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
+    (w13, s13), = _fp8_weights((num_experts, 2 * inter, hidden), 1)
+    (w2, s2), = _fp8_weights((num_experts, hidden, inter), 1)
+    routes = []
+    for _ in range(routing_sets):
+        weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)
+        routes.append(((weights / weights.sum(1, keepdim=True)).float(), ids.to(torch.int32)))
+
+    def call(route):
+        return fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, *route, w8a8=w8a8, config=config)
+
+    ms = common.time_graph([lambda r=r: call(r) for r in routes])
+    expert_bytes = 3 * inter * hidden + (s13[0].numel() + s2[0].numel()) * 4
+    distinct = sum(r[1].unique().numel() for r in routes) / routing_sets
+    num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
+    flops = num_tokens * top_k * 2 * 3 * inter * hidden
+    return dict(op="fp8_moe", tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
+                w8a8=w8a8, distinct_experts=distinct, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"], bytes=num_bytes, flops=flops,
+                copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
+
+
+def fp8_rows(ceilings):
+    rows = []
+    for num_tokens in (1024, 4096):
+        for n, k in ((7168, 7168), (18432, 7168)):
+            rows.append(bench_fp8_gemm(num_tokens, n, k, ceilings))
+    for num_tokens in (1, 4, 16):
+        for n, k in ((7168, 7168), (18432, 7168), (7168, 18432)):
+            for w8a8 in (False, True):
+                rows.append(bench_fp8_decode(num_tokens, n, k, ceilings, w8a8=w8a8))
+    for num_tokens in (1, 16):
+        for w8a8 in (False, True):
+            rows.append(bench_fp8_moe(num_tokens, ceilings, w8a8=w8a8))
+    return rows
+
+
+def sweep_fp8(ceilings):
+    rows = []
+    for t in [fp8_linear.GemmTiles(128, 128, 128, 8, 8, 4), fp8_linear.GemmTiles(128, 128, 64, 8, 8, 4)]:
+        try:
+            r = bench_fp8_gemm(4096, 18432, 7168, ceilings, tiles=t)
+        except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+            r = dict(op="fp8_gemm", error=repr(exc)[:120])
+        common.sweep_row(rows, r, case="gemm T4096 18432x7168", config=str(t))
+    for num_tokens in (1, 16):
+        for t in [fp8_linear.StreamTiles(n, 128, s, w, 4) for n in (64, 128) for s in (1, 2, 4) for w in (4, 8)]:
+            try:
+                r = bench_fp8_decode(num_tokens, 7168, 7168, ceilings, tiles=t)
+            except Exception as exc:
+                r = dict(op="fp8_linear", error=repr(exc)[:120])
+            common.sweep_row(rows, r, case=f"stream T{num_tokens} 7168x7168", config=str(t))
+    for num_tokens in (1, 16):
+        for c in [fp8_moe.Fp8MoeConfig(16, n, 128, w, st) for n in (32, 64) for w in (4, 8) for st in (3, 4)]:
+            r = bench_fp8_moe(num_tokens, ceilings, config=c)
+            common.sweep_row(rows, r, case=f"moe T{num_tokens}", config=str(c))
+    print("\n== FP8 sweep ==")
+    common.print_table(rows, [("case", "case"), ("config", "config"), ("ms", "ms"), ("gemm_tflop_s", "TFLOP/s"),
+                              ("pct_copy", "%copy"), ("error", "error")])
+    return rows
+
+
 # --- tile sweeps --------------------------------------------------------------------------
 
 def sweep(ceilings):
@@ -213,13 +319,21 @@ def sweep(ceilings):
 def main() -> None:
     parser = common.kernel_bench_parser(__doc__)
     parser.add_argument("--skip-reference", action="store_true", help="no torch reference timings")
+    parser.add_argument("--fp8", action="store_true", help="only the block-scaled FP8 rows (or, with --sweep, tiles)")
     args = parser.parse_args()
     result, ceilings = common.kernel_bench_run(
         "bench/kernels.py", args.commit, matmul=True,
         timing="decode and MoE: CUDA-graph replay, consecutive calls on other pages/experts; "
                "eager_ms and prefill: triton.testing.do_bench median, L2 flushed")
+    if args.sweep and args.fp8:
+        sweep_fp8(ceilings)
+        return
     if args.sweep:
         sweep(ceilings)
+        return
+    if args.fp8:
+        result["rows"] += fp8_rows(ceilings)
+        _report(result, args.out)
         return
 
     ref = not args.skip_reference
@@ -232,20 +346,28 @@ def main() -> None:
     for num_tokens in (1, 16, 2048):
         result["rows"].append(bench_moe(num_tokens, ceilings, reference=ref and num_tokens <= 16))
     result["rows"].append(bench_prefill(8192, ceilings, reference=ref))
+    result["rows"] += fp8_rows(ceilings)
     print()
+    _report(result, args.out)
 
-    path = common.write_json(result, args.out, "kernels")
+
+def _report(result, out):
+    path = common.write_json(result, out, "kernels")
     rows = []
     for c in result["rows"]:
         shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}",
                  "fused_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}",
-                 "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}"}[c["op"]](c)
+                 "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}",
+                 "fp8_gemm": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
+                 "fp8_linear": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
+                 "fp8_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}" + " w8a8" * c["w8a8"]}[c["op"]](c)
         rows.append(dict(c, shape=shape))
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s  -> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("ms", "ms"), ("eager_ms", "eager ms"),
                               ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("tflop_s", "TFLOP/s"),
                               ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
+                              ("gemm_tflop_s", "GEMM TFLOP/s"),
                               ("copy_time_ratio", "t/t_copy"), ("ref_ms", "ref ms"),
                               ("max_err_vs_ref", "err")])
 

@@ -77,6 +77,16 @@ BENCHES = {
                             [("acceptance rate", "acceptance_rate", "{:.2f}"), ("tokens / iter", "tokens_per_iteration",
                                                                                "{:.2f}"),
                              ("iteration × decode", "iteration_x_decode", "{:.2f}"), ("speed-up", "speedup", "{:.2f}")]),
+    "kernels:fp8": ("Block-scaled FP8 linear and MoE kernels, DeepSeek-V3's shapes (`bench/kernels.py --fp8`)", "rows",
+                    [dict(op="fp8_gemm", tokens=t, n=n, k=7168) for t in (1024, 4096) for n in (7168, 18432)]
+                    + [dict(op="fp8_linear", tokens=t, n=7168, k=7168, w8a8=w) for t in (1, 16) for w in (False, True)]
+                    + [dict(op="fp8_moe", tokens=t, w8a8=w) for t in (1, 16) for w in (False, True)],
+                    [("µs", "us", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% copy", "pct_copy", "{:.1f}")]),
+    "serve": ("OpenAI server under open-loop load against the offline engine, v2-lite (`bench/serve.py`)", "rows", None,
+              [("output tok/s", "output_tok_s", "{:.0f}"), ("TTFT p50 ms", "ttft_ms_p50", "{:.0f}"),
+               ("TTFT p99 ms", "ttft_ms_p99", "{:.0f}"), ("ITL p50 ms", "itl_ms_p50", "{:.1f}"),
+               ("ITL p99 ms", "itl_ms_p99", "{:.1f}"), ("× offline", "vs_offline", "{:.2f}"),
+               ("µs / token over offline", "overhead_us_per_token", "{:.1f}")]),
     "throughput": ("Engine throughput, v2-lite (`bench/throughput.py`)", "rows", None,
                    [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                     ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
@@ -116,6 +126,15 @@ TARGETS = [
     ("speculative:match", dict(mode="batch-invariant", batch=1, k=3), "matched", ">=", 8, "promises hold"),
     ("soak", dict(what="unexpected exceptions"), "count", "<=", 0, "soak"),
     ("soak", dict(what="leaked blocks"), "count", "<=", 0, "soak"),
+    ("kernels:fp8", dict(op="fp8_gemm", tokens=1024, n=7168, k=7168), "tflop_s", ">=", 350, "FP8 checkpoints"),
+    ("kernels:fp8", dict(op="fp8_gemm", tokens=4096, n=18432, k=7168), "tflop_s", ">=", 350, "FP8 checkpoints"),
+    ("kernels:fp8", dict(op="fp8_linear", tokens=1, n=7168, k=7168, w8a8=False), "pct_copy", ">=", 80,
+     "FP8 checkpoints"),
+    ("kernels:fp8", dict(op="fp8_linear", tokens=16, n=18432, k=7168, w8a8=False), "pct_copy", ">=", 80,
+     "FP8 checkpoints"),
+    ("kernels:fp8", dict(op="fp8_moe", tokens=1, w8a8=False), "pct_copy", ">=", 80, "FP8 checkpoints"),
+    ("kernels:fp8", dict(op="fp8_moe", tokens=16, w8a8=False), "pct_copy", ">=", 80, "FP8 checkpoints"),
+    ("serve", dict(run="server inf req/s"), "vs_offline", ">=", 0.9, "OpenAI server"),
     ("cpu", dict(threads=1), "stream_busy_tok_s", ">=", 200, "CPU"),
     ("cpu", dict(threads=1), "score_tiny_2048_s", "<", 1, "CPU"),
 ]
@@ -192,8 +211,9 @@ def current_rows(results: list[dict], rows_key: str, shown: list[dict] | None) -
 
 def label(row: dict) -> str:
     """A row's case in a few words: 'mla_decode B128 ctx 4K H16'."""
-    parts = [str(row[k]) for k in ("op", "step", "engine", "what", "mode", "acceptance") if k in row]
-    for key, fmt in (("k", "k={}"), ("batch", "B{}"), ("tokens", "T{}"), ("context", "ctx {}"), ("heads", "H{}"),
+    parts = [str(row[k]) for k in ("op", "run", "step", "engine", "what", "mode", "acceptance") if k in row]
+    for key, fmt in (("n", "n={}"), ("k", "k={}"), ("w8a8", "w8a8={}"), ("batch", "B{}"), ("tokens", "T{}"),
+                     ("context", "ctx {}"), ("heads", "H{}"),
                      ("keys_per_row", "{} keys"), ("threads", "{} thread(s)")):
         if key in row:
             value = row[key]

@@ -10,6 +10,10 @@ Shapes use: T rows (tokens), B sequences, H heads, W block-table width, bs
 block size, C = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim,
 Dv = v_head_dim, E experts, k experts a token (in the DSA ops: k selected keys a row),
 Hi indexer heads, Di = index_head_dim.
+
+A `Weight` (`quantized`) is a tensor or a block-scaled FP8 pair: every backend computes with the
+pair as with its dequantized tensor (`BlockFP8Weight.dequantize` into the activations' dtype, or
+`out_dtype` where given), up to the rounding of its own products.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ from typing import Protocol, overload
 
 import torch
 
+from .quantized import Weight
+
 Tensor = torch.Tensor
 
 
 class Linear(Protocol):
-    def __call__(self, x: Tensor, weight: Tensor, /, *, out_dtype: torch.dtype | None = None) -> Tensor:
-        """x [T, K], weight [N, K] -> y = x @ weight^T [T, N] in x's dtype, or computed
-        from both inputs widened to `out_dtype` when that is given."""
+    def __call__(self, x: Tensor, weight: Weight, /, *, out_dtype: torch.dtype | None = None) -> Tensor:
+        """x [T, K], weight [N, K] (a tensor or an FP8 pair) -> y = x @ weight^T [T, N] in x's dtype,
+        or computed from both inputs widened to `out_dtype` when that is given."""
         ...
 
 
@@ -59,16 +65,16 @@ class LayerNorm(Protocol):
 
 class RmsNormLinear(Protocol):
     @overload
-    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /, residual: None = None
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /, residual: None = None
                  ) -> Tensor: ...
     @overload
-    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /, residual: Tensor
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /, residual: Tensor
                  ) -> tuple[Tensor, Tensor]: ...
 
-    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, /,
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /,
                  residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """linear(rms_norm(x [+ residual]), weight): x, residual [T, K]; norm_weight [K];
-        weight [N, K] -> y [T, N]; with `residual`, (y, x + residual) as `RmsNorm`."""
+        weight [N, K] (a tensor or an FP8 pair) -> y [T, N]; with `residual`, (y, x + residual) as `RmsNorm`."""
         ...
 
 
@@ -174,10 +180,10 @@ class Route(Protocol):
 
 
 class FusedMoe(Protocol):
-    def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
+    def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  out_dtype: torch.dtype | None = None) -> Tensor:
         """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
-        x [T, D]; w13 [E, 2I, D] (gate rows, then up); w2 [E, D, I]; topk_weights [T, k]
+        x [T, D]; w13 [E, 2I, D] (gate rows, then up); w2 [E, D, I] (tensors or stacked FP8 pairs); topk_weights [T, k]
         float32; topk_ids [T, k] (-1 takes no expert) -> [T, D] in out_dtype (x's by default)."""
         ...
 
@@ -309,10 +315,11 @@ class HcHead(Protocol):
 
 
 class ClampedExperts(Protocol):
-    def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, /, *,
+    def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  limit: float) -> Tensor:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU pre-activations
-        clamped at `limit` (gate above, up both ways): x [T, D]; w13 [E, 2I, D]; w2 [E, D, I];
+        clamped at `limit` (gate above, up both ways): x [T, D]; w13 [E, 2I, D]; w2 [E, D, I], tensors
+        or stacked FP8 / FP4 pairs (computed as with their weights dequantized into x's dtype);
         topk_ids -1 takes no expert -> [T, D] in x's dtype."""
         ...
 
@@ -328,4 +335,30 @@ class GumbelMax(Protocol):
         argmax_v(logits[v] / T + g[v]) with g = -log(-log(u)), u = `reference.sampling.uniform_noise`
         (seed, position, v), the division and both logs rounded as torch's float32 ones; ties go to
         the lowest index and a NaN wins, as `torch.argmax`. Bits equal the reference's."""
+        ...
+
+
+# ---- Collectives (`collectives`) --------------------------------------------------------------
+
+
+class AllReduce(Protocol):
+    def __call__(self, x: Tensor, /) -> Tensor:
+        """The elementwise sum of x over every rank of the group: x [*] -> [*], same shape and dtype.
+        Every rank gets the same bits. x is consumed (its buffer may hold the result); with one
+        rank it is returned as it is."""
+        ...
+
+
+class AllGather(Protocol):
+    def __call__(self, x: Tensor, /, *, dim: int) -> Tensor:
+        """Every rank's x joined along `dim` in rank order: x [..., n, ...] -> [..., size * n, ...]
+        (each rank's x of the same shape and dtype); with one rank, x itself."""
+        ...
+
+
+class ReduceScatter(Protocol):
+    def __call__(self, x: Tensor, /, *, dim: int) -> Tensor:
+        """The elementwise sum of x over every rank, cut along `dim` into size even pieces, of which
+        this rank gets the rank-th: x [..., size * n, ...] -> [..., n, ...]; with one rank, x itself.
+        x is consumed (its buffer may hold the result)."""
         ...

@@ -81,6 +81,26 @@ class SamplingOps:
     gumbel_max: c.GumbelMax
 
 
+# A group of its own: no kernel backend replaces it; a table is bound to a process group by
+# `collectives.with_collectives`, which makes a new table, so one pure forward serves 1 or N ranks.
+@dataclass(frozen=True, slots=True)
+class CollectiveOps:
+    """Sums and gathers over the ranks a model is sharded across (`collectives`).
+
+    size: ranks in the group (1: every op is the identity); rank: this process's place in it.
+    tokens_split: each rank's steps hold its own requests' rows (data-parallel attention): the
+                  blocks the ranks share gather every rank's rows and scatter the sums back,
+                  while attention runs whole on each rank (`mla_func.core.exchange`).
+    """
+
+    size: int
+    rank: int
+    all_reduce: c.AllReduce
+    all_gather: c.AllGather
+    reduce_scatter: c.ReduceScatter
+    tokens_split: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Ops:
     """Every op the model calls (and the engine's token draw), bound to one backend's implementations, by
@@ -98,4 +118,5 @@ class Ops:
     dsa: DSAOps
     v4: V4Ops
     sampling: SamplingOps
+    collectives: CollectiveOps
     batch_invariant: bool = False

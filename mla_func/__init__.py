@@ -19,6 +19,7 @@ from mla_func.models.load import CheckpointError, load_model
 from mla_func.models.memory import NotEnoughMemory
 from mla_func.models.presets import PRESETS
 from mla_func.models.registry import FAMILIES, config_from_hf_dict, family_for, read_config, registry
+from mla_func.parallel import Parallel
 from mla_func.serving.engine import Completion, Engine, RequestError, StreamEvent
 from mla_func.serving.sampling import SamplingParams
 from mla_func.state.kv_cache import DonatedStateError, KVCacheState
@@ -28,7 +29,8 @@ __all__ = [
     "Batch", "BatchError", "CacheGroup", "CheckpointError", "Completion", "ConfigError", "DSALayerCache",
     "DecodeMetadata",
     "DonatedStateError", "Engine", "FAMILIES", "Family", "ForwardMode", "ForwardOutput", "KVCacheState", "LayerContext", "LayerKind",
-    "MLALayerCache", "Model", "ModelConfig", "NotEnoughMemory", "PRESETS", "PaddingPolicy", "Params", "PrefillMetadata",
+    "MLALayerCache", "Model", "ModelConfig", "NotEnoughMemory", "PRESETS", "PaddingPolicy", "Parallel", "Params",
+    "PrefillMetadata",
     "RequestError", "RopeConfig", "SamplingParams", "SegmentKind", "SeqPlan", "Step", "StepOutput", "StepPlan",
     "StreamEvent", "build_batch", "check_batch", "config_from_hf_dict", "decode", "family_for", "forward", "forward_outputs", "init_state",
     "layer_kinds", "load_model", "make_step", "padding_ladders", "plan_step", "prefill", "read_config",

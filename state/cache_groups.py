@@ -45,12 +45,19 @@ class GroupedAllocator:
         self.allocators = tuple(BlockAllocator(g.num_blocks, g.tokens_per_block,
                                                enable_prefix_caching=enable_prefix_caching) for g in groups)
         self.prefix_alignment = math.lcm(*(g.tokens_per_block for g in groups), *carry_periods)
+        # Group 0 holds one entry per token, so it covers n tokens with ceil(n / block_size) blocks; a
+        # model with no other group (V2/V3) takes that shortcut in `blocks_needed`, which the scheduler
+        # calls for every decoding request every step.
+        self._only_block_size = groups[0].block_size if len(groups) == 1 else None
+        self._tokens_per_block = tuple(g.tokens_per_block for g in groups)
 
     def empty_tables(self) -> Tables:
         return tuple([] for _ in self.groups)
 
     def blocks_needed(self, tables: Tables, num_tokens: int) -> tuple[int, ...]:
         """Blocks each group must add to `tables` to cover `num_tokens` tokens."""
+        if (block_size := self._only_block_size) is not None:
+            return (max(0, -(-num_tokens // block_size) - len(tables[0])),)
         return tuple(max(0, g.blocks_for(num_tokens) - len(t)) for g, t in zip(self.groups, tables))
 
     def can_allocate(self, needs: Sequence[int]) -> bool:
@@ -105,8 +112,11 @@ class GroupedAllocator:
     def register_full_blocks(self, tables: Tables, hashes: tuple[list[BlockHash], ...], token_ids: Sequence[int],
                              num_computed: int) -> None:
         """Register every block, in every group, that `num_computed` tokens have filled."""
-        for g, table, known, allocator in zip(self.groups, tables, hashes, self.allocators):
-            per = g.tokens_per_block
+        # Called for every row of every step, where most calls fill no new block: one group (V2/V3) decides
+        # that with one division.
+        if self._only_block_size is not None and num_computed // self._only_block_size <= len(hashes[0]):
+            return
+        for per, table, known, allocator in zip(self._tokens_per_block, tables, hashes, self.allocators):
             for i in range(len(known), num_computed // per):
                 parent = known[-1] if known else None
                 known.append(allocator.register(table[i], parent, token_ids[i * per : (i + 1) * per]))

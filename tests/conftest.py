@@ -22,6 +22,7 @@ their own thread count (`--threads`, 1 on the CPU by default), which is put back
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -38,10 +39,12 @@ torch.set_num_threads(_THREADS)
 
 @pytest.fixture(autouse=True)
 def _worker_threads():
-    """Each test starts with the worker's share of the cores, whatever the previous one set."""
+    """Each test starts with the worker's share of the cores, whatever the previous one set, and ends
+    with nothing frozen out of the garbage collector (`Engine.warmup` freezes what is alive)."""
     if torch.get_num_threads() != _THREADS:
         torch.set_num_threads(_THREADS)
     yield
+    gc.unfreeze()
 
 
 def _patch_interpreter_bf16() -> None:

@@ -26,7 +26,8 @@ PACKAGE_DIRS = {"mla_func": ROOT / "mla_func", "mla_func.kernels": ROOT / "kerne
 # `config.family` only. `core.config` is left out: `ModelConfig` still holds the MLA families'
 # attention fields (kv_lora_rank, the indexer's) as shared fields, and their checks. The loader and
 # the CLI are not generic either: they default to the registry of every family (`models.registry.FAMILIES`).
-GENERIC_PACKAGES = ("mla_func.core", "mla_func.serving", "mla_func.checkpoint")
+GENERIC_PACKAGES = ("mla_func.core", "mla_func.serving", "mla_func.server", "mla_func.checkpoint",
+                    "mla_func.parallel")
 GENERIC_MODULES = ("mla_func.models.memory", "mla_func.models.tensor_shapes", "mla_func.models.random_weights")
 NOT_GENERIC = ("mla_func.core.config",)
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..checks import check_dtype, check_shape
+from ..dequantizing import DequantizingFusedMoe
 from ..reference import attention as ref_attention
 from ..ops import Ops
 from ..reference.table import REFERENCE
@@ -143,5 +144,5 @@ def ops() -> Ops:
         REFERENCE,
         backend="aiter",
         mla=dataclasses.replace(REFERENCE.mla, mla_decode=mla_decode),
-        moe=dataclasses.replace(REFERENCE.moe, fused_moe=fused_moe),
+        moe=dataclasses.replace(REFERENCE.moe, fused_moe=DequantizingFusedMoe(fused_moe)),
     )

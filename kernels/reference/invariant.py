@@ -21,6 +21,7 @@ from typing import overload
 import torch
 
 from ..checks import as_dtype, check_shape
+from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
 from ..ops import Ops
 from . import attention as ref_attention
 from . import dsa as ref_dsa
@@ -184,10 +185,10 @@ def invariant_ops(base: Ops) -> Ops:
     return dataclasses.replace(
         base,
         batch_invariant=True,
-        dense=dataclasses.replace(base.dense, linear=linear, logits=ref_linear.logits_of(linear),
-                                  rms_norm_linear=rms_norm_linear),
+        dense=dataclasses.replace(base.dense, linear=DequantizingLinear(linear), logits=ref_linear.logits_of(linear),
+                                  rms_norm_linear=DequantizingRmsNormLinear(rms_norm_linear)),
         mla=dataclasses.replace(base.mla, write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode),
-        moe=dataclasses.replace(base.moe, route=route, fused_moe=fused_moe),
+        moe=dataclasses.replace(base.moe, route=route, fused_moe=DequantizingFusedMoe(fused_moe)),
         dsa=dataclasses.replace(base.dsa, sparse_mla_decode=sparse_mla_decode),
     )

@@ -8,15 +8,19 @@ from typing import overload
 import torch
 import torch.nn.functional as F
 
+from ..quantized import Weight, dequantized
 from .norm import rms_norm
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight^T.
 
     x [T, K], weight [N, K] -> y [T, N] in x's dtype, or computed from both inputs
-    widened to `out_dtype` when that is given (router logits in float32).
+    widened to `out_dtype` when that is given (router logits in float32). A block-scaled
+    FP8 weight is dequantized into that dtype first: this is the math every backend's FP8
+    product must match (`reference.w8a8` quantizes the activations too).
     """
+    weight = dequantized(weight, out_dtype or x.dtype)
     if out_dtype is None or out_dtype == x.dtype == weight.dtype:
         return F.linear(x, weight)
     return F.linear(x.to(out_dtype), weight.to(out_dtype))
@@ -34,10 +38,10 @@ def logits_of(linear_fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor,
 
 
 @overload
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: None = None
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Weight, residual: None = None
                     ) -> torch.Tensor: ...
 @overload
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Weight, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -45,12 +49,12 @@ def rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: Weight,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A layer's input norm and its first projection: linear(rms_norm(x [+ residual]), weight).
 
-    x, residual [T, K]; norm_weight [K]; weight [N, K]
+    x, residual [T, K]; norm_weight [K]; weight [N, K] (a tensor or an FP8 pair, as `linear` takes it)
     returns y [T, N]; with `residual`, (y, x + residual) as `rms_norm` returns the sum.
     """
     if residual is None:

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import as_dtype, check_shape
+from ..quantized import Weight, dequantized
 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Weight,
+    w2: Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -21,7 +22,8 @@ def fused_moe(
 
     x:            [T, D]
     w13:          [E, 2I, D], rows [0, I) the gate projection, [I, 2I) the up projection
-    w2:           [E, D, I]
+    w2:           [E, D, I]; both tensors, or stacked block-scaled FP8 pairs, which are
+                  dequantized into x's dtype first (the math FP8 kernels must match)
     topk_weights: [T, k] float32
     topk_ids:     [T, k] integer; -1 takes no expert (padded rows)
     out_dtype:    dtype of the result, by default x's; a wider one takes the
@@ -31,6 +33,7 @@ def fused_moe(
     The reference runs every expert on every token and weights the results, so it
     has static shapes and no data-dependent indexing; it reads all experts.
     """
+    w13, w2 = dequantized(w13, x.dtype), dequantized(w2, x.dtype)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     check_shape("w13", w13, (num_experts, two_inter, hidden))

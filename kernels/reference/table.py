@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..collectives import SINGLE_PROCESS
 from ..ops import DenseOps, DSAOps, MLAOps, MoEOps, Ops, SamplingOps, V4Ops
 from . import attention as ref_attention
 from . import cache as ref_cache
@@ -58,4 +59,5 @@ REFERENCE = Ops(
         clamped_experts=ref_v4_moe.clamped_experts,
     ),
     sampling=SamplingOps(gumbel_max=ref_sampling.gumbel_max),
+    collectives=SINGLE_PROCESS,
 )

@@ -12,6 +12,8 @@ from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
 from .dsa_decode import sparse_mla_decode
 from .dsa_indexer import index_scores, write_index_key
 from .dsa_topk import top_k_indices
+from .fp8_ops import Fp8FusedMoe, Fp8Linear, Fp8RmsNormLinear
+from ..dequantizing import DequantizingClampedExperts
 from .latent import write_latent, write_latent_absorb
 from .linear import linear, logits, rms_norm_linear
 from .merge import merge_attn_states
@@ -65,24 +67,30 @@ __all__ = [
 ]
 
 
+# FP8 and FP4 experts dequantized into the kernel's dtype (no kernel reads them packed yet); one value, so
+# every table built from this one holds the same op.
+_CLAMPED_EXPERTS = DequantizingClampedExperts(clamped_experts)
+
+
 def ops() -> Ops:
-    """The Triton op table: a kernel for every op."""
+    """The Triton op table: a kernel for every op (FP8 weights to the FP8 kernels, `fp8_ops`)."""
     return dataclasses.replace(
         REFERENCE,
         backend="triton",
-        dense=dataclasses.replace(REFERENCE.dense, linear=linear, logits=logits, rms_norm=rms_norm,
-                                  layer_norm=layer_norm, rms_norm_linear=rms_norm_linear, rope=rope,
+        dense=dataclasses.replace(REFERENCE.dense, linear=Fp8Linear(linear), logits=logits, rms_norm=rms_norm,
+                                  layer_norm=layer_norm, rms_norm_linear=Fp8RmsNormLinear(rms_norm_linear, linear),
+                                  rope=rope,
                                   partial_rope=partial_rope, merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
                                 write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
                                 mla_decode=mla_decode, prefill_attention=prefill_attention),
-        moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=fused_moe),
+        moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=Fp8FusedMoe(fused_moe)),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
                                 top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
         v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
                                hc_site=hc_site, hc_write_back=hc_write_back,
                                hc_write_back_site=hc_write_back_site, hc_head=hc_head,
-                               clamped_experts=clamped_experts),
+                               clamped_experts=_CLAMPED_EXPERTS),
         sampling=dataclasses.replace(REFERENCE.sampling, gumbel_max=gumbel_max),
     )

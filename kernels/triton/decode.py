@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
-from .decode_merge import merge_splits, merge_splits_value
+from .decode_merge import merge_splits, merge_splits_value, split_partials
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,20 +355,9 @@ def mla_decode(
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_seqs == 0:
         return (out if w_uv is None else torch.einsum("bhc,hvc->bhv", out, w_uv)), lse
-    if splits == 1 and not fused_value:
-        # One split is already the whole answer: stage 1 writes the outputs
-        # directly (split stride 0) and stage 2 is skipped.
-        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
-    elif workspace is not None:
-        partial_out, partial_lse = workspace
-        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, kv_lora_rank))
-        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
-        check_dtype("workspace[0]", partial_out, (torch.float32,))
-        check_dtype("workspace[1]", partial_lse, (torch.float32,))
-        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
-    else:
-        partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
+    # One split is already the whole answer: stage 1 writes the outputs and stage 2 is skipped.
+    partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1 and not fused_value,
+                                              workspace=workspace)
 
     grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)

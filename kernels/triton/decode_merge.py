@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..checks import check_dtype, check_same_device, check_shape
 from ._common import next_pow2
 
 # W_UV's output columns per program, and warps: a (row, head) of 128 value columns in one
@@ -125,6 +126,30 @@ def _reduce_value_kernel(
     if tl.program_id(1) == 0:
         lse = tl.where(total_all > 0.0, m_all + tl.log(tl.where(total_all > 0.0, total_all, 1.0)), float("-inf"))
         tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
+
+
+def split_partials(out: torch.Tensor, lse: torch.Tensor, splits: int, *, direct: bool,
+                   workspace: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where stage 1 of a split decode writes each split's partial output and LSE.
+
+    out [R, H, C], lse [R, H]: the decode's results. With `direct` (one split and no merge pass
+    through W_UV), stage 1 writes them itself: `out` and `lse` viewed as one split (split stride 0),
+    and stage 2 is skipped. Otherwise float32 partials (partial_out [R, H, splits, C], partial_lse
+    [R, H, splits]): the caller's `workspace` (checked; a graph's buffers), or fresh ones.
+    """
+    if direct:
+        return out.unsqueeze(2), lse.unsqueeze(2)
+    num_rows, num_heads, dim = out.shape
+    if workspace is None:
+        return (torch.empty((num_rows, num_heads, splits, dim), dtype=torch.float32, device=out.device),
+                torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=out.device))
+    partial_out, partial_lse = workspace
+    check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, dim))
+    check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
+    check_dtype("workspace[0]", partial_out, (torch.float32,))
+    check_dtype("workspace[1]", partial_lse, (torch.float32,))
+    check_same_device(q=out, workspace_out=partial_out, workspace_lse=partial_lse)
+    return partial_out, partial_lse
 
 
 def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

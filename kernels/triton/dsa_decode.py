@@ -26,10 +26,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..checks import check_dtype, check_same_device, check_shape
 from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_weights, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
-from .decode_merge import merge_splits, merge_splits_value
+from .decode_merge import merge_splits, merge_splits_value, split_partials
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -298,19 +297,9 @@ def sparse_mla_decode(
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
         return (out if w_uv is None else _times_w_uv(out, w_uv)), lse
-    if splits == 1 and not fused_value:
-        # One split is the whole answer: stage 1 writes the outputs (split stride 0).
-        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
-    elif workspace is not None:
-        partial_out, partial_lse = workspace
-        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, kv_lora_rank))
-        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
-        check_dtype("workspace[0]", partial_out, (torch.float32,))
-        check_dtype("workspace[1]", partial_lse, (torch.float32,))
-        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
-    else:
-        partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
+    # One split is the whole answer: stage 1 writes the outputs and stage 2 is skipped.
+    partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1 and not fused_value,
+                                              workspace=workspace)
 
     use_pdl = pdl(device)
     chunks = 1 if config.block_h >= _WHOLE_ROW_MIN_BLOCK_H else _LATENT_CHUNKS

@@ -29,8 +29,9 @@ from typing import overload
 
 import torch
 
-from ..reference.linear import logits_of
+from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
 from ..ops import Ops
+from ..reference.linear import logits_of
 from .decode_invariant import mla_decode
 from .dsa_decode import sparse_mla_decode
 from .invariant_matmul import bmm, linear
@@ -145,10 +146,10 @@ def invariant_ops(base: Ops) -> Ops:
     return dataclasses.replace(
         base,
         batch_invariant=True,
-        dense=dataclasses.replace(base.dense, linear=linear, logits=logits_of(linear),
-                                  rms_norm_linear=invariant_rms_norm_linear),
+        dense=dataclasses.replace(base.dense, linear=DequantizingLinear(linear), logits=logits_of(linear),
+                                  rms_norm_linear=DequantizingRmsNormLinear(invariant_rms_norm_linear)),
         mla=dataclasses.replace(base.mla, write_latent_absorb=invariant_write_latent_absorb,
                                 absorb_query=invariant_absorb_query, mla_decode=mla_decode),
-        moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=invariant_fused_moe),
+        moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=DequantizingFusedMoe(invariant_fused_moe)),
         dsa=dataclasses.replace(base.dsa, sparse_mla_decode=invariant_sparse_mla_decode),
     )

@@ -26,7 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl
-from .moe_align import block_routing, moe_align, moe_sorted_size
+from .moe_align import gate_up_block, moe_align, moe_sorted_size
 from .moe_pairs import PAIR_MAX_PAIRS, PairConfig, pair_config, pair_moe
 
 
@@ -105,18 +105,8 @@ def _gate_up_kernel(
     if GDC:
         gdc_wait()
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INLINE_ALIGN:
-        # Few pairs (decode): every program sorts them itself, which saves the
-        # align launch; the first column of programs publishes the result for
-        # the down kernel.
-        expert, pairs = block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
-                                       TOP_K, BLOCK_M, BLOCK_E, BLOCK_P)
-        if tl.program_id(1) == 0:
-            tl.store(sorted_ptr + rows, pairs.to(tl.int32))
-            tl.store(block_expert_ptr + block, expert.to(tl.int32))
-    else:
-        expert = tl.load(block_expert_ptr + block)
-        pairs = tl.load(sorted_ptr + rows)
+    expert, pairs = gate_up_block(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, block, num_pairs,
+                                  num_experts, TOP_K, BLOCK_M, INLINE_ALIGN, BLOCK_E, BLOCK_P)
     if expert >= 0:
         row_mask = pairs < num_pairs
         tokens = (pairs // TOP_K).to(tl.int64)
@@ -318,11 +308,19 @@ def tiled_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         DOT_PRECISION=precision, GDC=use_pdl,
         num_warps=config.num_warps, num_stages=config.down_stages or config.num_stages, launch_pdl=use_pdl,
     )
+    combine_pairs(pair_out, topk_ids, out)
+    return out
+
+
+def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, D] (contiguous rows) = the sum over each token's k rows of pair_out [T * k, D] float32,
+    skipping slots whose id in topk_ids [T, k] is -1 (rows the down kernel never wrote)."""
+    num_tokens, hidden = out.shape
     block_d = min(1024, next_pow2(hidden))
+    use_pdl = pdl(out.device)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         pair_out, topk_ids, out,
         hidden, pair_out.stride(0), *topk_ids.stride(), out.stride(0),
-        TOP_K=top_k, BLOCK_D=block_d, GDC=use_pdl,
+        TOP_K=topk_ids.shape[1], BLOCK_D=block_d, GDC=use_pdl,
         num_warps=4, launch_pdl=use_pdl,
     )
-    return out

@@ -133,6 +133,29 @@ def block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
     return expert, pairs
 
 
+@triton.jit
+def gate_up_block(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
+                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """A gate/up GEMM program's block of sorted rows: (its expert, -1 for an unused block; the pair of
+    each of its BLOCK_M rows, num_pairs in padding rows), read from `moe_align`'s output.
+
+    With INLINE_ALIGN (few pairs: decode) every program sorts the pairs itself (`block_routing`),
+    which saves the align launch; the first column of programs publishes the result for the down kernel.
+    """
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INLINE_ALIGN:
+        expert, pairs = block_routing(ids_ptr, s_ids_t, s_ids_k, block, num_pairs, num_experts,
+                                      TOP_K, BLOCK_M, BLOCK_E, BLOCK_P)
+        if tl.program_id(1) == 0:
+            tl.store(sorted_ptr + rows, pairs.to(tl.int32))
+            tl.store(block_expert_ptr + block, expert.to(tl.int32))
+    else:
+        expert = tl.load(block_expert_ptr + block)
+        pairs = tl.load(sorted_ptr + rows)
+    return expert, pairs
+
+
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, *, tile_pairs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl
 from .decode import DecodeConfig, decode_config, fill_splits
+from .decode_merge import split_partials
 
 # Chosen on an H100 by `bench/v4_kernels.py --sweep` (bf16, D=512, 64 heads, B=64, 64K context,
 # 640 keys a row; bench/results/v4-kernels/h100/logs-archive/v4-sweep-h100-2026-11-23.log). A row has few keys (the window
@@ -340,18 +341,7 @@ def window_entry_attention(
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
         return out, lse
-    if splits == 1:
-        partial_out, partial_lse = out.unsqueeze(2), lse.unsqueeze(2)
-    elif workspace is not None:
-        partial_out, partial_lse = workspace
-        check_shape("workspace[0]", partial_out, (num_rows, num_heads, splits, head_dim))
-        check_shape("workspace[1]", partial_lse, (num_rows, num_heads, splits))
-        check_dtype("workspace[0]", partial_out, (torch.float32,))
-        check_dtype("workspace[1]", partial_lse, (torch.float32,))
-        check_same_device(q=q, workspace_out=partial_out, workspace_lse=partial_lse)
-    else:
-        partial_out = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
+    partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1, workspace=workspace)
 
     # Without entries the entry arguments are never read: the window's tensors stand in for them.
     ents = entry_cache if entry_cache is not None else window_cache

@@ -1,5 +1,5 @@
 """The `mla-func` command line: `generate` streams a completion, `bench` measures offline throughput,
-`quantize` converts a checkpoint folder to the block-scaled FP8 layout and back.
+`serve` runs an OpenAI-compatible server (`mla_func.server`), `quantize` converts a checkpoint folder to the block-scaled FP8 layout and back.
 
 Every option is checked before the model loads (sampling options by building the
 `SamplingParams`, the device and backend against what this machine has, drafts and
@@ -38,6 +38,8 @@ from mla_func.kernels import BACKENDS
 from mla_func.models.load import load_model
 from mla_func.models.presets import PRESETS, SHIPPED_PRESETS
 from mla_func.models.registry import config_from_json
+from mla_func.parallel.config import Parallel
+from mla_func.parallel.workers import run_ranks
 from mla_func.serving.engine import Engine
 from mla_func.serving.sampling import SamplingParams
 
@@ -363,11 +365,12 @@ def check_model(args: argparse.Namespace) -> ModelSource | None:
     return source
 
 
-def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> Model:
+def load(args: argparse.Namespace, device: torch.device, say: Callable[[str], None],
+         parallel: Parallel | None = None) -> Model:
     started = time.perf_counter()
     say(f"loading {args.model} on {device}")
     model = load_model(args.model, dtype=_DTYPES[args.dtype] if args.dtype else None, device=device,
-                       mtp=args.speculative_tokens > 0)
+                       mtp=args.speculative_tokens > 0, parallel=parallel)
     say(f"loaded in {time.perf_counter() - started:.1f} s")
     return model
 
@@ -403,15 +406,40 @@ def check_chat_template(source: ModelSource | None, name: str) -> None:
                          "'chat_template' or chat_template.jinja); give a plain PROMPT")
 
 
+def _add_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
+                        help="split the model across N processes of this host (one GPU each on cuda); only the "
+                             "first prints (see README 'Several GPUs')")
+
+
+def rank_device(device: torch.device, parallel: Parallel | None) -> torch.device:
+    """A rank's own GPU (cuda:rank) when the model is split across ranks on CUDA; else `device`."""
+    if parallel is None or parallel.tensor_parallel == 1 or device.type != "cuda":
+        return device
+    return torch.device("cuda", parallel.rank)
+
+
 def generate_main(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     messages = chat_messages(args)
     prompt: str | list[dict[str, str]] = read_prompt(args.prompt) if messages is None else messages
-    device = prepare(args)
+    # Read and drawn once, here: every rank must run the same prompt with the same seed.
+    if args.tensor_parallel > 1:
+        return run_ranks(args.tensor_parallel, _generate_rank, (args, params, prompt))
+    return _generate(args, params, prompt, None)
+
+
+def _generate_rank(payload: tuple[argparse.Namespace, SamplingParams, Any], parallel: Parallel) -> int:
+    return _generate(*payload, parallel)
+
+
+def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | list[dict[str, str]],
+              parallel: Parallel | None) -> int:
+    device = rank_device(prepare(args), parallel)
     source = check_model(args)
-    if messages is not None:
+    if args.chat is not None:
         check_chat_template(source, args.model)
-    model = load(args, device, say=lambda msg: None)
+    model = load(args, device, say=lambda msg: None, parallel=parallel)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
                     batch_invariant=args.batch_invariant)
@@ -419,11 +447,21 @@ def generate_main(args: argparse.Namespace) -> int:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from mla_func.serving.benchmark import run_throughput
-
     if args.min_input_len > args.max_input_len:
         raise UsageError(f"--min-input-len {args.min_input_len} is above --max-input-len {args.max_input_len}")
-    device = prepare(args)
+    if args.tensor_parallel > 1:
+        return run_ranks(args.tensor_parallel, _bench_rank, args)
+    return _bench(args, None)
+
+
+def _bench_rank(args: argparse.Namespace, parallel: Parallel) -> int:
+    return _bench(args, parallel)
+
+
+def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:
+    from mla_func.serving.benchmark import run_throughput
+
+    device = rank_device(prepare(args), parallel)
     source = check_model(args)
     if source is not None:
         check_bench_lengths(args, source.config)
@@ -431,7 +469,7 @@ def bench_main(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
-    model = load(args, device, say)
+    model = load(args, device, say, parallel=parallel)
     result = run_throughput(
         model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
@@ -444,7 +482,87 @@ def bench_main(args: argparse.Namespace) -> int:
         f"{result['total_tok_s']:.1f} total tokens/s"
         + (f", acceptance rate {result['acceptance_rate']:.0%}" if args.speculative_tokens else "")
     )
+    print("time to first token p50/p90/p99 {ttft_ms_p50:.1f}/{ttft_ms_p90:.1f}/{ttft_ms_p99:.1f} ms, "
+          "inter-token latency p50/p90/p99 {itl_ms_p50:.1f}/{itl_ms_p90:.1f}/{itl_ms_p99:.1f} ms".format(**result))
     return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    missing = [name for name in ("starlette", "uvicorn", "pydantic", "prometheus_client")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"serve needs {', '.join(missing)}: pip install 'mla-func[serve]'")
+    from mla_func.server.serve import serve
+
+    device = prepare(args)
+    source = check_model(args)
+    if source is not None and args.max_model_len is not None \
+            and args.max_model_len > source.config.max_position_embeddings:
+        raise UsageError(f"--max-model-len {args.max_model_len}: over the model's maximum length "
+                         f"{source.config.max_position_embeddings} ({args.model}'s max_position_embeddings)")
+
+    def say(msg: str) -> None:
+        print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+    model = load(args, device, say)
+    engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    batch_invariant=args.batch_invariant, speculative_tokens=args.speculative_tokens,
+                    seed=args.seed)
+    if any(m.use_graph for m in engine.step.decode_graph_modes()):
+        say("capturing decode graphs")
+    engine.warmup(progress=False)  # also takes what lives as long as the server out of the collector's walks
+    serve(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+          max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
+          shutdown_timeout_s=args.shutdown_timeout, say=say)
+    return 0
+
+
+def _in_range(convert: Callable[[str], float], low: float, high: float, expected: str,
+              *, open_low: bool = False) -> Callable[[str], Any]:
+    """An argparse type: `convert(text)` within [low, high] (above low when `open_low`), else an error
+    saying `expected`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (low < value if open_low else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
+
+
+_port = _in_range(int, 1, 65535, "a port in [1, 65535]")
+_seconds = _in_range(float, 0, sys.float_info.max, "seconds > 0", open_low=True)
+_count = _in_range(int, 0, float("inf"), "an int >= 0")
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server", formatter_class=_DefaultsFormatter,
+                                description="Serve the model over OpenAI's API (/v1/completions, "
+                                            "/v1/chat/completions, /v1/models) with /health and /metrics, "
+                                            "until SIGTERM or Ctrl-C.")
+    _add_model_args(serve)
+    _add_draft_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name requests give as 'model' (default: the --model value)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in one step")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="most tokens in one step")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest prompt + output, in tokens (default: the model's maximum)")
+    serve.add_argument("--max-waiting", type=_count, default=256,
+                       help="requests that may wait beyond the running ones; more are answered 429")
+    serve.add_argument("--request-timeout", type=_seconds, default=600.0,
+                       help="seconds a request may take before it is aborted (answered 504)")
+    serve.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                       help="on SIGTERM, seconds open requests may take to finish before they are aborted")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the per-request seeds of unseeded requests")
+    serve.set_defaults(run=serve_main)
 
 
 def quantize_main(args: argparse.Namespace) -> int:
@@ -487,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="a user message, sent through the model's chat template instead of a prompt")
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     _add_model_args(gen)
+    _add_parallel_arg(gen)
     _add_draft_arg(gen)
     for option in SAMPLING_OPTIONS:
         if option.type is bool:
@@ -503,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Generate --output-len tokens (greedy, no early stop) for each of "
                                             "--num-prompts random prompts; print the throughput.")
     _add_model_args(bench)
+    _add_parallel_arg(bench)
     bench.add_argument("--num-prompts", type=_positive_int, default=64, help="requests")
     bench.add_argument("--min-input-len", type=_positive_int, default=32, help="shortest prompt, in tokens")
     bench.add_argument("--max-input-len", type=_positive_int, default=128, help="longest prompt, in tokens")
@@ -512,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     _add_draft_arg(bench)
     bench.set_defaults(run=bench_main)
+
+    _add_serve_parser(commands)
 
     quantize = commands.add_parser("quantize", help="convert a checkpoint folder to block-scaled FP8, or back",
                                    formatter_class=_DefaultsFormatter,

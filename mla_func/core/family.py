@@ -25,7 +25,9 @@ if TYPE_CHECKING:  # annotations only: the records' functions take and return th
     from mla_func.core.config import ModelConfig
     from mla_func.core.layers import LayerKind
     from mla_func.core.params import Params
+    from mla_func.parallel.config import Sharding
     from mla_func.checkpoint.safetensors_file import TensorEntry
+    from mla_func.checkpoint.quant_layout import QuantLayout
     from mla_func.state.layer_cache import CacheGroup
 
 __all__ = ["Family"]
@@ -58,6 +60,17 @@ class Family:
     supports_batch_invariant: it has batch-invariant ops for every layer kind
     mtp_layer_kind:  the decoder layer kind of its multi-token-prediction (MTP) layer, or None where
                      its MTP layers are not run (speculative decoding is then refused by name)
+    tensor_split:    (config, `parallel.Sharding`) -> a rule (checkpoint tensor name -> the dim a rank
+                     reads an even share of, or None for a tensor it reads whole), after checking the
+                     config divides (ValueError naming the field); None: the family cannot be
+                     sharded yet (`mla_func.parallel`)
+    expert_parallel_params: (config, fetch, *, rank, ranks, dtype, device, progress, max_model_len)
+                     -> the params of an expert-parallel rank (whole routed experts, E / ranks of them;
+                     `fetch` reads the rank's shard by `tensor_split`); None: not supported
+    quant_layout:    (config, config.json dict, its label) -> which checkpoint tensors are stored quantized
+                     and how (`checkpoint.quant_layout.QuantLayout`), or None for float weights;
+                     CheckpointError naming a bad field. None: the FP8 layout of `checkpoint.fp8`
+                     (`checkpoint.fp8_pairs.released_fp8_layout`)
     """
 
     name: str
@@ -81,6 +94,9 @@ class Family:
     attends_by_row: bool
     supports_batch_invariant: bool
     mtp_layer_kind: LayerKind | None
+    tensor_split: Callable[[ModelConfig, Sharding], Callable[[str], int | None]] | None = None
+    expert_parallel_params: Callable[..., Params] | None = None
+    quant_layout: Callable[[ModelConfig, Mapping[str, Any], str], QuantLayout | None] | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would drown every config's.

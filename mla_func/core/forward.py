@@ -20,14 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from mla_func.core.batch import Batch, check_batch
 from mla_func.core.layers import LayerContext, LayerKind, layer_kinds
 from mla_func.core.mode import ForwardMode, SegmentKind
 from mla_func.core.params import Params
 from mla_func.core.rows import row_metadata, rows_needed
-from mla_func.kernels import Ops, ops_for
+from mla_func.core.vocab import embed_tokens, whole_logits
+from mla_func.kernels import Ops, ops_for, with_collectives
 from mla_func.pytree import register_dataclass
 from mla_func.state.kv_cache import KVCacheState
 
@@ -68,7 +68,12 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
                          f"{params.config.family.title}'s layers "
                          "have no batch-invariant ops yet (decide the step with batch_invariant=False)")
     if ops is None:
-        return ops_for(mode.backend, mode.batch_invariant)
+        return with_collectives(ops_for(mode.backend, mode.batch_invariant), params.collectives)
+    if ops.collectives is not params.collectives:
+        # A sharded layer's partial sums would reach the next layer unsummed: refused, never run.
+        raise ValueError(f"{name}: the ops' collectives span {ops.collectives.size} rank(s), the params are a "
+                         f"shard over {params.collectives.size} (bind the table with "
+                         "with_collectives(ops, params.collectives))")
     if ops.backend != mode.backend:
         raise ValueError(f"{name}: ops are for backend {ops.backend!r}, the mode for {mode.backend!r}")
     if ops.batch_invariant != mode.batch_invariant:
@@ -88,7 +93,8 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
                        # Every row's own key count and block tables, made once here for all layers (on the device,
                        # so a captured graph makes it too and replays copy nothing more in).
                        rows=row_metadata(batch, mode) if rows_needed(config, mode) else None)
-    delta = F.embedding(batch.input_ids, params.embed)                  # [T, D]
+    # A vocab-parallel rank holds V / n rows of the embedding and the LM head (`core.vocab`).
+    delta = embed_tokens(batch.input_ids, params.embed, config.vocab_size, ops.collectives)   # [T, D]
     residual: torch.Tensor | None = None
     caches = []
     for kind, p, cache in zip(kinds, params.layers, state.layers):
@@ -98,7 +104,7 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     x, _ = ops.dense.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
     if mode.gather_logits:
         x = x[batch.logits_indices]
-    logits = ops.dense.logits(x, params.lm_head)                              # [N, V] float32 at least
+    logits = whole_logits(ops.dense.logits(x, params.lm_head), config.vocab_size, ops.collectives)  # [N, V] float32+
     new_state = replace(state, layers=tuple(caches))
     if not copy:
         state.donate(name)
@@ -128,7 +134,8 @@ def forward(
             mode.num_logits belong to padding) and the new state.
     copy:   write the cache out of place and keep `state` valid; otherwise `state`
             is donated and using it again raises.
-    ops:    the op table to call, by default `ops_for(mode.backend, mode.batch_invariant)`; an explicit
+    ops:    the op table to call, by default `ops_for(mode.backend, mode.batch_invariant)` bound to
+            `params.collectives` (the ranks a sharded model spans); an explicit
             table (e.g. `record_expert_choice`) instruments or replaces ops
             without touching any module.
     layers: the kind of each layer (see `layers.LayerKind`), by default

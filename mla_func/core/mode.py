@@ -101,6 +101,9 @@ class ForwardMode:
     batch_invariant: the step runs the backend's batch-invariant op table and sends every
                    row, prefill rows included, through the absorbed decode path, so that a
                    row's bits depend on its own sequence only (a family's attention decides how).
+    exchange_rows: with data-parallel attention (`mla_func.parallel`), the rows every rank brings to
+                   the blocks the ranks share (MLP, experts): the most rows any rank's step has,
+                   the same on every rank (`parallel.data_parallel.plan_rank_step`); 0 otherwise.
     """
 
     kind: SegmentKind
@@ -120,6 +123,7 @@ class ForwardMode:
     gather_logits: bool = True
     graph_fallback: bool = False
     batch_invariant: bool = False
+    exchange_rows: int = 0
 
     @property
     def block_size(self) -> int:
@@ -166,6 +170,7 @@ class ForwardMode:
             self.group_widths,
             self.backend,
             self.batch_invariant,
+            self.exchange_rows,
         )
 
     @staticmethod

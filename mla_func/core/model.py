@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mla_func.checkpoint.chat_template import ChatTemplate
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params
-
-if TYPE_CHECKING:  # annotation only: the MTP layer's params belong to its model folder, above this one
-    from mla_func.models.mtp.params import MTPParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +21,9 @@ class Model:
     config: ModelConfig
     params: Params
     tokenizer: Any = None  # tokenizers.Tokenizer, or None
-    mtp: MTPParams | None = None
+    # The drafter's params pytree (`models.mtp.params.MTPParams`), typed loosely: the MTP layer belongs to its
+    # model folder, above this package, and only the code there reads it.
+    mtp: Any = None
     chat_template: ChatTemplate | None = None  # renders chat prompts (see `mla_func.checkpoint.chat_template`)
 
     @property

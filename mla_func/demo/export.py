@@ -17,14 +17,20 @@ from safetensors.torch import save_file
 
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params
+from mla_func.kernels.quantized import Weight, dequantized
 from mla_func.models.mla.params import LayerParams, MLPParams, MoEParams, join_shared
 from mla_func.models.mtp.params import MTPParams, mtp_layer_index, mtp_tensor_shapes
 from mla_func.models.tensor_shapes import hf_tensor_shapes
 
 
+def _dense(w: Weight) -> torch.Tensor:
+    """A projection as float weights: FP8 pairs (a quantized preset's) are written dequantized, in float32."""
+    return dequantized(w, torch.float32)
+
+
 def _mlp_to_hf(prefix: str, p: MLPParams) -> dict[str, torch.Tensor]:
-    gate, up = p.gate_up.chunk(2, dim=0)                                # [I, D] each
-    return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up, prefix + "down_proj.weight": p.down}
+    gate, up = _dense(p.gate_up).chunk(2, dim=0)                        # [I, D] each
+    return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up, prefix + "down_proj.weight": _dense(p.down)}
 
 
 def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.Tensor]:
@@ -35,7 +41,8 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
     # An indexer's key and query projections are the last rows of qkv_a_proj and q_b_proj.
     index_k_rows = 0 if layer.indexer is None else layer.indexer.k_norm.shape[0]
     index_q_rows = 0 if layer.indexer is None else layer.indexer.weights_proj.shape[0] * index_k_rows
-    qkv_a, index_k = attn.qkv_a_proj.split([attn.qkv_a_proj.shape[0] - index_k_rows, index_k_rows])
+    qkv_a_proj = _dense(attn.qkv_a_proj)
+    qkv_a, index_k = qkv_a_proj.split([qkv_a_proj.shape[0] - index_k_rows, index_k_rows])
     q_a, kv_a = qkv_a.split([qkv_a.shape[0] - c.kv_cache_dim, c.kv_cache_dim])
     if attn.q_b_proj is None:
         out[a + "q_proj.weight"] = q_a
@@ -44,7 +51,8 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
         if attn.q_a_norm is None:
             raise ValueError("export: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
         out[a + "q_a_layernorm.weight"] = attn.q_a_norm
-        q_b, index_q = attn.q_b_proj.split([attn.q_b_proj.shape[0] - index_q_rows, index_q_rows])
+        q_b_proj = _dense(attn.q_b_proj)
+        q_b, index_q = q_b_proj.split([q_b_proj.shape[0] - index_q_rows, index_q_rows])
         out[a + "q_b_proj.weight"] = q_b
         if layer.indexer is not None:
             i = a + "indexer."
@@ -55,7 +63,7 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
     out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
     # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
     out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
-    out[a + "o_proj.weight"] = attn.o_proj
+    out[a + "o_proj.weight"] = _dense(attn.o_proj)
     m = p + "mlp."
     if isinstance(layer.mlp, MoEParams):
         moe = layer.mlp
@@ -67,8 +75,10 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
             out.update(_mlp_to_hf(f"{m}experts.{j}.", experts[j]))
         if moe.num_shared:
             out.update(_mlp_to_hf(m + "shared_experts.", join_shared(experts[moe.num_routed:])))
-    else:
+    elif isinstance(layer.mlp, MLPParams):
         out.update(_mlp_to_hf(m, layer.mlp))
+    else:  # an expert-parallel rank's share holds some of the experts only
+        raise ValueError("params_to_hf: one rank's share of a sharded model is not a checkpoint")
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -15,22 +16,29 @@ import torch
 
 from mla_func.checkpoint.chat_template import read_chat_template
 from mla_func.checkpoint.files import CheckpointError, CheckpointFolder
+from mla_func.checkpoint.fp8 import DEFAULT_BLOCK
+from mla_func.checkpoint.quant_layout import QuantLayout, check_pairs, paired, stored_dtype, stored_shapes
 from mla_func.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
 from mla_func.core.config import ConfigError, ModelConfig
 from mla_func.core.family import Family
 from mla_func.core.model import Model
-from mla_func.core.params import params_from_hf
+from mla_func.core.params import Params, TensorFetch, params_from_hf
 from mla_func.models.memory import require_memory
 from mla_func.models.mtp.params import NO_MTP_LAYER, load_mtp, mtp_layer_index, mtp_optional_shapes, mtp_tensor_shapes
 from mla_func.models.presets import PRESETS, SHIPPED_PRESETS, preset_names
+from mla_func.models.quant_layouts import layout_of
 from mla_func.models.random_weights import random_params
 from mla_func.models.registry import FAMILIES, config_from_json
 from mla_func.models.tensor_shapes import hf_tensor_count, hf_tensor_shapes
+from mla_func.parallel.config import Parallel
+from mla_func.parallel.shard import shard_reader
 
 __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# load_model's quantization= values, with the scale block each makes (None: float weights).
+QUANTIZATIONS: dict[str | None, tuple[int, int] | None] = {None: None, "fp8": DEFAULT_BLOCK}
 # Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer, read only
 # with mtp=True), `mtp.` tensors (DeepSeek-V4's multi-token-prediction layers) and rotary
 # buffers that old exports saved are not part of the forward.
@@ -51,7 +59,9 @@ def load_model(
     progress: bool | None = None,
     max_model_len: int | None = None,
     mtp: bool = False,
+    quantization: str | None = None,
     families: Mapping[str, Family] = FAMILIES,
+    parallel: Parallel | None = None,
 ) -> Model:
     """Load a checkpoint folder (config.json + *.safetensors) or a preset name.
 
@@ -71,7 +81,8 @@ def load_model(
     preset ("tiny", "v2-lite") gets random weights. A folder path of the same
     name as a preset wins over the preset.
 
-    dtype:  weight dtype; defaults to bfloat16 on CUDA and float32 elsewhere.
+    dtype:  the activation dtype, and the dtype of every weight a checkpoint does not store
+            quantized; defaults to bfloat16 on CUDA and float32 elsewhere.
     device: defaults to "cuda" when available, else "cpu".
     seed:   for shape presets with random weights, the seed of their initialisation
             (done directly on `device`).
@@ -84,14 +95,27 @@ def load_model(
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
             default max_position_embeddings, capped at `DEFAULT_MAX_POSITIONS`
             (an engine with a longer max_model_len extends them).
+    quantization: None, or "fp8": a shape preset's projections as block-scaled FP8 pairs (random
+            weights quantized in 128 x 128 blocks, as DeepSeek's FP8 checkpoints store them). A
+            folder loads as it is stored (an FP8 checkpoint as FP8 pairs, see `checkpoint.fp8`):
+            "fp8" for a folder of float weights is refused (`mla-func quantize` writes one).
     families: config.json's model_type -> the `Family` that reads and runs it (`models.registry.FAMILIES`;
             pass `{**FAMILIES, "my_model": MY_FAMILY}` to load a family of one's own).
+    parallel: this rank's place in a tensor-parallel group (`mla_func.parallel.Parallel`): each rank
+            reads only its shard of each tensor (`Family.tensor_split`) and the params know their
+            ranks (`Params.collectives`). A checkpoint folder of float weights only, without mtp.
     """
     # Truthiness would read mtp="no" as True and load a layer nobody asked for.
     if not isinstance(mtp, bool):
         raise ValueError(f"load_model: mtp must be a bool, got {mtp!r}")
     if progress is not None and not isinstance(progress, bool):
         raise ValueError(f"load_model: progress must be a bool or None, got {progress!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"load_model: quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    sharded = parallel is not None and parallel.tensor_parallel > 1
+    if sharded and (mtp or quantization is not None):
+        raise ValueError(f"load_model: parallel= shards float weights without the MTP layer for now; got mtp={mtp}, "
+                         f"quantization={quantization!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
     name = str(path_or_preset)
@@ -103,12 +127,17 @@ def load_model(
                 "this installation lacks the model files (for 'demo', python -m mla_func.demo.train writes them)"
             )
         return _load_folder(folder, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len,
-                            mtp=mtp, label=name, families=families)
+                            mtp=mtp, label=name, families=families, quantization=quantization, parallel=parallel)
     if name in PRESETS and not Path(name).exists():
+        if sharded:
+            raise ValueError(f"load_model: parallel= shards a checkpoint folder; preset {name!r} has random weights")
         config = PRESETS[name]()
-        require_memory(f"preset {name!r}", config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
+        block = QUANTIZATIONS[quantization]
+        require_memory(f"preset {name!r}", config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len,
+                       block=block)
         params, drafter = random_params(config, dtype=dtype, device=device, seed=seed, mtp=mtp,
-                                        progress=_show_progress(config, progress), max_model_len=max_model_len)
+                                        progress=_show_progress(config, progress), max_model_len=max_model_len,
+                                        block=block)
         return Model(config=config, params=params, mtp=drafter)
     path = Path(path_or_preset)
     if not path.is_dir():
@@ -116,7 +145,7 @@ def load_model(
             f"{name!r} is neither a checkpoint folder nor a preset (presets: {preset_names()})"
         )
     return _load_folder(path, dtype=dtype, device=device, progress=progress, max_model_len=max_model_len, mtp=mtp,
-                        label=str(path), families=families)
+                        label=str(path), families=families, quantization=quantization, parallel=parallel)
 
 
 def _show_progress(config: ModelConfig, progress: bool | None) -> bool:
@@ -145,14 +174,23 @@ class _Located:
 
 def _load_folder(
     path: Path, *, dtype: torch.dtype, device: torch.device, progress: bool | None, max_model_len: int | None,
-    mtp: bool = False, label: str, families: Mapping[str, Family],
+    mtp: bool = False, label: str, families: Mapping[str, Family], quantization: str | None = None,
+    parallel: Parallel | None = None,
 ) -> Model:
     """Every file of the folder goes through `CheckpointFolder` (see checkpoint_files for the policy);
     `label` names the model in a memory error (the preset's name for a shipped preset)."""
     folder = CheckpointFolder.at(path)
     if not folder.has("config.json"):
         raise CheckpointError(f"{path}: no config.json")
-    config = config_from_json(folder.read_json("config.json", error=ConfigError), folder.label("config.json"), families)
+    raw = folder.read_json("config.json", error=ConfigError)
+    config = config_from_json(raw, folder.label("config.json"), families)
+    # The family's reader has checked the fields; this is the format's own check of quantization_config.
+    layout = layout_of(config, raw, folder.label("config.json"))
+    block = None if layout is None else layout.block
+    if quantization is not None and QUANTIZATIONS[quantization] != block:
+        raise CheckpointError(f"{path}: load_model(quantization={quantization!r}), but the checkpoint stores "
+                              f"{'float weights' if block is None else f'FP8 in {block[0]} x {block[1]} blocks'}: "
+                              "a folder loads as it is stored (`mla-func quantize` writes an FP8 copy)")
     chat_template = read_chat_template(folder)  # read before the weights: a malformed one costs no load time
     with ExitStack() as stack:
         located = config.family.canonical_names(config, _locate_tensors(folder, stack), folder.root)
@@ -161,20 +199,56 @@ def _load_folder(
             expected.update(mtp_tensor_shapes(config))
             _require_mtp_layer(folder, config, located)
             expected.update({n: s for n, s in mtp_optional_shapes(config).items() if n in located})
+        if layout is not None:
+            # A missing or stray scale is named as such before the shapes are compared.
+            check_pairs(str(folder.root), located, layout)
+            expected = stored_shapes(expected, layout)
         _check_tensor_names(folder, config, expected, located)
-        require_memory(label, config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len)
-        dtypes = {name: config.family.checkpoint_dtype(name, folder.label(located[name].file), located[name].entry, dtype)
+        require_memory(label, config, dtype=dtype, device=device, mtp=mtp, max_model_len=max_model_len,
+                       layout=layout)
+        dtypes = {name: _stored_dtype(config, layout, name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
+        if parallel is not None and parallel.tensor_parallel > 1 and block is not None:
+            raise CheckpointError(f"{path}: parallel= shards float weights for now; this checkpoint stores FP8")
+        shard = None if parallel is None else shard_reader(config, parallel)
 
-        def fetch(name: str) -> torch.Tensor:
+        def read(name: str) -> torch.Tensor:
             where = located[name]
+            if shard is not None:
+                return shard(name, where.handle, folder.label(where.file), where.entry, dtypes[name])
             return read_tensor(where.handle, folder.label(where.file), where.entry, dtypes[name])
 
-        params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=_show_progress(config, progress),
-                                max_model_len=max_model_len)
+        fetch = read if layout is None else paired(read, lambda name: folder.label(located[name].file), layout)
+        if parallel is not None and parallel.expert_parallel and parallel.tensor_parallel > 1:
+            params = _expert_parallel_params(config, parallel, fetch, dtype=dtype, device=device,
+                                             progress=_show_progress(config, progress), max_model_len=max_model_len)
+        else:
+            params = params_from_hf(config, fetch, dtype=dtype, device=device,
+                                    progress=_show_progress(config, progress), max_model_len=max_model_len)
         drafter = load_mtp(config, params, fetch, dtype, device, frozenset(expected)) if mtp else None
+        if parallel is not None:
+            params = dataclasses.replace(params, collectives=parallel.collectives)
     return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter,
                  chat_template=chat_template)
+
+
+def _expert_parallel_params(config: ModelConfig, parallel: Parallel, fetch: TensorFetch, *, dtype: torch.dtype,
+                            device: torch.device, progress: bool, max_model_len: int | None) -> Params:
+    """This rank's params with whole routed experts (`Family.expert_parallel_params`)."""
+    build = config.family.expert_parallel_params
+    if build is None:
+        raise ValueError(f"Parallel(expert_parallel=True): {config.family.title} models have no expert-parallel "
+                         "params yet")
+    return build(config, fetch, rank=parallel.rank, ranks=parallel.tensor_parallel, dtype=dtype, device=device,
+                 progress=progress, max_model_len=max_model_len)
+
+
+def _stored_dtype(config: ModelConfig, layout: QuantLayout | None, name: str, label: str, entry: TensorEntry,
+                  dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` is read as: an FP8 pair's parts as the format stores them, every
+    other tensor as its family says."""
+    stored = None if layout is None else stored_dtype(name, label, entry.dtype, layout)
+    return stored if stored is not None else config.family.checkpoint_dtype(name, label, entry, dtype)
 
 
 def _require_mtp_layer(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> None:

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 
+from mla_func.checkpoint.quant_layout import QuantLayout
 from mla_func.core.config import ModelConfig
 from mla_func.core.rope_tables import rope_positions
 from mla_func.models.mtp.params import mtp_tensor_shapes
+from mla_func.models.quant_layouts import preset_layout
 from mla_func.models.tensor_shapes import hf_tensor_shapes
 
 __all__ = ["NotEnoughMemory", "available_bytes", "check_fits", "params_bytes", "require_memory"]
@@ -31,19 +33,31 @@ class NotEnoughMemory(ValueError):
     """A model's params would need more memory than its device has available (the message says both, in GiB)."""
 
 
-def params_bytes(config: ModelConfig, dtype: torch.dtype, *, mtp: bool = False, max_model_len: int | None = None
-                 ) -> int:
+def params_bytes(config: ModelConfig, dtype: torch.dtype, *, mtp: bool = False, max_model_len: int | None = None,
+                 block: tuple[int, int] | None = None, layout: QuantLayout | None = None) -> int:
     """Bytes the params of `config` hold once loaded in `dtype` (with the first MTP layer when `mtp`).
 
     The tensors of `hf_tensor_shapes` (and `mtp_tensor_shapes`), each in the dtype the params hold
-    it in (`Family.held_dtype`), plus the float32 RoPE tables of
+    it in (`Family.held_dtype`); with `layout` (a quantized checkpoint's, `checkpoint.quant_layout`),
+    or `block` (a preset quantized as its family's released checkpoints are, `preset_layout`), each
+    tensor the layout quantizes as its format holds it (`StoredFormat.held_bytes`: FP8 one byte a value
+    plus a float32 scale a block, FP4 half a byte a value plus a byte a block), except those the family
+    dequantizes at load (`QuantLayout.held_dense`), in the dtype it holds them in. (MLA's key/value
+    up-projection, dequantized too but not declared, is a few percent of the attention's bytes,
+    not counted.) Plus the float32 RoPE tables of
     `rope_positions(config, max_model_len)` positions. A tied head and the MTP layer's embedding and
     head are the model's own tensors, counted once. Raises what `mtp_tensor_shapes` raises for a
     model without MTP support, and ValueError for a bad max_model_len, as loading would.
     """
     shapes = {**hf_tensor_shapes(config), **(mtp_tensor_shapes(config) if mtp else {})}
     held = config.family.held_dtype
-    total = sum(math.prod(shape) * held(name, dtype).itemsize for name, shape in shapes.items())
+    layout = layout if layout is not None else preset_layout(config, block)
+
+    def tensor_bytes(name: str, shape: tuple[int, ...]) -> int:
+        fmt = None if layout is None or layout.held_dense(name) else layout.format_of(name)
+        return math.prod(shape) * held(name, dtype).itemsize if fmt is None else fmt.held_bytes(shape)
+
+    total = sum(tensor_bytes(name, shape) for name, shape in shapes.items())
     # cos and sin, [positions, R / 2] float32 each, per pair the family's layers rotate with.
     pairs = config.family.rope_table_pairs(config)
     table = rope_positions(config, max_model_len) * (config.qk_rope_head_dim // 2) * torch.float32.itemsize
@@ -94,7 +108,10 @@ def check_fits(needed: int, available: int | None, *, model: str, dtype: torch.d
 
 
 def require_memory(model: str, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, mtp: bool,
-                   max_model_len: int | None) -> None:
-    """`check_fits` of the params `load_model` is about to make against what `device` has free."""
-    check_fits(params_bytes(config, dtype, mtp=mtp, max_model_len=max_model_len), available_bytes(device),
+                   max_model_len: int | None, block: tuple[int, int] | None = None,
+                   layout: QuantLayout | None = None) -> None:
+    """`check_fits` of the params `load_model` is about to make against what `device` has free
+    (`layout` of a quantized checkpoint, `block` of a quantized preset: see `params_bytes`)."""
+    check_fits(params_bytes(config, dtype, mtp=mtp, max_model_len=max_model_len, block=block, layout=layout),
+               available_bytes(device),
                model=model, dtype=dtype, device=device)

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import torch
 
+from mla_func.checkpoint.fp8 import QUANTIZATION_CONFIG, block_quantize, is_quantized_name
 from mla_func.core.config import ModelConfig
+from mla_func.kernels.quantized import BlockFP8Weight, Weight
 from mla_func.core.params import Params, params_from_hf
 from mla_func.models.mtp.params import MTPParams, load_mtp, mtp_tensor_shapes
 from mla_func.models.tensor_shapes import hf_tensor_shapes
 
 
 def random_params(config: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int, progress: bool,
-                  max_model_len: int | None, mtp: bool = False) -> tuple[Params, MTPParams | None]:
-    """Random weights with the shapes of `config` made on `device` (and an MTP layer's with `mtp`)."""
+                  max_model_len: int | None, mtp: bool = False, block: tuple[int, int] | None = None
+                  ) -> tuple[Params, MTPParams | None]:
+    """Random weights with the shapes of `config` made on `device` (and an MTP layer's with `mtp`).
+
+    With `block`, every tensor an FP8 checkpoint stores quantized (`fp8.is_quantized_name`) is drawn
+    as the others, then block-quantized (`fp8.block_quantize`): the params hold it as an FP8 pair.
+    """
+    quantized = {"quantization_config": QUANTIZATION_CONFIG} if block is not None else {}
     shapes = {**hf_tensor_shapes(config), **(mtp_tensor_shapes(config) if mtp else {})}
     generator = torch.Generator(device=device).manual_seed(seed)
 
-    def fetch(name: str) -> torch.Tensor:
+    def fetch(name: str) -> Weight:
+        tensor = draw(name)
+        if block is not None and is_quantized_name(name, quantized):
+            return BlockFP8Weight(*block_quantize(tensor, block), block)
+        return tensor
+
+    def draw(name: str) -> torch.Tensor:
         shape = shapes[name]
         if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
             return torch.zeros(shape, device=device)

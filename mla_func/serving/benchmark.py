@@ -120,10 +120,12 @@ def run_throughput(
     outputs = 0
     bar = _PhaseBar(num_prompts, num_prompts * output_len, enabled=progress)
     step_indices: set[int] = set()
+    latency = TokenLatency(started)
     try:
         for event in engine.generate_stream(prompts, params):
             if event.completion is not None and event.completion.error is not None:
                 raise event.completion.error
+            latency.token(event.index, time.perf_counter())
             outputs += 1
             # A step samples at most one token per request, so a repeated index starts the next step.
             if event.index in step_indices:
@@ -142,4 +144,41 @@ def run_throughput(
         speculative_tokens=speculative_tokens, acceptance_rate=SpeculativeStats(
             engine.speculative_stats.drafted - drafts_before.drafted,
             engine.speculative_stats.accepted - drafts_before.accepted).acceptance_rate,
+        **latency.percentiles(),
     )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, linearly interpolated; nan for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+class TokenLatency:
+    """Each request's time to first token (from `started`, when every request was submitted) and the times
+    between its consecutive tokens. A step's tokens reach the host together, so these are step times as
+    a client of the engine sees them."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self._last: dict[int, float] = {}
+
+    def token(self, key: int, now: float) -> None:
+        last = self._last.get(key)
+        if last is None:
+            self.ttft.append(now - self.started)
+        else:
+            self.itl.append(now - last)
+        self._last[key] = now
+
+    def percentiles(self) -> dict[str, float]:
+        """ttft_ms_p50 .. itl_ms_p99: milliseconds at the 50th, 90th and 99th percentiles."""
+        return {f"{name}_ms_p{q}": 1e3 * percentile(values, q)
+                for name, values in (("ttft", self.ttft), ("itl", self.itl)) for q in (50, 90, 99)}

@@ -1,5 +1,11 @@
 """Engine: continuous batching of generation requests over the memoized step.
 
+Offline, `generate` / `generate_stream` run one call's requests to their end. Online (a server),
+`add_request` and `abort` change the requests between iterations and `iterate` runs one: schedule,
+step, sample, update, returning the events of the tokens it sampled; `generate_stream` is exactly
+those, for one call at a time. The engine is not thread-safe: one thread drives it
+(`mla_func.server.engine_loop`).
+
 The engine owns the KV state, the scheduler and the step. Each iteration asks the scheduler
 for a plan, runs it through `make_step`, samples the rows that produce logits on the device
 with each request's own key (seed, position), and feeds the tokens back. A request with bad
@@ -17,6 +23,7 @@ in `mla_func.serving.speculative`).
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Hashable, Iterator, Sequence
 
@@ -32,8 +39,7 @@ from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logpr
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
 from mla_func.serving.requests import (CheckedRequest, Completion, Limits, LiveRequest, ParamsLike, Prompt,
                                        RequestError, StopText, StreamEvent, TokenLogprob, check_request,
-                                       check_score_ids, split_call)
-from mla_func.serving.sampling import request_seed
+                                       check_score_ids, choice_seed, split_call)
 from mla_func.serving.scheduler import FinishedRequest, FinishReason, Request, ScheduledStep, Scheduler
 from mla_func.serving.speculative import SpeculativeDecoder, SpeculativeStats
 from mla_func.state.block_allocator import OutOfBlocks
@@ -126,17 +132,30 @@ class Engine:
             init_drafter_state(model, self.state), self._ops)
         self._rng = random.Random(seed)
         self._next_id = 0
+        # Request id -> its record, for exactly the requests the scheduler holds: one leaves as it finishes
+        # or is aborted.
+        self._live: dict[Hashable, LiveRequest] = {}
+        self._offline = False  # a generate_stream is running: add_request refuses
 
-    def warmup(self, *, progress: bool = True) -> int:
+    def warmup(self, *, progress: bool = True, freeze_gc: bool = True) -> int:
         """Capture every decode graph the step's ladders allow (one per batch rung and table-width rung;
         with drafts, for each verify length 1..k+1, and the drafter's), now rather than on first use.
-        Without graphs (or off CUDA) it does nothing. Returns how many graphs were captured."""
+        Without graphs (or off CUDA) it does nothing to the step. Returns how many graphs were captured.
+
+        freeze_gc: afterwards, move every object alive so far (the model, torch, the captured graphs)
+        out of the cyclic garbage collector's sight (`gc.freeze`). They live as long as the engine, and
+        a full collection in the middle of generation would otherwise walk all of them, adding tens of
+        milliseconds to one step's host time. Objects frozen are still freed when no longer
+        referenced; only reference cycles among them are left uncollected (`gc.unfreeze` undoes it).
+        """
         max_q = self.config.speculative_tokens + 1
         before = len(self.step.captured_keys)
         modes = [m for q in range(1, max_q + 1) for m in self.step.decode_graph_modes(self.state, decode_q_len=q)]
         self.step.warmup(self.state, modes, progress=progress)
         drafter = 0 if self._speculative is None else self._speculative.warmup(
             max_q, self.model.config.hidden_size, progress=progress)
+        if freeze_gc:
+            gc.freeze()
         return len(self.step.captured_keys) - before + drafter
 
     @property
@@ -164,12 +183,13 @@ class Engine:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
     ) -> list[Completion]:
-        """One completion per prompt, in order. A bad request's completion has `error` set.
+        """One completion per prompt and choice (`SamplingParams.n`, 1 by default), in order of prompt,
+        then choice. A bad request's completion has `error` set.
 
         Raises RequestError (index None) only if the call itself is malformed; see `mla_func.serving.requests`.
         """
         completions = [e.completion for e in self.generate_stream(prompts, params) if e.completion is not None]
-        return sorted(completions, key=lambda c: c.index)
+        return sorted(completions, key=lambda c: (c.index, c.choice))
 
     def generate_stream(
         self, prompts: Prompt | Sequence[Prompt], params: ParamsLike | Sequence[ParamsLike] = None
@@ -181,6 +201,7 @@ class Engine:
         frees every block it held. A request with `SamplingParams.stop` strings finishes
         at the token whose text completes one (its blocks freed at once); its events carry
         the text released so far (`StreamEvent.text`), never any past a stop string.
+        The offline form of the online API below: every request added, then `iterate` until none is left.
         """
         calls = split_call(prompts, params)
         if self.scheduler.has_unfinished():
@@ -193,66 +214,167 @@ class Engine:
                 checked.append(check_request(index, prompt, p, limits))
             except RequestError as error:
                 errors.append((index, error))
-        # Request id -> its record, for exactly the requests the scheduler holds: one leaves as it finishes,
-        # and whatever is left when the call ends is aborted.
-        live: dict[Hashable, LiveRequest] = {}
+        ids: list[int] = []
+        self._offline = True
         try:
             for c in checked:
-                new_id = self._next_id
-                self._next_id += 1
-                seed = request_seed(c.params, self._rng)
-                self.scheduler.add(Request(new_id, c.prompt_token_ids, c.params.max_tokens, c.stop_token_ids))
-                live[new_id] = LiveRequest(c, seed, stop_text=StopText(c.params.stop) if c.params.stop else None,
-                                           logprobs=None if c.params.logprobs is None else [])
+                ids.extend(self._queue(c, stream_text=False))
             for index, failure in errors:
                 yield StreamEvent(index, -1, Completion(index, (), (), "error", error=failure))
-            while (scheduled := self.scheduler.schedule()) is not None:
-                with self._inference():
-                    sampled = self._iterate(scheduled, live)
-                # Finished requests leave `live` before any event is yielded: a stream closed at one of
-                # them then aborts only what the scheduler still holds.
-                finished = {f.request_id: (f, live.pop(f.request_id))
-                            for f in self.scheduler.update(scheduled, sampled)}
-                if (spec := self._speculative) is not None:
-                    spec.forget(*finished)
-                for request_id, tokens in zip(scheduled.request_ids, sampled):
-                    if tokens is None:
-                        continue
-                    ended = finished.get(request_id)
-                    done, entry = ended if ended is not None else (None, live[request_id])
-                    output = entry.output_token_ids
-                    # A verify row gives several tokens; the scheduler keeps them up to a stop or the length.
-                    kept = done.output_token_ids[len(output):] if done else (
-                        (tokens,) if isinstance(tokens, int) else tokens)
-                    for j, token in enumerate(kept):
-                        output.append(token)
-                        last = j == len(kept) - 1
-                        if (stop_text := entry.stop_text) is None:
-                            yield StreamEvent(entry.request.index, token,
-                                              self._completion(entry, done) if done is not None and last else None)
-                            continue
-                        text = stop_text.push(self.model.tokenizer, token)
-                        if stop_text.stopped:
-                            # Finished here, whatever the scheduler decided: its later tokens (a verify
-                            # row's) are dropped, and a request it still holds gives back its blocks now.
-                            if done is None:
-                                live.pop(request_id)
-                                self.scheduler.finish(request_id, FinishReason.STOP)
-                                if spec is not None:
-                                    spec.forget(request_id)
-                            yield StreamEvent(entry.request.index, token, self._completion(entry, None), text)
-                            break
-                        if done is not None and last:
-                            text += stop_text.flush()
-                        yield StreamEvent(entry.request.index, token,
-                                          self._completion(entry, done) if done is not None and last else None,
-                                          text)
+            while self.scheduler.has_unfinished():
+                yield from self.iterate()
         finally:
             # An abandoned stream or an error must not leave requests holding blocks.
-            for request_id in live:
-                self.scheduler.finish(request_id)
-            if (spec := self._speculative) is not None:
-                spec.forget(*live)
+            self._offline = False
+            for request_id in ids:
+                self.abort(request_id)
+
+    # ---- the online API: requests added and aborted between iterations ------------------
+
+    def add_request(self, prompt: Prompt, params: ParamsLike = None, *, index: int | None = None,
+                    stream_text: bool = False) -> tuple[int, ...]:
+        """Check one request and queue it; returns the request ids of its `SamplingParams.n` choices.
+
+        prompt, params: as one prompt of `generate` (text, token ids or a chat; SamplingParams, a
+            mapping of its fields or None).
+        index: what its events and completions carry as `index` (default: its first request id).
+        stream_text: its events carry the text each token releases (`StreamEvent.text`), as a request
+            with stop strings' do, when the model has a tokenizer.
+        Raises RequestError naming the bad field (nothing is queued then), or RuntimeError while
+        `generate_stream` runs. The requests run in the next `iterate` calls, with whatever else is queued.
+        """
+        if self._offline:
+            raise RuntimeError("add_request: generate_stream is running on this engine (use one or the other)")
+        index = self._next_id if index is None else index
+        return self._queue(check_request(index, prompt, params, self.limits), stream_text=stream_text)
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Finish a queued or running request now, freeing its blocks at once; its events stop (no completion
+        event follows). False when the request is not unfinished (it finished, or was never queued)."""
+        if self._live.pop(request_id, None) is None:
+            return False
+        self.scheduler.finish(request_id)
+        if (spec := self._speculative) is not None:
+            spec.forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running (then `iterate` has work)."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding cache blocks (being prefilled or decoded)."""
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and holding no blocks (new, or preempted to be recomputed)."""
+        return self.scheduler.num_waiting
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Cache blocks of group 0 held by requests (cached blocks no request holds count as free)."""
+        allocator = self.scheduler.allocator
+        return allocator.num_usable_blocks - allocator.num_free_blocks
+
+    def iterate(self) -> list[StreamEvent]:
+        """One iteration: schedule, run the step, sample, update; the events of the tokens it sampled.
+
+        Each event carries its request id; a request's last event carries its completion. Returns []
+        when nothing is queued. An error or an interrupt inside the iteration reaches the caller with
+        the scheduler as it was before it (its requests are scheduled again unless the caller aborts
+        them, as `generate_stream` does).
+        """
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        live = self._live
+        try:
+            with self._inference():
+                sampled = self._draw_step(scheduled, live)
+        except BaseException:
+            self.scheduler.cancel(scheduled)
+            raise
+        # Finished requests leave `live` before any event is built: one that ended is never aborted.
+        finished = {f.request_id: (f, live.pop(f.request_id)) for f in self.scheduler.update(scheduled, sampled)}
+        if (spec := self._speculative) is not None:
+            spec.forget(*finished)
+        events: list[StreamEvent] = []
+        for request_id, tokens in zip(scheduled.request_ids, sampled):
+            if tokens is None:
+                continue
+            ended = finished.get(request_id)
+            if ended is None and type(tokens) is int:
+                entry = live[request_id]
+                if entry.stop_text is None and entry.logprobs is None:
+                    # The common case, once a row every step: one token of a request that goes on.
+                    entry.output_token_ids.append(tokens)
+                    events.append(StreamEvent(entry.request.index, tokens, request_id=entry.request_id, choice=entry.choice))
+                    continue
+            done, entry = ended if ended is not None else (None, live[request_id])
+            output = entry.output_token_ids
+            # A verify row gives several tokens; the scheduler keeps them up to a stop or the length.
+            kept = done.output_token_ids[len(output):] if done else ((tokens,) if isinstance(tokens, int) else tokens)
+            for j, token in enumerate(kept):
+                output.append(token)
+                last = done is not None and j == len(kept) - 1
+                logprob = None if entry.logprobs is None else entry.logprobs[len(output) - 1]
+                if (stop_text := entry.stop_text) is None:
+                    events.append(self._event(entry, token, self._completion(entry, done) if last else None,
+                                              None, logprob))
+                    continue
+                text = stop_text.push(self.model.tokenizer, token)
+                if stop_text.stopped:
+                    # Finished here, whatever the scheduler decided: its later tokens (a verify
+                    # row's) are dropped, and a request it still holds gives back its blocks now.
+                    if done is None:
+                        self.abort(request_id)
+                    events.append(self._event(entry, token, self._completion(entry, None), text, logprob))
+                    break
+                if last:
+                    text += stop_text.flush()
+                events.append(self._event(entry, token, self._completion(entry, done) if last else None,
+                                          text, logprob))
+        return events
+
+    def _queue(self, checked: CheckedRequest, *, stream_text: bool) -> tuple[int, ...]:
+        """Queue a checked request's choices; returns their request ids."""
+        params, ids = checked.params, []
+        text = bool(params.stop) or (stream_text and self.model.tokenizer is not None)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            try:
+                prompt_logprobs = self._prompt_logprobs(checked.prompt_token_ids, params.prompt_logprobs)
+            except RequestError as error:  # no room in the cache for the scoring pass: refused, not queued
+                raise RequestError(checked.index, f"SamplingParams.prompt_logprobs: {error.reason}") from None
+        for choice in range(params.n):
+            request_id = self._next_id
+            self._next_id += 1
+            self.scheduler.add(Request(request_id, checked.prompt_token_ids, params.max_tokens, checked.stop_token_ids))
+            self._live[request_id] = LiveRequest(
+                checked, choice_seed(params, choice, self._rng), request_id=request_id, choice=choice,
+                stop_text=StopText(params.stop) if text else None, logprobs=None if params.logprobs is None else [],
+                prompt_logprobs=prompt_logprobs)
+            ids.append(request_id)
+        return tuple(ids)
+
+    def _prompt_logprobs(self, token_ids: tuple[int, ...], top: int) -> tuple[TokenLogprob | None, ...]:
+        """Each prompt token's logprob given those before it, with the `top` likeliest alternatives (None for
+        the first token): float32 log-softmax of `score`'s logits, reaching the host in one transfer."""
+        logprobs = torch.log_softmax(self.score(token_ids)[:-1].float(), dim=-1)  # [T - 1, V]: row p scores p + 1
+        following = torch.tensor(token_ids[1:], device=logprobs.device)
+        own = logprobs.gather(1, following[:, None])  # [T - 1, 1]
+        best, best_ids = logprobs.topk(top, dim=-1)  # [T - 1, top]
+        values = torch.cat([own, best], dim=1).cpu().tolist()
+        ids = best_ids.cpu().tolist()
+        return (None, *(TokenLogprob(row[0], dict(zip(row_ids, row[1:]))) for row, row_ids in zip(values, ids)))
+
+    @staticmethod
+    def _event(entry: LiveRequest, token: int, completion: Completion | None, text: str | None,
+               logprob: TokenLogprob | None) -> StreamEvent:
+        return StreamEvent(entry.request.index, token, completion, text, request_id=entry.request_id,
+                           choice=entry.choice, logprob=logprob)
 
     def _inference(self) -> torch.inference_mode:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
@@ -271,7 +393,7 @@ class Engine:
         self.state, out = self.step(self.state, batch, mode)
         return out
 
-    def _iterate(self, scheduled: ScheduledStep,
+    def _draw_step(self, scheduled: ScheduledStep,
                  live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
         """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row.
         `live` holds the record of every request the step has a row of."""
@@ -329,7 +451,7 @@ class Engine:
                 else tokenizer.decode(list(token_ids)) if tokenizer is not None else None)
         logprobs = None if entry.logprobs is None else tuple(entry.logprobs[:len(token_ids)])
         return Completion(request.index, request.prompt_token_ids, token_ids, reason.value, text=text,
-                          logprobs=logprobs)
+                          logprobs=logprobs, choice=entry.choice, prompt_logprobs=entry.prompt_logprobs)
 
     # ---- scoring ---------------------------------------------------------------------
 

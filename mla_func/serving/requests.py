@@ -20,6 +20,8 @@ a list of them (`generate([chat_a, chat_b])`).
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +30,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from mla_func.checkpoint.chat_template import ChatError, ChatTemplate
-from mla_func.serving.sampling import SamplingParams, describe
+from mla_func.serving.sampling import SamplingParams, describe, request_seed
 
 ChatMessages = Sequence[Mapping[str, str]]  # {"role": ..., "content": ...} dicts
 Prompt = str | Sequence[int] | ChatMessages
@@ -45,6 +47,7 @@ class RequestError(ValueError):
     def __init__(self, index: int | None, message: str):
         super().__init__(message if index is None else f"request {index}: {message}")
         self.index = index
+        self.reason = message  # the message without the request's index, for a caller that names it its own way
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,8 @@ class TokenLogprob:
     """The logprobs of one generated token (`SamplingParams.logprobs`).
 
     logprob: the token's own, float32 log-softmax of the logits it was drawn from (after penalties,
-             before temperature, top-k and top-p).
+             before temperature, top-k and top-p; a prompt token's: of the logits at the position
+             before it, `SamplingParams.prompt_logprobs`).
     top:     token id -> logprob of the row's `logprobs` most likely tokens, most likely first (the
              drawn token is among them only if it is one of them).
     """
@@ -69,6 +73,9 @@ class Completion:
     or the model's maximum length), "abort", or "error" (then `error` says why and
     token_ids is empty).
     logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per token of token_ids; else None.
+    choice: which of the prompt's `SamplingParams.n` samples this is (0 to n - 1).
+    prompt_logprobs: with `SamplingParams.prompt_logprobs` set, one entry per prompt token: None for the
+    first (nothing precedes it), then each token's `TokenLogprob` given the tokens before it; else None.
     """
 
     index: int
@@ -78,6 +85,8 @@ class Completion:
     text: str | None = None
     error: RequestError | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    choice: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def raise_for_error(self) -> Completion:
         if self.error is not None:
@@ -92,13 +101,20 @@ class StreamEvent:
     text: for a request with `SamplingParams.stop` strings, the text this token releases (possibly
     empty): characters that could begin a stop string are held back until decided, so the stream
     never shows text past a stop string, and the events' texts join to the completion's. None for
-    a request without stop strings (decode its token ids, as `mla_func.cli.streaming` does).
+    a request without stop strings (decode its token ids, as `mla_func.cli.streaming` does), unless it
+    was added with `Engine.add_request(..., stream_text=True)`.
+    request_id: the engine's id of the request (`Engine.add_request` returns it); -1 on an error event.
+    choice: which of its prompt's `SamplingParams.n` samples the token belongs to.
+    logprob: the token's logprobs, for a request with `SamplingParams.logprobs`; else None.
     """
 
     index: int
     token_id: int
     completion: Completion | None = None
     text: str | None = None
+    request_id: int = -1
+    choice: int = 0
+    logprob: TokenLogprob | None = None
 
 
 class Tokenizer(Protocol):
@@ -119,8 +135,8 @@ class StopText:
     __slots__ = ("stops", "longest", "decoder", "released", "pending", "stopped")
 
     def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.longest = max(len(s) for s in stops)
+        self.stops = stops  # none: the text is only decoded, a token at a time
+        self.longest = max((len(s) for s in stops), default=0)
         self.decoder = DecodeStream(skip_special_tokens=True)
         self.released: list[str] = []
         self.pending = ""
@@ -187,22 +203,39 @@ class LiveRequest:
     """A request the engine is generating for: what every draw of its tokens reads.
 
     request:          the checked request (its params, prompt and stop ids)
-    seed:             its sampling seed (`sampling.request_seed`): with a token's position, its draw's key
+    seed:             its sampling seed (`choice_seed`): with a token's position, its draw's key
+    request_id:       the engine's id of it (one per choice of the request)
+    choice:           which of the request's `SamplingParams.n` samples it is
     output_token_ids: the tokens streamed to the caller so far, the context its penalties and
                       min_tokens count. The record's fields never change, but this list grows in
                       place: the engine's host loop appends each token as it streams it, so a step
                       allocates no new record or list for a request.
-    stop_text:        for a request with stop strings, its text so far (`StopText`, which grows in
-                      place too); None otherwise.
+    stop_text:        for a request with stop strings (or whose events carry text), its text so far
+                      (`StopText`, which grows in place too); None otherwise.
     logprobs:         for a request with `SamplingParams.logprobs`, those of each token drawn so far
                       (the engine appends them as it draws); None otherwise.
+    prompt_logprobs:  for a request with `SamplingParams.prompt_logprobs`, its prompt's (as
+                      `Completion.prompt_logprobs`), scored before it was queued; None otherwise.
     """
 
     request: CheckedRequest
     seed: int
+    request_id: int = 0
+    choice: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     stop_text: StopText | None = None  # the decoded text, for a request with stop strings
     logprobs: list[TokenLogprob] | None = None  # one per drawn token, for a request with logprobs
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+def choice_seed(params: SamplingParams, choice: int, rng: random.Random) -> int:
+    """The seed of one of a request's `SamplingParams.n` samples: `request_seed` for the first (so n = 1
+    samples as before), and for each later one, with a seed given, a hash of (seed, choice), so that a
+    seeded request gives the same n samples every time; without one, a fresh draw from `rng`."""
+    if choice == 0 or params.seed is None:
+        return request_seed(params, rng)
+    digest = hashlib.blake2b(f"{params.seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def split_call(prompts: object, params: object) -> list[tuple[object, object]]:
@@ -230,7 +263,10 @@ def _is_one_chat(prompts: object) -> bool:
 
 def is_chat(prompt: object) -> bool:
     """Whether a prompt is meant as a chat: a list or tuple holding a message dict (token ids never are)."""
-    return isinstance(prompt, (list, tuple)) and any(isinstance(m, Mapping) for m in prompt)
+    # A chat never starts with a token id, and a prompt of token ids is thousands of them: its first item
+    # decides without a walk (a dict further into a list of ids is then refused as a bad token id).
+    return (isinstance(prompt, (list, tuple)) and bool(prompt) and type(prompt[0]) is not int
+            and any(isinstance(m, Mapping) for m in prompt))
 
 
 def chat_token_ids(index: int | None, messages: object, limits: Limits) -> tuple[int, ...]:
@@ -297,12 +333,15 @@ def check_token_ids(index: int | None, prompt: object, limits: Limits, *, what: 
     ids = tuple(prompt)
     if not ids:
         raise RequestError(index, f"{what} is empty")
-    for position, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise RequestError(index, f"token ids must be ints, got {describe(t)} ({type(t).__name__}) "
-                                      f"at position {position}")
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if bad:
+    # A prompt is thousands of ids, checked once per request: the common case in C loops (the types, then
+    # min and max); only a prompt that fails one is walked in Python, to name what is wrong.
+    if set(map(type, ids)) != {int}:
+        for position, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise RequestError(index, f"token ids must be ints, got {describe(t)} ({type(t).__name__}) "
+                                          f"at position {position}")
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         raise RequestError(index, f"token ids must be in [0, {limits.vocab_size}), got {describe(bad[:8])}")
     return ids
 

@@ -44,6 +44,7 @@ def describe(value: object) -> str:
 
 
 MAX_STOP_STRINGS = 16  # `SamplingParams.stop`: each is searched in every new piece of text
+MAX_CHOICES = 16  # `SamplingParams.n`: samples of one prompt, each its own request
 MAX_LOGPROBS = 20  # `SamplingParams.logprobs`: top alternatives per token, as OpenAI's API allows
 
 
@@ -85,6 +86,13 @@ class SamplingParams:
                         logprob and that many top alternatives (`Completion.logprobs`). They are of the
                         model's distribution after penalties and min_tokens, before temperature, top-k
                         and top-p (as OpenAI's: the model's own probabilities, whatever the sampling).
+    prompt_logprobs:    None (off) or 0..20: the completion then carries, for every prompt token after the
+                        first, its logprob given the tokens before it and that many top alternatives
+                        (`Completion.prompt_logprobs`, None at position 0). They come from one scoring
+                        pass over the prompt (`Engine.score`: a prefill in borrowed free cache blocks)
+                        before the request is queued, so they cost one more prefill of the prompt.
+    n:                  1 to 16 samples of the prompt, each its own request with its own seed
+                        (`requests.choice_seed`: the first the request's seed, the others derived from it).
     """
 
     temperature: float = 1.0
@@ -100,6 +108,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         def bad(field_name: str, why: str) -> None:
@@ -136,8 +146,12 @@ class SamplingParams:
         if (not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS
                 or not all(isinstance(s, str) and s for s in self.stop)):
             bad("stop", f"must be a tuple or list of at most {MAX_STOP_STRINGS} non-empty strings")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be None (off) or an int in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            bad("n", f"must be an int in [1, {MAX_CHOICES}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be None (off) or an int in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

@@ -201,6 +201,9 @@ class Scheduler(StepPolicy):
             raise ValueError(f"step {step.index} has {len(rows)} rows, got {len(sampled_token_ids)} sampled tokens")
         tokens: list[tuple[int, ...]] = []
         for i, (row, tok) in enumerate(zip(rows, sampled_token_ids)):
+            if type(tok) is int and row.num_logits:  # the common case, checked without the general test below
+                tokens.append((tok,))
+                continue
             new = (tok,) if isinstance(tok, int) else tok if isinstance(tok, tuple) else ()
             if ((tok is None) != (row.num_logits == 0) or len(new) > row.num_logits
                     or (tok is not None and (not new or not all(isinstance(t, int) for t in new)))):
@@ -211,8 +214,9 @@ class Scheduler(StepPolicy):
         self._pending = None
         finished = []
         num_prefill = len(step.plan.prefill)
+        seqs, prefix_caching = self._seqs, self.config.enable_prefix_caching
         for i, (seq, row, new) in enumerate(zip(self._pending_seqs, rows, tokens)):
-            if not self._is_live(seq):
+            if seqs.get(seq.request.request_id) is not seq:
                 continue  # finished from outside after it was scheduled
             assert seq.num_computed == row.start_pos, (seq.request.request_id, seq.num_computed, row.start_pos)
             kept, reason = self._kept(seq, new)
@@ -225,15 +229,11 @@ class Scheduler(StepPolicy):
                 seq.num_computed += len(kept)
                 if row.num_tokens > 1:
                     self.blocks.truncate(seq.tables, seq.num_computed)
-            self._register_full_blocks(seq)
+            if prefix_caching:
+                self.blocks.register_full_blocks(seq.tables, seq.hashes, seq.token_ids, seq.num_computed)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return finished
-
-    def _register_full_blocks(self, seq: SeqState) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        self.blocks.register_full_blocks(seq.tables, seq.hashes, seq.token_ids, seq.num_computed)
 
     def _finish(self, seq: SeqState, reason: FinishReason) -> FinishedRequest:
         if seq in self._running:

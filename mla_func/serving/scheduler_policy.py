@@ -71,22 +71,25 @@ class StepPolicy:
     _pending_seqs: list[SeqState]
 
     def _schedule_decodes(self, b: StepBuild) -> None:
+        # Whether a request decodes does not change inside this loop (a preempted one is in `b.gone`), so
+        # one pass picks them; the loop below runs once per decoding request every step, so it stays lean.
+        decoding = [s for s in self._running if s.is_decoding and id(s) not in b.gone]
         k = self.config.speculative_tokens
-        decoding = [s.max_len - len(s.token_ids) - 1 for s in self._running if id(s) not in b.gone and s.is_decoding]
         if k and decoding:
             # One query length for the step (a static shape): k drafts, fewer when a sequence
             # has fewer tokens left to generate, so no row writes past its request's length.
-            b.decode_q_len = 1 + min(k, *decoding)
-        for seq in list(self._running):
-            if id(seq) in b.gone or not seq.is_decoding:
-                continue  # preempted earlier in this loop, or still prefilling
-            need = self.blocks.blocks_needed(seq.tables, seq.num_computed + b.decode_q_len)
-            if any(need) and not self._make_room(seq, need, b):
-                # Nobody younger is left to preempt; give the blocks back to older requests.
-                self._preempt(seq, b)
-                continue
+            b.decode_q_len = 1 + min(k, *(s.max_len - len(s.token_ids) - 1 for s in decoding))
+        q, blocks, gone = b.decode_q_len, self.blocks, b.gone
+        for seq in decoding:
+            if id(seq) in gone:
+                continue  # preempted earlier in this loop
+            need = blocks.blocks_needed(seq.tables, seq.num_computed + q)
             if any(need):
-                self.blocks.allocate(seq.tables, need)
+                if not self._make_room(seq, need, b):
+                    # Nobody younger is left to preempt; give the blocks back to older requests.
+                    self._preempt(seq, b)
+                    continue
+                blocks.allocate(seq.tables, need)
             b.decode.append(seq)
 
     def _schedule_prefills(self, b: StepBuild) -> None:

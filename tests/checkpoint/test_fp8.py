@@ -32,7 +32,6 @@ from mla_func.checkpoint.files import CheckpointError
 from mla_func.checkpoint.fp8 import (
     FP8_DTYPE, QUANTIZATION_CONFIG, block_dequantize, block_quantize, block_size, is_quantized_name,
 )
-from mla_func.core.config_fields import ConfigError
 from support.hand_plans import logits_of
 from support.mla_reference import make_reference, reference_logits, rel_err
 
@@ -212,9 +211,15 @@ def test_dequantized_dense_model_keeps_its_logits(tmp_path):
     assert rel_err(logits_of(mf.load_model(tmp_path / "plain", dtype=torch.float32), TOKENS), want) <= 1e-4
 
 
-def test_load_model_refuses_fp8_by_name(folders):
-    with pytest.raises(ConfigError, match=r"quantization_config.*dequantize first"):
-        mf.load_model(folders / "fp8", dtype=torch.float32)
+def test_load_model_runs_the_quantized_folder_as_its_dequantized_copy(folders, tmp_path):
+    """The converter's output loads as FP8 pairs and gives the logits of its dequantized copy (the
+    released layout written independently, against transformers: test_fp8_load.py)."""
+    dequantize_checkpoint(folders / "fp8", tmp_path / "back", dtype=torch.float32, progress=False)
+    fp8 = mf.load_model(folders / "fp8", dtype=torch.float32, device="cpu")
+    back = mf.load_model(tmp_path / "back", dtype=torch.float32, device="cpu")
+    tokens = list(range(3, 14))
+    got, want = logits_of(fp8, tokens), logits_of(back, tokens)
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
 # ---- malformed FP8 folders, each refused by name before anything is written ------------------------

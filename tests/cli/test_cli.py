@@ -60,6 +60,11 @@ def test_bench_reports_throughput():
                       "--max-input-len", "12", "--output-len", "4")
     assert result.returncode == 0, result.stderr
     assert re.search(r"4 requests, \d+ prompt \+ 16 output tokens in [\d.]+ s: [\d.]+ output tokens/s", result.stdout)
+    latency = re.search(r"time to first token p50/p90/p99 ([\d.]+)/([\d.]+)/([\d.]+) ms, "
+                        r"inter-token latency p50/p90/p99 ([\d.]+)/([\d.]+)/([\d.]+) ms", result.stdout)
+    assert latency is not None, result.stdout
+    ttft, itl = [float(x) for x in latency.groups()[:3]], [float(x) for x in latency.groups()[3:]]
+    assert 0 < ttft[0] <= ttft[1] <= ttft[2] and 0 < itl[0] <= itl[1] <= itl[2]
 
 
 # ---- first contact: warnings, user errors, Ctrl-C, --version, stdin, --help ----------------------

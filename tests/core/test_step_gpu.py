@@ -8,7 +8,7 @@ import torch
 import mla_func as mf
 from support.hand_plans import blocks
 from support.graph_checks import (BACKENDS, BLOCK_SIZE, LADDER, PER_SEQ, clone_state, compare, decode_plan, fresh_state,
-                                  prefill_plan, with_context)
+                                  prefill_plan, run_without_host_sync, with_context)
 
 pytestmark = pytest.mark.gpu
 
@@ -88,19 +88,7 @@ def test_no_host_sync_inside_a_step(model, backend):
     state = with_context(model, contexts)
     plans = [decode_plan(contexts), prefill_plan([7, 5], offset=2),
              mf.StepPlan(prefill=prefill_plan([6], offset=4).prefill, decode=decode_plan([5, 10]).decode)]
-    prepared = []
-    for plan in plans:  # capture first: capture itself synchronises by design
-        batch, mode = step.prepare(state, plan)
-        state, _ = step(state, batch, mode)
-        prepared.append(step.prepare(state, plan))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for batch, mode in prepared:
-            state, out = step(state, batch, mode)
-            assert out.graph
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step, state, plans)
 
 
 def test_stale_state_raises_and_capture_errors_reach_the_caller(model):

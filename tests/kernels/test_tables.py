@@ -11,8 +11,10 @@ from mla_func.kernels import ops_for
 
 
 def _ops_of(table):
+    # The collectives are no backend's kernels: every table holds the one-process identities until
+    # `with_collectives` binds it to a group (test_every_table_runs_one_process).
     groups = [getattr(table, f.name) for f in dataclasses.fields(table)
-              if dataclasses.is_dataclass(getattr(table, f.name))]
+              if dataclasses.is_dataclass(getattr(table, f.name)) and f.name != "collectives"]
     return {f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)}
 
 
@@ -50,6 +52,16 @@ def test_tables_derive_from_the_reference_by_group():
     assert torch_ops.backend == "torch"
     assert len(_ops_of(torch_ops)) == 30
     assert all(op.__module__.startswith("mla_func.kernels.reference.") for op in _ops_of(torch_ops).values())
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_every_table_runs_one_process(batch_invariant):
+    from mla_func.kernels import SINGLE_PROCESS
+
+    for backend in ("torch", "triton"):
+        assert ops_for(backend, batch_invariant=batch_invariant).collectives is SINGLE_PROCESS
+    x = torch.randn(3, 4)
+    assert SINGLE_PROCESS.all_reduce(x) is x and SINGLE_PROCESS.all_gather(x, dim=1) is x
 
 
 def test_recorded_route_is_the_table_route_plus_a_record():

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
-import torch
 
 import mla_func as mf
-from mla_func.serving.engine import Engine, RequestError
+from mla_func.serving.engine import RequestError
 from mla_func.serving.sampling import SamplingParams
 from support.mla_reference import make_reference, reference_logits, rel_err, save_reference
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+from support.engine_checks import (GREEDY, assert_greedy_equals_generate, assert_prefix_hits_keep_tokens,
+                                    assert_scheduling_keeps_tokens, engine, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +27,8 @@ def prompts():
     return [[rng.randrange(97) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
 
 
-def engine(model, **kwargs):
-    settings = dict(block_size=4, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=32)
-    return Engine(model, **{**settings, **kwargs})
-
-
-def tokens(completions):
-    return [c.raise_for_error().token_ids for c in completions]
-
-
 def test_greedy_equals_transformers_generate(reference, prompts):
-    hf, model = reference
-    ours = tokens(engine(model).generate(prompts, GREEDY))
-    for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            # an explicit mask: otherwise generate treats token 0 (the pad id) in the prompt as padding
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert list(got) == out[0, len(prompt):].tolist()
+    assert_greedy_equals_generate(*reference, prompts)
 
 
 @pytest.mark.parametrize(
@@ -61,22 +44,12 @@ def test_greedy_equals_transformers_generate(reference, prompts):
     ids=["unmixed", "chunk1", "chunk7", "unlimited", "no-prefix-cache", "preempting"],
 )
 def test_greedy_outputs_do_not_depend_on_scheduling(reference, prompts, settings):
-    _, model = reference
-    alone = [tokens(engine(model).generate([p], GREEDY))[0] for p in prompts]
-    batched = tokens(engine(model, **settings).generate(prompts, GREEDY))
-    assert batched == alone
+    assert_scheduling_keeps_tokens(reference[1], prompts, settings)
 
 
 def test_prefix_caching_reuses_blocks_and_keeps_outputs(reference, prompts):
-    _, model = reference
     shared = prompts[0] + prompts[1] + prompts[2]
-    variants = [shared + [5], shared + [6, 7], shared]
-    e = engine(model)
-    first = tokens(e.generate(variants, GREEDY))
-    assert e.scheduler.allocator.num_cached_blocks > 0
-    again = tokens(e.generate(variants, GREEDY))
-    fresh = tokens(engine(model, enable_prefix_caching=False).generate(variants, GREEDY))
-    assert first == again == fresh
+    assert_prefix_hits_keep_tokens(reference[1], [shared + [5], shared + [6, 7], shared])
 
 
 def test_seeded_sampling_is_independent_of_batch_mates(reference, prompts):
@@ -157,7 +130,11 @@ def test_score_returns_every_position(reference, prompts):
 def test_warmup_without_graphs_captures_nothing_and_changes_nothing(reference, prompts):
     model = reference[1]
     warmed = engine(model)
-    assert warmed.warmup(progress=False) == 0  # no CUDA here: every step is eager
+    assert warmed.warmup(progress=False, freeze_gc=False) == 0  # no CUDA here: every step is eager
+    assert any(o is warmed for o in gc.get_objects())
+    assert warmed.warmup(progress=False) == 0
+    # The engine, and all that was alive with it, is out of the collector's walks (unfrozen by the conftest).
+    assert not any(o is warmed for o in gc.get_objects())
     params = mf.SamplingParams(temperature=0.0, max_tokens=5)
     assert [c.token_ids for c in warmed.generate(prompts, params)] == \
         [c.token_ids for c in engine(model).generate(prompts, params)]

@@ -14,7 +14,9 @@ from mla_func.cli.commands import build_parser, main, sampling_params
 from mla_func.serving.penalties import adjust_logits
 from mla_func.serving.requests import CheckedRequest, Limits, RequestError, check_params, check_request
 from mla_func.serving.sampling import SamplingParams
+from support.hand_plans import logits_of
 from support.mtp_checkpoints import mtp_checkpoint
+from support.stop_strings import spanning_stop
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +36,6 @@ def greedy(max_tokens=24, **kwargs):
 def prompt(model, rng):
     words = ["Return", "the", "number", "of", "a", "list", "value", "string", "def", "class"]
     return " ".join(rng.choice(words) for _ in range(rng.randrange(2, 7)))
-
-
-def spanning_stop(model, token_ids, rng):
-    """A substring of the decoded tokens that spans a token boundary, and where it must cut:
-    (stop string, text before it, tokens up to the one that completes it)."""
-    tok = model.tokenizer
-    ends = [len(tok.decode(list(token_ids[:i]))) for i in range(len(token_ids) + 1)]
-    text = tok.decode(list(token_ids))
-    candidates = []
-    for i in range(1, len(token_ids) - 1):
-        # Start inside token i (or at its start), end inside a later token.
-        for start in range(ends[i], ends[i + 1]):
-            for end in range(ends[i + 1] + 1, min(ends[-1], start + 8) + 1):
-                stop = text[start:end]
-                if text.find(stop) == start and stop.strip():  # its first occurrence, so the cut is here
-                    candidates.append((stop, start, end))
-    stop, start, end = rng.choice(candidates)
-    n = next(k for k in range(len(ends)) if ends[k] >= end)
-    return stop, text[:start], tuple(token_ids[:n])
 
 
 def test_stop_string_split_across_tokens_cuts_exactly(demo):
@@ -226,6 +209,50 @@ def test_bad_logprobs_refused_by_name(logprobs):
         SamplingParams(logprobs=logprobs)
     with pytest.raises(RequestError, match=r"SamplingParams\.logprobs"):
         check_params(0, {"logprobs": logprobs})
+
+
+def test_prompt_logprobs_equal_the_log_softmax_of_the_prompts_own_logits(demo):
+    """Each prompt token's logprob from the logits at the position before it (a prefill of the prompt
+    alone, through the model's forward), its top alternatives in order; the sampled tokens unchanged."""
+    e = engine(demo)
+    text = "Return the number of a list"
+    ids = list(demo.tokenizer.encode(text).ids)
+    got = e.generate([text], greedy(max_tokens=6, prompt_logprobs=3, n=2))
+    plain = e.generate([text], greedy(max_tokens=6))[0]
+    assert all(c.token_ids == plain.token_ids and c.prompt_token_ids == tuple(ids) for c in got)
+    assert plain.prompt_logprobs is None
+    want = torch.log_softmax(logits_of(demo, ids).float(), dim=-1)  # [T, V]
+    first = got[0].prompt_logprobs
+    assert len(first) == len(ids) and first[0] is None and got[1].prompt_logprobs == first
+    for position in range(1, len(ids)):
+        row = want[position - 1]
+        entry = first[position]
+        assert entry.logprob == pytest.approx(float(row[ids[position]]), abs=1e-4)
+        best = row.topk(3)
+        assert list(entry.top) == best.indices.tolist()
+        assert list(entry.top.values()) == pytest.approx(best.values.tolist(), abs=1e-4)
+    assert e.scheduler.allocator.num_free_blocks == e.scheduler.allocator.num_usable_blocks
+
+
+def test_prompt_logprobs_refused_when_the_cache_has_no_room_for_the_scoring_pass(demo):
+    """The scoring pass borrows free blocks: with a running request holding most of them it is refused by
+    name, nothing of it is queued, and the running request goes on as alone."""
+    e = engine(demo, num_blocks=12)  # 11 usable blocks of 4 tokens
+    busy = list(range(3, 33))
+    alone = engine(demo, num_blocks=12).generate([busy], greedy(max_tokens=4))[0].token_ids
+    [request_id] = e.add_request(busy, greedy(max_tokens=4))
+    events = e.iterate()  # its prefill: 8 of the 11 blocks now held
+    with pytest.raises(RequestError, match=r"SamplingParams\.prompt_logprobs: .*free cache blocks"):
+        e.add_request(list(range(3, 23)), greedy(max_tokens=2, prompt_logprobs=0))
+    while e.has_unfinished():
+        events += e.iterate()
+    assert [ev.token_id for ev in events if ev.request_id == request_id] == list(alone)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+def test_bad_prompt_logprobs_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)
 
 
 def test_logprobs_without_tokenizer_and_refused_with_drafts():

@@ -17,42 +17,24 @@ import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
 import mla_func as mf
-from support.mla_reference import _randomize
+from support.mla_reference import TINY_V3, YARN, _randomize
 
 V32 = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
+    TINY_V3,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
     q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=12,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
     n_group=2,
     topk_group=1,
     routed_scaling_factor=2.5,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
     index_n_heads=16,
     index_head_dim=16,
     index_topk=8,
 )
 
-_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
-
 VARIANTS = {
     "v32": {},
     # YaRN scales the rope tables that MLA and the indexer share; a second head dim split.
-    "v32-yarn": dict(rope_parameters=_YARN, index_head_dim=12, qk_rope_head_dim=8, num_hidden_layers=3),
+    "v32-yarn": dict(rope_parameters=YARN, index_head_dim=12, qk_rope_head_dim=8, num_hidden_layers=3),
 }
 
 

@@ -43,10 +43,11 @@ def prefill_plan(lengths, offset=0):
     return mf.StepPlan(prefill=tuple(mf.SeqPlan(tuple(range(3, 3 + n)), 0, blocks(offset + i, PER_SEQ)) for i, n in enumerate(lengths)))
 
 
-def compare(model, backend, state, plan):
-    """Run `plan` through a graph step and an eager step with the same padding; compare everything."""
-    graph_step = mf.make_step(model, backend=backend, padding=LADDER)
-    eager_step = mf.make_step(model, backend=backend, padding=LADDER, graphs=False)
+def compare(model, backend, state, plan, *, padding=LADDER, exact=False):
+    """Run `plan` through a graph step and an eager step with the same padding; compare everything:
+    logits and every cache block but the scratch block 0, bit for bit with `exact`, else to 1e-5."""
+    graph_step = mf.make_step(model, backend=backend, padding=padding)
+    eager_step = mf.make_step(model, backend=backend, padding=padding, graphs=False)
     g_state, e_state = clone_state(state), clone_state(state)
     g_batch, g_mode = graph_step.prepare(g_state, plan)
     e_batch, e_mode = eager_step.prepare(e_state, plan)
@@ -64,8 +65,30 @@ def compare(model, backend, state, plan):
     torch.cuda.synchronize()
     if g_mode.use_graph:
         assert g_out.graph and again_out.graph
+    logits_tol, cache_tol = (0.0, 0.0) if exact else (1e-5, 1e-6)
     for out in (g_out, again_out):
-        torch.testing.assert_close(out.logits, e_out.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.logits, e_out.logits, rtol=logits_tol, atol=logits_tol)
     for g_cache, e_cache in zip(again_state.leaves(), e_state.leaves()):
-        torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=1e-6, atol=1e-6)  # block 0 is scratch
+        torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=cache_tol, atol=cache_tol)  # block 0 is scratch
     return g_mode
+
+
+def run_without_host_sync(step, state, plans):
+    """Capture each plan's graph (capture synchronises by design), then replay every plan with CUDA's sync
+    debug mode set to "error", so any host sync inside a step raises. Returns (the state before the last
+    replay, the last state, the last prepared (batch, mode)): the first is donated by then."""
+    prepared = []
+    for plan in plans:
+        batch, mode = step.prepare(state, plan)
+        state, _ = step(state, batch, mode)
+        prepared.append(step.prepare(state, plan))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch, mode in prepared:
+            new_state, out = step(state, batch, mode)
+            assert out.graph
+            stale, state = state, new_state
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return stale, state, prepared[-1]

@@ -50,6 +50,50 @@ def prefill_in_chunks(model: mf.Model, state, seq: Seq, tokens: list[int], chunk
     return torch.cat(outs), state
 
 
+def prefill_then_decode(model: mf.Model, state, seq: Seq, tokens: list[int], prompt: int, **kwargs):
+    """Teacher forcing: prefill tokens[:prompt] in one step, then decode each later token in a step of its
+    own; returns (every position's logits [len(tokens), V], state)."""
+    got, state = prefill_in_chunks(model, state, seq, tokens[:prompt], chunk=prompt, **kwargs)
+    rows = [got]
+    for token in tokens[prompt:]:
+        logits, state = run(model, state, mf.StepPlan(decode=(decode_plan(seq, token),)), **kwargs)
+        seq.cached += 1
+        rows.append(logits)
+    return torch.cat(rows), state
+
+
+def mixed_step_and_alone(model: mf.Model, new_state, prompts: list[list[int]], next_tokens: list[int], per_seq: int,
+                         *, all_logits: bool):
+    """The first len(next_tokens) prompts prefill, then each decodes its next token; the rest only prefill.
+    Each sequence alone, and all together: the decoders' prefill, then one mixed step (the others' prefill
+    beside the decoders' decode). Returns (together, alone), each a list of one logits tensor per sequence,
+    in prompt order: a decoder's decode row [1, V]; a prefill's rows [len(prompt), V] with `all_logits`, else
+    its last row [1, V]. `new_state()` makes an empty state."""
+    num_decoders = len(next_tokens)
+    alone = []
+    for i, prompt in enumerate(prompts):
+        seq = Seq(blocks(i, per_seq))
+        logits, state = prefill_in_chunks(model, new_state(), seq, prompt, chunk=len(prompt))
+        if i < num_decoders:
+            logits, _ = run(model, state, mf.StepPlan(decode=(decode_plan(seq, next_tokens[i]),)))
+        alone.append(logits if all_logits or i < num_decoders else logits[-1:])
+    seqs = [Seq(blocks(i, per_seq)) for i in range(len(prompts))]
+    decoders = range(num_decoders)
+    _, state = run(model, new_state(), mf.StepPlan(prefill=tuple(prefill_plan(seqs[i], prompts[i], all_logits=False)
+                                                                 for i in decoders)))
+    for i in decoders:
+        seqs[i].cached = len(prompts[i])
+    plan = mf.StepPlan(prefill=tuple(prefill_plan(seqs[i], prompts[i], all_logits=all_logits)
+                                     for i in range(num_decoders, len(prompts))),
+                       decode=tuple(decode_plan(seqs[i], next_tokens[i]) for i in decoders))
+    batch, mode = mf.plan_step(model.config, state, plan)
+    assert mode.kind == "mixed"
+    logits, _ = mf.forward(model.params, state, batch, mode)
+    rows = [len(prompts[i]) if all_logits else 1 for i in range(num_decoders, len(prompts))] + [1] * num_decoders
+    parts = list(logits.split(rows))  # prefill rows come first
+    return parts[len(prompts) - num_decoders:] + parts[: len(prompts) - num_decoders], alone
+
+
 def logits_of(model, tokens):
     state = mf.init_state(model.config, num_blocks=16, block_size=4, dtype=model.dtype)
     plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(tokens), 0, tuple(range(1, 1 + math.ceil(len(tokens) / 4))), len(tokens)),))

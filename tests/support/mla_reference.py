@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-_COMMON = dict(
+# The tiny V3 shape every family's reference model starts from.
+TINY_V3 = dict(
     vocab_size=97,
     hidden_size=32,
     intermediate_size=48,
@@ -34,7 +35,7 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 
-_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
 
 VARIANTS: dict[str, tuple[type, type, dict]] = {
@@ -45,7 +46,7 @@ VARIANTS: dict[str, tuple[type, type, dict]] = {
     # V3 with YaRN (attention factor != 1) and non-interleaved rope, q without low rank.
     "v3-yarn-halfsplit": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
         q_lora_rank=None, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
-        rope_interleave=False, rope_parameters=_YARN,
+        rope_interleave=False, rope_parameters=YARN,
     )),
     # DeepSeek-V2 routing: softmax scores, greedy top-k; q without low rank.
     "v2-greedy": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
@@ -54,7 +55,7 @@ VARIANTS: dict[str, tuple[type, type, dict]] = {
     # V2 with group-limited greedy routing, low-rank q and YaRN.
     "v2-group-yarn": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
         q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=2.0, rope_parameters=_YARN,
+        routed_scaling_factor=2.0, rope_parameters=YARN,
     )),
 }
 
@@ -76,7 +77,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def make_reference(variant: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:
     config_cls, model_cls, extra = VARIANTS[variant]
-    config = config_cls(**{**_COMMON, **extra, **overrides}, attn_implementation="eager", experts_implementation="eager")
+    config = config_cls(**{**TINY_V3, **extra, **overrides}, attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config)
     _randomize(model, seed)

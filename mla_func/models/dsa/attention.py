@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from mla_func.core.config import ModelConfig
+from mla_func.core.exchange import attention_output, shared_block
 from mla_func.core.layers import LayerContext
 from mla_func.models.dsa.indexer import index_query_key, index_weight_scale
 from mla_func.models.mla.attention import LATENT_NORM_EPS
-from mla_func.models.mla.moe import feed_forward
+from mla_func.models.mla.expert_shard import feed_forward_of
 from mla_func.models.mla.params import LayerParams
 from mla_func.state.kv_cache import zeroed_dsa_cache
 from mla_func.state.layer_cache import CacheGroup, DSALayerCache
@@ -56,8 +57,11 @@ def sparse_mla_attention(
     q_a, latent, index_k = qkv_a.split([config.q_lora_rank, config.kv_cache_dim, index_dim], dim=-1)
     q_resid = ops.dense.rms_norm(q_a, a.q_a_norm, LATENT_NORM_EPS)                     # [T, Q]
     q_all = ops.dense.linear(q_resid, a.q_b_proj)
-    heads_dim = config.num_attention_heads * config.qk_head_dim
-    q = q_all[:, :heads_dim].view(num_rows, config.num_attention_heads, config.qk_head_dim)
+    # The heads these params hold (a tensor-parallel rank's share, see `mla.attention.project`); the
+    # indexer's rows, whole on every rank, follow them, so every rank picks the same keys.
+    heads = a.w_uk.shape[0]
+    heads_dim = heads * config.qk_head_dim
+    q = q_all[:, :heads_dim].view(num_rows, heads, config.qk_head_dim)
     q_nope, q_pe = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
     # The writes come first, so that every row reads its own key from the caches like any other.
     kv_cache, _, q_absorbed = ops.mla.write_latent_absorb(
@@ -107,12 +111,16 @@ class DSADecoderLayer:
     def body(self, p: LayerParams, entered: torch.Tensor, residual: torch.Tensor, cache: DSALayerCache,
              ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, DSALayerCache]:
         attn_out, kv, index_k = sparse_mla_attention(p, entered, cache.kv, cache.index_k, ctx)
+        # Where a sharded layer's blocks meet, as in `MLADecoderLayer.body` (identities with one process).
+        attn_out = attention_output(attn_out, ctx.ops.collectives)
         x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps,
                                              residual=residual)
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         same = kv is cache.kv and index_k is cache.index_k
         new_cache = cache if same else DSALayerCache(kv=kv, index_k=index_k, group=cache.group)
-        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache
+        out = shared_block(lambda rows, valid: feed_forward_of(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
+                           ctx.mode, ctx.ops.collectives)
+        return out, residual, new_cache
 
 
 DSA_DECODER = DSADecoderLayer()

@@ -38,15 +38,20 @@ def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: O
     latent; a low-rank query then goes through its norm and q_b_proj. Both results
     are views of qkv_a. Columns past them (a V3.2 indexer's, see `AttentionParams`) are
     not read: dense attention runs on sparse models' weights too.
+
+    H is the heads these params hold, read from their shape (`w_uk` [H, Dn, C]): a rank of a
+    tensor-parallel model holds num_attention_heads / size of them (`mla_func.parallel`), while
+    the config stays the checkpoint's, the same on every rank.
     """
-    heads_dim = config.num_attention_heads * config.qk_head_dim
+    heads = p.w_uk.shape[0]
+    heads_dim = heads * config.qk_head_dim
     q_width = config.q_lora_rank or heads_dim
     q, latent = qkv_a[:, :q_width], qkv_a[:, q_width:q_width + config.kv_cache_dim]
     if p.q_b_proj is not None:
         if p.q_a_norm is None:
             raise ValueError("project: a low-rank query (q_b_proj) needs its norm (q_a_norm)")
         q = ops.dense.linear(ops.dense.rms_norm(q, p.q_a_norm, LATENT_NORM_EPS), p.q_b_proj)[:, :heads_dim]
-    return q.view(qkv_a.shape[0], config.num_attention_heads, config.qk_head_dim), latent
+    return q.view(qkv_a.shape[0], heads, config.qk_head_dim), latent
 
 
 def decode_attention(

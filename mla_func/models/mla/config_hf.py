@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from mla_func.checkpoint.files import CheckpointError
+from mla_func.checkpoint.fp8 import block_size
 from mla_func.core.config import ModelConfig, RopeConfig, is_int, refuse
 from mla_func.core.config_fields import as_float, at_most, check_entries
 
@@ -112,10 +114,12 @@ def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
             raise refuse(flag, raw[flag], "not supported (must be false)")
     if raw.get("sliding_window") is not None and raw.get("use_sliding_window", True):
         raise refuse("sliding_window", raw["sliding_window"], "not supported")
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
-        raise refuse("quantization_config", method, "quantized checkpoints are not supported; dequantize first")
+    try:
+        # DeepSeek's block-scaled FP8 (its released checkpoints' layout) loads as it ships; nothing else does.
+        block_size(raw)
+    except CheckpointError as e:
+        raise refuse("quantization_config", raw.get("quantization_config"),
+                     f"only the block-scaled FP8 format of DeepSeek's checkpoints is supported ({e})") from None
 
 
 # What transformers names the sparse-attention layer in config.json (its name changed once).

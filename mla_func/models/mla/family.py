@@ -19,6 +19,8 @@ from mla_func.core.layers import LayerKind
 from mla_func.models.mla.config_hf import config_from_hf_dict, config_to_hf_dict
 from mla_func.models.mla.layer import MLA_DECODER
 from mla_func.models.mla.params import held_dtype, mla_params_from_hf, mla_with_max_positions
+from mla_func.models.mla.expert_shard import mla_expert_parallel_params
+from mla_func.models.mla.shard import mla_tensor_split
 from mla_func.models.mla.tensor_shapes import mla_tensor_count, mla_tensor_shapes
 from mla_func.state.layer_cache import CacheGroup
 
@@ -82,4 +84,6 @@ MLA = Family(
     attends_by_row=False,
     supports_batch_invariant=True,
     mtp_layer_kind=MLA_DECODER,
+    tensor_split=mla_tensor_split,
+    expert_parallel_params=mla_expert_parallel_params,
 )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_func.core.config import ModelConfig
+from mla_func.kernels.quantized import Weight
 from mla_func.pytree import register_dataclass
 
 # transformers builds the key's LayerNorm with this epsilon whatever the config says.
@@ -58,7 +59,7 @@ INDEXER_TENSORS_PER_LAYER = 5
 
 
 def indexer_projections(config: ModelConfig, prefix: str,
-                        get: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        get: Callable[[str], Weight]) -> tuple[Weight, Weight] | None:
     """(wq_b [Hi * Di, Q], wk [Di, D]) of one layer from `get(name)`, or None without an indexer:
     the rows the layer's loader appends to `q_b_proj` and `qkv_a_proj`."""
     if not config.has_indexer:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from mla_func.core.config import ModelConfig
+from mla_func.core.exchange import attention_output, shared_block
 from mla_func.core.layers import LayerContext
 from mla_func.models.mla.attention import mla_attention
-from mla_func.models.mla.moe import feed_forward
+from mla_func.models.mla.expert_shard import feed_forward_of
 from mla_func.models.mla.params import LayerParams
 from mla_func.state.kv_cache import zeroed_mla_caches
 from mla_func.state.layer_cache import CacheGroup, MLALayerCache
@@ -40,10 +41,14 @@ class MLADecoderLayer:
             p.attn, entered, cache.kv, ctx.batch, ctx.mode, ctx.config, ctx.ops, ctx.rope_cos, ctx.rope_sin,
             inplace=ctx.inplace, rows=ctx.rows,
         )
+        # A sharded layer's blocks meet across ranks here (`core.exchange`; identities with one process).
+        attn_out = attention_output(attn_out, ctx.ops.collectives)
         x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
-        return feed_forward(p.mlp, x, ctx.valid, ctx.config, ctx.ops), residual, new_cache
+        out = shared_block(lambda rows, valid: feed_forward_of(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
+                           ctx.mode, ctx.ops.collectives)
+        return out, residual, new_cache
 
 
 MLA_DECODER = MLADecoderLayer()

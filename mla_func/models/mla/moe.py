@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from mla_func.core.config import ModelConfig
 from mla_func.kernels import Ops
+from mla_func.kernels.quantized import dequantized
 from mla_func.models.mla.params import MLPParams, MoEParams
 
 
@@ -49,8 +50,13 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
 
 
 def shared_experts(p: MoEParams, x: torch.Tensor) -> torch.Tensor:
-    """The shared experts (experts E.. of p) as dense GEMMs: x [T, D] -> [T, D]."""
-    w13, w2 = p.w13[p.num_routed:], p.w2[p.num_routed:]                # [S, 2I, D], [S, D, I]
+    """The shared experts (experts E.. of p) as dense GEMMs: x [T, D] -> [T, D].
+
+    FP8 experts are dequantized into x's dtype for these GEMMs (the reference's math for them);
+    only prefill chunks above SHARED_IN_FUSED_MAX_TOKENS take this path.
+    """
+    w13 = dequantized(p.w13[p.num_routed:], x.dtype)                    # [S, 2I, D]
+    w2 = dequantized(p.w2[p.num_routed:], x.dtype)                      # [S, D, I]
     num_shared, two_inter, _ = w13.shape
     gate, up = F.linear(x, w13.flatten(0, 1)).view(-1, num_shared, 2, two_inter // 2).unbind(2)
     act = F.silu(gate) * up                                             # [T, S, I]

@@ -6,12 +6,22 @@ load time: `kv_b_proj` is split per head into `w_uk` [H, Dn, C] and `w_uv`
 attention use; and the experts are stacked into `w13` [E + S, 2I, D] (gate rows
 then up rows) and `w2` [E + S, D, I]: the E routed experts, then the shared MLP
 (intermediate size S * I) cut into S experts of I columns each, which sum to it.
+
+A block-scaled FP8 checkpoint keeps its projections as (values, scales) pairs (`BlockFP8Weight`):
+joined and cut by `cat_rows`, `slice_block` and `stack_experts`, which keep every value and regroup
+the scales where a piece's boundary falls inside a block. `kv_b_proj` alone is dequantized at load
+into the model dtype: `w_uk` and `w_uv` are read per head by both attention paths (the absorbed
+query, the decompressed keys and values), and they are small beside the experts (DeepSeek-V3:
+16.8M values a layer against 11.3G of expert weights), so they stay plain tensors in every op.
 """
+
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -19,8 +29,12 @@ from tqdm.auto import tqdm
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
 from mla_func.core.rope_tables import rope_positions, rope_tables
+from mla_func.kernels.quantized import Weight, cat_rows, dequantized, slice_block, stack_experts
 from mla_func.models.mla.indexer_params import IndexerParams, indexer_params, indexer_projections
 from mla_func.pytree import register_dataclass
+
+if TYPE_CHECKING:  # annotation only: `expert_shard` builds on this module
+    from mla_func.models.mla.expert_shard import ExpertShardParams
 
 
 @register_dataclass
@@ -34,14 +48,14 @@ class AttentionParams:
     and its query projection `wq_b` [Hi * Di, q_lora_rank] follows the query's in `q_b_proj`.
     """
 
-    qkv_a_proj: torch.Tensor              # [Q + C + R (+ Di), D]: query rows (Q = H * (Dn + R), or
+    qkv_a_proj: Weight                    # [Q + C + R (+ Di), D]: query rows (Q = H * (Dn + R), or
                                           # q_lora_rank with a low-rank query), latent rows, indexer key rows
     kv_a_norm: torch.Tensor               # [C]
     w_uk: torch.Tensor                    # [H, Dn, C] key up-projection
     w_uv: torch.Tensor                    # [H, Dv, C] value up-projection
-    o_proj: torch.Tensor                  # [D, H * Dv]
+    o_proj: Weight                        # [D, H * Dv]
     q_a_norm: torch.Tensor | None = None  # [q_lora_rank], low-rank query only
-    q_b_proj: torch.Tensor | None = None  # [H * (Dn + R) (+ Hi * Di), q_lora_rank], low-rank query only
+    q_b_proj: Weight | None = None        # [H * (Dn + R) (+ Hi * Di), q_lora_rank], low-rank query only
 
 
 @register_dataclass
@@ -49,8 +63,8 @@ class AttentionParams:
 class MLPParams:
     """A SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
 
-    gate_up: torch.Tensor                 # [2I, D], gate rows then up rows
-    down: torch.Tensor                    # [D, I]
+    gate_up: Weight                       # [2I, D], gate rows then up rows
+    down: Weight                          # [D, I]
 
 
 @register_dataclass
@@ -64,8 +78,8 @@ class MoEParams:
     """
 
     gate: torch.Tensor                    # [E, D] router weight, float32 (or float64 in a float64 model)
-    w13: torch.Tensor                     # [E + S, 2I, D]
-    w2: torch.Tensor                      # [E + S, D, I]
+    w13: Weight                           # [E + S, 2I, D]
+    w2: Weight                            # [E + S, D, I]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
 
     @property
@@ -83,7 +97,7 @@ class LayerParams:
     input_norm: torch.Tensor              # [D]
     attn: AttentionParams
     post_attention_norm: torch.Tensor     # [D]
-    mlp: MLPParams | MoEParams
+    mlp: MLPParams | MoEParams | ExpertShardParams  # the last: an expert-parallel rank's share (`expert_shard`)
     indexer: IndexerParams | None = None  # DeepSeek-V3.2's sparse-attention indexer
 
 
@@ -100,20 +114,22 @@ def split_shared(shared: MLPParams, num_shared: int) -> list[MLPParams]:
     slice, so the slices' outputs sum to the whole MLP's.
     """
     inter = shared.down.shape[1] // num_shared
-    gate, up = shared.gate_up.chunk(2, dim=0)
+    rows = shared.gate_up.shape[0] // 2
     return [
         MLPParams(
-            gate_up=torch.cat([gate[s * inter:(s + 1) * inter], up[s * inter:(s + 1) * inter]]),
-            down=shared.down[:, s * inter:(s + 1) * inter].contiguous(),
+            gate_up=cat_rows([slice_block(shared.gate_up, -2, s * inter, (s + 1) * inter),
+                              slice_block(shared.gate_up, -2, rows + s * inter, rows + (s + 1) * inter)]),
+            down=slice_block(shared.down, -1, s * inter, (s + 1) * inter),
         )
         for s in range(num_shared)
     ]
 
 
 def join_shared(experts: list[MLPParams]) -> MLPParams:
-    """The inverse of `split_shared`: S experts of I columns as one MLP of S * I."""
-    gates, ups = zip(*(e.gate_up.chunk(2, dim=0) for e in experts))
-    return MLPParams(gate_up=torch.cat([*gates, *ups]), down=torch.cat([e.down for e in experts], dim=1))
+    """The inverse of `split_shared`: S experts of I columns as one MLP of S * I (plain tensors)."""
+    gates, ups = zip(*(dequantized(e.gate_up, torch.float32).chunk(2, dim=0) for e in experts))
+    return MLPParams(gate_up=torch.cat([*gates, *ups]),
+                     down=torch.cat([dequantized(e.down, torch.float32) for e in experts], dim=1))
 
 
 def mla_params_from_hf(
@@ -124,11 +140,17 @@ def mla_params_from_hf(
     device: torch.device | str,
     progress: bool = False,
     max_model_len: int | None = None,
+    layer: Callable[[ModelConfig, int, TensorGet, torch.dtype], Any] | None = None,
 ) -> Params:
-    """`params_from_hf` for DeepSeek-V2/V3/V3.2 (the MLA and DSA families' `Family.params_from_hf`)."""
+    """`params_from_hf` for DeepSeek-V2/V3/V3.2 (the MLA and DSA families' `Family.params_from_hf`).
+
+    layer: builds each decoder layer's params (default `layer_params`; an expert-parallel rank's
+           keeps its own experts, `models.mla.expert_shard`).
+    """
     get = checked_fetch(fetch, dtype=dtype, device=device)
     c = config
-    layers = [layer_params(c, i, get, dtype)
+    layer = layer or layer_params
+    layers = [layer(c, i, get, dtype)
               for i in tqdm(range(c.num_hidden_layers), desc="loading layers", unit="layer", disable=not progress)]
     embed = get("model.embed_tokens.weight")
     cos, sin = rope_tables(c, device, rope_positions(c, max_model_len))
@@ -151,44 +173,53 @@ def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype) -> LayerParams:
-    """Decoder layer `i` from the tensors named `model.layers.{i}.*` (`get` as `checked_fetch` makes it)."""
+def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype,
+                 routed: range | None = None) -> LayerParams:
+    """Decoder layer `i` from the tensors named `model.layers.{i}.*` (`get` as `checked_fetch` makes it).
+
+    routed: the routed experts to read (default all); with fewer, the MoE block's w13 and w2 hold
+            those, then the shared experts, and its router still scores all (`models.mla.expert_shard`).
+    """
 
     def mlp(prefix: str) -> MLPParams:
-        gate_up = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], dim=0)
-        return MLPParams(gate_up=gate_up, down=get(prefix + "down_proj.weight"))
+        gate_up = cat_rows([get.weight(prefix + "gate_proj.weight"), get.weight(prefix + "up_proj.weight")])
+        return MLPParams(gate_up=gate_up, down=get.weight(prefix + "down_proj.weight"))
 
     c = config
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    kv_b = get(a + "kv_b_proj.weight").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    # Dequantized once here, not per step (see the module docstring). Heads by the rows fetched: a
+    # tensor-parallel rank's fetch gives its own heads' rows only (`mla_func.parallel`).
+    kv_b = dequantized(get.weight(a + "kv_b_proj.weight"), dtype).view(
+        -1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     # An indexer's projections become the last rows of the attention's (see AttentionParams).
-    index_proj = indexer_projections(c, a, get)
+    index_proj = indexer_projections(c, a, get.weight)
     index_q_rows, index_k_rows = ([index_proj[0]], [index_proj[1]]) if index_proj is not None else ([], [])
+    q_parts: dict[str, Weight] = {}
     if c.q_lora_rank is None:
-        q_a, q_parts = get(a + "q_proj.weight"), {}
+        q_a = get.weight(a + "q_proj.weight")
     else:
-        q_a = get(a + "q_a_proj.weight")
+        q_a = get.weight(a + "q_a_proj.weight")
         q_parts = dict(q_a_norm=get(a + "q_a_layernorm.weight"),
-                       q_b_proj=torch.cat([get(a + "q_b_proj.weight"), *index_q_rows]))
+                       q_b_proj=cat_rows([get.weight(a + "q_b_proj.weight"), *index_q_rows]))
     attn = AttentionParams(
-        qkv_a_proj=torch.cat([q_a, get(a + "kv_a_proj_with_mqa.weight"), *index_k_rows]),
+        qkv_a_proj=cat_rows([q_a, get.weight(a + "kv_a_proj_with_mqa.weight"), *index_k_rows]),
         kv_a_norm=get(a + "kv_a_layernorm.weight"),
         w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
         w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
-        o_proj=get(a + "o_proj.weight"),
-        **q_parts,
+        o_proj=get.weight(a + "o_proj.weight"),
+        **q_parts,  # type: ignore[arg-type]
     )
     m = p + "mlp."
     if c.is_moe_layer(i):
-        experts = [mlp(f"{m}experts.{j}.") for j in range(c.n_routed_experts or 0)]
+        experts = [mlp(f"{m}experts.{j}.") for j in (range(c.n_routed_experts or 0) if routed is None else routed)]
         if c.n_shared_experts:
             experts += split_shared(mlp(m + "shared_experts."), c.n_shared_experts)
         block: MLPParams | MoEParams = MoEParams(
             # Routing runs in at least float32; holding the router there saves a cast per step.
             gate=get(m + "gate.weight").to(held_dtype(m + "gate.weight", dtype)),
-            w13=torch.stack([e.gate_up for e in experts]),
-            w2=torch.stack([e.down for e in experts]),
+            w13=stack_experts([e.gate_up for e in experts]),
+            w2=stack_experts([e.down for e in experts]),
             e_score_correction_bias=(
                 get(m + "gate.e_score_correction_bias", keep_float32=True) if c.topk_method == "noaux_tc" else None
             ),

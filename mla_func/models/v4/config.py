@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mla_func.core.config import V4_SCORING_FUNCS, ConfigError, FamilyFields, ModelConfig, RopeConfig, is_number, refuse
+from mla_func.checkpoint.files import CheckpointError
 from mla_func.core.config_fields import as_float, at_most, check_choice, check_entries, check_int, check_positive
+from mla_func.models.v4.quantization_config import v4_quantization
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
            "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4",
@@ -189,9 +191,12 @@ def refuse_unsupported_v4(raw: Mapping[str, Any]) -> None:
             raise refuse(flag, raw[flag], "not supported (must be false)")
     if raw.get("num_key_value_heads", 1) != 1:
         raise refuse("num_key_value_heads", raw["num_key_value_heads"], "DeepSeek-V4 shares one KV head: must be 1")
-    if raw.get("quantization_config") is not None:
-        raise refuse("quantization_config", raw["quantization_config"],
-                     "quantized checkpoints are not supported; dequantize first")
+    try:
+        # DeepSeek-V4's released layout (FP8 linears, FP4 or FP8 routed experts) loads as it ships.
+        v4_quantization(raw)
+    except CheckpointError as e:
+        field = "expert_dtype" if "expert_dtype" in str(e) else "quantization_config"
+        raise refuse(field, raw.get(field, raw.get("quantization_config")), str(e)) from None
     for name in _LEGACY:
         if name in raw:
             raise refuse(name, raw[name], "a legacy spelling: write layer_types / compress_rates / mlp_layer_types")

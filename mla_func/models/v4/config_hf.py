@@ -24,7 +24,7 @@ _READ = frozenset({
     "hc_mult", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads",
     "index_head_dim", "index_topk", "num_nextn_predict_layers", "n_shared_experts", "scoring_func",
     "routed_scaling_factor", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id",
-    "quantization_config", "sliding_window",
+    "quantization_config", "sliding_window", "expert_dtype",
 })
 
 

@@ -3,7 +3,7 @@
 Sliding-window, CSA and HCA layers with hyper-connections (`layers`), whose
 compressed entries live in cache groups past the token group; V4's own config
 fields (`config`, `config_hf`), params and checkpoint names (`params`,
-`params_load`), all in this folder. It has no batch-invariant ops and its MTP layers are not run
+`params_load`), its released FP8 / FP4 layout (`quant_layout`), all in this folder. It has no batch-invariant ops and its MTP layers are not run
 yet: both are refused by name.
 """
 
@@ -16,6 +16,7 @@ from mla_func.models.v4.config_hf import v4_config_from_hf_dict, v4_config_to_hf
 from mla_func.models.v4.layers import v4_cache_groups, v4_layer_kinds
 from mla_func.models.v4.params import canonical_names, checkpoint_dtype, v4_held_dtype, v4_tensor_count, v4_tensor_shapes
 from mla_func.models.v4.params_load import v4_params_from_hf, v4_with_max_positions
+from mla_func.models.v4.quant_layout import v4_quant_layout
 from mla_func.state.layer_cache import CacheGroup
 
 __all__ = ["V4"]
@@ -52,4 +53,5 @@ V4 = Family(
     attends_by_row=True,
     supports_batch_invariant=False,
     mtp_layer_kind=None,
+    quant_layout=v4_quant_layout,
 )

@@ -37,7 +37,17 @@ def route(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch
 
 def v4_moe(p: V4MoEParams, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
            ops: Ops) -> torch.Tensor:
-    """The routed experts' weighted sum plus the shared experts, in one expert launch: x [T, D] -> [T, D]."""
+    """The routed experts' weighted sum plus the shared experts, in one expert launch (two where the shared
+    experts are held apart, `V4MoEParams`): x [T, D] -> [T, D]."""
     v = v4_fields(config)
     weights, ids = route(p, x, input_ids, valid, config, ops)
-    return ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)
+    out = ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)
+    if p.shared_w13 is None or p.shared_w2 is None:
+        return out
+    # Every shared expert with weight 1 on every real row; padded rows (-1) take none.
+    num_shared = p.shared_w13.shape[0]
+    shared_ids = torch.arange(num_shared, device=x.device).expand(x.shape[0], num_shared)
+    shared_ids = torch.where(valid[:, None], shared_ids, -1)
+    shared_weights = valid[:, None].expand(-1, num_shared).to(weights.dtype)
+    return out + ops.v4.clamped_experts(x, p.shared_w13, p.shared_w2, shared_weights, shared_ids,
+                                        limit=v.swiglu_limit)

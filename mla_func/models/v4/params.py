@@ -10,6 +10,7 @@ in float32 whatever the model dtype (the reference keeps them there).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ import torch
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.checkpoint.safetensors_file import TensorEntry, load_dtype
 from mla_func.core.config import ModelConfig
+from mla_func.kernels.quantized import Weight
 from mla_func.models.v4.config import CSA, SLIDING, V4Config, v4_fields
 from mla_func.pytree import register_dataclass
 
@@ -82,12 +84,12 @@ class V4AttentionParams:
     query rows (`indexer.wq_b`) under the attention's (`wq_b`).
     """
 
-    in_proj: torch.Tensor        # [Q + Dh + Cc + Ci, D]
+    in_proj: Weight              # [Q + Dh + Cc + Ci, D]
     q_a_norm: torch.Tensor       # [Q]
-    q_b_proj: torch.Tensor       # [H * Dh + Hi * Di, Q] (Hi * Di = 0 without an indexer)
+    q_b_proj: Weight             # [H * Dh + Hi * Di, Q] (Hi * Di = 0 without an indexer)
     kv_norm: torch.Tensor        # [Dh]
-    o_a_proj: torch.Tensor       # [G * Og, H * Dh / G]
-    o_b_proj: torch.Tensor       # [D, G * Og]
+    o_a_proj: torch.Tensor       # [G * Og, H * Dh / G] (dequantized at load: read per group)
+    o_b_proj: Weight             # [D, G * Og]
     sinks: torch.Tensor          # [H] float32
     rope_cos: torch.Tensor       # [P, R / 2] float32: main rope (sliding) or compress rope (CSA / HCA)
     rope_sin: torch.Tensor       # [P, R / 2] float32
@@ -106,13 +108,20 @@ class V4AttentionParams:
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class V4MoEParams:
-    """Routed experts (learned top-k, or hash-routed by `tid2eid`) and shared experts."""
+    """Routed experts (learned top-k, or hash-routed by `tid2eid`) and shared experts.
+
+    The shared experts are stacked after the routed ones in `w13` / `w2` (one expert launch), unless
+    the two are stored in different formats (FP4 routed, FP8 shared, as DeepSeek-V4 ships): then
+    `w13` / `w2` hold the routed experts and `shared_w13` / `shared_w2` the shared ones.
+    """
 
     gate: torch.Tensor                                   # [E, D]
-    w13: torch.Tensor                                    # [E + S, 2I, D]
-    w2: torch.Tensor                                     # [E + S, D, I]
+    w13: Weight                                          # [E + S, 2I, D] (or [E, 2I, D], see above)
+    w2: Weight                                           # [E + S, D, I] (or [E, D, I])
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, learned routing only
     tid2eid: torch.Tensor | None = None                  # [V, k] int64, hash routing only
+    shared_w13: Weight | None = None                     # [S, 2I', D] when held apart
+    shared_w2: Weight | None = None                      # [S, D, I'] when held apart
 
     @property
     def num_routed(self) -> int:
@@ -231,18 +240,21 @@ def checkpoint_dtype(name: str, label: str, entry: TensorEntry, model_dtype: tor
 _DEEPSEEK_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
                  "hc_head_scale": "model.hc_head.hc_scale"}
+_KV_NORM = re.compile(r"^(model\.layers\.\d+)\.attn\.kv_norm\.weight$")
 _T = TypeVar("_T")
 
 
 def canonical_names(config: ModelConfig, located: dict[str, _T], where: object) -> dict[str, _T]:
     """A V4 checkpoint's tensors under the names save_pretrained writes, whether written so or with
-    DeepSeek's own top-level names (`embed.weight`, `layers.N.`, `hc_head_fn`); other models' unchanged.
+    DeepSeek's own names (`embed.weight`, `layers.N.`, `hc_head_fn`, `attn.kv_norm`); other models' unchanged.
     CheckpointError when one tensor is there under both names."""
     if not isinstance(config.family_fields, V4Config):
         return located
     out: dict[str, _T] = {}
     for name, value in located.items():
         canonical = _DEEPSEEK_TOP.get(name) or ("model." + name if name.startswith("layers.") else name)
+        # DeepSeek's files name the attention's key norm `attn.kv_norm`, save_pretrained `attn.norm`.
+        canonical = _KV_NORM.sub(r"\1.attn.norm.weight", canonical)
         if canonical in out:
             raise CheckpointError(f"{where}: tensor {canonical!r} is in the checkpoint under two names")
         out[canonical] = value

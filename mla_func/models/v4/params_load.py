@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 import torch
 from tqdm.auto import tqdm
 
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.core.config import ModelConfig
-from mla_func.core.params import Params
+from mla_func.core.params import Params, TensorFetch
+from mla_func.kernels.quantized import Weight, cat_rows, dequantized, stack_experts
 from mla_func.core.rope_tables import rope_positions, rope_tables
 from mla_func.models.v4.config import CSA, SLIDING, v4_fields
 from mla_func.models.v4.params import (CompressorParams, HyperConnectionParams, HyperHeadParams, IndexerParams, V4AttentionParams,
                         V4LayerParams, V4MoEParams, v4_held_dtype)
 
-TensorFetch = Callable[[str], torch.Tensor]
 
 
 def v4_rope_tables(config: ModelConfig, device: torch.device | str, num_positions: int
@@ -42,39 +40,66 @@ def v4_with_max_positions(params: Params, num_positions: int) -> Params:
 
 def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.dtype, device: torch.device | str,
                       progress: bool = False, max_model_len: int | None = None) -> Params:
-    """The params pytree of a V4 checkpoint; `fetch(name)` returns one tensor checked against its shape.
+    """The params pytree of a V4 checkpoint; `fetch(name)` returns one tensor checked against its shape,
+    or for a weight the checkpoint stores quantized, its FP8 or FP4 pair (`checkpoint.quant_layout`).
 
-    Raises CheckpointError naming a tensor that holds NaN or inf once converted, or a
-    `tid2eid` entry that names no expert.
+    Quantized projections stay pairs, except those read other than by a product (`wo_a`, read per
+    group) or joined with unquantized rows into one product (`wq_a` and `wkv` beside a compressor's
+    BF16 projections), which are dequantized into `dtype`. Raises CheckpointError naming a tensor that
+    holds NaN or inf once converted, or a `tid2eid` entry that names no expert.
     """
     v = v4_fields(config)
     if v is None:
         raise ValueError(f"v4_params_from_hf: expected a deepseek_v4 config, got {config.model_type!r}")
 
-    def get(name: str) -> torch.Tensor:
-        tensor = fetch(name).to(device=device, dtype=v4_held_dtype(name, dtype))
+    def plain(name: str) -> torch.Tensor:
+        value = fetch(name)
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"tensor {name!r} is stored quantized, but the model holds it as a plain tensor")
+        return value
+
+    def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(tensor).all()):  # one sync a tensor, at load time
             raise CheckpointError(f"tensor {name!r} holds NaN or inf values (as {tensor.dtype})")
         return tensor
 
+    def get(name: str) -> torch.Tensor:
+        return checked(name, plain(name).to(device=device, dtype=v4_held_dtype(name, dtype)))
+
+    def weight(name: str) -> Weight:
+        """A projection: a quantized pair as stored (its scales checked when read), else as `get`."""
+        value = fetch(name)
+        return get(name) if isinstance(value, torch.Tensor) else value.to(device)
+
+    def dense(name: str) -> torch.Tensor:
+        value = fetch(name)
+        if isinstance(value, torch.Tensor):
+            return get(name)
+        return checked(name, dequantized(value.to(device), dtype))
+
     def compressor(prefix: str) -> CompressorParams:
         return CompressorParams(position_bias=get(prefix + "ape"), kv_norm=get(prefix + "norm.weight"))
 
-    def input_rows(a: str, kind: str) -> torch.Tensor:
-        """The layer's input projections stacked in `V4AttentionParams.input_widths` order."""
+    def input_rows(a: str, kind: str) -> Weight:
+        """The layer's input projections stacked in `V4AttentionParams.input_widths` order: one pair where
+        all are quantized alike (a sliding layer's), else one tensor (a compressor's are stored in BF16)."""
         names = [a + "wq_a.weight", a + "wkv.weight"]
-        if kind != SLIDING:
-            names += [a + "compressor.wkv.weight", a + "compressor.wgate.weight"]
+        if kind == SLIDING:
+            return cat_rows([weight(name) for name in names])
+        names += [a + "compressor.wkv.weight", a + "compressor.wgate.weight"]
         if kind == CSA:
             names += [a + "indexer.compressor.wkv.weight", a + "indexer.compressor.wgate.weight"]
-        return torch.cat([get(name) for name in names])
+        return torch.cat([dense(name) for name in names])
 
     def hyper(prefix: str) -> HyperConnectionParams:
         return HyperConnectionParams(fn=get(prefix + "_fn"), base=get(prefix + "_base"), scale=get(prefix + "_scale"))
 
-    def experts(prefix: str, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(torch.cat([get(f"{prefix}{j}.w1.weight"), get(f"{prefix}{j}.w3.weight")]), get(f"{prefix}{j}.w2.weight"))
-                for j in range(count)]
+    def expert(prefix: str) -> tuple[Weight, Weight]:
+        """(w1 rows then w3 rows [2I, D], w2 [D, I]) of one expert."""
+        return cat_rows([weight(prefix + "w1.weight"), weight(prefix + "w3.weight")]), weight(prefix + "w2.weight")
+
+    def stacked(experts: list[tuple[Weight, Weight]]) -> tuple[Weight, Weight]:
+        return stack_experts([w13 for w13, _ in experts]), stack_experts([w2 for _, w2 in experts])
 
     positions = rope_positions(config, max_model_len)
     (main_cos, main_sin), (comp_cos, comp_sin) = v4_rope_tables(config, device, positions)
@@ -88,26 +113,28 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
         if kind == CSA:
             indexer = IndexerParams(compressor=compressor(a + "indexer.compressor."),
                                     weights_proj=get(a + "indexer.weights_proj.weight"))
-        query_rows = [get(a + "wq_b.weight")] + ([get(a + "indexer.wq_b.weight")] if kind == CSA else [])
+        query_rows = [weight(a + "wq_b.weight")] + ([weight(a + "indexer.wq_b.weight")] if kind == CSA else [])
         attn = V4AttentionParams(
-            in_proj=input_rows(a, kind), q_a_norm=get(a + "q_norm.weight"), q_b_proj=torch.cat(query_rows),
-            kv_norm=get(a + "norm.weight"), o_a_proj=get(a + "wo_a.weight"),
-            o_b_proj=get(a + "wo_b.weight"), sinks=get(a + "attn_sink"), rope_cos=cos, rope_sin=sin,
+            in_proj=input_rows(a, kind), q_a_norm=get(a + "q_norm.weight"), q_b_proj=cat_rows(query_rows),
+            kv_norm=get(a + "norm.weight"), o_a_proj=dense(a + "wo_a.weight"),
+            o_b_proj=weight(a + "wo_b.weight"), sinks=get(a + "attn_sink"), rope_cos=cos, rope_sin=sin,
             compressor=None if kind == SLIDING else compressor(a + "compressor."), indexer=indexer,
         )
         f = p + "ffn."
-        stacked = experts(f + "experts.", config.n_routed_experts or 0)
-        if config.n_shared_experts:
-            shared = f + "shared_experts."
-            stacked.append((torch.cat([get(shared + "w1.weight"), get(shared + "w3.weight")]), get(shared + "w2.weight")))
+        routed = [expert(f"{f}experts.{j}.") for j in range(config.n_routed_experts or 0)]
+        shared = [expert(f + "shared_experts.")] if config.n_shared_experts else []
+        # One stack (one expert launch) where routed and shared experts are held alike.
+        apart = bool(shared) and type(shared[0][0]) is not type(routed[0][0])
+        w13, w2 = stacked(routed if apart else routed + shared)
+        shared_w13, shared_w2 = stacked(shared) if apart else (None, None)
         hashed = v.mlp_layer_types[i] == "hash_moe"
         mlp = V4MoEParams(
-            gate=get(f + "gate.weight"),
-            w13=torch.stack([w13 for w13, _ in stacked]), w2=torch.stack([w2 for _, w2 in stacked]),
+            gate=get(f + "gate.weight"), w13=w13, w2=w2,
             e_score_correction_bias=None if hashed else get(f + "gate.bias"),
-            tid2eid=_tid2eid(fetch(f + "gate.tid2eid"), f + "gate.tid2eid", config, device) if hashed else None,
+            tid2eid=_tid2eid(plain(f + "gate.tid2eid"), f + "gate.tid2eid", config, device) if hashed else None,
+            shared_w13=shared_w13, shared_w2=shared_w2,
         )
-        del stacked
+        del routed, shared
         head = None
         if i == num_layers - 1:
             head = HyperHeadParams(fn=get("model.hc_head.hc_fn"), base=get("model.hc_head.hc_base"),

@@ -9,13 +9,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import mla_func as mf
 from support.dsa_reference import check_top_k_margins, make_v32
+from support.engine_checks import (GREEDY, assert_greedy_equals_generate, assert_prefix_hits_keep_tokens,
+                                    assert_scheduling_keeps_tokens, engine, tokens)
 from mla_func.serving.sampling import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,47 +31,22 @@ def prompts():
     return [[rng.randrange(97) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
 
 
-def engine(model, **kwargs):
-    settings = dict(block_size=4, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=32)
-    return mf.Engine(model, **{**settings, **kwargs})
-
-
-def tokens(completions):
-    return [c.raise_for_error().token_ids for c in completions]
-
-
 def test_greedy_equals_transformers_generate(checkpoint, prompts):
     reference, _, model = checkpoint
-    ours = tokens(engine(model).generate(prompts, GREEDY))
-    for prompt, got in zip(prompts, ours):
-        check_top_k_margins(model, prompt + list(got), 4)
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert list(got) == out[0, len(prompt):].tolist()
+    assert_greedy_equals_generate(reference, model, prompts, check=lambda ids: check_top_k_margins(model, ids, 4))
 
 
 @pytest.mark.parametrize("settings", [dict(long_prefill_token_threshold=7), dict(enable_mixed=False),
                                       dict(num_blocks=18)],
                          ids=["chunk7", "unmixed", "preempting"])
 def test_greedy_does_not_depend_on_scheduling(checkpoint, prompts, settings):
-    _, _, model = checkpoint
-    alone = [tokens(engine(model).generate([p], GREEDY))[0] for p in prompts]
-    assert tokens(engine(model, **settings).generate(prompts, GREEDY)) == alone
+    assert_scheduling_keeps_tokens(checkpoint[2], prompts, settings)
 
 
 def test_prefix_caching_keeps_outputs(checkpoint, prompts):
     """Cached blocks carry the indexer keys with the latents: a hit gives the same tokens as a fresh run."""
-    _, _, model = checkpoint
     shared = prompts[0] + prompts[1]
-    variants = [shared + [5], shared + [6, 7]]
-    e = engine(model)
-    first = tokens(e.generate(variants, GREEDY))
-    assert e.scheduler.allocator.num_cached_blocks > 0
-    again = tokens(e.generate(variants, GREEDY))
-    fresh = tokens(engine(model, enable_prefix_caching=False).generate(variants, GREEDY))
-    assert first == again == fresh
+    assert_prefix_hits_keep_tokens(checkpoint[2], [shared + [5], shared + [6, 7]])
 
 
 def test_cli_generates_from_a_v32_checkpoint(checkpoint, prompts):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mla_func as mf
-from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, run
+from support.hand_plans import Seq, blocks, mixed_step_and_alone, prefill_in_chunks, prefill_plan, prefill_then_decode, run
 from support.dsa_reference import check_top_k_margins, make_v32, save_and_load
 from support.mla_reference import reference_logits, rel_err
 
@@ -70,14 +70,7 @@ def test_prefill_then_decode_matches_transformers_full_forward(pair):
     reference, model, dtype = pair
     tokens = checked_tokens(model, PROMPT + DECODE_STEPS, seed=3)
     want = reference_logits(reference, tokens)
-    seq = Seq(blocks(0, 16))
-    got, state = prefill_in_chunks(model, fresh_state(model), seq, tokens[:PROMPT], chunk=PROMPT)
-    rows = [got]
-    for token in tokens[PROMPT:]:
-        logits, state = run(model, state, mf.StepPlan(decode=(decode_plan(seq, token),)))
-        seq.cached += 1
-        rows.append(logits)
-    got = torch.cat(rows)
+    got, _ = prefill_then_decode(model, fresh_state(model), Seq(blocks(0, 16)), tokens, PROMPT)
     assert rel_err(got, want) <= TOL[dtype]
     assert rel_err(got[PROMPT:], want[PROMPT:]) <= TOL[dtype]
 
@@ -88,34 +81,9 @@ def test_mixed_batch_equals_separate_runs(pair):
     vocab = model.config.vocab_size
     prompts = [random_tokens(n, vocab, seed=10 + n) for n in (29, 5, 23, 41)]
     next_tokens = [random_tokens(1, vocab, seed=20 + i)[0] for i in range(2)]
-    alone = []
-    for i, prompt in enumerate(prompts):
-        seq = Seq(blocks(i, 12))
-        logits, state = prefill_in_chunks(model, fresh_state(model), seq, prompt, chunk=len(prompt))
-        if i < 2:
-            logits, _ = run(model, state, mf.StepPlan(decode=(decode_plan(seq, next_tokens[i]),)))
-            alone.append(logits)
-        else:
-            alone.append(logits)
-
-    seqs = [Seq(blocks(i, 12)) for i in range(4)]
-    state = fresh_state(model)
-    _, state = run(model, state, mf.StepPlan(prefill=tuple(prefill_plan(seqs[i], prompts[i], all_logits=False)
-                                                           for i in (0, 1))))
-    for i in (0, 1):
-        seqs[i].cached = len(prompts[i])
-    plan = mf.StepPlan(
-        prefill=tuple(prefill_plan(seqs[i], prompts[i]) for i in (2, 3)),
-        decode=tuple(decode_plan(seqs[i], next_tokens[i]) for i in (0, 1)),
-    )
-    batch, mode = mf.plan_step(model.config, state, plan)
-    assert mode.kind == "mixed"
-    logits, _ = mf.forward(model.params, state, batch, mode)
-    n2, n3 = len(prompts[2]), len(prompts[3])
-    assert rel_err(logits[:n2], alone[2]) <= SELF_TOL[dtype]
-    assert rel_err(logits[n2:n2 + n3], alone[3]) <= SELF_TOL[dtype]
-    assert rel_err(logits[n2 + n3:n2 + n3 + 1], alone[0]) <= SELF_TOL[dtype]
-    assert rel_err(logits[n2 + n3 + 1:n2 + n3 + 2], alone[1]) <= SELF_TOL[dtype]
+    together, alone = mixed_step_and_alone(model, lambda: fresh_state(model), prompts, next_tokens, 12, all_logits=True)
+    for got, want in zip(together, alone):
+        assert rel_err(got, want) <= SELF_TOL[dtype]
 
 
 def test_logits_do_not_depend_on_batch_mates(pair):

@@ -8,7 +8,7 @@ import torch
 import mla_func as mf
 from support.hand_plans import blocks
 from support.dsa_reference import make_v32
-from support.graph_checks import BACKENDS, LADDER, PER_SEQ, compare
+from support.graph_checks import BACKENDS, LADDER, PER_SEQ, compare, run_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -58,16 +58,4 @@ def test_no_host_sync_inside_a_step(model, backend):
     contexts = [14, 29]
     state = with_context(model, contexts)
     plans = [decode_plan(contexts), decode_plan([15, 30])]
-    prepared = []
-    for plan in plans:  # capture first: capture itself synchronises by design
-        batch, mode = step.prepare(state, plan)
-        state, _ = step(state, batch, mode)
-        prepared.append(step.prepare(state, plan))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for batch, mode in prepared:
-            state, out = step(state, batch, mode)
-            assert out.graph
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step, state, plans)

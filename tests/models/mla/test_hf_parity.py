@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mla_func as mf
-from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, run
+from support.hand_plans import Seq, blocks, mixed_step_and_alone, prefill_in_chunks, prefill_plan, prefill_then_decode, run
 from support.mla_reference import VARIANTS, make_reference, reference_logits, rel_err, save_reference
 
 BLOCK_SIZE = 4
@@ -70,14 +70,7 @@ def test_prefill_then_decode_matches_transformers(pair, dtype):
     reference, model = pair
     tokens = random_tokens(PROMPT + DECODE_STEPS, model.config.vocab_size, seed=3)
     want = reference_logits(reference, tokens)
-    seq = Seq(blocks(0, 8))
-    got, state = prefill_in_chunks(model, fresh_state(model), seq, tokens[:PROMPT], chunk=PROMPT)
-    rows = [got]
-    for token in tokens[PROMPT:]:
-        logits, state = run(model, state, mf.StepPlan(decode=(decode_plan(seq, token),)))
-        seq.cached += 1
-        rows.append(logits)
-    got = torch.cat(rows)
+    got, _ = prefill_then_decode(model, fresh_state(model), Seq(blocks(0, 8)), tokens, PROMPT)
     assert rel_err(got, want) <= TOL[dtype]
     # decode rows on their own, so a large prefill cannot hide a decode error
     assert rel_err(got[PROMPT:], want[PROMPT:]) <= TOL[dtype]
@@ -89,32 +82,7 @@ def test_mixed_batch_equals_separate_runs(pair, dtype):
     vocab = model.config.vocab_size
     prompts = [random_tokens(n, vocab, seed=10 + n) for n in (9, 5, 13, 6)]
     next_tokens = [random_tokens(1, vocab, seed=20 + i)[0] for i in range(2)]
-
-    # Alone: sequences 0 and 1 prefill then decode one token; 2 and 3 only prefill.
-    alone = []
-    for i, prompt in enumerate(prompts):
-        seq = Seq(blocks(i, 8))
-        logits, state = prefill_in_chunks(model, fresh_state(model), seq, prompt, chunk=len(prompt))
-        if i < 2:
-            logits, _ = run(model, state, mf.StepPlan(decode=(decode_plan(seq, next_tokens[i]),)))
-            alone.append(logits[0])
-        else:
-            alone.append(logits[-1])
-
-    # Together: prefill 0 and 1, then one mixed step (prefill 2 and 3, decode 0 and 1).
-    seqs = [Seq(blocks(i, 8)) for i in range(4)]
-    state = fresh_state(model)
-    _, state = run(model, state, mf.StepPlan(prefill=tuple(prefill_plan(seqs[i], prompts[i], all_logits=False) for i in (0, 1))))
-    for i in (0, 1):
-        seqs[i].cached = len(prompts[i])
-    plan = mf.StepPlan(
-        prefill=tuple(prefill_plan(seqs[i], prompts[i], all_logits=False) for i in (2, 3)),
-        decode=tuple(decode_plan(seqs[i], next_tokens[i]) for i in (0, 1)),
-    )
-    batch, mode = mf.plan_step(model.config, state, plan)
-    assert mode.kind == "mixed"
-    logits, _ = mf.forward(model.params, state, batch, mode)
-    together = [logits[2], logits[3], logits[0], logits[1]]  # prefill rows come first
+    together, alone = mixed_step_and_alone(model, lambda: fresh_state(model), prompts, next_tokens, 8, all_logits=False)
     for got, want in zip(together, alone):
         assert rel_err(got, want) <= SELF_TOL[dtype]
 

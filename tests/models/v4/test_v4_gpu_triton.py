@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import mla_func as mf
+from support.graph_checks import compare, run_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -89,32 +90,8 @@ def test_v4_mini_triton_equals_torch_in_bf16_against_float64(mini):
     assert err_triton < 0.1
 
 
-def _clone(state):
-    return mf.pytree.tree_map(torch.clone, state)
-
-
 def _graph_equals_eager(model, state, plan) -> mf.ForwardMode:
-    graph_step = mf.make_step(model, backend="triton", padding=LADDER)
-    eager_step = mf.make_step(model, backend="triton", padding=LADDER, graphs=False)
-    g_state, e_state = _clone(state), _clone(state)
-    g_batch, g_mode = graph_step.prepare(g_state, plan)
-    e_batch, e_mode = eager_step.prepare(e_state, plan)
-    assert g_mode.graph_fallback is (not g_mode.use_graph) and not e_mode.graph_fallback
-    g_state, g_out = graph_step(g_state, g_batch, g_mode)
-    # Replay from the same starting contents: the replay path, not only the capture.
-    for dst, src in zip(g_state.leaves(), state.leaves()):
-        dst.copy_(src)
-    again_batch, again_mode = graph_step.prepare(g_state, plan)
-    again_state, again_out = graph_step(g_state, again_batch, again_mode)
-    e_state, e_out = eager_step(e_state, e_batch, e_mode)
-    torch.cuda.synchronize()
-    if g_mode.use_graph:
-        assert g_out.graph and again_out.graph
-    for out in (g_out, again_out):
-        torch.testing.assert_close(out.logits, e_out.logits, rtol=0, atol=0)
-    for g_cache, e_cache in zip(again_state.leaves(), e_state.leaves()):
-        torch.testing.assert_close(g_cache[1:], e_cache[1:], rtol=0, atol=0)  # block 0 is scratch
-    return g_mode
+    return compare(model, "triton", state, plan, padding=LADDER, exact=True)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 7, 8, 9])
@@ -139,19 +116,7 @@ def test_no_host_sync_inside_a_step_and_a_donated_state_raises(mini):
     step = mf.make_step(mini, backend="triton", padding=LADDER)
     contexts = [130, 257]
     state = _with_context(mini, contexts)
-    prepared = []
-    for plan in (_decode(state, contexts), _decode(state, [n + 1 for n in contexts])):
-        batch, mode = step.prepare(state, plan)
-        state, _ = step(state, batch, mode)   # capture first: capture itself synchronises by design
-        prepared.append(step.prepare(state, plan))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for batch, mode in prepared:
-            new_state, out = step(state, batch, mode)
-            assert out.graph
-            stale, state = state, new_state
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    plans = (_decode(state, contexts), _decode(state, [n + 1 for n in contexts]))
+    stale, _, last = run_without_host_sync(step, state, plans)
     with pytest.raises(mf.DonatedStateError):
-        step(stale, *prepared[-1])
+        step(stale, *last)

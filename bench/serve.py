@@ -1,0 +1,186 @@
+"""The OpenAI-compatible server under an open-loop load, against the offline engine on the same requests.
+
+    python bench/serve.py [--preset v2-lite] [--device cuda] [--num-prompts 256] [--min-input-len 128]
+                          [--max-input-len 1024] [--output-len 256] [--rates 4,16,64,inf] [--commit SHA]
+    python bench/serve.py --preset tiny --device cpu --num-prompts 8 --output-len 4 --rates 8,inf   # smoke run
+
+`mla-func serve` runs in a subprocess on 127.0.0.1. For each request rate, --num-prompts streaming
+requests (random token-id prompts of uniform random length, greedy, no early stop) arrive as a
+Poisson process (rate "inf": all at once, the saturation run); each client records its time to first
+token and the time between its tokens (the server sends one event a token). Each rate gets prompts of
+its own seed, so no run finds another's prompts in the prefix cache; the saturation run's prompts are
+those of the offline run (`mla_func.serving.benchmark.run_throughput`, seed 0), which follows in this
+process once the server has stopped, with the same engine limits. Target: the server's output
+tokens/s at saturation >= 90% of the offline engine's. The server's overhead per request and per
+token is the saturation run's extra time over the offline run's, divided by requests and by tokens.
+Prints a table and writes JSON under bench/results/serve/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import mla_func as mf  # noqa: E402
+from mla_func.serving.benchmark import percentile, random_requests, run_throughput  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int, model: str) -> dict:
+    """Stream one completion; its time to first token, inter-token times (s) and token count."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    started = time.perf_counter()
+    times = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if "error" in json.loads(line[6:]):
+                    raise RuntimeError(line)
+                times.append(time.perf_counter())
+    return dict(ttft=times[0] - started, itl=[b - a for a, b in zip(times, times[1:])], tokens=len(times))
+
+
+async def open_loop(url: str, prompts: list[list[int]], rate: float, output_len: int, model: str, seed: int) -> dict:
+    """Send every prompt, arrivals a Poisson process of `rate` requests/s (inf: all at once)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        started = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one_request(client, prompt, output_len, model)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - started
+    ttft = [r["ttft"] for r in results]
+    itl = [t for r in results for t in r["itl"]]
+    outputs = sum(r["tokens"] for r in results)
+    return dict(rate=rate, num_prompts=len(prompts), output_tokens=outputs, seconds=seconds,
+                output_tok_s=outputs / seconds,
+                **{f"ttft_ms_p{q}": 1e3 * percentile(ttft, q) for q in (50, 90, 99)},
+                **{f"itl_ms_p{q}": 1e3 * percentile(itl, q) for q in (50, 90, 99)})
+
+
+def start_server(args: argparse.Namespace, max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = common_free_port()
+    command = [sys.executable, "-m", "mla_func.cli.commands", "serve", "--model", args.preset, "--device", args.device,
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(max_model_len),
+               "--max-waiting", str(args.num_prompts), "--backend", args.backend]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+
+
+def common_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="v2-lite")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=128)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rates", default="4,16,64,inf", help="requests/s, comma-separated; inf = all at once")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    args.backend = args.backend or ("triton" if args.device.startswith("cuda") else "torch")
+    rates = [float(r) for r in args.rates.split(",")]
+    config = mf.PRESETS[args.preset]() if args.preset in mf.PRESETS else None
+    vocab = config.vocab_size if config is not None else mf.load_model(args.preset, device="cpu").config.vocab_size
+    input_len = (args.min_input_len, args.max_input_len)
+    longest = args.max_input_len + args.output_len
+    max_model_len = longest + 16  # as run_throughput sets it (a block of room)
+
+    log = args.out / "serve" / "server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    process, url = start_server(args, max_model_len, log)
+    rows = []
+    try:
+        warm = random_requests(vocab, min(args.num_prompts, args.max_num_seqs), input_len, seed=1000)
+        asyncio.run(open_loop(url, warm, float("inf"), min(args.output_len, 4), args.preset, seed=0))
+        for k, rate in enumerate(rates):
+            seed = 0 if rate == float("inf") else 100 + k
+            prompts = random_requests(vocab, args.num_prompts, input_len, seed)
+            row = asyncio.run(open_loop(url, prompts, rate, args.output_len, args.preset, seed=k))
+            print("server:", row, flush=True)
+            rows.append(dict(run=f"server {rate:g} req/s", **row))
+    finally:
+        process.terminate()
+        process.wait(timeout=120)
+
+    model = mf.load_model(args.preset, dtype=torch.bfloat16 if args.device.startswith("cuda") else None,
+                          device=args.device)
+    offline = run_throughput(model, num_prompts=args.num_prompts, input_len=input_len, output_len=args.output_len,
+                             backend=args.backend, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens, seed=0, progress=False)
+    print("offline:", offline, flush=True)
+    rows.append(dict(run="offline engine", rate=float("inf"), **{k: offline[k] for k in (
+        "num_prompts", "output_tokens", "seconds", "output_tok_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
+        "itl_ms_p50", "itl_ms_p90", "itl_ms_p99")}))
+    saturated = next((r for r in rows if r["rate"] == float("inf") and r["run"].startswith("server")), None)
+    summary = {}
+    if saturated is not None:
+        extra = saturated["seconds"] - offline["seconds"]
+        summary = dict(vs_offline=saturated["output_tok_s"] / offline["output_tok_s"],
+                       overhead_ms_per_request=1e3 * extra / args.num_prompts,
+                       overhead_us_per_token=1e6 * extra / saturated["output_tokens"])
+        saturated.update(summary)
+    cuda = args.device.startswith("cuda")
+    result = dict(
+        preset=args.preset, backend=args.backend, output_len=args.output_len, input_len=list(input_len),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu=common.gpu_name() if cuda else "cpu", device=common.gpu_slug() if cuda else "cpu",
+        date=common.today(), commit=common.git_commit(args.commit), torch=torch.__version__,
+        rows=[{k: (None if v == float("inf") else v) for k, v in r.items()} for r in rows], **summary)
+    path = common.write_json(result, args.out, "serve")
+    log.replace(path.with_suffix(".server.log"))
+    print(f"\n{result['gpu']} -> {path}")
+    common.print_table(rows, [
+        ("run", "run"), ("num_prompts", "requests"), ("output_tokens", "output tok"), ("seconds", "s"),
+        ("output_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
+        ("itl_ms_p50", "ITL p50 ms"), ("itl_ms_p99", "ITL p99 ms"), ("vs_offline", "x offline"),
+        ("overhead_ms_per_request", "ms/req over"), ("overhead_us_per_token", "us/tok over"),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Linear layers of block-scaled FP8 weights: a block GEMM on FP8 tensor cores, and a weight stream for decode.
+
+Both kernels step K in tiles that lie inside one scale block, take the tile's product on tensor
+cores into a fresh float32 tile, and add it to the accumulator times its scales: the weight
+block's scale per output column (a gather of ceil(BLOCK_N / bn) values), and with w8a8 the
+activation group's scale per row. That is `reference.fp8.fp8_linear`'s math; only the order of
+the float32 additions differs (and Hopper's FP8 products accumulate inside one tile in fewer
+bits than float32, which is why the scaled sum is taken per K tile, never over the whole K).
+
+* `_block_gemm_kernel` (more than STREAM_MAX_ROWS rows: prefill, large batches): output tiles in
+  grouped order, so that GROUP_M row tiles reuse a band of weight columns from L2. With w8a8 both
+  operands are FP8 (x quantized first by `fp8_quant`); otherwise x stays 16-bit and the weight
+  tile is widened to it in registers (FP8 values are exact in bf16 and fp16).
+* `_stream_kernel` (up to STREAM_MAX_ROWS rows: decode): a program owns BLOCK_N weight rows and
+  streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
+  handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
+  programs and sums the splits in a second launch in split order (`linear_widened.sum_splits`),
+  so the bits do not depend on timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_same_device, check_shape
+from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
+from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl, sm_count
+from .fp8_quant import quantize_activations
+from .linear_widened import sum_splits
+
+# Rows up to which the weight stream runs; its tile holds them all (padded to 16).
+STREAM_MAX_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class GemmTiles:
+    """The block GEMM's [block_m, block_n] output tile, its K step, tile grouping, warps and stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTiles:
+    """The weight stream's [block_n, block_k] weight tile, its K split, warps and stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# H100, w8a8, GEMM alone: [1024 | 4096, 7168] x [7168 | 18432, 7168]^T at 475-584 TFLOP/s; 128 x 256
+# tiles 319 and 64-deep K steps 387 at [4096] x [18432]^T (2026-11-27).
+_GPU_GEMM_W8A8 = GemmTiles(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+# A 16-bit x tile takes twice the shared memory of an FP8 one: one stage less.
+_GPU_GEMM_WIDE = GemmTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_INTERPRETER_GEMM = GemmTiles(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+# The stream splits K until there are this many programs a multiprocessor: fewer leave too few
+# loads in flight. H100, [7168, 7168] weight, 1 or 16 bf16 rows, 64-wide tiles: 2 splits (224
+# programs) 28.8 us, 4 splits 29.7, none 41.5; 8 warps or 128-wide tiles were slower.
+_STREAM_PROGRAMS_PER_SM = 2
+
+
+def gemm_tiles(w8a8: bool, on_gpu: bool) -> GemmTiles:
+    """The block GEMM's tiles (its K step is further capped at the scale block's K)."""
+    if not on_gpu:
+        return _INTERPRETER_GEMM
+    return _GPU_GEMM_W8A8 if w8a8 else _GPU_GEMM_WIDE
+
+
+def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> StreamTiles:
+    """The weight stream's tiles for an [n_out, k_in] weight in blocks of block_k columns.
+
+    K splits are whole scale blocks, and as many as bring the programs to
+    _STREAM_PROGRAMS_PER_SM per multiprocessor (at most one split a K block).
+    """
+    on_gpu = device.type == "cuda"
+    block_n, step = (64, min(128, block_k)) if on_gpu else (16, min(32, block_k))
+    col_tiles = triton.cdiv(n_out, block_n)
+    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), col_tiles)
+    split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
+    return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4, num_stages=4 if on_gpu else 1)
+
+
+@triton.jit
+def scaled_dot(a, b, acc, a_scale, b_scale, W8A8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + (a @ b) * a_scale[:, None] * b_scale[None, :], the product in a fresh float32 tile.
+
+    a [M, K], b [K, N]; with W8A8 both FP8; otherwise b (FP8) is widened to a's dtype and
+    a_scale is not read (pass b_scale again).
+    """
+    if W8A8:
+        return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+    return acc + tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_scale[None, :]
+
+
+# The row count follows the step's batch: a plain argument, not one compile per count.
+@triton.jit(do_not_specialize=["num_rows"])
+def _block_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
+    num_rows, n_out, k_in,
+    s_at, s_ak, s_ast, s_asb, s_wn, s_wk, s_wsn, s_wsb, s_yt, s_yn,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(num_rows, BLOCK_M)
+    tiles_n = tl.cdiv(n_out, BLOCK_N)
+    # GROUP_M row tiles in a row walk one band of weight columns together (L2 reuse).
+    band = pid // (GROUP_M * tiles_n)
+    first_m = band * GROUP_M
+    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % band_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // band_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows and columns read row / column 0 and are never stored: no masks on M and N.
+    safe_rows = tl.where(rows < num_rows, rows, 0)
+    safe_cols = tl.where(cols < n_out, cols, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + safe_rows[:, None].to(tl.int64) * s_at + offs_k[None, :] * s_ak
+    w_ptrs = w_ptr + safe_cols[None, :].to(tl.int64) * s_wn + offs_k[:, None] * s_wk
+    ws_ptrs = ws_ptr + (safe_cols // SCALE_N) * s_wsn
+    as_ptrs = as_ptr + safe_rows * s_ast
+    if GDC:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = k0 + offs_k < k_in
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        w_scale = tl.load(ws_ptrs + (k0 // SCALE_K) * s_wsb)
+        a_scale = w_scale
+        if W8A8:
+            a_scale = tl.load(as_ptrs + (k0 // SCALE_K) * s_asb)
+        acc = scaled_dot(a, w, acc, a_scale, w_scale, W8A8, DOT_PRECISION)
+        a_ptrs += BLOCK_K * s_ak
+        w_ptrs += BLOCK_K * s_wk
+    if GDC:
+        gdc_launch_dependents()
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * s_yt + cols[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rows < num_rows)[:, None] & (cols < n_out)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _stream_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr,
+    num_rows, n_out, k_in, k_per_split,
+    s_xt, s_xk, s_xst, s_xsb, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_T)
+    col_mask = cols < n_out
+    row_mask = rows < num_rows
+    # Split s sums K in [s * k_per_split, (s + 1) * k_per_split) into its own slice of y.
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k_in)
+    y_ptr += tl.program_id(1).to(tl.int64) * s_ys
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
+    ws_rows = ws_ptr + (cols // SCALE_N) * s_wsn
+    offs_k = tl.arange(0, BLOCK_K)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_hi
+        w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[None, :] * s_xt + ks[:, None] * s_xk, mask=row_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        w_scale = tl.load(ws_rows + (k0 // SCALE_K) * s_wsb, mask=col_mask, other=0.0)
+        if W8A8:
+            x_scale = tl.load(xs_ptr + rows * s_xst + (k0 // SCALE_K) * s_xsb, mask=row_mask, other=0.0)
+            acc += tl.dot(w, x) * (w_scale[:, None] * x_scale[None, :])
+        else:
+            acc += tl.dot(w.to(x.dtype), x, input_precision=DOT_PRECISION) * w_scale[:, None]
+    tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[None, :] & col_mask[:, None])
+
+
+def check_block_k(block: tuple[int, int]) -> None:
+    """Raise ValueError unless the scale block's K (bk) suits the kernels' K steps: a power of two,
+    at least 32 (the narrowest FP8 tensor-core step), so that a step never straddles two blocks."""
+    if block[1] < 32 or block[1] != next_pow2(block[1]):
+        raise ValueError(f"block: the K block must be a power of two of at least 32 for the FP8 kernels, got {block}")
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *,
+               block: tuple[int, int] = DEFAULT_BLOCK, w8a8: bool = False, out_dtype: torch.dtype | None = None,
+               gemm: GemmTiles | None = None, stream: StreamTiles | None = None) -> torch.Tensor:
+    """Contract of `reference.fp8.fp8_linear`: y = x @ w^T for a block-scaled FP8 weight.
+
+    x [T, K] bf16 / fp16 / fp32 (any strides); values [N, K] float8_e4m3fn; scale_inv
+    [ceil(N/bn), ceil(K/bk)] float32 (bk a power of two >= 32) -> y [T, N] in out_dtype (x's
+    by default). w8a8 quantizes x per token and group of bk (`fp8_quant`) and multiplies FP8 by
+    FP8; otherwise x's dtype meets the widened weight. Up to STREAM_MAX_ROWS rows take the weight
+    stream, more the block GEMM. `gemm` / `stream` override the tiles (sweeps).
+    """
+    num_rows, k_in = x.shape
+    n_out = values.shape[0]
+    check_float("x", x)
+    check_fp8_weight("values", values, scale_inv, block)
+    check_shape("values", values, (n_out, k_in))
+    check_same_device(x=x, values=values, scale_inv=scale_inv)
+    check_block_k(block)
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
+    if num_rows == 0 or n_out == 0:
+        return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
+    if w8a8:
+        a, a_scales = quantize_activations(x, block[1])
+    else:
+        a, a_scales = x, scale_inv
+    if num_rows <= STREAM_MAX_ROWS:
+        return _stream(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, stream)
+    return block_gemm(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, gemm)
+
+
+def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
+               block: tuple[int, int], w8a8: bool, out_dtype: torch.dtype, x_dtype: torch.dtype,
+               tiles: GemmTiles | None = None) -> torch.Tensor:
+    """The block GEMM alone, on inputs `fp8_linear` checked: a [T, K] (FP8 with scales [T, kb] under
+    w8a8, else x itself and any float32 tensor for a_scales) times values [N, K] -> y [T, N]."""
+    num_rows, k_in = a.shape
+    n_out = values.shape[0]
+    t = tiles or gemm_tiles(w8a8, a.device.type == "cuda")
+    block_k = min(t.block_k, block[1])
+    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=a.device)
+    use_pdl = pdl(a.device)
+    grid = (triton.cdiv(num_rows, t.block_m) * triton.cdiv(n_out, t.block_n),)
+    _block_gemm_kernel[grid](
+        a, a_scales, values, scale_inv, y,
+        num_rows, n_out, k_in,
+        *a.stride(), *a_scales.stride(), *values.stride(), *scale_inv.stride(), *y.stride(),
+        SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8, EVEN_K=k_in % block_k == 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=t.group_m,
+        DOT_PRECISION=dot_precision(x_dtype), GDC=use_pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=use_pdl,
+    )
+    return y
+
+
+def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
+            block: tuple[int, int], w8a8: bool, out_dtype: torch.dtype, x_dtype: torch.dtype,
+            tiles: StreamTiles | None) -> torch.Tensor:
+    """The weight stream for a [T <= STREAM_MAX_ROWS, K] x (FP8 with scales under w8a8) -> y [T, N]."""
+    num_rows, k_in = a.shape
+    n_out = values.shape[0]
+    c = tiles or stream_tiles(n_out, k_in, block[1], a.device)
+    block_k = min(c.block_k, block[1])
+    # Each split's share of K is a whole number of scale blocks.
+    k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), block[1]) * block[1]
+    split_k = triton.cdiv(k_in, k_per_split)
+    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=a.device)
+    out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=a.device)
+    use_pdl = pdl(a.device)
+    _stream_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
+        a, a_scales, values, scale_inv, out,
+        num_rows, n_out, k_in, k_per_split,
+        *a.stride(), *a_scales.stride(), *values.stride(), *scale_inv.stride(), num_rows * n_out, *y.stride(),
+        SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8,
+        BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(x_dtype), GDC=use_pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    if split_k > 1:
+        sum_splits(out, y, use_pdl)
+    return y

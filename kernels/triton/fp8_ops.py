@@ -1,0 +1,97 @@
+"""The Triton table's products, taking block-scaled FP8 weights to the FP8 kernels.
+
+Each op of the `Linear`, `RmsNormLinear` and `FusedMoe` contracts sends a plain weight to the
+table's 16-bit kernel and a `BlockFP8Weight` to `fp8_linear` / `fp8_fused_moe`, which read its
+one byte a value and apply the scales in the accumulator: the reference's dequantized-weight math
+(activations stay in their dtype), as the contracts define it. A weight whose K block the FP8
+kernels cannot step through (`check_block_k`: a power of two of at least 32; only a regrouped
+weight of a tiny test shape has another) is dequantized into the 16-bit kernel instead.
+
+The batch-invariant table keeps `dequantizing`'s wrappers: the FP8 kernels take a different path
+above `STREAM_MAX_ROWS` rows, so a row's bits would follow the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+
+from ..quantized import BlockFP8Weight, Weight, dequantized
+from .fp8_linear import fp8_linear
+from .fp8_moe import fp8_fused_moe
+from .norm import rms_norm
+
+Tensor = torch.Tensor
+
+
+def _fp8_ready(w: Weight) -> bool:
+    """Whether the FP8 kernels take `w` as it is."""
+    if not isinstance(w, BlockFP8Weight):
+        return False
+    bk = w.block[1]
+    return bk >= 32 and bk & (bk - 1) == 0
+
+
+def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype: torch.dtype | None) -> Tensor:
+    if _fp8_ready(weight):
+        assert isinstance(weight, BlockFP8Weight)  # for the type checker: `_fp8_ready` said so
+        return fp8_linear(x, weight.values, weight.scale_inv, block=weight.block, out_dtype=out_dtype)
+    return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Linear:
+    """`contracts.Linear`: `dense(x, weight [N, K] tensor, *, out_dtype)` for plain weights."""
+
+    dense: Callable[..., Tensor]
+
+    def __call__(self, x: Tensor, weight: Weight, /, *, out_dtype: torch.dtype | None = None) -> Tensor:
+        """x [T, K], weight [N, K] -> [T, N] (see `contracts.Linear`)."""
+        return _product(x, weight, self.dense, out_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8RmsNormLinear:
+    """`contracts.RmsNormLinear`: `dense(x, norm_weight, eps, weight, residual)` for plain weights; an FP8
+    weight takes the norm, then `fp8_linear` (no fused kernel reads FP8 weights)."""
+
+    dense: Callable[..., Any]
+    linear: Callable[..., Tensor]
+
+    @overload
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /, residual: None = None
+                 ) -> Tensor: ...
+    @overload
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /, residual: Tensor
+                 ) -> tuple[Tensor, Tensor]: ...
+
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /,
+                 residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x, residual [T, K]; weight [N, K] -> y [T, N] (and x + residual); see `contracts.RmsNormLinear`."""
+        if not isinstance(weight, BlockFP8Weight):
+            out: Tensor | tuple[Tensor, Tensor] = self.dense(x, norm_weight, eps, weight, residual)
+            return out
+        if residual is None:
+            return _product(rms_norm(x, norm_weight, eps), weight, self.linear, None)
+        normed, summed = rms_norm(x, norm_weight, eps, residual)
+        return _product(normed, weight, self.linear, None), summed
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8FusedMoe:
+    """`contracts.FusedMoe`: `dense(x, w13, w2, topk_weights, topk_ids, *, out_dtype)` for plain weights."""
+
+    dense: Callable[..., Tensor]
+
+    def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
+        """x [T, D] -> [T, D] in out_dtype (see `contracts.FusedMoe`)."""
+        if (_fp8_ready(w13) and _fp8_ready(w2) and isinstance(w13, BlockFP8Weight) and isinstance(w2, BlockFP8Weight)
+                and w13.block == w2.block):
+            return fp8_fused_moe(x, w13.values, w13.scale_inv, w2.values, w2.scale_inv, topk_weights, topk_ids,
+                                 block=w13.block, out_dtype=out_dtype)
+        return self.dense(x, dequantized(w13, x.dtype), dequantized(w2, x.dtype), topk_weights, topk_ids,
+                          out_dtype=out_dtype)

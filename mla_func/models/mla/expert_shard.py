@@ -1,0 +1,119 @@
+"""Expert parallelism for DeepSeek-V2/V3/V3.2: each rank holds whole routed experts, E / n of them.
+
+Rank r of n holds routed experts [r E / n, (r + 1) E / n) whole, and 1 / n of the shared experts'
+columns (as tensor parallelism cuts them). Attention and dense layers are cut as tensor
+parallelism cuts them (`shard`). The router is whole on every rank and sees the same bits
+everywhere, so every rank makes the same choice; a rank runs the chosen experts it holds (the
+others' ids become -1, which take no expert) and its share of the shared experts, and the layer's
+all-reduce sums the ranks' partial sums: the collective is the tensor-parallel one, and no token
+moves (every rank holds every token already). A rank reads only its own experts' bytes; the
+shared experts, a few per layer, are read whole one layer at a time and cut in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_func.core.config import ModelConfig, refuse
+from mla_func.core.params import Params, TensorFetch, TensorGet
+from mla_func.kernels import Ops
+from mla_func.models.mla.moe import feed_forward
+from mla_func.models.mla.params import MLPParams, MoEParams, layer_params, mla_params_from_hf
+from mla_func.parallel.shard import Shard
+from mla_func.pytree import register_dataclass, static_field
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
+class ExpertShardParams:
+    """One rank's share of a MoE block under expert parallelism (float weights).
+
+    E routed experts in all, n ranks, S shared experts of I columns.
+    """
+
+    gate: torch.Tensor                    # [E, D] the whole router, float32 (float64 in a float64 model)
+    w13: torch.Tensor                     # [E / n, 2I, D] routed experts first_expert.., gate rows then up rows
+    w2: torch.Tensor                      # [E / n, D, I]
+    first_expert: int = static_field()    # the router's id of w13[0]
+    shared_w13: torch.Tensor | None = None  # [S, 2I / n, D] this rank's columns of each shared expert
+    shared_w2: torch.Tensor | None = None   # [S, D, I / n]
+    e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
+
+
+def expert_shard_moe(p: ExpertShardParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
+                     ops: Ops) -> torch.Tensor:
+    """This rank's partial sum of the MoE block: x [T, D]; valid [T] bool -> [T, D] in at least float32."""
+    c = config
+    out_dtype = torch.promote_types(x.dtype, torch.float32)
+    topk_weights, topk_ids = ops.moe.route(
+        x, p.gate, p.e_score_correction_bias, valid, top_k=c.num_experts_per_tok, scoring_func=c.scoring_func,
+        topk_method=c.topk_method, n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor)                                  # [T, k], ids of all E
+    local = topk_ids - p.first_expert
+    held = (local >= 0) & (local < p.w13.shape[0])
+    out = ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, torch.where(held, local, -1), out_dtype=out_dtype)
+    if p.shared_w13 is None or p.shared_w2 is None:
+        return out
+    # Every real token takes every shared expert with weight 1; padded rows take none.
+    num_shared = p.shared_w13.shape[0]
+    ids = torch.arange(num_shared, device=x.device).expand(x.shape[0], num_shared)
+    ids = torch.where(valid.unsqueeze(-1), ids, -1)
+    ones = torch.ones(ids.shape, dtype=topk_weights.dtype, device=x.device)
+    return out + ops.moe.fused_moe(x, p.shared_w13, p.shared_w2, ones, ids, out_dtype=out_dtype)
+
+
+def feed_forward_of(p: MLPParams | MoEParams | ExpertShardParams, x: torch.Tensor, valid: torch.Tensor,
+                    config: ModelConfig, ops: Ops) -> torch.Tensor:
+    """The layer's feed-forward block, an expert-parallel rank's share included: x [T, D] -> [T, D]."""
+    if isinstance(p, ExpertShardParams):
+        return expert_shard_moe(p, x, valid, config, ops)
+    return feed_forward(p, x, valid, config, ops)
+
+
+def _columns(w: torch.Tensor, shard: Shard, dim: int) -> torch.Tensor:
+    start, stop = shard.bounds(w.shape[dim])
+    return w.narrow(dim, start, stop - start).contiguous()
+
+
+def _expert_shard(p: MoEParams, first: int, per_rank: int, shard: Shard) -> ExpertShardParams:
+    """p as `layer_params(routed=range(first, first + per_rank))` made it (w13 [per_rank + S, 2I, D], the
+    shared experts whole) -> this rank's share."""
+    w13, w2 = p.w13, p.w2
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        raise ValueError("expert parallelism holds float weights only (this checkpoint's experts are FP8)")
+    shared_w13 = shared_w2 = None
+    if w13.shape[0] > per_rank:
+        gate, up = w13[per_rank:].chunk(2, dim=1)                                # [S, I, D] each
+        shared_w13 = torch.cat([_columns(gate, shard, 1), _columns(up, shard, 1)], dim=1)
+        shared_w2 = _columns(w2[per_rank:], shard, 2)
+    return ExpertShardParams(gate=p.gate, w13=w13[:per_rank].contiguous(), w2=w2[:per_rank].contiguous(),
+                             first_expert=first, shared_w13=shared_w13, shared_w2=shared_w2,
+                             e_score_correction_bias=p.e_score_correction_bias)
+
+
+def mla_expert_parallel_params(config: ModelConfig, fetch: TensorFetch, *, rank: int, ranks: int, dtype: torch.dtype,
+                               device: torch.device | str, progress: bool = False,
+                               max_model_len: int | None = None) -> Params:
+    """`Family.expert_parallel_params` of DeepSeek-V2/V3/V3.2: rank `rank` of `ranks`'s params, reading
+    its own routed experts only (`fetch` reads this rank's shard of the other cut tensors)."""
+    experts = config.n_routed_experts or 0
+    if experts % ranks:
+        raise refuse("n_routed_experts", experts, f"expert parallelism over {ranks} ranks holds whole experts: "
+                     f"must be a multiple of {ranks}")
+    per_rank = experts // ranks
+    first = rank * per_rank
+    shard = Shard(dim=0, index=rank, count=ranks)
+
+    def layer(c: ModelConfig, i: int, get: TensorGet, layer_dtype: torch.dtype) -> Any:
+        p = layer_params(c, i, get, layer_dtype, routed=range(first, first + per_rank))
+        if not isinstance(p.mlp, MoEParams):
+            return p
+        return dataclasses.replace(p, mlp=_expert_shard(p.mlp, first, per_rank, shard))
+
+    return mla_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
+                              max_model_len=max_model_len, layer=layer)
+

@@ -1,0 +1,154 @@
+"""Triton FP8 kernels (activation quantization, linear, fused MoE) against the FP8 reference.
+
+On the CPU they run in Triton's interpreter at small sizes whose blocks are partial at the N and K
+edges; the `gpu` tests run DeepSeek-V3's shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from support.kernel_cases import TOLERANCE, assert_close, generator, randn, strided
+from mla_func.checkpoint.fp8 import block_quantize
+from mla_func.kernels.reference import fp8 as ref
+from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
+
+
+def _weight(shape, gen, device):
+    """Block-quantized random weights [..., N, K] (scaled so that products stay near 1)."""
+    full = torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5
+    pairs = [block_quantize(w) for w in full.view(-1, *shape[-2:])]
+    return (torch.stack([v for v, _ in pairs]).view(shape),
+            torch.stack([s for _, s in pairs]).view(*shape[:-2], *pairs[0][1].shape))
+
+
+def _expected_linear(x, values, scale_inv, w8a8):
+    # x.double() quantizes to the same FP8 values as x, so the float64 oracle takes every path.
+    return ref.fp8_linear(x.double(), values, scale_inv, w8a8=w8a8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_activations_is_the_reference_bit_for_bit(dtype, device):
+    gen = generator(0, device)
+    x = (randn((5, 328), torch.float32, device, gen) * torch.logspace(-7, 3, 328, device=device)).to(dtype)
+    x[1, :128] = 0.0
+    values, scales = fp8_quant.quantize_activations(x)
+    want_values, want_scales = ref.quantize_activations(x)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    rows, _ = fp8_quant.quantize_activations(strided(x, gen), scales_by_group=False)
+    assert torch.equal(rows.view(torch.uint8), want_values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [3, 24])   # the weight stream, the block GEMM
+def test_fp8_linear(num_tokens, dtype, w8a8, device):
+    gen = generator(num_tokens, device)
+    x = randn((num_tokens, 200), dtype, device, gen)
+    values, scale_inv = _weight((136, 200), gen, device)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8)
+    assert y.dtype == dtype and y.shape == (num_tokens, 136)
+    assert_close(y, _expected_linear(x, values, scale_inv, w8a8), dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [2, 20])
+def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
+    gen = generator(10 + num_tokens, device)
+    x = strided(randn((num_tokens, 320), torch.bfloat16, device, gen), gen)
+    values, scale_inv = _weight((72, 320), gen, device)
+    expected = _expected_linear(x, values, scale_inv, True)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=True, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert_close(y, expected, torch.float32, table={torch.float32: dict(atol=1e-4, rtol=1e-4)})
+    # Splits of K (whole scale blocks) summed in split order: the stream's product, differently added.
+    split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
+    assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split), _expected_linear(x, values, scale_inv, False),
+                 torch.bfloat16)
+
+
+def test_fp8_linear_rejects_bad_inputs(device):
+    values, scale_inv = _weight((64, 128), generator(3, device), device)
+    x = torch.randn(2, 128, device=device)
+    with pytest.raises(ValueError, match="scale_inv"):
+        fp8_linear.fp8_linear(x, values, scale_inv[:, :0])
+    with pytest.raises(ValueError, match="power of two"):
+        fp8_linear.fp8_linear(x, values, torch.ones(1, 8, device=device), block=(128, 16))
+    with pytest.raises(ValueError, match="values"):
+        fp8_linear.fp8_linear(torch.randn(2, 96, device=device), values, scale_inv)
+
+
+def _moe_inputs(num_tokens, hidden, inter, num_experts, top_k, dtype, device, seed):
+    gen = generator(seed, device)
+    x = randn((num_tokens, hidden), dtype, device, gen)
+    w13, s13 = _weight((num_experts, 2 * inter, hidden), gen, device)
+    w2, s2 = _weight((num_experts, hidden, inter), gen, device)
+    scores = torch.rand((num_tokens, num_experts), generator=gen, device=device)
+    weights, ids = scores.topk(top_k, dim=1)
+    if num_tokens > 1:
+        ids[-1] = -1             # a padded row
+    if num_tokens > 2:
+        ids[1, 0] = -1           # a dropped slot in a real row
+    return x, w13, s13, w2, s2, (weights / weights.sum(1, keepdim=True)).float(), ids
+
+
+def _check_moe(inputs, dtype, w8a8, config=None, table=None):
+    x, *weights, topk_weights, topk_ids = inputs
+    out = fp8_moe.fp8_fused_moe(*inputs, w8a8=w8a8, config=config)
+    # w8a8 quantizes the activation as rounded to x's dtype: the oracle runs in that dtype too.
+    oracle_x = x if w8a8 else x.double()
+    expected = ref.fp8_fused_moe(oracle_x, *weights, topk_weights, topk_ids, w8a8=w8a8)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, expected, dtype, **({"table": table} if table else {}))
+    if x.shape[0] > 1:
+        assert torch.all(out[-1] == 0)
+    return out
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [4, 30])   # sorted inside gate/up, by `moe_align`
+def test_fp8_fused_moe(num_tokens, dtype, w8a8, device):
+    inputs = _moe_inputs(num_tokens, 160, 96, 6, 3, dtype, device, seed=num_tokens)
+    _check_moe(inputs, dtype, w8a8)
+
+
+def test_fp8_fused_moe_larger_tiles(device):
+    # The prefill tiles' shape (one 64-row tile an expert) on the same function.
+    inputs = _moe_inputs(9, 160, 96, 4, 2, torch.bfloat16, device, seed=5)
+    config = dataclasses.replace(fp8_moe.fp8_moe_config(18, 4, device), block_m=64)
+    _check_moe(inputs, torch.bfloat16, False, config)
+
+
+# --- on the GPU: DeepSeek-V3's shapes in bf16 -------------------------------------------------
+
+# Hopper's FP8 tensor cores sum a K tile's products in fewer bits than float32 (about 14 bits of
+# mantissa kept, which is why the scaled sum is promoted every K tile): a few elements of a
+# million land past bf16's tolerance (H100, 7168 x 2048 at 1024 rows: 3 of 7.3M, by at most 0.039).
+_GPU_W8A8_TOLERANCE = {torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 64, 1024])
+@pytest.mark.parametrize("n, k", [(7168, 7168), (18432, 7168), (576, 7168), (7168, 2048)])
+def test_fp8_linear_gpu(n, k, num_tokens, w8a8):
+    device = torch.device("cuda")
+    gen = generator(n + num_tokens, device)
+    x = randn((num_tokens, k), torch.bfloat16, device, gen)
+    values, scale_inv = _weight((n, k), gen, device)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8)
+    expected = _expected_linear(x, values, scale_inv, w8a8)
+    assert_close(y, expected, torch.bfloat16, table=_GPU_W8A8_TOLERANCE if w8a8 else TOLERANCE)
+    assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 512])
+def test_fp8_fused_moe_gpu(num_tokens, w8a8):
+    # V3's expert shapes (D 7168, I 2048), 16 experts, top-8.
+    inputs = _moe_inputs(num_tokens, 7168, 2048, 16, 8, torch.bfloat16, torch.device("cuda"), seed=num_tokens)
+    _check_moe(inputs, torch.bfloat16, w8a8, table=_GPU_W8A8_TOLERANCE if w8a8 else None)

@@ -1,0 +1,88 @@
+"""`mla-func serve` run as a user runs it: a subprocess on 127.0.0.1, on the CPU path, talked to over HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from support.cli_process import ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics' samples: 'name{labels}' -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def rss_bytes(self) -> int:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        match = re.search(r"VmRSS:\s+(\d+) kB", status)
+        assert match is not None, status
+        return int(match.group(1)) * 1024
+
+    def stop(self, timeout: float = 60) -> tuple[int, str]:
+        """SIGTERM, then the exit status and what it wrote on stderr."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=timeout)
+        return code, self.log.read_text()
+
+
+def start_server(*args: str, timeout: float = 120) -> ServerProcess:
+    """`mla-func serve ARGS --device cpu --port <free>`, once /health answers 200."""
+    port = free_port()
+    exe = shutil.which("mla-func")
+    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    log = Path(tempfile.mkstemp(prefix="mla-func-serve-", suffix=".log")[1])
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([*command, "serve", *args, "--device", "cpu", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{log.read_text()}")
+
+
+def stopped_cleanly(server: ServerProcess) -> None:
+    """Stop the server with SIGTERM; it must end by that signal (uvicorn raises it again once its shutdown
+    is done, as a process stopped by it does) having aborted nothing and with no KV block held."""
+    code, log = server.stop()
+    os.unlink(server.log)
+    assert code == -signal.SIGTERM, log
+    assert "shutdown: 0 requests aborted, 0 KV blocks in use" in log, log
