@@ -13,7 +13,15 @@ those of the offline run (`mla_func.serving.benchmark.run_throughput`, seed 0), 
 process once the server has stopped, with the same engine limits. Target: the server's output
 tokens/s at saturation >= 90% of the offline engine's. The server's overhead per request and per
 token is the saturation run's extra time over the offline run's, divided by requests and by tokens.
-Prints a table and writes JSON under bench/results/serve/.
+Each server row also has the CPU time per output token of the server's event-loop thread (its HTTP
+work, which holds the GIL the engine's thread needs between its steps) and of its other threads (the
+engine's), read from /proc (Linux): unlike the timings, these hardly move when the client shares the
+machine's cores. Prints a table and writes JSON under bench/results/serve/.
+
+The host overhead shows without a GPU (tiny model, 2 cores, the client on the same machine):
+
+    OMP_NUM_THREADS=1 python bench/serve.py --preset tiny --device cpu --num-prompts 128 --min-input-len 16 \
+        --max-input-len 64 --output-len 64 --rates inf
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -99,6 +108,27 @@ def start_server(args: argparse.Namespace, max_model_len: int, log: Path) -> tup
     raise RuntimeError(f"the server did not start:\n{log.read_text()}")
 
 
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of process `pid`'s main thread (the server's event loop) and of
+    its other threads together; (nan, nan) where /proc is not there."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = others = 0.0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            if task.name == str(pid):
+                main += seconds
+            else:
+                others += seconds
+    except OSError:
+        return float("nan"), float("nan")
+    return main, others
+
+
 def common_free_port() -> int:
     import socket
 
@@ -140,7 +170,11 @@ def main() -> None:
         for k, rate in enumerate(rates):
             seed = 0 if rate == float("inf") else 100 + k
             prompts = random_requests(vocab, args.num_prompts, input_len, seed)
+            cpu_before = thread_cpu_s(process.pid)
             row = asyncio.run(open_loop(url, prompts, rate, args.output_len, args.preset, seed=k))
+            cpu_after = thread_cpu_s(process.pid)
+            row["loop_cpu_us_per_token"], row["engine_cpu_us_per_token"] = (
+                1e6 * (after - before) / row["output_tokens"] for before, after in zip(cpu_before, cpu_after))
             print("server:", row, flush=True)
             rows.append(dict(run=f"server {rate:g} req/s", **row))
     finally:
@@ -179,6 +213,7 @@ def main() -> None:
         ("output_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
         ("itl_ms_p50", "ITL p50 ms"), ("itl_ms_p99", "ITL p99 ms"), ("vs_offline", "x offline"),
         ("overhead_ms_per_request", "ms/req over"), ("overhead_us_per_token", "us/tok over"),
+        ("loop_cpu_us_per_token", "loop CPU us/tok"), ("engine_cpu_us_per_token", "engine CPU us/tok"),
     ])
 
 

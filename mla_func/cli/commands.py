@@ -133,6 +133,11 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     # A tuple field: the option may be repeated, each time adding one string.
     SamplingOption("--stop", "stop", tuple, (),
                    "stop before this text, which is not printed (repeat for several, at most 16; default: none)"),
+    SamplingOption("--n", "n", int, 1, "samples of the prompt: the first streams, the others follow it"),
+    SamplingOption("--logprobs", "logprobs", int, None,
+                   "after the text, each generated token's logprob and this many likeliest alternatives (0 to 20)"),
+    SamplingOption("--prompt-logprobs", "prompt_logprobs", int, None,
+                   "after the text, each prompt token's logprob and this many likeliest alternatives (0 to 20)"),
 )
 
 
@@ -440,7 +445,7 @@ def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | li
     if args.chat is not None:
         check_chat_template(source, args.model)
     model = load(args, device, say=lambda msg: None, parallel=parallel)
-    engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=1,
+    engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=params.n,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
                     batch_invariant=args.batch_invariant)
     return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)

@@ -14,7 +14,7 @@ from typing import TextIO
 from tokenizers.decoders import DecodeStream
 
 from mla_func.serving.engine import Engine
-from mla_func.serving.requests import chat_token_ids
+from mla_func.serving.requests import Completion, TokenLogprob, chat_token_ids
 from mla_func.serving.sampling import SamplingParams
 
 EXIT_ERROR = 2
@@ -100,11 +100,16 @@ def stream_completion(engine: Engine, prompt: str | list[dict[str, str]], params
     generated = 0
     finish_reason = "none"
     status = 0
+    completions: dict[int, Completion] = {}  # by choice: what follows the streamed sample
     try:
         for event in engine.generate_stream([ids], params):
             if event.completion is not None and event.completion.error is not None:
                 print(f"error: {event.completion.error}", file=err)
                 return EXIT_ERROR
+            if event.completion is not None:
+                completions[event.choice] = event.completion
+            if event.choice != 0:
+                continue  # --n: the other samples are printed whole after the first
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             generated += 1
@@ -125,8 +130,42 @@ def stream_completion(engine: Engine, prompt: str | list[dict[str, str]], params
         finish_reason, status = "interrupted", EXIT_INTERRUPTED
     finished = time.perf_counter()
     print(file=out, flush=True)
+    if status == 0:
+        write_after_text(engine, completions, params, out)
     drafts = engine.speculative_stats
     stats = StreamStats(len(ids), generated, started, first_token_at, finished, finish_reason, drafts.drafted,
                         drafts.accepted, seed=None if params.greedy else params.seed)
     print(stats.summary(), file=err, flush=True)
     return status
+
+
+def write_after_text(engine: Engine, completions: dict[int, Completion], params: SamplingParams, out: TextIO) -> None:
+    """What follows the streamed text: with `--n`, each other sample's text under a header; with
+    `--logprobs` / `--prompt-logprobs`, a line per token: the token, its logprob, its likeliest alternatives."""
+    for choice in sorted(completions):
+        completion = completions[choice]
+        if choice:
+            print(f"--- sample {choice + 1} of {params.n} ---", file=out)
+            print(_text(engine, completion.token_ids) if completion.text is None else completion.text, file=out)
+        if completion.prompt_logprobs is not None and choice == 0:  # the same for every sample
+            print("--- prompt logprobs ---", file=out)
+            for token, entry in zip(completion.prompt_token_ids, completion.prompt_logprobs):
+                print(_logprob_line(engine, token, entry), file=out)
+        if completion.logprobs is not None:
+            print(f"--- logprobs{'' if params.n == 1 else f' of sample {choice + 1}'} ---", file=out)
+            for token, entry in zip(completion.token_ids, completion.logprobs):
+                print(_logprob_line(engine, token, entry), file=out)
+    out.flush()
+
+
+def _text(engine: Engine, token_ids: tuple[int, ...]) -> str:
+    tokenizer = engine.model.tokenizer
+    return tokenizer.decode(list(token_ids)) if tokenizer is not None else " ".join(map(str, token_ids))
+
+
+def _logprob_line(engine: Engine, token: int, entry: TokenLogprob | None) -> str:
+    """`'piece' -0.1234  'a' -0.1, 'b' -2.3` (a prompt's first token, which has none: `'piece' -`)."""
+    if entry is None:
+        return f"{_text(engine, (token,))!r} -"
+    alternatives = ", ".join(f"{_text(engine, (t,))!r} {v:.4f}" for t, v in entry.top.items())
+    return f"{_text(engine, (token,))!r} {entry.logprob:.4f}" + (f"  {alternatives}" if alternatives else "")

@@ -11,10 +11,11 @@ engine's thread and turns the events it gets back into a response.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,9 @@ from starlette.types import Receive, Scope, Send
 from mla_func.server.engine_loop import EngineLoop
 from mla_func.server.metrics import ServerMetrics
 from mla_func.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
-from mla_func.server.request_stream import Admission, RequestStream
-from mla_func.server.responses import (Naming, chat_choice, chat_logprobs, completion_choice, completion_logprobs,
-                                       envelope, finish_reason, usage)
+from mla_func.server.request_stream import Admission, RequestStream, deliver_on
+from mla_func.server.responses import (ChunkEvents, Naming, chat_choice, chat_logprobs, completion_choice,
+                                       completion_logprobs, envelope, finish_reason, usage)
 from mla_func.serving.requests import Completion, Prompt, StreamEvent, Tokenizer
 
 __all__ = ["ServerSettings", "build_app"]
@@ -64,7 +65,7 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, settings: ServerS
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine_loop.start()
+        engine_loop.start(deliver_on(asyncio.get_running_loop()))
         say(f"serving {settings.model_name}")
         yield
         report = engine_loop.stop(timeout=60.0)
@@ -105,7 +106,7 @@ class EventStream(StreamingResponse):
     included, or before the first event), so the requests it streams are aborted at once, not when
     the generator is collected."""
 
-    def __init__(self, source: AsyncGenerator[str, None], on_close: Callable[[], None]):
+    def __init__(self, source: AsyncGenerator[bytes, None], on_close: Callable[[], None]):
         super().__init__(source, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._source, self._on_close = source, on_close
 
@@ -186,9 +187,10 @@ class _Handlers:
 
     async def _whole(self, call: _Call, stream: RequestStream) -> dict[str, Any]:
         completions: dict[int, Completion] = {}
-        async for event in stream.events():
-            if event.completion is not None:
-                completions[call.choice_index(event.index, event.choice)] = event.completion
+        async for events in stream.batches():
+            for event in events:
+                if event.completion is not None:
+                    completions[call.choice_index(event.index, event.choice)] = event.completion
         ordered = [completions[i] for i in sorted(completions)]
         choose = chat_choice if call.chat else completion_choice
         choices = [choose(i, c, call.naming) for i, c in zip(sorted(completions), ordered)]
@@ -196,29 +198,35 @@ class _Handlers:
         return envelope("chat.completion" if call.chat else "text_completion", call.response_id, call.created,
                         call.body.model, choices, usage(prompt_tokens, sum(len(c.token_ids) for c in ordered)))
 
-    async def _chunks(self, call: _Call, stream: RequestStream) -> AsyncGenerator[str, None]:
+    async def _chunks(self, call: _Call, stream: RequestStream) -> AsyncGenerator[bytes, None]:
+        """The response's events. Every token has its own event; the events of the tokens waiting when
+        the response is written go out in one write, so a client that fell behind (or a busy server)
+        costs one write per request and iteration, not one per token."""
         kind = "chat.completion.chunk" if call.chat else "text_completion"
+        chunks = ChunkEvents(kind, call.response_id, call.created, call.body.model)
         offsets: dict[int, int] = {}  # choice -> characters of text sent (the completions API's text_offset)
         prompt_tokens = completion_tokens = 0
         try:
             if call.chat:  # the first chunk of each choice gives the role
                 yield _sse(envelope(kind, call.response_id, call.created, call.body.model, [
                     {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(len(call.prompts) * call.body.n)]))
-            async for event in stream.events():
-                index = call.choice_index(event.index, event.choice)
-                completion_tokens += 1
-                if event.completion is not None and event.completion.choice == 0:
-                    prompt_tokens += len(event.completion.prompt_token_ids)
-                yield _sse(envelope(kind, call.response_id, call.created, call.body.model,
-                                    [self._chunk_choice(call, index, event, offsets)]))
+                    for i in range(len(call.prompts) * call.body.n)])).encode()
+            async for events in stream.batches():
+                text = []
+                for event in events:
+                    index = call.choice_index(event.index, event.choice)
+                    if event.completion is not None and event.completion.choice == 0:
+                        prompt_tokens += len(event.completion.prompt_token_ids)
+                    text.append(chunks.event(self._chunk_choice(call, index, event, offsets)))
+                completion_tokens += len(events)
+                yield "".join(text).encode()
             options = call.body.stream_options
             if options is not None and options.include_usage:
                 yield _sse(envelope(kind, call.response_id, call.created, call.body.model, [],
-                                    usage(prompt_tokens, completion_tokens)))
-            yield _sse("[DONE]")
+                                    usage(prompt_tokens, completion_tokens))).encode()
+            yield _sse("[DONE]").encode()
         except ApiError as error:  # the status was sent with the first chunk: the error is an event
-            yield _sse(error.body())
+            yield _sse(error.body()).encode()
 
     @staticmethod
     def _chunk_choice(call: _Call, index: int, event: StreamEvent, offsets: dict[int, int]) -> dict[str, Any]:

@@ -6,11 +6,13 @@
 Other threads never call the engine: they put commands on a thread-safe queue, which the engine's
 thread applies between iterations, so the engine loop stays `schedule -> step -> sample -> update`
 and a request is added or aborted only where no step is in flight. Each submitted request names a
-sink, a callable the engine's thread hands that request's items to (the HTTP side makes it
-`loop.call_soon_threadsafe(queue.put_nowait, item)`): first `Admitted` or the `RequestError` that
-refused it, then its `StreamEvent`s, the last one carrying its completion, or a `Failure` if an
-iteration raised. An aborted request's blocks are freed when its command is applied, before the
-next iteration.
+sink, a callable its items go to: first `Admitted` or the `RequestError` that refused it, then its
+`StreamEvent`s, the last one carrying its completion, or a `Failure` if an iteration raised. The
+engine's thread collects the items of each pass (the commands applied, or one iteration) and hands
+them over as one batch of (sink, item) pairs to `deliver`: the HTTP side passes one
+`loop.call_soon_threadsafe` per batch, which fans the batch out on the event loop's thread, so an
+iteration of many rows costs one wake-up of the event loop, not one per token. An aborted request's
+blocks are freed when its command is applied, before the next iteration.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mla_func.server.metrics import ServerMetrics
 from mla_func.serving.engine import Engine
 from mla_func.serving.requests import ParamsLike, Prompt, RequestError, StreamEvent
 
-__all__ = ["Admitted", "EngineLoop", "Failure", "Item", "Sink"]
+__all__ = ["Admitted", "Batch", "Deliver", "EngineLoop", "Failure", "Item", "Sink", "call_each"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,15 @@ class Failure:
 
 Item = Admitted | RequestError | StreamEvent | Failure
 Sink = Callable[[Item], object]  # what it returns is ignored
+Batch = list[tuple[Sink, Item]]  # one pass's items, in the order they were made
+Deliver = Callable[[Batch], object]  # hands a batch to whoever calls its sinks; what it returns is ignored
+
+
+def call_each(batch: Batch) -> None:
+    """Call each pair's sink with its item, in order (on the engine's thread when `EngineLoop.start`'s
+    deliver is left as this)."""
+    for sink, item in batch:
+        sink(item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +95,13 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}  # request id -> its sink; the engine's thread alone reads and writes it
         self._report: ShutdownReport | None = None
+        self._deliver_batch: Deliver = call_each
+        self._outbox: Batch = []  # the items of this pass; the engine's thread alone touches it
         self._thread = threading.Thread(target=self._run, name="mla-func-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, deliver: Deliver = call_each) -> None:
+        """Start the engine's thread; each batch of items is handed to `deliver` (from that thread)."""
+        self._deliver_batch = deliver
         self._thread.start()
 
     @property
@@ -120,11 +135,13 @@ class EngineLoop:
                     aborted = self._abort(tuple(self._sinks), None)
                     self._report = ShutdownReport(aborted, engine.num_blocks_in_use)
                     self._record(0)
+                    self._flush()
                     return
                 if isinstance(command, _Submit):
                     self._add(command)
                 else:
                     self._abort(command.request_ids, None)
+            self._flush()  # admissions and refusals go out before the iteration, not after it
             if not engine.has_unfinished():
                 self._record(0)
                 continue
@@ -133,8 +150,16 @@ class EngineLoop:
             except Exception as error:  # the requests of the failed iteration fail; the server keeps running
                 self._abort(tuple(self._sinks), Failure(f"{type(error).__name__}: {error}"))
                 self._record(0)
+                self._flush()
                 continue
             self._deliver(events)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand this pass's items over as one batch, if there are any."""
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._deliver_batch(batch)
 
     def _pending(self, *, block: bool) -> list[_Command]:
         """The commands queued now; with `block`, waits for at least one (the engine has nothing to do)."""
@@ -153,12 +178,12 @@ class EngineLoop:
         except RequestError as error:
             for request_id in ids:
                 self._engine.abort(request_id)
-            command.sink(error)
+            self._outbox.append((command.sink, error))
             return
         for request_id in ids:
             self._sinks[request_id] = command.sink
             self._metrics.arrived(request_id, command.arrived)
-        command.sink(Admitted(tuple(ids)))
+        self._outbox.append((command.sink, Admitted(tuple(ids))))
 
     def _abort(self, request_ids: tuple[int, ...], failure: Failure | None) -> int:
         """Abort the requests still unfinished, telling each sink `failure` if given; returns how many."""
@@ -171,11 +196,12 @@ class EngineLoop:
             self._metrics.finished_request(request_id, "abort" if failure is None else "error", 0, time.monotonic())
             count += 1
             if failure is not None:
-                sink(failure)
+                self._outbox.append((sink, failure))
         return count
 
     def _deliver(self, events: list[StreamEvent]) -> None:
         now = time.monotonic()
+        outbox = self._outbox
         for event in events:
             sink = self._sinks.get(event.request_id)
             if sink is None:
@@ -185,7 +211,7 @@ class EngineLoop:
                 del self._sinks[event.request_id]
                 self._metrics.finished_request(event.request_id, completion.finish_reason,
                                                len(completion.prompt_token_ids), now)
-            sink(event)
+            outbox.append((sink, event))
         self._record(len(events))
 
     def _record(self, tokens: int) -> None:

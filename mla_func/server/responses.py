@@ -8,6 +8,7 @@ or the model has no tokenizer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,3 +84,18 @@ def envelope(kind: str, request_id: str, created: int, model: str, choices: list
     if usage_ is not None:
         body["usage"] = usage_
     return body
+
+
+class ChunkEvents:
+    """Server-sent events of one streamed response's chunks, each `envelope(...)` with one choice: the
+    envelope's JSON is made once, and each chunk is that text around its choice's `json.dumps`, the very
+    bytes `json.dumps` of the whole chunk gives, at a fraction of its cost per token."""
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str):
+        whole = json.dumps(envelope(kind, request_id, created, model, []))
+        assert whole.endswith('"choices": []}'), whole  # choices is the envelope's last key
+        self._head = "data: " + whole[:-2]  # up to the choices' opening bracket
+
+    def event(self, choice: dict[str, Any]) -> str:
+        """The event of the chunk with this one choice."""
+        return f"{self._head}{json.dumps(choice)}]}}\n\n"

@@ -145,8 +145,9 @@ class StepPolicy:
             )
         decode = []
         q = b.decode_q_len
+        tables = self._tables
         for seq in b.decode:
-            table, others = self._tables(seq, seq.num_computed + q)
+            table, others = tables(seq, seq.num_computed + q)
             # A verify row's draft slots hold the last token until the engine writes the drafts in.
             decode.append(SeqPlan(token_ids=(seq.token_ids[-1],) * q, start_pos=seq.num_computed, block_table=table,
                                   num_logits=q, group_block_tables=others))
@@ -165,11 +166,13 @@ class StepPolicy:
     @staticmethod
     def _kept(seq: SeqState, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
         """The prefix of `new` the request keeps, and why it finishes after them (None: it goes on)."""
-        generated, total = seq.num_generated, len(seq.token_ids)
+        request, total = seq.request, len(seq.token_ids)
+        # How many more tokens it may take: to max_tokens, and to the length limit.
+        room = min(request.max_tokens - (total - len(request.prompt_token_ids)), seq.max_len - total)
         for j, tok in enumerate(new):
-            if tok in seq.request.stop_token_ids:
+            if tok in request.stop_token_ids:
                 return new[: j + 1], FinishReason.STOP
-            if generated + j + 1 >= seq.request.max_tokens or total + j + 1 >= seq.max_len:
+            if j + 1 >= room:
                 return new[: j + 1], FinishReason.LENGTH
         return new, None
 

@@ -2,7 +2,9 @@
 and run on the pairs, against transformers on the dequantized weights.
 
 The official folders are written by independent code (`support.v4_official`), from fresh random tiny
-V4 models whose widths cross a 128 block without filling it (hidden 160, q_lora_rank 136).
+V4 models whose widths cross a 128 block without filling it (hidden 160, q_lora_rank 136). The
+"fp4-released" folder's config.json is also spelled as DeepSeek ships it (`compress_ratios`,
+`num_hash_layers`, `rope_scaling`, ...), so its model has the rates and hash layers that spelling can say.
 """
 
 from __future__ import annotations
@@ -33,12 +35,21 @@ VOCAB = 97
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["fp4", "fp8"])
+# Released config.json files spell compress rates 4 and 128 only, and hash layers first (num_hash_layers).
+RELEASED_SHAPES = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                       mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"])
+# fixture param -> (expert_dtype, config spelling, model overrides)
+CASES = {"fp4": ("fp4", "transformers", {}), "fp8": ("fp8", "transformers", {}),
+         "fp4-released": ("fp4", "released", RELEASED_SHAPES)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def v4(request, tmp_path_factory):
     """(transformers on the dequantized weights, mla-func on the official folder, the folder, formats)."""
+    expert_dtype, spelling, overrides = CASES[request.param]
     root = tmp_path_factory.mktemp(f"v4-{request.param}")
-    save_reference(root / "float", seed=random.randrange(1000), **WIDE)
-    formats = write_v4_official(root / "float", root / "official", root / "dequantized", request.param)
+    save_reference(root / "float", seed=random.randrange(1000), **WIDE, **overrides)
+    formats = write_v4_official(root / "float", root / "official", root / "dequantized", expert_dtype, spelling)
     oracle = AutoModelForCausalLM.from_pretrained(root / "dequantized", dtype=torch.float32,
                                                   attn_implementation="eager", experts_implementation="eager").eval()
     return oracle, mf.load_model(root / "official", dtype=torch.float32, device="cpu"), root / "official", formats
@@ -57,6 +68,14 @@ def _oracle(oracle: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 def _step(model: mf.Model, state, plan: mf.StepPlan):
     batch, mode = mf.plan_step(model.config, state, plan)
     return mf.forward(model.params, state, batch, mode)
+
+
+def test_the_config_reads_as_transformers_saved_it(v4):
+    _, model, folder, _ = v4
+    saved = json.loads((folder.parent / "float" / "config.json").read_text())
+    shipped = json.loads((folder / "config.json").read_text())
+    assert ("compress_ratios" in shipped) == ("layer_types" not in shipped)
+    assert mf.config_from_hf_dict(saved) == model.config
 
 
 def test_weights_are_held_as_stored(v4):

@@ -14,12 +14,19 @@ transformers saved and writes it twice:
   config.json's released `quantization_config` and `expert_dtype`;
 * `dequantized`: the transformers-saved checkpoint with each quantized weight replaced by its
   dequantized float32 values and every other tensor as stored in `official`: the oracle's weights.
+
+With `config_spelling="released"`, `official`'s config.json is also written as DeepSeek ships it
+(`released_config`): DeepSeek-V4-Flash's fields and nesting, `compress_ratios`, `num_hash_layers`,
+`rope_scaling`, `qk_rope_head_dim` in place of transformers' `layer_types`, `compress_rates`,
+`mlp_layer_types`, `rope_parameters`, `partial_rotary_factor`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -99,8 +106,67 @@ def stored_plain(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if FLOAT32.search(name) else tensor.to(torch.bfloat16)
 
 
-def write_v4_official(src: Path, official: Path, dequantized: Path, expert_dtype: str = "fp4") -> dict[str, str]:
-    """Write both folders (see the module docstring); returns each quantized weight's saved name -> "fp8" / "fp4"."""
+# DeepSeek-V4-Flash's config.json fields, in its order (its `quantization_config` and `rope_scaling` nested as
+# RELEASED_QUANTIZATION_CONFIG and `released_config` write them).
+RELEASED_CONFIG_FIELDS = (
+    "architectures", "attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "expert_dtype", "hc_eps",
+    "hc_mult", "hc_sinkhorn_iters", "head_dim", "hidden_act", "hidden_size", "index_head_dim", "index_n_heads",
+    "index_topk", "initializer_range", "max_position_embeddings", "model_type", "moe_intermediate_size",
+    "n_routed_experts", "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok",
+    "num_hidden_layers", "num_hash_layers", "num_key_value_heads", "num_nextn_predict_layers", "o_groups",
+    "o_lora_rank", "q_lora_rank", "qk_rope_head_dim", "quantization_config", "rms_norm_eps", "rope_scaling",
+    "rope_theta", "routed_scaling_factor", "scoring_func", "sliding_window", "swiglu_limit", "tie_word_embeddings",
+    "topk_method", "torch_dtype", "transformers_version", "use_cache", "vocab_size", "compress_rope_theta",
+    "compress_ratios",
+)
+# Released field -> its value where transformers' saved config has no field of that name.
+RELEASED_CONSTANTS = {"architectures": ["DeepseekV4ForCausalLM"], "topk_method": "noaux_tc",
+                      "torch_dtype": "bfloat16", "transformers_version": "4.57.1"}
+# compress_ratios' value of each layer type: DeepSeek's layers pool 4 (CSA) or 128 (HCA) tokens an entry.
+RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def released_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A transformers-saved deepseek_v4 config.json dict as DeepSeek's released config.json spells it.
+
+    layer_types -> compress_ratios (0 / 4 / 128 a layer, then 0 for each MTP layer); mlp_layer_types ->
+    num_hash_layers; rope_parameters.main -> rope_theta; rope_parameters.compress -> compress_rope_theta and
+    rope_scaling (`type`, not `rope_type`, and no attention_factor); the partial rotary factor ->
+    qk_rope_head_dim. ValueError where the released spelling cannot say the config's facts: compress rates
+    other than 4 and 128, hash layers not all first, a compress rope with an attention_factor other than 1.
+    """
+    if saved["compress_rates"] != {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}:
+        raise ValueError(f"compress_rates {saved['compress_rates']} has no compress_ratios spelling")
+    mlp = saved["mlp_layer_types"]
+    hashed = mlp.count("hash_moe")
+    if mlp != ["hash_moe"] * hashed + ["moe"] * (len(mlp) - hashed):
+        raise ValueError(f"mlp_layer_types {mlp} is not a number of hash layers then score layers")
+    main, compress = saved["rope_parameters"]["main"], saved["rope_parameters"]["compress"]
+    if compress.get("attention_factor", 1.0) != 1.0:
+        raise ValueError(f"the compress rope's attention_factor {compress['attention_factor']} has no released spelling")
+    scaling = {key: value for key, value in compress.items()
+               if key not in ("rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor")}
+    spelled = {
+        **RELEASED_CONSTANTS,
+        "compress_ratios": [RATIOS[kind] for kind in saved["layer_types"]] + [0] * saved["num_nextn_predict_layers"],
+        "num_hash_layers": hashed,
+        "rope_theta": main["rope_theta"],
+        "compress_rope_theta": compress["rope_theta"],
+        "rope_scaling": {**scaling, "type": compress["rope_type"]},
+        "qk_rope_head_dim": int(saved["head_dim"] * main["partial_rotary_factor"]),
+    }
+    return {name: spelled[name] if name in spelled else saved[name] for name in RELEASED_CONFIG_FIELDS
+            if name in spelled or name in saved}
+
+
+def write_v4_official(src: Path, official: Path, dequantized: Path, expert_dtype: str = "fp4",
+                      config_spelling: str = "transformers") -> dict[str, str]:
+    """Write both folders (see the module docstring); returns each quantized weight's saved name -> "fp8" / "fp4".
+
+    config_spelling: "transformers" (src's config.json with the released quantization fields) or "released"
+    (`released_config` of that)."""
+    if config_spelling not in ("transformers", "released"):
+        raise ValueError(f"config_spelling: expected 'transformers' or 'released', got {config_spelling!r}")
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(shard))
@@ -119,4 +185,7 @@ def write_v4_official(src: Path, official: Path, dequantized: Path, expert_dtype
     write_beside(src, official, stored, {"quantization_config": RELEASED_QUANTIZATION_CONFIG,
                                          "expert_dtype": expert_dtype})
     write_beside(src, dequantized, dense, {})
+    if config_spelling == "released":
+        config = official / "config.json"
+        config.write_text(json.dumps(released_config(json.loads(config.read_text())), indent=2))
     return formats

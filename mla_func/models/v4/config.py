@@ -21,8 +21,8 @@ from mla_func.core.config_fields import as_float, at_most, check_choice, check_e
 from mla_func.models.v4.quantization_config import v4_quantization
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
-           "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "v4_from_hf", "v4_to_hf", "validate_v4",
-           "v4_fields", "validate_v4_config", "validate_v4_routing"]
+           "V4_IGNORED", "V4_SCORING_FUNCS", "refuse_unsupported_v4", "rope_block", "v4_from_hf", "v4_to_hf",
+           "validate_v4", "v4_fields", "validate_v4_config", "validate_v4_routing"]
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -145,8 +145,9 @@ def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int, 
         raise refuse("index_head_dim", v.index_head_dim, f"the indexer rotates {rope_dim} channels: must be >= that")
 
 
-def _rope(name: str, raw: Any, theta_default: float) -> tuple[RopeConfig, float]:
-    """One of V4's two rope blocks -> (RopeConfig, its partial_rotary_factor)."""
+def rope_block(name: str, raw: Any, theta_default: float) -> tuple[RopeConfig, Any]:
+    """One of V4's two rope blocks (config field `name`) -> (RopeConfig, its partial_rotary_factor as read:
+    checked by `v4_from_hf`); ConfigError naming `name` for a block that is not an object or of another rope_type."""
     if not isinstance(raw, Mapping):
         raise refuse(name, raw, "must be a JSON object")
     kind = raw.get("rope_type", raw.get("type", "default"))
@@ -178,8 +179,6 @@ V4_IGNORED = frozenset({
     "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "name_or_path", "_name_or_path",
     "num_key_value_heads", "hidden_act", "attention_bias", "mlp_bias", "norm_topk_prob",
 })
-# Older V4 config spellings that transformers folds into the fields above; refused by name.
-_LEGACY = ("compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers")
 
 
 def refuse_unsupported_v4(raw: Mapping[str, Any]) -> None:
@@ -197,9 +196,11 @@ def refuse_unsupported_v4(raw: Mapping[str, Any]) -> None:
     except CheckpointError as e:
         field = "expert_dtype" if "expert_dtype" in str(e) else "quantization_config"
         raise refuse(field, raw.get(field, raw.get("quantization_config")), str(e)) from None
-    for name in _LEGACY:
-        if name in raw:
-            raise refuse(name, raw[name], "a legacy spelling: write layer_types / compress_rates / mlp_layer_types")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        # DeepSeek's released configs say "noaux_tc": score layers pick the top-k of all experts by score plus
+        # e_score_correction_bias, which is what `hash_moe.route` does (transformers reads no topk_method).
+        raise refuse("topk_method", raw["topk_method"], "DeepSeek-V4 routes by 'noaux_tc' (bias-corrected top-k "
+                     "over all experts): must be 'noaux_tc' or absent")
 
 
 def v4_from_hf(raw: Mapping[str, Any], max_positions: Any) -> tuple[V4Config, RopeConfig, int]:
@@ -218,11 +219,11 @@ def v4_from_hf(raw: Mapping[str, Any], max_positions: Any) -> tuple[V4Config, Ro
     if not isinstance(ropes, Mapping) or not isinstance(ropes.get("main"), Mapping) \
             or not isinstance(ropes.get("compress"), Mapping):
         raise refuse("rope_parameters", ropes, "expected an object with 'main' and 'compress' rope blocks")
-    main, main_partial = _rope("rope_parameters.main", ropes["main"], raw.get("rope_theta", 10000.0))
+    main, main_partial = rope_block("rope_parameters.main", ropes["main"], raw.get("rope_theta", 10000.0))
     if main.kind != "default":
         raise refuse("rope_parameters.main.rope_type", main.kind, "sliding-window layers use plain rope ('default')")
-    compress, compress_partial = _rope("rope_parameters.compress", ropes["compress"],
-                                       raw.get("compress_rope_theta", 160000.0))
+    compress, compress_partial = rope_block("rope_parameters.compress", ropes["compress"],
+                                            raw.get("compress_rope_theta", 160000.0))
     if main_partial != compress_partial:
         raise refuse("rope_parameters.compress.partial_rotary_factor", compress_partial,
                      f"must equal the main rope's {main_partial}")

@@ -1,7 +1,9 @@
 """deepseek_v4 config.json <-> ModelConfig (with its `V4Config`).
 
-What mla-func does not run is refused by name (`refuse_unsupported_v4`); fields
-it neither reads nor knows to be inert are reported in one warning, as for V2/V3.
+DeepSeek's released spellings (`compress_ratios`, `num_hash_layers`, `rope_scaling`, ...) are first
+folded into transformers' fields (`config_released`). What mla-func does not run is refused by name
+(`refuse_unsupported_v4`); fields it neither reads nor knows to be inert are reported in one warning,
+as for V2/V3.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mla_func.core.config import ModelConfig, refuse
 from mla_func.core.config_fields import as_float
 from mla_func.models.v4.config import V4_IGNORED, V4Config, refuse_unsupported_v4, v4_from_hf, v4_to_hf
+from mla_func.models.v4.config_released import RELEASED_FIELDS, transformers_form
 
 if TYPE_CHECKING:
     from mla_func.core.family import Family
@@ -24,7 +27,7 @@ _READ = frozenset({
     "hc_mult", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads",
     "index_head_dim", "index_topk", "num_nextn_predict_layers", "n_shared_experts", "scoring_func",
     "routed_scaling_factor", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id",
-    "quantization_config", "sliding_window", "expert_dtype",
+    "quantization_config", "expert_dtype", "topk_method", *RELEASED_FIELDS,
 })
 
 
@@ -35,14 +38,16 @@ def _eos(value: Any) -> tuple[Any, ...]:
 
 
 def v4_config_from_hf_dict(raw: Mapping[str, Any], family: Family) -> ModelConfig:
-    """Read a deepseek_v4 config.json dict into a config of `family` (V4's); ConfigError names the field."""
+    """Read a deepseek_v4 config.json dict, in transformers' spelling or DeepSeek's released one, into a
+    config of `family` (V4's); ConfigError names the field."""
+    unknown = sorted(str(name) for name in set(raw) - _READ - V4_IGNORED)
+    raw = transformers_form(raw)
     refuse_unsupported_v4(raw)
     for name in _REQUIRED:
         if raw.get(name) is None:
             raise refuse(name, None, "missing (required for deepseek_v4)")
     max_positions = raw.get("max_position_embeddings", 1048576)
     v4, main_rope, rope_dim = v4_from_hf(raw, max_positions)
-    unknown = sorted(str(name) for name in set(raw) - _READ - V4_IGNORED)
     if unknown:
         warnings.warn(f"config.json fields not used by mla-func: {unknown}", stacklevel=3)
     moe_inter = raw["moe_intermediate_size"]

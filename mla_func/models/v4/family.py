@@ -2,9 +2,10 @@
 
 Sliding-window, CSA and HCA layers with hyper-connections (`layers`), whose
 compressed entries live in cache groups past the token group; V4's own config
-fields (`config`, `config_hf`), params and checkpoint names (`params`,
-`params_load`), its released FP8 / FP4 layout (`quant_layout`), all in this folder. It has no batch-invariant ops and its MTP layers are not run
-yet: both are refused by name.
+fields (`config`, `config_hf`, and `config_released` for DeepSeek's config.json
+spellings), params and checkpoint names (`params`, `params_load`), its released
+FP8 / FP4 layout (`quant_layout`), all in this folder. It has no batch-invariant
+ops and its MTP layers are not run yet: both are refused by name.
 """
 
 from __future__ import annotations
