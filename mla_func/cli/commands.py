@@ -489,6 +489,9 @@ def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:
     )
     print("time to first token p50/p90/p99 {ttft_ms_p50:.1f}/{ttft_ms_p90:.1f}/{ttft_ms_p99:.1f} ms, "
           "inter-token latency p50/p90/p99 {itl_ms_p50:.1f}/{itl_ms_p90:.1f}/{itl_ms_p99:.1f} ms".format(**result))
+    print("cache: {cache_bytes_per_token:,.0f} bytes a token at {cache_context} tokens; {cache_bytes:,} bytes of "
+          "blocks hold one sequence of up to {cache_longest_context} tokens, or {cache_sequences} of "
+          "{cache_context}".format(**result))
     return 0
 
 

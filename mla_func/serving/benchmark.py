@@ -82,7 +82,10 @@ def run_throughput(
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
-    Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s.
+    Returns counts, seconds, output tokens/s and total (prompt + output) tokens/s, and the engine's cache
+    (`Engine.cache_report` at the longest request's context): cache_bytes_per_token at cache_context tokens,
+    cache_longest_context (the most tokens one sequence can have in its blocks), cache_sequences (sequences
+    of cache_context tokens its blocks hold at once) and cache_bytes (every block).
     `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
     `batch_invariant` and `speculative_tokens` are the engine's (off by default, as the engine's;
     drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
@@ -102,6 +105,8 @@ def run_throughput(
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
                     max_model_len=min(model.config.max_position_embeddings, longest + block_size))
+    # The cache at the longest request's context: bytes a token, and what the engine's blocks hold.
+    cache = engine.cache_report(longest)
     if warmup:
         graphs_to_capture = sum(m.use_graph for m in engine.step.decode_graph_modes())
         if graphs_to_capture:
@@ -144,6 +149,9 @@ def run_throughput(
         speculative_tokens=speculative_tokens, acceptance_rate=SpeculativeStats(
             engine.speculative_stats.drafted - drafts_before.drafted,
             engine.speculative_stats.accepted - drafts_before.accepted).acceptance_rate,
+        cache_context=cache.context, cache_bytes_per_token=cache.bytes_per_token,
+        cache_longest_context=cache.longest_context, cache_sequences=cache.sequences,
+        cache_bytes=cache.total_bytes,
         **latency.percentiles(),
     )
 

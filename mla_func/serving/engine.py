@@ -29,6 +29,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
+from mla_func.core.cache_budget import CacheBudget, CacheReport, cache_budget
 from mla_func.core.model import Model
 from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.prepare import init_state
@@ -162,6 +163,25 @@ class Engine:
     def speculative_stats(self) -> SpeculativeStats:
         """Drafts proposed and accepted so far (all zero without speculative_tokens)."""
         return self._speculative.stats if self._speculative is not None else SpeculativeStats()
+
+    @property
+    def cache_budget(self) -> CacheBudget:
+        """The target state's cache: its groups and each group's bytes a block (`mla_func.core.cache_budget`;
+        the drafter's cache, with speculative_tokens, is not counted)."""
+        c = self.config
+        budget = cache_budget(self.model.config, dtype=self.state.dtype, block_size=c.block_size,
+                              num_blocks=c.num_blocks)
+        if budget.groups != self.state.groups:  # the state is init_state's of this config: one geometry
+            raise ValueError(f"Engine.cache_budget: groups {budget.groups} differ from the state's {self.state.groups}")
+        return budget
+
+    def cache_report(self, context: int | None = None) -> CacheReport:
+        """Cache bytes a sequence of `context` tokens holds (default max_model_len), bytes a token, the
+        longest context one sequence can have in this engine's blocks and how many sequences of `context`
+        tokens they hold at once (`CacheReport`)."""
+        context = self.config.max_model_len if context is None else context
+        check_limit("context", context, 1)
+        return self.cache_budget.report(context)
 
     # ---- requests ---------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from mla_func.core.cache_budget import cache_budget
 from mla_func.core.model import Model
-from mla_func.core.prepare import state_bytes_per_block
 from mla_func.core.step import Step, StepFn, make_step
 from mla_func.models.mtp.layer import drafter_bytes_per_block
 from mla_func.serving.scheduler_types import SchedulerConfig, check_token_budget
@@ -97,8 +97,9 @@ def check_flag(name: str, value: object) -> None:
 def default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int, *,
                        speculative: bool = False) -> int:
     """Blocks for the cache: what max_num_seqs full-length sequences need, within a share of free memory
-    (the drafter's cache, with `speculative`, is in every block too)."""
-    bytes_per_block = state_bytes_per_block(model, block_size)
+    (a block of every cache group, and with `speculative` the drafter's cache, in every block)."""
+    # Every cache group gets num_blocks blocks (init_state), so a block of the budget costs one of each.
+    bytes_per_block = sum(cache_budget(model.config, dtype=model.dtype, block_size=block_size).bytes_per_block)
     if speculative:
         bytes_per_block += drafter_bytes_per_block(model, block_size)
     wanted = 1 + max_num_seqs * -(-max_model_len // block_size)

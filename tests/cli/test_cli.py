@@ -65,6 +65,12 @@ def test_bench_reports_throughput():
     assert latency is not None, result.stdout
     ttft, itl = [float(x) for x in latency.groups()[:3]], [float(x) for x in latency.groups()[3:]]
     assert 0 < ttft[0] <= ttft[1] <= ttft[2] and 0 < itl[0] <= itl[1] <= itl[2]
+    # tiny caches 3 layers x (32 + 16) latents, float32 on the CPU: 576 bytes a token at the longest request's
+    # 12 + 4 tokens (one block of 16).
+    cache = re.search(r"cache: 576 bytes a token at 16 tokens; [\d,]+ bytes of blocks hold one sequence of up to "
+                      r"(\d+) tokens, or (\d+) of 16", result.stdout)
+    assert cache is not None, result.stdout
+    assert int(cache.group(1)) >= 16 and int(cache.group(2)) >= 1
 
 
 # ---- first contact: warnings, user errors, Ctrl-C, --version, stdin, --help ----------------------
