@@ -27,18 +27,17 @@ from .norm import rms_norm
 Tensor = torch.Tensor
 
 
-def _fp8_ready(w: Weight) -> bool:
-    """Whether the FP8 kernels take `w` as it is."""
+def _fp8_pair(w: Weight) -> BlockFP8Weight | None:
+    """`w` when the FP8 kernels take it as it is (an FP8 pair whose K block they can step through), else None."""
     if not isinstance(w, BlockFP8Weight):
-        return False
+        return None
     bk = w.block[1]
-    return bk >= 32 and bk & (bk - 1) == 0
+    return w if bk >= 32 and bk & (bk - 1) == 0 else None
 
 
 def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype: torch.dtype | None) -> Tensor:
-    if _fp8_ready(weight):
-        assert isinstance(weight, BlockFP8Weight)  # for the type checker: `_fp8_ready` said so
-        return fp8_linear(x, weight.values, weight.scale_inv, block=weight.block, out_dtype=out_dtype)
+    if (pair := _fp8_pair(weight)) is not None:
+        return fp8_linear(x, pair.values, pair.scale_inv, block=pair.block, out_dtype=out_dtype)
     return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
 
 
@@ -89,9 +88,9 @@ class Fp8FusedMoe:
     def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  out_dtype: torch.dtype | None = None) -> Tensor:
         """x [T, D] -> [T, D] in out_dtype (see `contracts.FusedMoe`)."""
-        if (_fp8_ready(w13) and _fp8_ready(w2) and isinstance(w13, BlockFP8Weight) and isinstance(w2, BlockFP8Weight)
-                and w13.block == w2.block):
-            return fp8_fused_moe(x, w13.values, w13.scale_inv, w2.values, w2.scale_inv, topk_weights, topk_ids,
-                                 block=w13.block, out_dtype=out_dtype)
+        up, down = _fp8_pair(w13), _fp8_pair(w2)
+        if up is not None and down is not None and up.block == down.block:
+            return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights, topk_ids,
+                                 block=up.block, out_dtype=out_dtype)
         return self.dense(x, dequantized(w13, x.dtype), dequantized(w2, x.dtype), topk_weights, topk_ids,
                           out_dtype=out_dtype)
