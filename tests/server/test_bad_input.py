@@ -123,8 +123,18 @@ def test_full_queue_is_429(server, client):
                                          n=MAX_NUM_SEQS + MAX_WAITING).choices) == MAX_NUM_SEQS + MAX_WAITING
 
 
-def test_request_timeout_is_504_and_frees_its_blocks(server, client):
-    # 480 tokens take longer than the timeout on any CPU: a few ms a token here, a whole forward each.
+@pytest.fixture(scope="module")
+def hurried():
+    """A server whose requests time out after 0.3 s: 480 tokens of the demo model (a whole forward each,
+    ~1 ms or more a token on any CPU) cannot finish in time, however fast the host."""
+    process = start_server("--model", "demo", "--request-timeout", "0.3", "--max-model-len", "512")
+    yield process
+    if process.process.poll() is None:
+        stopped_cleanly(process)
+
+
+def test_request_timeout_is_504_and_frees_its_blocks(hurried):
+    server, client = hurried, openai.OpenAI(base_url=hurried.base_url, api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.APIStatusError) as late:
         client.completions.create(model="demo", prompt=[5, 6], max_tokens=480, extra_body={"ignore_eos": True})
     assert late.value.status_code == 504 and late.value.body["code"] == "request_timeout"
