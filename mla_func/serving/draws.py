@@ -24,13 +24,15 @@ __all__ = ["DrawRows", "draw_tokens", "draw_tokens_with_logprobs"]
 @dataclass(slots=True)
 class DrawRows:
     """The rows to draw a token from, in order: each one's logits row index, request, context (the
-    tokens penalties count), seed and key position (the index the drawn token will have)."""
+    tokens penalties count), seed and key position (the index the drawn token will have).
+    plain: every row's request is `CheckedRequest.plain` (its token is its row's argmax)."""
 
     index: list[int] = field(default_factory=list)
     requests: list[CheckedRequest] = field(default_factory=list)
     contexts: list[list[int]] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    plain: bool = True
 
     def add(self, index: int, live: LiveRequest, context: list[int], position: int) -> None:
         """Row `index` of the logits, drawn for `live`'s request with its seed at key `position`;
@@ -40,6 +42,15 @@ class DrawRows:
         self.contexts.append(context)
         self.seeds.append(live.seed)
         self.positions.append(position)
+        self.plain = self.plain and live.request.plain
+
+    @classmethod
+    def of(cls, lives: list[LiveRequest], positions: list[int]) -> DrawRows:
+        """Logits rows 0..M-1, row i drawn for lives[i] at key positions[i], its context its output so far:
+        a plain step's rows, listed in one pass per field (the engine's host loop builds this every step)."""
+        requests = [live.request for live in lives]
+        return cls(list(range(len(lives))), requests, [live.output_token_ids for live in lives],
+                   [live.seed for live in lives], positions, all(r.plain for r in requests))
 
 
 def draw_tokens(logits: torch.Tensor, rows: DrawRows, *, penalties: bool, ops: Ops) -> torch.Tensor:
@@ -47,6 +58,9 @@ def draw_tokens(logits: torch.Tensor, rows: DrawRows, *, penalties: bool, ops: O
     by `ops`' sampling op; `penalties` applies each request's penalties and min_tokens first."""
     if not rows.index:
         return torch.zeros(0, dtype=torch.int64, device=logits.device)
+    if rows.plain:
+        # Greedy rows with nothing to adjust: the argmax of the raw rows, without the per-request walks.
+        return _picked(logits, rows, penalties=False).argmax(dim=-1)
     return _draw(_picked(logits, rows, penalties), rows, ops)
 
 

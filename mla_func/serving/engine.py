@@ -330,7 +330,7 @@ class Engine:
                 if entry.stop_text is None and entry.logprobs is None:
                     # The common case, once a row every step: one token of a request that goes on.
                     entry.output_token_ids.append(tokens)
-                    events.append(StreamEvent(entry.request.index, tokens, request_id=entry.request_id, choice=entry.choice))
+                    events.append(StreamEvent(entry.request.index, tokens, None, None, entry.request_id, entry.choice))
                     continue
             done, entry = ended if ended is not None else (None, live[request_id])
             output = entry.output_token_ids
@@ -426,20 +426,20 @@ class Engine:
     def _run(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
         """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
         out = self._target_step(scheduled.plan)
-        rows = scheduled.rows
-        draws, entries = DrawRows(), []
-        for i, row in enumerate(rows):
-            if row.num_logits:
-                entry = live[scheduled.request_ids[i]]
-                draws.add(len(draws.index), entry, entry.output_token_ids, row.seq_len)
-                entries.append(entry)
-        if not draws.index:
+        rows, request_ids = scheduled.rows, scheduled.request_ids
+        drawn_rows = [i for i, row in enumerate(rows) if row.num_logits]
+        if not drawn_rows:
             return [None] * len(rows)
-        top = max((e.request.params.logprobs for e in entries if e.request.params.logprobs is not None), default=None)
+        entries = [live[request_ids[i]] for i in drawn_rows]
+        draws = DrawRows.of(entries, [rows[i].seq_len for i in drawn_rows])
+        top = None if draws.plain else max(
+            (e.request.params.logprobs for e in entries if e.request.params.logprobs is not None), default=None)
         if top is None:
             drawn = draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist()
         else:
             drawn = self._draw_with_logprobs(out.logits, draws, entries, top)
+        if len(drawn) == len(rows):
+            return drawn
         tokens = iter(drawn)
         return [next(tokens) if row.num_logits else None for row in rows]
 

@@ -190,12 +190,22 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class CheckedRequest:
-    """A request that passed every check. stop_token_ids: the params' own plus, unless ignore_eos, EOS."""
+    """A request that passed every check. stop_token_ids: the params' own plus, unless ignore_eos, EOS.
+
+    plain: its tokens are the argmax of its raw logits rows (greedy, no penalties, no min_tokens)
+    and it asks for no logprobs; decided once here, so a step's draw can take the argmax of a
+    batch of plain rows without looking at each request's settings again.
+    """
 
     index: int
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     stop_token_ids: tuple[int, ...]
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        object.__setattr__(self, "plain", p.greedy and not p.penalised and p.min_tokens == 0 and p.logprobs is None)
 
 
 @dataclass(frozen=True, slots=True)

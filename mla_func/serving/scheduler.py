@@ -219,8 +219,13 @@ class Scheduler(StepPolicy):
             if seqs.get(seq.request.request_id) is not seq:
                 continue  # finished from outside after it was scheduled
             assert seq.num_computed == row.start_pos, (seq.request.request_id, seq.num_computed, row.start_pos)
-            kept, reason = self._kept(seq, new)
-            seq.token_ids.extend(kept)
+            if len(new) == 1 and new[0] not in seq.request.stop_token_ids and len(seq.token_ids) + 1 < seq.max_len:
+                # The common case, once a row every step: one token, and the request goes on.
+                kept, reason = new, None
+                seq.token_ids.append(new[0])
+            else:
+                kept, reason = self._kept(seq, new)
+                seq.token_ids.extend(kept)
             if i < num_prefill:
                 seq.num_computed += row.num_tokens
             else:

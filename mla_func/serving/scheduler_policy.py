@@ -22,7 +22,7 @@ class SeqState:
 
     request: Request
     arrival: int
-    max_len: int  # prompt + generated never exceeds this
+    max_len: int  # prompt + max_tokens, cut to max_model_len: prompt + generated never exceeds this
     token_ids: list[int]  # prompt + generated
     tables: Tables  # one block table per cache group
     hashes: tuple[list[BlockHash], ...]  # per group, of the registered full blocks
@@ -143,14 +143,21 @@ class StepPolicy:
                     group_block_tables=others,
                 )
             )
-        decode = []
         q = b.decode_q_len
-        tables = self._tables
-        for seq in b.decode:
-            table, others = tables(seq, seq.num_computed + q)
-            # A verify row's draft slots hold the last token until the engine writes the drafts in.
-            decode.append(SeqPlan(token_ids=(seq.token_ids[-1],) * q, start_pos=seq.num_computed, block_table=table,
-                                  num_logits=q, group_block_tables=others))
+        groups = self.config.cache_groups
+        # A verify row's draft slots hold the last token until the engine writes the drafts in.
+        if len(groups) == 1:
+            # One cache group (V2/V3): the row's table is group 0's, cut in place; this loop runs once per
+            # decoding request every step.
+            bs = groups[0].block_size
+            decode = [SeqPlan((seq.token_ids[-1],) * q, seq.num_computed,
+                              tuple(seq.tables[0][: -(-(seq.num_computed + q) // bs)]), q)
+                      for seq in b.decode]
+        else:
+            decode = []
+            for seq in b.decode:
+                table, others = self._tables(seq, seq.num_computed + q)
+                decode.append(SeqPlan((seq.token_ids[-1],) * q, seq.num_computed, table, q, others))
         rows = [s for s, _ in b.prefill] + b.decode
         step = ScheduledStep(
             plan=StepPlan(prefill=tuple(prefill), decode=tuple(decode), decode_q_len=q if decode else 1),
@@ -166,11 +173,10 @@ class StepPolicy:
     @staticmethod
     def _kept(seq: SeqState, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
         """The prefix of `new` the request keeps, and why it finishes after them (None: it goes on)."""
-        request, total = seq.request, len(seq.token_ids)
-        # How many more tokens it may take: to max_tokens, and to the length limit.
-        room = min(request.max_tokens - (total - len(request.prompt_token_ids)), seq.max_len - total)
+        # How many more tokens it may take: max_len is the prompt plus max_tokens, cut to the length limit.
+        room, stop_token_ids = seq.max_len - len(seq.token_ids), seq.request.stop_token_ids
         for j, tok in enumerate(new):
-            if tok in request.stop_token_ids:
+            if tok in stop_token_ids:
                 return new[: j + 1], FinishReason.STOP
             if j + 1 >= room:
                 return new[: j + 1], FinishReason.LENGTH

@@ -10,6 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_func.kernels import ops_for
+from mla_func.serving.draws import DrawRows, draw_tokens
+from mla_func.serving.requests import CheckedRequest, LiveRequest
 from mla_func.serving.sampling import SamplingParams, request_seed, sample, uniform_noise
 
 M64 = (1 << 64) - 1
@@ -222,3 +225,29 @@ def test_defaults_change_nothing_and_tiny_temperatures_are_greedy():
     assert not params.penalised and SamplingParams(presence_penalty=-0.5).penalised
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=9.9e-6).greedy
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("changes, plain", [
+    (dict(), True),
+    (dict(temperature=0.7), False),
+    (dict(repetition_penalty=1.1), False),
+    (dict(presence_penalty=0.2), False),
+    (dict(frequency_penalty=-0.2), False),
+    (dict(min_tokens=1), False),
+    (dict(logprobs=0), False),
+])
+def test_plain_requests_are_drawn_by_the_argmax_of_raw_rows(changes, plain):
+    # A step whose rows are all plain takes the argmax of the raw logits; any other setting must take the
+    # general draw, which gives the same argmax for greedy plain rows.
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 4, **changes})
+    request = CheckedRequest(0, (1, 2, 3), params, (0,))
+    assert request.plain is plain
+    other = LiveRequest(CheckedRequest(1, (4, 5), SamplingParams(temperature=0.0, max_tokens=4), (0,)), seed=3)
+    rows = DrawRows.of([LiveRequest(request, seed=7), other], [3, 2])
+    assert rows.plain is plain and rows.index == [0, 1] and rows.seeds == [7, 3] and rows.positions == [3, 2]
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    drawn = draw_tokens(logits, rows, penalties=True, ops=ops_for("torch", batch_invariant=False))
+    if not changes.get("temperature"):
+        assert drawn[1].item() == logits[1].argmax().item()
+    if plain:
+        assert drawn.tolist() == logits.argmax(dim=-1).tolist()
