@@ -4,7 +4,11 @@
 
 Every figure is `mla_func.core.cache_budget.cache_budget(config, dtype=bfloat16, block_size=16)`: the
 blocks each cache group holds at a context of T tokens times its bytes a block, measured on a state on
-the meta device (nothing allocated). Shapes:
+the meta device (nothing allocated). V4's group 0 (window keys, compressor and indexer inputs) holds
+only the blocks of a sequence's last `lookback` tokens (127 here: the window of 128, and HCA's blocks
+of 128), so its bytes a token fall with the context toward the compressed entries' and indexer keys';
+"longest" and "seqs" count the most a sequence holds on its way to that length (`peak_bytes`).
+Shapes:
 
 * v2-lite, v32-lite, v4-mini: the presets;
 * V3 (61 layers): v2-lite's attention shapes (kv_lora_rank 512, qk_rope_head_dim 64) in DeepSeek-V3's
@@ -31,7 +35,7 @@ from mla_func.core.cache_budget import cache_budget  # noqa: E402
 from mla_func.core.config import ModelConfig  # noqa: E402
 from mla_func.models.presets import v2_lite, v32_lite, v4_mini  # noqa: E402
 
-CONTEXTS = (1 << 16, 1 << 20)   # 64K and 1M tokens
+CONTEXTS = (1 << 13, 1 << 16, 1 << 20)   # 8K, 64K and 1M tokens
 BUDGET_GIB = 64                  # the cache memory the "longest context" column assumes
 GIB = 1 << 30
 
@@ -60,6 +64,7 @@ def row(name: str, config: ModelConfig) -> dict:
     budget = cache_budget(config, dtype=torch.bfloat16, block_size=16)
     out: dict = dict(model=name, layers=config.num_hidden_layers,
                      tokens_per_entry=[g.tokens_per_entry for g in budget.groups],
+                     lookback=[g.lookback for g in budget.groups],
                      bytes_per_block=list(budget.bytes_per_block))
     for t in CONTEXTS:
         k = f"{t >> 10}k"
@@ -78,7 +83,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     rows = [row(name, make()) for name, make in SHAPES.items()]
-    common.print_table(rows, [("model", "model"), ("layers", "layers"), ("bytes_per_token_64k", "B/token 64K"),
+    common.print_table(rows, [("model", "model"), ("layers", "layers"), ("bytes_per_token_8k", "B/token 8K"),
+                              ("bytes_per_token_64k", "B/token 64K"),
                               ("gib_per_seq_64k", "GiB/seq 64K"), ("bytes_per_token_1024k", "B/token 1M"),
                               ("gib_per_seq_1024k", "GiB/seq 1M"),
                               ("longest_context_in_budget", f"longest in {BUDGET_GIB} GiB"),

@@ -3,6 +3,7 @@
     python bench/kernels.py [--commit SHA] [--out bench/results] [--skip-reference]
     python bench/kernels.py --sweep      # time tile-size candidates instead (no result file)
     python bench/kernels.py --fp8        # only the block-scaled FP8 rows (with --sweep: their tiles)
+    python bench/kernels.py --fp8-cache  # only the decode kernel over a bf16 and an FP8 latent cache, B64 x 32K
 
 Prints a table and writes bench/results/kernels/<gpu>/<date>-<commit>.json. Both ceilings
 (device-to-device copy bandwidth, counting bytes read and written, and a bf16
@@ -23,8 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from mla_func.kernels.latent_cache import scale_groups, zeroed_latent  # noqa: E402
 from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
+from mla_func.kernels.triton import cache as triton_cache  # noqa: E402
 from mla_func.kernels.triton import decode, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
 from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
 
@@ -36,10 +39,26 @@ L2_DEFEAT_BYTES = 256 << 20
 
 # --- MLA decode ---------------------------------------------------------------------------
 
-def _decode_setup(num_seqs, context, num_heads, block_size, copies):
+# Bytes a token of the latent cache: bf16 (C + R values of 2 bytes), or FP8 (C values of 1 byte, a float32
+# scale per 128 of them, R bf16 RoPE values): 1152 and 656 at C = 512, R = 64.
+TOKEN_BYTES = {"auto": DIM * 2, "fp8": KV_LORA_RANK + 4 * scale_groups(KV_LORA_RANK) + ROPE_DIM * 2}
+
+
+def _fp8_cache(dense):
+    """The FP8 latent cache of a bf16 one [nb, bs, C + R], every row quantized by the cache write."""
+    num_blocks, block_size, _ = dense.shape
+    cache = zeroed_latent(num_blocks, block_size, KV_LORA_RANK, ROPE_DIM, kv_cache_dtype="fp8", dtype=BF16,
+                          device="cuda")
+    slots = torch.arange(num_blocks * block_size, device="cuda")
+    return triton_cache.write_kv(cache, slots, dense.view(-1, DIM))
+
+
+def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype="auto"):
     width = context // block_size
     num_blocks = copies * num_seqs * width + 1
     kv_cache = torch.randn(num_blocks, block_size, DIM, device="cuda", dtype=BF16)
+    if cache_dtype == "fp8":
+        kv_cache = _fp8_cache(kv_cache)
     pages = (torch.randperm(num_blocks - 1, device="cuda") + 1).to(torch.int32)
     tables = list(pages.view(copies, num_seqs, width))
     q = torch.randn(num_seqs, num_heads, DIM, device="cuda", dtype=BF16)
@@ -48,10 +67,12 @@ def _decode_setup(num_seqs, context, num_heads, block_size, copies):
 
 
 def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=None, num_splits=None,
-                 reference=False, eager=True):
-    kv_bytes = num_seqs * context * DIM * 2
+                 reference=False, eager=True, cache_dtype="auto", check_seqs=0):
+    """One decode row; `check_seqs` > 0 compares that many sequences' outputs with the reference over the
+    same cache (max_err_vs_ref, without the reference's timing, which `reference` adds for every sequence)."""
+    kv_bytes = num_seqs * context * TOKEN_BYTES[cache_dtype]
     copies = min(16, max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
-    kv_cache, tables, q, lens = _decode_setup(num_seqs, context, num_heads, block_size, copies)
+    kv_cache, tables, q, lens = _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype)
     scale = DIM ** -0.5
     splits = num_splits or decode.mla_decode_num_splits(num_seqs, num_heads, tables[0].shape[1], block_size,
                                                         q.device, config)
@@ -66,11 +87,16 @@ def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=N
     num_bytes = kv_bytes + q.numel() * 2 + num_seqs * num_heads * KV_LORA_RANK * 2
     flops = decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
     row = dict(op="mla_decode", batch=num_seqs, context=context, heads=num_heads, block_size=block_size,
-               splits=splits, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+               cache=cache_dtype, splits=splits, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops)
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
+    if check_seqs:
+        out, _ = call(tables[0])
+        ref_out, _ = ref_attention.mla_decode(q[:check_seqs], kv_cache, tables[0][:check_seqs], lens[:check_seqs],
+                                              softmax_scale=scale, kv_lora_rank=KV_LORA_RANK)
+        row["max_err_vs_ref"] = (out[:check_seqs].float() - ref_out.float()).abs().max().item()
     if reference:
         out, lse = call(tables[0])
         ref_out, ref_lse = ref_attention.mla_decode(q, kv_cache, tables[0], lens, softmax_scale=scale,
@@ -79,6 +105,20 @@ def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=N
         row["ref_ms"] = common.time_eager(lambda: ref_attention.mla_decode(
             q, kv_cache, tables[0], lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK), rep_ms=50)
     return row
+
+
+def fp8_cache_rows(ceilings, num_seqs=64, context=32768):
+    """The decode kernel over a bf16 and over an FP8 latent cache (`kv_cache_dtype="fp8"`) at B64 x 32K,
+    16 and 128 heads, in one run: each pair's time ratio (bf16 / FP8) is printed and recorded on the FP8 row."""
+    rows = []
+    for num_heads in (16, 128):
+        bf16 = bench_decode(num_seqs, context, num_heads, ceilings, eager=False, check_seqs=2)
+        fp8 = bench_decode(num_seqs, context, num_heads, ceilings, eager=False, cache_dtype="fp8", check_seqs=2)
+        fp8["bf16_over_fp8"] = bf16["ms"] / fp8["ms"]
+        rows += [bf16, fp8]
+        print(f"mla_decode B{num_seqs} ctx{context} H{num_heads}: bf16 cache {bf16['ms']:.3f} ms, FP8 cache "
+              f"{fp8['ms']:.3f} ms, bf16 / FP8 = {fp8['bf16_over_fp8']:.2f}x", flush=True)
+    return rows
 
 
 # --- fused MoE ----------------------------------------------------------------------------
@@ -320,6 +360,8 @@ def main() -> None:
     parser = common.kernel_bench_parser(__doc__)
     parser.add_argument("--skip-reference", action="store_true", help="no torch reference timings")
     parser.add_argument("--fp8", action="store_true", help="only the block-scaled FP8 rows (or, with --sweep, tiles)")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="only the decode kernel over a bf16 and an FP8 latent cache (B64 x 32K), and their ratio")
     args = parser.parse_args()
     result, ceilings = common.kernel_bench_run(
         "bench/kernels.py", args.commit, matmul=True,
@@ -333,6 +375,10 @@ def main() -> None:
         return
     if args.fp8:
         result["rows"] += fp8_rows(ceilings)
+        _report(result, args.out)
+        return
+    if args.fp8_cache:
+        result["rows"] += fp8_cache_rows(ceilings)
         _report(result, args.out)
         return
 
@@ -355,7 +401,8 @@ def _report(result, out):
     path = common.write_json(result, out, "kernels")
     rows = []
     for c in result["rows"]:
-        shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}",
+        shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}"
+                               + (" fp8 cache" if c.get("cache") == "fp8" else ""),
                  "fused_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}",
                  "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}",
                  "fp8_gemm": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
@@ -368,7 +415,7 @@ def _report(result, out):
                               ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("tflop_s", "TFLOP/s"),
                               ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
                               ("gemm_tflop_s", "GEMM TFLOP/s"),
-                              ("copy_time_ratio", "t/t_copy"), ("ref_ms", "ref ms"),
+                              ("copy_time_ratio", "t/t_copy"), ("bf16_over_fp8", "bf16/fp8"), ("ref_ms", "ref ms"),
                               ("max_err_vs_ref", "err")])
 
 

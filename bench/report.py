@@ -90,9 +90,18 @@ BENCHES = {
     "throughput": ("Engine throughput, v2-lite (`bench/throughput.py`)", "rows", None,
                    [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                     ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
+    "throughput-compare": ("Engine throughput, a new commit against d1e17d9's, processes alternating on one GPU "
+                           "(`bench/notes/throughput.md`)", "rows", None,
+                           [("output tok/s", "output_tok_s", "{:.0f}"), ("× d1e17d9", "vs_d1e17d9", "{:.3f}")]),
     "soak": ("Soak, v2-lite engine (`bench/soak.py`)", "rows",
              [dict(what=w) for w in ("requests", "unexpected exceptions", "leaked blocks", "non-finite logits rows")],
              [("count", "count", "{}")]),
+    "cache-budget": ("Cache bytes a token, bf16, blocks of 16 (`bench/cache_budget.py`: arithmetic on the cache "
+                     "groups; 64 GiB of cache for the last two columns)", "rows", None,
+                     [("B/token 8K", "bytes_per_token_8k", "{:,.0f}"), ("B/token 64K", "bytes_per_token_64k", "{:,.0f}"),
+                      ("B/token 1M", "bytes_per_token_1024k", "{:,.0f}"),
+                      ("longest context", "longest_context_in_budget", "{:,}"),
+                      ("64K sequences", "seqs_of_64k_in_budget", "{:,}")]),
     "cpu": ("CPU, demo model (`bench/cpu.py`)", "rows", None,
             [("stream tok/s", "stream_tok_s", "{:.0f}"), ("beside a busy process", "stream_busy_tok_s", "{:.0f}"),
              ("bench out tok/s", "bench_output_tok_s", "{:.0f}"), ("score 2048 s", "score_tiny_2048_s", "{:.2f}")]),
@@ -111,6 +120,7 @@ TARGETS = [
     ("throughput", dict(engine="mla-func"), "vs_transformers", ">=", 20, "engine"),
     ("step", dict(batch=1, context=1024), "invariant_cost", "<=", 0.10, "batch invariance"),
     ("throughput", dict(engine="mla-func batch-invariant"), "invariant_cost", "<=", 0.10, "batch invariance"),
+    ("throughput-compare", dict(run="median", role="new"), "vs_d1e17d9", ">=", 1.0, "one seam per family"),
     ("dsa-kernels", dict(op="index_topk", batch=64, context=131072), "pct_copy", ">=", 60, "DSA"),
     ("dsa-kernels", dict(op="dsa_decode", batch=64, context=32768), "copy_time_ratio", "<=", 1.3, "DSA"),
     ("dsa-kernels", dict(op="dsa_decode", batch=64, context=131072), "copy_time_ratio", "<=", 1.3, "DSA"),
@@ -211,7 +221,7 @@ def current_rows(results: list[dict], rows_key: str, shown: list[dict] | None) -
 
 def label(row: dict) -> str:
     """A row's case in a few words: 'mla_decode B128 ctx 4K H16'."""
-    parts = [str(row[k]) for k in ("op", "run", "step", "engine", "what", "mode", "acceptance") if k in row]
+    parts = [str(row[k]) for k in ("op", "model", "run", "step", "engine", "what", "mode", "acceptance") if k in row]
     for key, fmt in (("n", "n={}"), ("k", "k={}"), ("w8a8", "w8a8={}"), ("batch", "B{}"), ("tokens", "T{}"),
                      ("context", "ctx {}"), ("heads", "H{}"),
                      ("keys_per_row", "{} keys"), ("threads", "{} thread(s)")):

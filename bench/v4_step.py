@@ -17,9 +17,11 @@ bench/results/.
 With --profile, each row's graph step is also profiled with programmatic launch off (each
 kernel's own time) and its longest kernels printed; the list goes into the JSON too.
 
-The state of a 64K context holds, per token, every layer's window key, compressor
-inputs and indexer inputs (16 KB a token in v4-mini): batch 64 at 64K needs about
-70 GB beside the weights; a row that does not fit records the error instead.
+The state is the engine's: cache group 0 (every layer's window keys, compressor and indexer
+inputs) holds only the blocks within its lookback (`CacheGroup.lookback`), the compressed
+groups every entry, so a sequence's cache grows only with its compressed parts (about 650
+bytes a token of v4-mini at long context, `bench/cache_budget.py`). A row that does not fit
+records the error instead.
 """
 
 from __future__ import annotations
@@ -53,13 +55,21 @@ def tree_bytes(tree) -> int:
 
 
 def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
+    """A state as the engine holds it for `batch` sequences of `context` cached tokens: group 0 (window keys,
+    compressor and indexer inputs) only the blocks within its lookback (the earlier ones are the scratch
+    block in each table, as the scheduler leaves them), every compressed group whole; and the decode batch."""
     per_seq = math.ceil((context + 1) / BLOCK_SIZE)
-    state = mf.init_state(model, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE)
+    state = mf.init_state(model, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE, max_num_seqs=batch,
+                          max_num_batched_tokens=batch)
     for cache in state.leaves():
         cache.normal_(0.0, 1.0)
     seqs = []
     for i in range(batch):
-        tables = [tuple(range(1 + i * n, 1 + (i + 1) * n)) for n in (g.blocks_for(context + 1) for g in state.groups)]
+        tables = []
+        for g in state.groups:
+            first, n = g.first_live_block(context), g.blocks_for(context + 1)
+            live = n - first
+            tables.append((0,) * first + tuple(range(1 + i * live, 1 + (i + 1) * live)))
         seqs.append(mf.SeqPlan(((17 * i) % model.config.vocab_size,), context, tables[0], 1,
                                group_block_tables=tuple(tables[1:])))
     batch_tensors, mode = step.prepare(state, mf.StepPlan(decode=tuple(seqs)))

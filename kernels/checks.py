@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 
-def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
+class Shaped(Protocol):
+    """A tensor, or a value that stands for one (`latent_cache.FP8LatentCache`)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+
+def check_shape(name: str, tensor: Shaped, expected: Sequence[int | None]) -> None:
     """Raise ValueError unless `tensor` has `expected` shape (None matches any size)."""
     got = tensor.shape
     # A plain loop: every op call runs this several times, and a generator costs more than the check.

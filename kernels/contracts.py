@@ -14,6 +14,12 @@ Hi indexer heads, Di = index_head_dim.
 A `Weight` (`quantized`) is a tensor or a block-scaled FP8 pair: every backend computes with the
 pair as with its dequantized tensor (`BlockFP8Weight.dequantize` into the activations' dtype, or
 `out_dtype` where given), up to the rounding of its own products.
+
+A `LatentCache` (`latent_cache`) is the MLA latent cache [num_blocks, bs, C + R] as a tensor or as an
+`FP8LatentCache` (FP8 values with per-group scales, RoPE values in the activations' dtype): the ops
+that write it store rows as `reference.cache.write_kv` quantizes them, bit for bit, and the ops that
+read it attend over its dequantized rows (`FP8LatentCache.rows`), up to the rounding of their own
+products; an op returns the cache type it was given.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Protocol, overload
 
 import torch
 
+from .latent_cache import FP8LatentCache, LatentCache
 from .quantized import Weight
 
 Tensor = torch.Tensor
@@ -104,17 +111,25 @@ class MergeAttnStates(Protocol):
 
 
 class WriteKv(Protocol):
-    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, kv: Tensor, /, *, inplace: bool = True) -> Tensor:
-        """kv_cache [num_blocks, bs, D]; slot_mapping [T] (block * bs + offset, -1 = padding,
-        which writes only the scratch block); kv [T, D] -> the cache with the rows written:
-        the same tensor when `inplace`, else a new one (the input left untouched)."""
+    @overload
+    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, kv: Tensor, /, *, inplace: bool = True) -> Tensor: ...
+    @overload
+    def __call__(self, kv_cache: FP8LatentCache, slot_mapping: Tensor, kv: Tensor, /, *,
+                 inplace: bool = True) -> FP8LatentCache: ...
+
+    def __call__(self, kv_cache: LatentCache, slot_mapping: Tensor, kv: Tensor, /, *,
+                 inplace: bool = True) -> LatentCache:
+        """kv_cache [num_blocks, bs, D] (a tensor, or an `FP8LatentCache` with D = C + R, which
+        takes the rows quantized); slot_mapping [T] (block * bs + offset, -1 = padding, which
+        writes at most the scratch block); kv [T, D] -> the cache with the rows written: the same
+        value when `inplace`, else a new one (the input left untouched)."""
         ...
 
 
 class WriteLatent(Protocol):
-    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor, q_pe: Tensor,
-                 positions: Tensor, cos: Tensor, sin: Tensor, /, *, eps: float, interleaved: bool,
-                 inplace: bool = True) -> tuple[Tensor, Tensor]:
+    def __call__(self, kv_cache: LatentCache, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor,
+                 q_pe: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *, eps: float, interleaved: bool,
+                 inplace: bool = True) -> tuple[LatentCache, Tensor]:
         """`RmsNorm`, `Rope` and `WriteKv` of one step's latents as one op. kv_cache
         [num_blocks, bs, C + R]; slot_mapping [T]; latent [T, C + R] (c_kv, then k_pe before
         rotation); kv_a_norm [C]; q_pe [T, H, R] before rotation; positions [T]; cos, sin as
@@ -123,9 +138,10 @@ class WriteLatent(Protocol):
 
 
 class WriteLatentAbsorb(Protocol):
-    def __call__(self, kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor, q_nope: Tensor,
-                 q_pe: Tensor, w_uk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *, eps: float,
-                 interleaved: bool, absorb_from: int, inplace: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, kv_cache: LatentCache, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor,
+                 q_nope: Tensor, q_pe: Tensor, w_uk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 eps: float, interleaved: bool, absorb_from: int,
+                 inplace: bool = True) -> tuple[LatentCache, Tensor, Tensor]:
         """`WriteLatent`, then `AbsorbQuery` of the rows from absorb_from in [0, T] on.
         q_nope [T, H, Dn]; w_uk [H, Dn, C] -> (kv_cache, rotated q_pe [T, H, R],
         absorbed q [T - absorb_from, H, C + R])."""
@@ -140,7 +156,7 @@ class AbsorbQuery(Protocol):
 
 
 class MlaDecode(Protocol):
-    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, /, *,
+    def __call__(self, q: Tensor, kv_cache: LatentCache, block_table: Tensor, seq_lens: Tensor, /, *,
                  softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None,
                  q_len: int = 1) -> tuple[Tensor, Tensor]:
         """Absorbed MLA decode of q_len causal query tokens per sequence over the latent cache,
@@ -154,7 +170,7 @@ class MlaDecode(Protocol):
 
 
 class PrefillAttention(Protocol):
-    def __call__(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+    def __call__(self, q_nope: Tensor, q_pe: Tensor, kv_cache: LatentCache, block_table: Tensor, cu_seqlens_q: Tensor,
                  seq_lens: Tensor, positions: Tensor, w_uk: Tensor, w_uv: Tensor, /, *,
                  softmax_scale: float) -> tuple[Tensor, Tensor]:
         """MLA prefill: new tokens attend causally over their own sequence's cache, which
@@ -220,7 +236,7 @@ class TopKIndices(Protocol):
 
 
 class SparseMlaDecode(Protocol):
-    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, indices: Tensor, /, *,
+    def __call__(self, q: Tensor, kv_cache: LatentCache, block_table: Tensor, indices: Tensor, /, *,
                  softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Absorbed MLA of each row over its selected latent rows only (prefill and decode rows alike).
         q [T, H, C + R] absorbed query; kv_cache [num_blocks, bs, C + R]; block_table [T, W] int32;

@@ -50,6 +50,16 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
     return h.digest()
 
 
+def hash_chain(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The content hashes of every full block of `token_ids` (len // block_size of them), chained."""
+    out: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """The cached full blocks found for a token sequence, owned by the caller.
@@ -169,11 +179,25 @@ class BlockAllocator:
             blocks.append(block)
             hashes.append(h)
             parent = h
+        self.take(blocks)
+        return PrefixHit(tuple(blocks), tuple(hashes))
+
+    def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[int] | None:
+        """The cached block of each content hash, or None unless every one is cached (nothing is taken:
+        `take` them to own them)."""
+        if not self.enable_prefix_caching:
+            return None if hashes else []
+        blocks = [self._block_of.get(h) for h in hashes]
+        return None if None in blocks else [b for b in blocks if b is not None]
+
+    def take(self, blocks: Iterable[int]) -> None:
+        """Take a reference to each cached or owned block (an evictable one leaves the eviction queue)."""
         for block in blocks:
             if block in self._evictable:
                 del self._evictable[block]
+            elif block not in self._refcount:
+                raise ValueError(f"block {block} is neither owned nor cached: it cannot be taken")
             self._refcount[block] = self._refcount.get(block, 0) + 1
-        return PrefixHit(tuple(blocks), tuple(hashes))
 
     def register(self, block: int, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
         """Record that owned `block` now holds the full block `token_ids` after `parent_hash`.

@@ -3,7 +3,9 @@
 Each layer owns one cache value of its kind (see `layer_cache`); the state holds
 them in layer order, the static geometry of each cache group, and the scratch
 buffers kernels are handed. Block 0 of every group is the scratch block: the
-allocator never hands it out, padded rows point at it, nothing reads it.
+allocator never hands it out; padded rows, and a table's blocks that were freed
+behind a group's lookback, point at it. It holds garbage, so every read of it is
+masked out with a select (`where`), never by arithmetic on what it holds.
 
 Everything that moves a state moves its pytree leaves: cloning, copying into a
 graph's buffers, checking buffers against a captured graph, making a fresh handle.
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mla_func.kernels.latent_cache import zeroed_latent
 from mla_func.pytree import register_dataclass, static_field, tree_leaves
 
 from .block_allocator import SCRATCH_BLOCK
@@ -52,8 +55,9 @@ class KVCacheState:
 
     layers:  one cache per layer, of that layer's kind (e.g. `MLALayerCache`)
     scratch: buffers kernels are handed (static shapes), part of the pytree
-    groups:  the geometry of each cache group (static); every paged tensor of a
-             layer in group g is [groups[g].num_blocks, groups[g].block_size, ...]
+    groups:  the geometry of each cache group (static), each with its own block count;
+             every tensor a layer pages by group g (`LayerCache.paged_in(g)`) is
+             [groups[g].num_blocks, groups[g].block_size, ...]
 
     Flattening and unflattening (e.g. `tree_map`) makes a new, live value: liveness
     belongs to a handle, not to the buffers.
@@ -96,13 +100,13 @@ class KVCacheState:
             cache: LayerCache = layer
             if not 0 <= cache.group < len(self.groups):
                 raise ValueError(f"layers[{i}].group: expected in [0, {len(self.groups)}), got {cache.group}")
-            g = self.groups[cache.group]
-            for t in cache.paged():
-                if tuple(t.shape[:2]) != (g.num_blocks, g.block_size):
-                    raise ValueError(
-                        f"layers[{i}]: a paged tensor of group {cache.group} must start with "
-                        f"(num_blocks, block_size) = {(g.num_blocks, g.block_size)}, got {tuple(t.shape)}"
-                    )
+            for index, g in enumerate(self.groups):
+                for t in cache.paged_in(index):
+                    if tuple(t.shape[:2]) != (g.num_blocks, g.block_size):
+                        raise ValueError(
+                            f"layers[{i}]: a paged tensor of group {index} must start with "
+                            f"(num_blocks, block_size) = {(g.num_blocks, g.block_size)}, got {tuple(t.shape)}"
+                        )
 
     @property
     def num_layers(self) -> int:
@@ -125,7 +129,8 @@ class KVCacheState:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the first layer's first paged tensor."""
+        """The dtype of the first layer's first paged tensor: the activations' dtype the state was made
+        for (an FP8 latent cache lists its RoPE values first, `LayerCache.paged`)."""
         return self.layers[0].paged()[0].dtype
 
     def leaves(self) -> list[torch.Tensor]:
@@ -133,12 +138,10 @@ class KVCacheState:
         return tree_leaves(self)
 
     def bytes_per_block(self, group: int = 0) -> int:
-        """Bytes one block of `group` takes over all layers (what a block costs the memory budget)."""
-        total = 0
-        for layer in self.layers:
-            if layer.group == group:
-                total += sum(t[0].numel() * t.element_size() for t in layer.paged())
-        return total
+        """Bytes one block of `group` takes over all layers (what a block costs the memory budget): every
+        leaf a layer pages by that group's tables, whichever group the layer itself is in."""
+        cache: LayerCache
+        return sum(t[0].numel() * t.element_size() for cache in self.layers for t in cache.paged_in(group))
 
     @property
     def is_donated(self) -> bool:
@@ -164,29 +167,37 @@ class KVCacheState:
 
 def zeroed_mla_caches(
     num_layers: int,
-    kv_cache_dim: int,
+    kv_lora_rank: int,
+    rope_dim: int,
     group: CacheGroup,
     *,
     dtype: torch.dtype,
     device: torch.device | str,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[MLALayerCache, ...]:
-    """One zeroed [num_blocks, block_size, kv_cache_dim] latent cache per layer, in group 0."""
+    """One zeroed [num_blocks, block_size, kv_lora_rank + rope_dim] latent cache per layer, in group 0,
+    in `kv_cache_dtype` (`kernels.latent_cache.zeroed_latent`: "auto" is `dtype`)."""
     return tuple(
-        MLALayerCache(kv=torch.zeros(group.num_blocks, group.block_size, kv_cache_dim, dtype=dtype, device=device))
+        MLALayerCache(kv=zeroed_latent(group.num_blocks, group.block_size, kv_lora_rank, rope_dim,
+                                       kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device))
         for _ in range(num_layers)
     )
 
 
 def zeroed_dsa_cache(
-    kv_cache_dim: int,
+    kv_lora_rank: int,
+    rope_dim: int,
     index_head_dim: int,
     group: CacheGroup,
     *,
     dtype: torch.dtype,
     device: torch.device | str,
+    kv_cache_dtype: str = "auto",
 ) -> DSALayerCache:
     """One sparse-attention layer's zeroed caches in group 0: latents [num_blocks, block_size,
-    kv_cache_dim] and indexer keys [num_blocks, block_size, index_head_dim]."""
+    kv_lora_rank + rope_dim] in `kv_cache_dtype` (as `zeroed_mla_caches`) and indexer keys
+    [num_blocks, block_size, index_head_dim] in `dtype`."""
     shape = (group.num_blocks, group.block_size)
-    return DSALayerCache(kv=torch.zeros(*shape, kv_cache_dim, dtype=dtype, device=device),
+    return DSALayerCache(kv=zeroed_latent(*shape, kv_lora_rank, rope_dim, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                                          device=device),
                          index_k=torch.zeros(*shape, index_head_dim, dtype=dtype, device=device))

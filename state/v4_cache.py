@@ -1,8 +1,8 @@
 """DeepSeek-V4's per-layer caches: one frozen pytree per layer, with the leaves its kind needs.
 
-Every V4 layer keeps, per token, in cache group 0 (paged like MLA's latents):
+Every V4 layer keeps, in cache group 0 (paged like MLA's latents, one entry per token):
 
-* `window`: the layer's key (= value) of every token [nb, bs, Dh]; a row reads the
+* `window`: the layer's key (= value) of each token [nb, bs, Dh]; a row reads the
   last `sliding_window` of its sequence's through its block table.
 
 A compressed layer (CSA or HCA) adds:
@@ -19,9 +19,19 @@ A CSA layer adds its lightning indexer's own:
 
 * `index_inputs` (group 0) [nb, bs, 4 * Di] and `index_keys` (group g) [nb_g, bs_g, Di].
 
+Group 0 is read only near a sequence's end: a row at position p reads its window
+[p - sliding_window + 1, p], and the row that completes an entry reads the
+compressor inputs of its block (CSA's and its indexer's also the previous block's).
+So group 0 has a lookback (`CacheGroup.lookback`, the largest of the layer kinds'
+`V4DecoderLayer.lookback`): the scheduler frees a sequence's group-0 blocks once
+they lie wholly before that many tokens behind its next position, and the block
+table keeps the scratch block in their place. A group g holds a sequence's entries
+for its whole length, in a pool sized by its own rate (`compressed_group`).
+
 Everything a layer caches is thus a pure function of its sequence's tokens, stored
 in blocks: a padded row (slot -1 in every group) writes nothing, and a prefix whose
-blocks are full restores every leaf exactly.
+entries are all in full blocks, and whose group-0 blocks of the last lookback tokens
+are cached, restores every leaf a later step reads exactly.
 """
 
 from __future__ import annotations
@@ -56,15 +66,22 @@ class V4LayerCache:
         """The leaves paged by the compressed group's block tables (per entry)."""
         return tuple(t for t in (self.entries, self.index_keys) if t is not None)
 
+    def paged_in(self, group: int) -> tuple[torch.Tensor, ...]:
+        if group == self.group:
+            return self.paged()
+        return self.paged_entries() if self.entry_group and group == self.entry_group else ()
+
 
 def compressed_group(tokens: CacheGroup, rate: int) -> CacheGroup:
     """The cache group of entries of `rate` tokens beside a token group.
 
-    A block holds max(1, block_size // rate) entries, so it covers a multiple of the
-    token group's block; with as many blocks as the token group, every sequence that
-    fits the token group fits this one (it needs at most one block here per block there).
+    A block holds max(1, block_size // rate) entries. The group gets the blocks that
+    hold the entries of as many tokens as the token group's usable blocks hold
+    (`CacheGroup.sized_for`): its own count, which follows the token group's capacity
+    in tokens, not its block count (a bounded token group has few blocks).
     """
-    return CacheGroup(num_blocks=tokens.num_blocks, block_size=max(1, tokens.block_size // rate), tokens_per_entry=rate)
+    shape = CacheGroup(num_blocks=2, block_size=max(1, tokens.block_size // rate), tokens_per_entry=rate)
+    return shape.sized_for((tokens.num_blocks - 1) * tokens.tokens_per_block)
 
 
 def zeroed_v4_cache(groups: tuple[CacheGroup, ...], *, head_dim: int, entry_group: int, compressor_width: int,

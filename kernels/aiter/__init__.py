@@ -23,6 +23,7 @@ import torch
 
 from ..checks import check_dtype, check_shape
 from ..dequantizing import DequantizingFusedMoe
+from ..latent_cache import LatentCache
 from ..reference import attention as ref_attention
 from ..ops import Ops
 from ..reference.table import REFERENCE
@@ -66,7 +67,7 @@ def token_page_list(block_table: torch.Tensor, seq_lens: torch.Tensor, block_siz
 
 def mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -85,8 +86,10 @@ def mla_decode(
     Several causal query tokens per sequence (q_len > 1, q [B * q_len, H, C + R]) run
     the torch reference, `reference.attention.mla_decode`: AITER's causal rule for
     several queries of one sequence differs between releases and is not relied on.
+    So does an FP8 latent cache (`latent_cache.FP8LatentCache`): AITER's FP8 MLA decode
+    takes its own cache layout and scales, not this one's.
     """
-    if q_len != 1:
+    if q_len != 1 or not isinstance(kv_cache, torch.Tensor):
         return ref_attention.mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                         kv_lora_rank=kv_lora_rank, w_uv=w_uv, q_len=q_len)
     aiter_mla, _ = _import_aiter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import as_dtype, check_shape
+from ..latent_cache import LatentCache, latent_rows
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -21,11 +22,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, D], [B, W] -> [B, W * bs, D]: each sequence's cache rows in position order."""
+def gather_pages(kv_cache: LatentCache, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, D], [B, W] -> [B, W * bs, D]: each sequence's cache rows in position order,
+    in the activations' dtype (an FP8 latent cache dequantized, `latent_cache.latent_rows`)."""
     num_seqs, width = block_table.shape
     _, block_size, dim = kv_cache.shape
-    return kv_cache[block_table.long()].reshape(num_seqs, width * block_size, dim)
+    return latent_rows(kv_cache, block_table.long()).reshape(num_seqs, width * block_size, dim)
 
 
 def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +40,7 @@ def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -56,7 +58,8 @@ def mla_decode(
 
     q:           [B * q_len, H, C + R] absorbed query (q_nope @ W_UK, then q_pe); the
                  rows of sequence b are b * q_len .. b * q_len + q_len - 1, in position order
-    kv_cache:    [num_blocks, bs, C + R] latent vectors (normalised c_kv, then rotated k_pe)
+    kv_cache:    [num_blocks, bs, C + R] latent vectors (normalised c_kv, then rotated k_pe), or
+                 an `FP8LatentCache` of that shape, read dequantized
     block_table: [B, W] int32
     seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
     w_uv:        [H, Dv, C] value up-projection, or None
@@ -107,7 +110,7 @@ def token_to_seq(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
 def prefill_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -125,7 +128,7 @@ def prefill_attention(
     the decompressed keys and values.
 
     q_nope:       [T, H, Dn]      q_pe: [T, H, R] (rotated)
-    kv_cache:     [num_blocks, bs, C + R]
+    kv_cache:     [num_blocks, bs, C + R] (or an `FP8LatentCache`, read dequantized)
     block_table:  [B, W] int32
     cu_seqlens_q: [B + 1] int32, tokens of sequence b are rows cu[b]:cu[b+1];
                   rows from cu[B] on are padding

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import as_dtype, check_shape
+from ..latent_cache import LatentCache, latent_rows
 from .attention import _acc_dtype, _softmax_with_lse
 from .cache import write_kv
 
@@ -111,7 +112,7 @@ def top_k_indices(scores: torch.Tensor, key_lens: torch.Tensor, *, k: int) -> to
 
 def sparse_mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     indices: torch.Tensor,
     *,
@@ -121,7 +122,8 @@ def sparse_mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA of each row over the latent rows its indices select.
 
-    q [T, H, C + R]; kv_cache [num_blocks, bs, C + R]; block_table [T, W] int32;
+    q [T, H, C + R]; kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, its selected rows read
+    dequantized); block_table [T, W] int32;
     indices [T, k] int32 key positions (-1 = none); w_uv [H, Dv, C] or None
     -> out [T, H, C] in q's dtype, or [T, H, Dv] with w_uv (out rounded to q's dtype, then
        @ w_uv[h]^T); lse [T, H] float32; a row with no valid index gives out 0, lse -inf.
@@ -130,15 +132,14 @@ def sparse_mla_decode(
     check_shape("kv_cache", kv_cache, (None, None, dim))
     check_shape("block_table", block_table, (num_rows, None))
     check_shape("indices", indices, (num_rows, None))
-    num_blocks, block_size, _ = kv_cache.shape
+    block_size = kv_cache.shape[1]
     width = block_table.shape[1]
     acc = _acc_dtype(q.dtype)
     valid = indices >= 0                                                    # [T, k]
     pos = indices.long().clamp(min=0)
     # A position past the table cannot be a key of the row: clamped for the read, masked anyway.
     block = block_table.long().gather(1, (pos // block_size).clamp(max=width - 1))
-    slots = block * block_size + pos % block_size                          # [T, k]
-    kv = as_dtype(kv_cache.reshape(num_blocks * block_size, dim)[slots], acc)  # [T, k, C+R]
+    kv = as_dtype(latent_rows(kv_cache, block, pos % block_size), acc)      # [T, k, C+R]
     scores = torch.bmm(as_dtype(q, acc), kv.transpose(1, 2)) * softmax_scale   # thd,tkd->thk
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs, lse = _softmax_with_lse(scores)

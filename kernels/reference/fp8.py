@@ -67,7 +67,9 @@ def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tenso
     num_groups = -(-k_in // group)
     # Zero padding to whole groups leaves each group's largest magnitude unchanged.
     groups = F.pad(x.float(), (0, num_groups * group - k_in)).view(num_tokens, num_groups, group)
-    scales = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor, not the number: on CUDA torch divides by a Python scalar as a product with its
+    # reciprocal, one rounding more than the IEEE division the kernels and the CPU take.
+    scales = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX, device=x.device)
     scaled = (groups / scales[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return scaled.view(num_tokens, num_groups * group)[:, :k_in].to(FP8_DTYPE), scales
 

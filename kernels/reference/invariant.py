@@ -22,6 +22,7 @@ import torch
 
 from ..checks import as_dtype, check_shape
 from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
+from ..latent_cache import LatentCache, latent_rows
 from ..ops import Ops
 from . import attention as ref_attention
 from . import dsa as ref_dsa
@@ -77,11 +78,11 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -
     return _by_row_tiles(lambda qn, qp: ref_attention.absorb_query(qn, qp, w_uk), q_nope, q_pe)[0]
 
 
-def write_latent_absorb(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+def write_latent_absorb(kv_cache: LatentCache, slot_mapping: torch.Tensor, latent: torch.Tensor,
                         kv_a_norm: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eps: float,
                         interleaved: bool, absorb_from: int,
-                        inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        inplace: bool = True) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """`reference.latent.write_latent_absorb` with the batch-invariant `absorb_query`."""
     if not 0 <= absorb_from <= q_pe.shape[0]:
         raise ValueError(f"absorb_from: expected in [0, {q_pe.shape[0]}], got {absorb_from}")
@@ -113,13 +114,13 @@ def route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Te
     return weights, ids
 
 
-def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+def mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                softmax_scale: float, kv_lora_rank: int, w_uv: torch.Tensor | None = None,
                q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.attention.mla_decode` for one query a row, in SPLIT_KEYS-key chunks merged in order.
 
-    q [B, H, C + R]; kv_cache [num_blocks, bs, C + R]; block_table [B, W] int32;
-    seq_lens [B] int32 (0: padded row); w_uv [H, Dv, C] or None
+    q [B, H, C + R]; kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, read dequantized);
+    block_table [B, W] int32; seq_lens [B] int32 (0: padded row); w_uv [H, Dv, C] or None
     returns out [B, H, C] (with w_uv [B, H, Dv]) in q's dtype, lse [B, H] float32.
     """
     if q_len != 1:
@@ -140,7 +141,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     for start in range(0, width * block_size, SPLIT_KEYS):
         pos = start + offsets                                               # [S]
         pages = block_table.long()[:, (pos // block_size).clamp(max=width - 1)]   # [B, S]
-        keys = as_dtype(kv_cache[pages, pos % block_size], acc)            # [B, S, C+R]
+        keys = as_dtype(latent_rows(kv_cache, pages, pos % block_size), acc)   # [B, S, C+R]
         scores = torch.bmm(qa, keys.transpose(1, 2)) * softmax_scale        # bhd,bsd->bhs
         visible = pos[None, :] < seq_lens[:, None]                          # [B, S]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
@@ -167,7 +168,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return out, lse.float()
 
 
-def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *,
+def sparse_mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor, indices: torch.Tensor, *,
                       softmax_scale: float, kv_lora_rank: int,
                       w_uv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.dsa.sparse_mla_decode` (a fixed k keys a row) with W_UV on ROW_TILE-row tiles:

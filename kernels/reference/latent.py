@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_shape
+from ..latent_cache import LatentCache
 from .attention import absorb_query
 from .cache import write_kv
 from .norm import rms_norm
@@ -12,7 +13,7 @@ from .rope import rope
 
 
 def write_latent(
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     slot_mapping: torch.Tensor,
     latent: torch.Tensor,
     kv_a_norm: torch.Tensor,
@@ -24,10 +25,10 @@ def write_latent(
     eps: float,
     interleaved: bool,
     inplace: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[LatentCache, torch.Tensor]:
     """`rms_norm`, `rope` and `write_kv` of one step's latents, as one op.
 
-    kv_cache:     [num_blocks, block_size, C + R]
+    kv_cache:     [num_blocks, block_size, C + R], or an `FP8LatentCache` (written quantized)
     slot_mapping: [T] integer; -1 marks padding (see `write_kv`)
     latent:       [T, C + R] the kv_a projection: c_kv, then k_pe before rotation
     kv_a_norm:    [C] weight of c_kv's RMSNorm (epsilon `eps`)
@@ -45,7 +46,7 @@ def write_latent(
 
 
 def write_latent_absorb(
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     slot_mapping: torch.Tensor,
     latent: torch.Tensor,
     kv_a_norm: torch.Tensor,
@@ -60,7 +61,7 @@ def write_latent_absorb(
     interleaved: bool,
     absorb_from: int,
     inplace: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """`write_latent`, then `absorb_query` of the rows from `absorb_from` on (a step's decode rows).
 
     q_nope:      [T, H, Dn]; w_uk: [H, Dn, C]; absorb_from in [0, T]; the rest as `write_latent`

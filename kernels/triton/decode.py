@@ -7,7 +7,8 @@ W_UV, small batches merge and project in one stage-2 kernel; larger ones project
 with one batched GEMM. The number of splits is a function of static shapes
 and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
-any lengths and no step waits on the host.
+any lengths and no step waits on the host. An FP8 latent cache is read through the
+same kernel, its tiles dequantized as they are loaded (`latent_parts.latent_tile`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..latent_cache import LatentCache
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
 from .decode_merge import merge_splits, merge_splits_value, split_partials
+from .latent_parts import LatentParts, check_latent_cache, latent_parts, latent_tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,17 @@ _GPU_CONFIGS = MappingProxyType({
     32: DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
     64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
 })
+# Over an FP8 latent cache a tile is dequantized in registers before the products take it, so it wants
+# other tiles; the heads a program takes stay the bf16 cache's, so the split count (and a workspace
+# sized by `mla_decode_workspace`) is the same for both. H100, B64 x 32K: at 16 heads 32-key tiles
+# unpipelined, 1.10 ms (0.88 for the bf16 cache: slower still, the dequantization bounds it); at 128
+# heads 64-key tiles over 8 warps in two stages, 2.40 ms (3.44 for the bf16 cache; 3.47 with its tiles).
+# 32 heads were not measured and keep the bf16 cache's tiles.
+_GPU_FP8_CONFIGS = MappingProxyType({
+    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1),
+    32: _GPU_CONFIGS[32],
+    64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+})
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -59,10 +73,11 @@ _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
 
-def decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
+def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> DecodeConfig:
+    """The split kernel's tiles for `num_heads` rows a sequence on `device`, over an FP8 latent cache if `fp8`."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[min(64, max(16, next_pow2(num_heads)))]
+    return (_GPU_FP8_CONFIGS if fp8 else _GPU_CONFIGS)[min(64, max(16, next_pow2(num_heads)))]
 
 
 # Up to this many sequences stage 2 also applies W_UV. Each of its programs
@@ -134,32 +149,12 @@ def mla_decode_workspace(
 
 # The split count follows the batch size, and eager (mixed) steps meet every batch
 # size: as a constexpr or a specialised int it would compile a kernel per count mid-run.
-@triton.jit
-def latent_rows(row, key_mask, s_kd, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A tile of latent cache rows at pointers `row` [BLOCK_N] (zeros where not key_mask):
-    (k_latent [BLOCK_N, BLOCK_C], k_pe [BLOCK_N, BLOCK_R])."""
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
-    if BLOCK_C == KV_LORA_RANK:
-        c_mask = key_mask[:, None]
-    else:
-        c_mask = key_mask[:, None] & (offs_c[None, :] < KV_LORA_RANK)
-    if BLOCK_R == ROPE_DIM:
-        r_mask = key_mask[:, None]
-    else:
-        r_mask = key_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
-    k_latent = tl.load(row[:, None] + offs_c[None, :] * s_kd, mask=c_mask, other=0.0)
-    k_pe = tl.load(row[:, None] + (KV_LORA_RANK + offs_r[None, :]) * s_kd, mask=r_mask, other=0.0)
-    return k_latent, k_pe
-
-
 @triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _split_kernel(
-    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
+    q_ptr, v_ptr, sc_ptr, r_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
     num_heads, num_splits, scale_log2, s_sl,
     s_qb, s_qh, s_qd,
-    s_kn, s_kb, s_kd,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
     s_btb, s_btw,
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
@@ -169,7 +164,7 @@ def _split_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
     Q_LEN: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-    LENGTH_SPLITS: tl.constexpr = 0, MIN_SPLIT_KEYS: tl.constexpr = 128,
+    FP8: tl.constexpr, LENGTH_SPLITS: tl.constexpr = 0, MIN_SPLIT_KEYS: tl.constexpr = 128,
 ):
     # With Q_LEN > 1 the BLOCK_H rows of a program are (head, query) pairs, head
     # major: HEADS_PER_PROGRAM heads times the Q_LEN causal queries of sequence b,
@@ -232,8 +227,9 @@ def _split_kernel(
         pos = n0 + offs_n
         key_mask = pos < end
         page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
-        row = kv_ptr + page * s_kn + (pos % PAGE_SIZE) * s_kb
-        k_latent, k_pe = latent_rows(row, key_mask, s_kd, KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R)
+        k_latent, k_pe = latent_tile(v_ptr, sc_ptr, r_ptr, page, pos % PAGE_SIZE, key_mask,
+                                     s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+                                     KV_LORA_RANK, ROPE_DIM, BLOCK_C, BLOCK_R, FP8)
 
         scores = tl.dot(q_nope, tl.trans(k_latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
@@ -269,37 +265,41 @@ def _split_kernel(
         tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
-def check_latent_attention_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_lora_rank: int,
-                                w_uv: torch.Tensor | None, *, num_seqs: int, seq_lens: torch.Tensor | None = None,
-                                **per_row: torch.Tensor) -> None:
-    """The argument checks every absorbed attention over the paged latent cache shares.
+def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,
+                                kv_lora_rank: int, w_uv: torch.Tensor | None, *, num_seqs: int,
+                                seq_lens: torch.Tensor | None = None, **per_row: torch.Tensor) -> LatentParts:
+    """The argument checks every absorbed attention over the paged latent cache shares; returns the
+    cache's leaves as the kernels take them (`latent_parts`).
 
-    q [rows, H, C + R] float; kv_cache [num_blocks, bs, C + R] in q's dtype; block_table
-    [num_seqs, W] int32; seq_lens [num_seqs] int32 if given; per_row: more int32 tensors of
-    num_seqs rows (e.g. indices); w_uv [H, Dv, C] in q's dtype or None; 0 < kv_lora_rank < C + R.
+    q [rows, H, C + R] float; kv_cache [num_blocks, bs, C + R] in q's dtype (or an `FP8LatentCache`
+    whose RoPE values are); block_table [num_seqs, W] int32; seq_lens [num_seqs] int32 if given;
+    per_row: more int32 tensors of num_seqs rows (e.g. indices); w_uv [H, Dv, C] in q's dtype or
+    None; 0 < kv_lora_rank < C + R.
     """
     dim = q.shape[2]
     check_shape("kv_cache", kv_cache, (None, None, dim))
     check_shape("block_table", block_table, (num_seqs, None))
     check_float("q", q)
-    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    if not 0 < kv_lora_rank < dim:
+        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    parts = latent_parts(kv_cache, kv_lora_rank)
+    check_latent_cache(parts, q.dtype)
     check_dtype("block_table", block_table, (torch.int32,))
     tensors = dict(per_row) if seq_lens is None else {"seq_lens": seq_lens, **per_row}
     for name, t in tensors.items():
         check_shape(name, t, (num_seqs,) + (None,) * (t.dim() - 1))
         check_dtype(name, t, (torch.int32,))
-    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, **tensors)
-    if not 0 < kv_lora_rank < dim:
-        raise ValueError(f"kv_lora_rank: expected in (0, {dim}), got {kv_lora_rank}")
+    check_same_device(q=q, kv_cache=parts.rope, block_table=block_table, **tensors)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (q.shape[1], None, kv_lora_rank))
         check_dtype("w_uv", w_uv, (q.dtype,))
         check_same_device(q=q, w_uv=w_uv)
+    return parts
 
 
 def mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -318,7 +318,8 @@ def mla_decode(
 
     q:           [B * q_len, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32;
                  the rows of sequence b are b * q_len .. b * q_len + q_len - 1
-    kv_cache:    [num_blocks, bs, C + R], same dtype as q
+    kv_cache:    [num_blocks, bs, C + R], same dtype as q, or an `FP8LatentCache` whose RoPE
+                 values have q's dtype (read dequantized)
     block_table: [B, W] int32
     seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
     workspace:   (partial_out [B * q_len, H, S, C] fp32, partial_lse [B * q_len, H, S] fp32)
@@ -339,12 +340,12 @@ def mla_decode(
     num_seqs = num_rows // q_len
     rope_dim = dim - kv_lora_rank
     _, block_size, _ = kv_cache.shape
-    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_seqs,
-                                seq_lens=seq_lens)
+    parts = check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_seqs,
+                                        seq_lens=seq_lens)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
-    config = config or decode_config(num_heads * q_len, device)
+    config = config or decode_config(num_heads * q_len, device, parts.fp8)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
@@ -362,11 +363,11 @@ def mla_decode(
     grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
     _split_kernel[grid](
-        q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
+        q, *parts.pointers(), block_table, seq_lens, partial_out, partial_lse,
         num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
-        *q.stride(), *kv_cache.stride(), *block_table.stride(),
+        *q.stride(), *parts.strides(), *block_table.stride(),
         *partial_out.stride(), *partial_lse.stride(),
-        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
+        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, FP8=parts.fp8,
         BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
         BLOCK_H=block_rows, BLOCK_N=config.block_n,
         PAGE_SIZE=block_size,

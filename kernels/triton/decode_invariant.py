@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..latent_cache import LatentCache
 from ._common import LOG2E, dot_precision, next_pow2, pdl
 from .decode import _split_kernel, check_latent_attention_args, decode_config
 from .invariant_matmul import bmm
@@ -93,7 +94,7 @@ def _merge_in_order_kernel(
 
 def mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -104,7 +105,8 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.attention.mla_decode` for one query a row, batch-invariant.
 
-    q [B, H, C + R] absorbed query; kv_cache [num_blocks, bs, C + R]; block_table [B, W]
+    q [B, H, C + R] absorbed query; kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`,
+    read dequantized as `decode.mla_decode` reads it); block_table [B, W]
     int32; seq_lens [B] int32 (0: padded row); w_uv [H, Dv, C] or None
     returns out [B, H, C] (with w_uv [B, H, Dv]) in q's dtype, lse [B, H] float32.
     Several causal queries a sequence (q_len > 1) are given as one row each
@@ -115,7 +117,8 @@ def mla_decode(
                          f"with its own seq_len), got q_len={q_len}")
     num_rows, num_heads, dim = q.shape
     _, block_size, _ = kv_cache.shape
-    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows, seq_lens=seq_lens)
+    parts = check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows,
+                                        seq_lens=seq_lens)
     device = q.device
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
@@ -124,14 +127,14 @@ def mla_decode(
         splits = max_splits(block_table.shape[1] * block_size, device)
         partial_out = torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device)
         partial_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device)
-        config = decode_config(num_heads, device)
+        config = decode_config(num_heads, device, parts.fp8)
         use_pdl = pdl(device)
         _split_kernel[(num_rows, triton.cdiv(num_heads, config.block_h), splits)](
-            q, kv_cache, block_table, seq_lens, partial_out, partial_lse,
+            q, *parts.pointers(), block_table, seq_lens, partial_out, partial_lse,
             num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
-            *q.stride(), *kv_cache.stride(), *block_table.stride(),
+            *q.stride(), *parts.strides(), *block_table.stride(),
             *partial_out.stride(), *partial_lse.stride(),
-            KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
+            KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank, FP8=parts.fp8,
             BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
             BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
             DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, Q_LEN=1, HEADS_PER_PROGRAM=config.block_h,

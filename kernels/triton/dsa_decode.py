@@ -11,6 +11,10 @@ program, the latent's columns in four chunks, each with a query slice, a score
 product and an accumulator of its own); stage 2 merges the splits by LSE
 (`decode_merge`, the kernels of dense decode, W_UV included at up to 2 rows).
 
+An FP8 latent cache is read by the same kernel, each chunk of latent values
+dequantized as it is loaded (`latent_parts.latent_values`); the RoPE values are
+read as stored.
+
 Indices of -1 (and any outside the block table) are masked keys: a tile of them
 reads nothing, and a row with none valid writes out 0 and lse -inf. The split
 count is a function of static shapes and the device only
@@ -26,9 +30,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..latent_cache import LatentCache
 from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_weights, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value, split_partials
+from .latent_parts import latent_values
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -106,18 +112,6 @@ def _cache_slots(idx_row, bt_row, slot, end, num_positions, s_ik, s_btw, PAGE_SI
 
 
 @triton.jit
-def _columns(row, key_mask, c0, limit, s_kd, WIDTH: tl.constexpr, WHOLE: tl.constexpr):
-    """Columns [c0, c0 + WIDTH) of the cache rows at pointers `row` [BLOCK_N]: zeros where not key_mask
-    or at a column >= limit (never, when WHOLE: a mask on keys alone keeps the loads vectorised)."""
-    cols = c0 + tl.arange(0, WIDTH)
-    if WHOLE:
-        mask = key_mask[:, None]
-    else:
-        mask = key_mask[:, None] & (cols[None, :] < limit)
-    return tl.load(row[:, None] + cols[None, :] * s_kd, mask=mask, other=0.0)
-
-
-@triton.jit
 def _query_columns(q_row, head_mask, c0, limit, s_qd, WIDTH: tl.constexpr):
     """Columns [c0, c0 + WIDTH) of the queries at `q_row` [BLOCK_H, 1] (zeros past limit or a head)."""
     cols = c0 + tl.arange(0, WIDTH)
@@ -131,18 +125,20 @@ def _scaled_scores(q, k, scale_log2, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2, s_kd,
+def _attend_tile(q0, q1, q2, q3, q_pe, v_row, sc_row, r_row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
+                 s_vd, s_scd, s_rd,
                  KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                 CHUNKS: tl.constexpr, WHOLE_C: tl.constexpr, WHOLE_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile of the base-2 online softmax over the latent rows at `row` (where key_mask), the latent's
-    columns in CHUNKS (4 or 1) chunks: folded into (m_i, l_i [BLOCK_H]; a0..a3 [BLOCK_H, CHUNK] float32;
-    with one chunk, a1..a3 come back as they came)."""
-    k0 = _columns(row, key_mask, 0, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
-    k_pe = _columns(row, key_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_kd, BLOCK_R, WHOLE_R)
+                 CHUNKS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """One tile of the base-2 online softmax over the latent rows at `v_row` (scales at `sc_row`, RoPE
+    values at `r_row`; where key_mask), the latent's columns in CHUNKS (4 or 1) chunks: folded into
+    (m_i, l_i [BLOCK_H]; a0..a3 [BLOCK_H, CHUNK] float32; with one chunk, a1..a3 come back as they came)."""
+    out_ty = r_row.dtype.element_ty
+    k0 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 0, CHUNK, KV_LORA_RANK, out_ty, FP8)
+    k_pe = latent_values(r_row, r_row, key_mask, s_rd, s_rd, 0, BLOCK_R, ROPE_DIM, out_ty, False)
     if CHUNKS == 4:
-        k1 = _columns(row, key_mask, CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
-        k2 = _columns(row, key_mask, 2 * CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
-        k3 = _columns(row, key_mask, 3 * CHUNK, KV_LORA_RANK, s_kd, CHUNK, WHOLE_C)
+        k1 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
+        k2 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 2 * CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
+        k3 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 3 * CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
         scores = ((_scaled_scores(q0, k0, scale_log2, DOT_PRECISION)
                    + _scaled_scores(q1, k1, scale_log2, DOT_PRECISION))
                   + (_scaled_scores(q2, k2, scale_log2, DOT_PRECISION)
@@ -174,10 +170,10 @@ def _store_columns(po_row, a, l_i, c0, limit, head_mask, s_pod, CHUNK: tl.conste
 # or a specialised int it would compile a kernel per count mid-run.
 @triton.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
 def _sparse_split_kernel(
-    q_ptr, kv_ptr, bt_ptr, idx_ptr, po_ptr, pl_ptr,
+    q_ptr, v_ptr, sc_ptr, r_ptr, bt_ptr, idx_ptr, po_ptr, pl_ptr,
     num_heads, num_splits, top_k, num_positions, scale_log2,
     s_qt, s_qh, s_qd,
-    s_kn, s_kb, s_kd,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
     s_btt, s_btw, s_it, s_ik,
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
@@ -185,9 +181,8 @@ def _sparse_split_kernel(
     CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    WHOLE_C: tl.constexpr = CHUNKS * CHUNK == KV_LORA_RANK
-    WHOLE_R: tl.constexpr = BLOCK_R == ROPE_DIM
     t = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -235,10 +230,13 @@ def _sparse_split_kernel(
             cache_slot = tl.maximum(cache_slot, 0)
             # Page and in-page offset times their strides (not one flat offset), so the
             # compiler keeps the strides' alignment and copies rows asynchronously.
-            row = kv_ptr + (cache_slot // PAGE_SIZE) * s_kn + (cache_slot % PAGE_SIZE) * s_kb
+            page = cache_slot // PAGE_SIZE
+            offset = cache_slot % PAGE_SIZE
             m_i, l_i, a0, a1, a2, a3 = _attend_tile(
-                q0, q1, q2, q3, q_pe, row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2, s_kd,
-                KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, CHUNKS, WHOLE_C, WHOLE_R, DOT_PRECISION)
+                q0, q1, q2, q3, q_pe, v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb,
+                r_ptr + page * s_rn + offset * s_rb, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
+                s_vd, s_scd, s_rd,
+                KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, CHUNKS, DOT_PRECISION, FP8)
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -254,7 +252,7 @@ def _sparse_split_kernel(
 
 def sparse_mla_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     indices: torch.Tensor,
     *,
@@ -268,7 +266,8 @@ def sparse_mla_decode(
     """Absorbed MLA attention of each row over the positions `indices` selects.
 
     q:           [T, H, C + R] absorbed query (any strides), bf16 / fp16 / fp32
-    kv_cache:    [num_blocks, bs, C + R] latent cache, same dtype as q
+    kv_cache:    [num_blocks, bs, C + R] latent cache, same dtype as q, or an `FP8LatentCache`
+                 whose RoPE values have q's dtype (read dequantized)
     block_table: [T, W] int32, one table per row
     indices:     [T, k] int32 positions into the row's table; -1 = none (and so is
                  any position outside [0, W * bs))
@@ -284,7 +283,8 @@ def sparse_mla_decode(
     """
     num_rows, num_heads, dim = q.shape
     _, block_size, _ = kv_cache.shape
-    check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows, indices=indices)
+    parts = check_latent_attention_args(q, kv_cache, block_table, kv_lora_rank, w_uv, num_seqs=num_rows,
+                                        indices=indices)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     top_k = indices.shape[1]
@@ -305,16 +305,16 @@ def sparse_mla_decode(
     chunks = 1 if config.block_h >= _WHOLE_ROW_MIN_BLOCK_H else _LATENT_CHUNKS
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
     _sparse_split_kernel[grid](
-        q, kv_cache, block_table, indices, partial_out, partial_lse,
+        q, *parts.pointers(), block_table, indices, partial_out, partial_lse,
         num_heads, splits, top_k, block_table.shape[1] * block_size, softmax_scale * LOG2E,
-        *q.stride(), *kv_cache.stride(), *block_table.stride(), *indices.stride(),
+        *q.stride(), *parts.strides(), *block_table.stride(), *indices.stride(),
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
         # Chunks of at least 16 columns, the smallest tensor-core product.
         CHUNK=max(16, next_pow2(kv_lora_rank) // chunks), CHUNKS=chunks,
         BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES, FP8=parts.fp8,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if fused_value and w_uv is not None:

@@ -30,6 +30,7 @@ from typing import overload
 import torch
 
 from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
+from ..latent_cache import LatentCache
 from ..ops import Ops
 from ..reference.linear import logits_of
 from .decode_invariant import mla_decode
@@ -80,11 +81,11 @@ def invariant_absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch
     return out
 
 
-def invariant_write_latent_absorb(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+def invariant_write_latent_absorb(kv_cache: LatentCache, slot_mapping: torch.Tensor, latent: torch.Tensor,
                                   kv_a_norm: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                                   w_uk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                                   eps: float, interleaved: bool, absorb_from: int,
-                                  inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  inplace: bool = True) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """Contract of `reference.latent.write_latent_absorb`: the latent write, then the invariant absorption."""
     if not 0 <= absorb_from <= q_pe.shape[0]:
         raise ValueError(f"absorb_from: expected in [0, {q_pe.shape[0]}], got {absorb_from}")
@@ -124,7 +125,7 @@ def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias
 _SPARSE_SPLIT_KEYS = 512
 
 
-def invariant_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+def invariant_sparse_mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,
                                 indices: torch.Tensor, *, softmax_scale: float, kv_lora_rank: int,
                                 w_uv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.dsa.sparse_mla_decode`: splits by top-k alone, then the invariant W_UV.

@@ -7,6 +7,9 @@ as those ops (statistics and rotation in float32, each result rounded once).
 `write_latent_absorb` adds the absorbed decode query (`absorb_query`) to the
 same launch: its programs after the per-token ones multiply q_nope by W_UK, and
 the per-token programs write the rotated q_pe of decode rows into its tail.
+An FP8 latent cache (`latent_cache.FP8LatentCache`) takes the normalised c_kv
+quantized in the same program (`latent_parts.store_latent_values`), as
+`reference.cache.write_kv` does, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,18 +20,21 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..latent_cache import LatentCache, cloned
 from ._common import check_float, dot_precision, next_pow2, pdl
 from .absorb import ABSORB_BLOCK_C, absorb_block_b, absorb_tile
+from .latent_parts import LatentParts, latent_parts, quant_group, store_latent_values
 from .rope import rope_angles, rotate_heads
 
 
 @triton.jit
 def _latent_row(
-    t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
+    t, v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
     num_heads, block_size, eps,
-    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, QUANT_GROUP: tl.constexpr, FP8: tl.constexpr,
 ):
     """Token t: rotate its q_pe into q_out, and write its normalised c_kv and rotated k_pe to its slot."""
     # The queries' rope part: every token, padded ones included (their output is never read).
@@ -50,26 +56,29 @@ def _latent_row(
             # RMSNorm's result has the weight's dtype when it is also the input's;
             # for mixed dtypes it is float32, kept as is. The cache then takes its own.
             normed = normed.to(norm_ptr.dtype.element_ty)
-        dst = cache_ptr + (slot // block_size) * s_cn + (slot % block_size) * s_cb
-        cache_ty = cache_ptr.dtype.element_ty
-        tl.store(dst + cols * s_cd, normed.to(cache_ty), mask=cmask)
+        page = slot // block_size
+        offset = slot % block_size
+        store_latent_values(v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb,
+                            normed.to(tl.float32), s_vd, s_scd, KV_LORA_RANK, BLOCK_C, QUANT_GROUP, FP8)
         i = tl.arange(0, HALF)
         k_row = row + KV_LORA_RANK * s_ld
         k1 = tl.load(k_row + first * s_ld).to(tl.float32)
         k2 = tl.load(k_row + second * s_ld).to(tl.float32)
         k_ty = latent_ptr.dtype.element_ty
-        k_dst = dst + KV_LORA_RANK * s_cd
-        tl.store(k_dst + i * s_cd, (k1 * cos - k2 * sin).to(k_ty).to(cache_ty))
-        tl.store(k_dst + (HALF + i) * s_cd, (k2 * cos + k1 * sin).to(k_ty).to(cache_ty))
+        k_dst = r_ptr + page * s_rn + offset * s_rb
+        rope_ty = r_ptr.dtype.element_ty
+        tl.store(k_dst + i * s_rd, (k1 * cos - k2 * sin).to(k_ty).to(rope_ty))
+        tl.store(k_dst + (HALF + i) * s_rd, (k2 * cos + k1 * sin).to(k_ty).to(rope_ty))
 
 
 @triton.jit
 def _latent_token(
-    t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    t, v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_heads, block_size, eps,
-    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, QUANT_GROUP: tl.constexpr, FP8: tl.constexpr, GDC: tl.constexpr,
 ):
     """The per-token program of both latent kernels: wait for the previous kernel, look up
     token t's rope angles, do `_latent_row`; returns the angles (cos, sin, first, second)."""
@@ -78,38 +87,42 @@ def _latent_token(
         gdc_launch_dependents()
     pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
     cos, sin, first, second = rope_angles(cos_ptr, sin_ptr, pos, s_ct, s_st, HALF, INTERLEAVED)
-    _latent_row(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
+    _latent_row(t, v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, cos, sin, first, second,
                 num_heads, block_size, eps,
-                s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
-                KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H)
+                s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+                s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh,
+                KV_LORA_RANK, HALF, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, QUANT_GROUP, FP8)
     return cos, sin, first, second
 
 
 @triton.jit
 def _write_latent_kernel(
-    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_heads, block_size, eps,
-    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, QUANT_GROUP: tl.constexpr, FP8: tl.constexpr, GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    _latent_token(t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                  num_heads, block_size, eps,
-                  s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
-                  KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, GDC)
+    _latent_token(t, v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr,
+                  sin_ptr, num_heads, block_size, eps,
+                  s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+                  s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+                  KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, QUANT_GROUP, FP8, GDC)
 
 
 # Token counts follow the step: plain arguments, not one compile per count.
 @triton.jit(do_not_specialize=["num_tokens", "absorb_from", "num_seqs"])
 def _write_latent_absorb_kernel(
-    cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     qn_ptr, wuk_ptr, qa_ptr,
     num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, block_size, eps,
-    s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
     s_nt, s_nh, s_nd, s_wh, s_wd, s_wc, s_at, s_ah, s_ad,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, QUANT_GROUP: tl.constexpr, FP8: tl.constexpr,
     NOPE_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_AC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -117,10 +130,11 @@ def _write_latent_absorb_kernel(
     if pid < num_tokens:
         t = pid.to(tl.int64)
         cos, sin, first, second = _latent_token(
-            t, cache_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+            t, v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
             num_heads, block_size, eps,
-            s_cn, s_cb, s_cd, s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
-            KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, GDC)
+            s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+            s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
+            KV_LORA_RANK, HALF, INTERLEAVED, ROUND_TO_WEIGHT, BLOCK_C, BLOCK_H, QUANT_GROUP, FP8, GDC)
         if t >= absorb_from:
             # A decode row: its rotated q_pe is also the absorbed query's tail.
             rotate_heads(q_ptr + t * s_qt, qa_ptr + (t - absorb_from) * s_at + KV_LORA_RANK * s_ad, num_heads,
@@ -135,9 +149,10 @@ def _write_latent_absorb_kernel(
                     NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False)
 
 
-def _check_latent_args(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor,
+def _check_latent_args(kv_cache: LatentCache, slot_mapping: torch.Tensor, latent: torch.Tensor,
                        kv_a_norm: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> None:
+                       sin: torch.Tensor) -> LatentParts:
+    """Raise ValueError unless the arguments fit the contract; the cache's leaves as the kernels take them."""
     num_tokens, _, rope_dim = q_pe.shape
     kv_lora_rank = kv_a_norm.shape[0]
     half = rope_dim // 2
@@ -149,15 +164,23 @@ def _check_latent_args(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, laten
     check_shape("sin", sin, tuple(cos.shape))
     if rope_dim % 2 or half & (half - 1):
         raise ValueError(f"q_pe: expected a rope dim of twice a power of two, got {rope_dim}")
-    for name, tensor in (("kv_cache", kv_cache), ("latent", latent), ("kv_a_norm", kv_a_norm), ("q_pe", q_pe)):
+    parts = latent_parts(kv_cache, kv_lora_rank)
+    for name, tensor in (("kv_cache", parts.rope), ("latent", latent), ("kv_a_norm", kv_a_norm), ("q_pe", q_pe)):
         check_float(name, tensor)
     check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-    check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping, latent=latent, kv_a_norm=kv_a_norm,
+    check_same_device(kv_cache=parts.rope, slot_mapping=slot_mapping, latent=latent, kv_a_norm=kv_a_norm,
                       q_pe=q_pe, positions=positions, cos=cos, sin=sin)
+    return parts
+
+
+def _latent_constants(parts: LatentParts, kv_lora_rank: int) -> dict[str, int | bool]:
+    """The latent tile's constexprs: its width, the quantization group in it, whether it is FP8."""
+    block_c = next_pow2(kv_lora_rank)
+    return dict(BLOCK_C=block_c, QUANT_GROUP=quant_group(block_c), FP8=parts.fp8)
 
 
 def write_latent(
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     slot_mapping: torch.Tensor,
     latent: torch.Tensor,
     kv_a_norm: torch.Tensor,
@@ -169,10 +192,10 @@ def write_latent(
     eps: float,
     interleaved: bool,
     inplace: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[LatentCache, torch.Tensor]:
     """Contract of `reference.latent.write_latent`, in one launch.
 
-    kv_cache [num_blocks, bs, C + R]; slot_mapping [T] int32 / int64 (-1: padding,
+    kv_cache [num_blocks, bs, C + R] or an `FP8LatentCache`; slot_mapping [T] int32 / int64 (-1: padding,
     which writes nothing); latent [T, C + R], kv_a_norm [C], q_pe [T, H, R] (any
     strides); positions [T]; cos, sin [max_positions, R / 2], R / 2 a power of two.
     returns (kv_cache, a new contiguous rotated q_pe [T, H, R]); `inplace=False`
@@ -183,25 +206,26 @@ def write_latent(
     half = rope_dim // 2
     _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin)
     if not inplace:
-        kv_cache = kv_cache.clone()
+        kv_cache = cloned(kv_cache)
+    parts = latent_parts(kv_cache, kv_lora_rank)
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     if num_tokens:
         use_pdl = pdl(q_pe.device)
         _write_latent_kernel[(num_tokens,)](
-            kv_cache, slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
-            num_heads, kv_cache.shape[1], float(eps),
-            *kv_cache.stride(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
+            *parts.pointers(), slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
+            num_heads, kv_cache.shape[1], float(eps), *parts.strides(),
+            slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
             *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
             KV_LORA_RANK=kv_lora_rank, HALF=half, INTERLEAVED=interleaved,
             ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype,
-            BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads), GDC=use_pdl,
+            BLOCK_H=next_pow2(num_heads), GDC=use_pdl, **_latent_constants(parts, kv_lora_rank),
             num_warps=4, launch_pdl=use_pdl,
         )
     return kv_cache, q_out
 
 
 def write_latent_absorb(
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     slot_mapping: torch.Tensor,
     latent: torch.Tensor,
     kv_a_norm: torch.Tensor,
@@ -216,7 +240,7 @@ def write_latent_absorb(
     interleaved: bool,
     absorb_from: int,
     inplace: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """Contract of `reference.latent.write_latent_absorb`, in one launch.
 
     As `write_latent`, plus q_nope [T, H, Dn] and w_uk [H, Dn, C] (any strides):
@@ -234,7 +258,8 @@ def write_latent_absorb(
         raise ValueError(f"absorb_from: expected in [0, {num_tokens}], got {absorb_from}")
     _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin)
     if not inplace:
-        kv_cache = kv_cache.clone()
+        kv_cache = cloned(kv_cache)
+    parts = latent_parts(kv_cache, kv_lora_rank)
     device = q_pe.device
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=device)
     num_seqs = num_tokens - absorb_from
@@ -246,16 +271,15 @@ def write_latent_absorb(
     absorb_programs = num_heads * num_col_blocks * triton.cdiv(num_seqs, block_b)
     use_pdl = pdl(device)
     _write_latent_absorb_kernel[(num_tokens + absorb_programs,)](
-        kv_cache, slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
+        *parts.pointers(), slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
         q_nope, w_uk, q_absorbed,
         num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, kv_cache.shape[1], float(eps),
-        *kv_cache.stride(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
+        *parts.strides(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
         *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
         *q_nope.stride(), *w_uk.stride(), *q_absorbed.stride(),
         KV_LORA_RANK=kv_lora_rank, HALF=rope_dim // 2, INTERLEAVED=interleaved,
-        ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype,
-        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_H=next_pow2(num_heads),
-        NOPE_DIM=nope_dim, BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_AC=ABSORB_BLOCK_C,
+        ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype, BLOCK_H=next_pow2(num_heads),
+        **_latent_constants(parts, kv_lora_rank), NOPE_DIM=nope_dim, BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_AC=ABSORB_BLOCK_C,
         DOT_PRECISION=dot_precision(q_pe.dtype), GDC=use_pdl,
         num_warps=4, launch_pdl=use_pdl,
     )

@@ -10,7 +10,9 @@ whenever a step's query count is not far below its context length (a long
 context with a few new tokens is decode's job).
 
 The decompression covers all W * bs positions of each block table, so its cost
-follows the padded width of the batch, not the real lengths.
+follows the padded width of the batch, not the real lengths. An FP8 latent cache
+is dequantized as its rows are gathered (`latent_cache.latent_rows`), before the
+two matmuls that read it: the only read of the cache here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import triton
 import triton.language as tl
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..latent_cache import LatentCache, latent_rows
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2
+from .latent_parts import check_latent_cache, latent_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,14 +183,15 @@ def _check_head_dim(name: str, value: int) -> None:
 
 
 def decompress_context(
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head keys and values of every block-table position.
 
-    kv_cache [num_blocks, bs, C + R], block_table [B, W], w_uk [H, Dn, C], w_uv [H, Dv, C]
+    kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, dequantized), block_table [B, W],
+    w_uk [H, Dn, C], w_uv [H, Dv, C]
     returns  k_nope [B, S, H, Dn], k_pe [B, S, R] (a view), value [B, S, H, Dv]; S = W * bs.
     """
     num_seqs, width = block_table.shape
@@ -194,13 +199,13 @@ def decompress_context(
     num_heads, nope_dim, kv_lora_rank = w_uk.shape
     v_dim = w_uv.shape[1]
     context = width * block_size
-    latent_rows = kv_cache[block_table.long()].view(num_seqs, context, dim)                     # [B, S, C+R]
-    latent = latent_rows[..., :kv_lora_rank]                                                    # [B, S, C]
+    rows = latent_rows(kv_cache, block_table.long()).view(num_seqs, context, dim)              # [B, S, C+R]
+    latent = rows[..., :kv_lora_rank]                                                           # [B, S, C]
     k_nope = torch.matmul(latent, w_uk.reshape(num_heads * nope_dim, kv_lora_rank).t())        # bsc,(hd)c->bs(hd)
     value = torch.matmul(latent, w_uv.reshape(num_heads * v_dim, kv_lora_rank).t())            # bsc,(hv)c->bs(hv)
     return (
         k_nope.view(num_seqs, context, num_heads, nope_dim),
-        latent_rows[..., kv_lora_rank:],
+        rows[..., kv_lora_rank:],
         value.view(num_seqs, context, num_heads, v_dim),
     )
 
@@ -250,7 +255,7 @@ def flash_prefill(
 def prefill_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -266,7 +271,8 @@ def prefill_attention(
     The cache already holds this step's latent vectors.
 
     q_nope:       [T, H, Dn]      q_pe: [T, H, R] (rotated); any strides
-    kv_cache:     [num_blocks, bs, C + R], same dtype as q
+    kv_cache:     [num_blocks, bs, C + R], same dtype as q, or an `FP8LatentCache` whose RoPE values
+                  have q's dtype
     block_table:  [B, W] int32
     cu_seqlens_q: [B + 1] int32; rows from cu[B] on are padding
     seq_lens:     [B] int32 KV length of each sequence after this step
@@ -289,13 +295,15 @@ def prefill_attention(
     check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
     check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
     check_float("q_nope", q_nope)
-    for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("w_uk", w_uk), ("w_uv", w_uv)):
+    parts = latent_parts(kv_cache, kv_lora_rank)
+    check_latent_cache(parts, q_nope.dtype)
+    for name, t in (("q_pe", q_pe), ("w_uk", w_uk), ("w_uv", w_uv)):
         check_dtype(name, t, (q_nope.dtype,))
     check_dtype("block_table", block_table, (torch.int32,))
     check_dtype("cu_seqlens_q", cu_seqlens_q, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
     check_dtype("positions", positions, (torch.int64,))
-    check_same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
+    check_same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=parts.rope, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, positions=positions, w_uk=w_uk, w_uv=w_uv)
     for name, size in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
         _check_head_dim(name, size)

@@ -35,6 +35,7 @@ from mla_func.cli.streaming import EXIT_ERROR, EXIT_INTERRUPTED, stream_completi
 from mla_func.core.config import ConfigError, ModelConfig
 from mla_func.core.model import Model
 from mla_func.kernels import BACKENDS
+from mla_func.kernels.latent_cache import KV_CACHE_DTYPES
 from mla_func.models.load import load_model
 from mla_func.models.presets import PRESETS, SHIPPED_PRESETS
 from mla_func.models.registry import config_from_json
@@ -233,6 +234,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="kernels (default: triton on cuda, torch elsewhere)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly, without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the latent cache: auto (the weight dtype) or fp8 (FP8 latents with a scale per 128, "
+                             "RoPE values in the weight dtype; not for DeepSeek-V4 models)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="batch-invariant steps: a request's tokens do not depend on what else runs, "
                              "drafts included (slower on a GPU; not for DeepSeek-V4 models)")
@@ -351,6 +355,13 @@ def check_invariance(source: ModelSource, batch_invariant: bool) -> None:
                          "have no batch-invariant ops yet; run it without --batch-invariant")
 
 
+def check_cache_dtype(source: ModelSource, kv_cache_dtype: str) -> None:
+    """Refuse --kv-cache-dtype fp8 for a model without an FP8 latent cache, by the flag, before the load."""
+    if kv_cache_dtype == "fp8" and source.config.family.fp8_cache_layer_kinds is None:
+        raise UsageError(f"--kv-cache-dtype fp8: {source.name} is a {source.config.family.title} model, whose caches "
+                         "have no FP8 form yet; run it with --kv-cache-dtype auto")
+
+
 def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:
     """Refuse prompts and outputs longer than the model runs, before the load and the warm-up."""
     longest = args.max_input_len + args.output_len
@@ -367,6 +378,7 @@ def check_model(args: argparse.Namespace) -> ModelSource | None:
     if source is not None:
         check_drafts(source, args.speculative_tokens)
         check_invariance(source, args.batch_invariant)
+        check_cache_dtype(source, args.kv_cache_dtype)
     return source
 
 
@@ -447,7 +459,7 @@ def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | li
     model = load(args, device, say=lambda msg: None, parallel=parallel)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=params.n,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
     return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
 
 
@@ -480,6 +492,7 @@ def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
         speculative_tokens=args.speculative_tokens, batch_invariant=args.batch_invariant,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(
         f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
@@ -500,7 +513,8 @@ def serve_main(args: argparse.Namespace) -> int:
                if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"serve needs {', '.join(missing)}: pip install 'mla-func[serve]'")
-    from mla_func.server.serve import serve
+    from mla_func.server.engine_process import EngineRecipe, EngineStartError
+    from mla_func.server.serve import Listen, serve
 
     device = prepare(args)
     source = check_model(args)
@@ -512,17 +526,22 @@ def serve_main(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[serve] {msg}", file=sys.stderr, flush=True)
 
-    model = load(args, device, say)
-    engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    batch_invariant=args.batch_invariant, speculative_tokens=args.speculative_tokens,
-                    seed=args.seed)
-    if any(m.use_graph for m in engine.step.decode_graph_modes()):
-        say("capturing decode graphs")
-    engine.warmup(progress=False)  # also takes what lives as long as the server out of the collector's walks
-    serve(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
-          max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
-          shutdown_timeout_s=args.shutdown_timeout, say=say)
+    # prepare() set the thread policy in this process; the engine's process applies the same.
+    recipe = EngineRecipe(
+        model=args.model, device=str(device), dtype=_DTYPES[args.dtype] if args.dtype else None,
+        threads=torch.get_num_threads() if args.threads or device.type == "cpu" else None,
+        engine_kwargs=dict(backend=args.backend, graphs=not args.no_graphs, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                           batch_invariant=args.batch_invariant, speculative_tokens=args.speculative_tokens,
+                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype))
+    listen = Listen(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+                    max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
+                    shutdown_timeout_s=args.shutdown_timeout)
+    try:
+        serve(recipe.build(say) if args.engine_thread else recipe, listen, say, start_timeout_s=args.start_timeout)
+    except EngineStartError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
     return 0
 
 
@@ -570,6 +589,11 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                        help="on SIGTERM, seconds open requests may take to finish before they are aborted")
     serve.add_argument("--seed", type=int, default=0, help="seed of the per-request seeds of unseeded requests")
+    serve.add_argument("--start-timeout", type=_seconds, default=1800.0,
+                       help="seconds the engine's process may take to load the model and warm up")
+    serve.add_argument("--engine-thread", action="store_true",
+                       help="run the engine on a thread of the server's process instead of a process of its own "
+                            "(one GIL for both: slower under load)")
     serve.set_defaults(run=serve_main)
 
 

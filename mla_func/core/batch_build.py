@@ -15,7 +15,7 @@ from mla_func.core.batch import Batch, BatchError, DecodeMetadata, PrefillMetada
 from mla_func.core.batch_groups import build_group_metadata
 from mla_func.core.mode import ForwardMode
 from mla_func.core.plan import SeqPlan, StepPlan
-from mla_func.core.plan_checks import plan_is_valid, raise_for_plan
+from mla_func.core.plan_checks import first_read_block, plan_is_valid, raise_for_plan
 from mla_func.state.block_allocator import SCRATCH_BLOCK
 
 
@@ -62,6 +62,11 @@ def build_batch(
     seq_lens = [s.start_pos + len(s.token_ids) for s in rows]
     needed = [-(-n // block_size) for n in seq_lens]
     used = [s.block_table[:n] for s, n in zip(rows, needed)]
+    # A group 0 with a lookback may hold the scratch block where a sequence's blocks behind it were freed:
+    # only the blocks the step reads must be real.
+    lookback = mode.cache_groups[0].lookback
+    read = used if lookback is None else [s.block_table[first_read_block(s, block_size, lookback):n]
+                                          for s, n in zip(rows, needed)]
 
     input_ids: list[int] = []
     positions: list[int] = []
@@ -78,9 +83,9 @@ def build_batch(
         decode_ids = [s.token_ids[0] for s in plan.decode]
     else:
         decode_ids = [t for s in plan.decode for t in s.token_ids]
-    if rows and not plan_is_valid(plan, used, input_ids[: plan.num_prefill_tokens] + decode_ids, seq_lens,
+    if rows and not plan_is_valid(plan, read, input_ids[: plan.num_prefill_tokens] + decode_ids, seq_lens,
                                   needed, num_blocks, vocab_size, max_position):
-        raise_for_plan(plan, block_size, num_blocks, vocab_size, max_position)
+        raise_for_plan(plan, block_size, num_blocks, vocab_size, max_position, lookback)
     width = mode.block_table_width
     if rows and max(needed) > width:
         raise BatchError(f"mode.block_table_width {width} is narrower than a sequence of the plan needs")

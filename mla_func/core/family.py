@@ -46,7 +46,10 @@ class Family:
     validate_routing: (config, n_routed_experts) -> None: the family's MoE routing fields
     dense_mlp:       its layers may be dense MLPs (n_routed_experts optional, intermediate_size their width)
     layer_kinds:     config -> the `LayerKind` of each layer
-    cache_groups:    (config, token group) -> the cache groups its layer kinds add past the token group
+    cache_groups:    (config, token group) -> the cache groups its layer kinds add past the token group, each
+                     with the blocks that hold the entries of as many tokens as the token group's usable
+                     blocks hold (`CacheGroup.sized_for`); how far back group 0 is read is the layer
+                     kinds' `lookback`
     tensor_shapes:   config -> every checkpoint tensor's name and shape
     tensor_count:    config -> len(tensor_shapes(config)), counted without listing them
     canonical_names: (config, tensors by checkpoint name, where) -> the same under the names
@@ -71,6 +74,10 @@ class Family:
                      and how (`checkpoint.quant_layout.QuantLayout`), or None for float weights;
                      CheckpointError naming a bad field. None: the FP8 layout of `checkpoint.fp8`
                      (`checkpoint.fp8_pairs.released_fp8_layout`)
+    fp8_cache_layer_kinds: config -> the layer kinds whose caches hold FP8 latents
+                     (`init_state(kv_cache_dtype="fp8")`, `kernels.latent_cache.FP8LatentCache`); they
+                     differ from `layer_kinds`' in the cache they make only, so the forward runs either
+                     state. None: the family has no FP8 cache (refused by name)
     """
 
     name: str
@@ -97,6 +104,7 @@ class Family:
     tensor_split: Callable[[ModelConfig, Sharding], Callable[[str], int | None]] | None = None
     expert_parallel_params: Callable[..., Params] | None = None
     quant_layout: Callable[[ModelConfig, Mapping[str, Any], str], QuantLayout | None] | None = None
+    fp8_cache_layer_kinds: Callable[[ModelConfig], tuple[LayerKind, ...]] | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would drown every config's.

@@ -1,9 +1,14 @@
 """Layer kinds: what one kind of layer caches and how it runs, composed by the forward.
 
-A layer kind is a value with three functions:
+A layer kind is a value with four functions:
 
 * `init_cache(config, groups, dtype, device)`: the zeroed cache of one layer of
   this kind (a frozen pytree such as `MLALayerCache`);
+* `lookback(config)`: how far back its later steps read cache group 0 -- the
+  tokens before a sequence's next position whose group-0 entries a future query
+  of this kind can still read, or None for every token. The state's group 0 takes
+  the largest of its layers' (`cache_groups`), and the scheduler frees a
+  sequence's group-0 blocks behind it;
 * `enter(p, delta, residual, ctx)`: the start of the layer, where the previous
   layer's output `delta` meets the residual stream. It returns what the layer's
   body reads and the new residual. Being the kind's own function, it decides how
@@ -26,7 +31,8 @@ own view (`rows`), built once a step by the forward for the kinds that attend ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -70,6 +76,8 @@ class LayerKind(Protocol):
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> Any: ...
 
+    def lookback(self, config: ModelConfig) -> int | None: ...
+
     def enter(self, p: Any, delta: torch.Tensor, residual: Any,
               ctx: LayerContext) -> tuple[Any, torch.Tensor]: ...
 
@@ -82,6 +90,37 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     return config.family.layer_kinds(config)
 
 
-def cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
-    """Every cache group a model's state needs: the token group, then the groups its layer kinds add."""
-    return (tokens, *config.family.cache_groups(config, tokens))
+def group_lookback(config: ModelConfig, kinds: Sequence[LayerKind]) -> int | None:
+    """The lookback of cache group 0: the largest of the layer kinds' (None if any reads every token)."""
+    lookbacks = [k.lookback(config) for k in kinds]
+    return None if not lookbacks or None in lookbacks else max(b for b in lookbacks if b is not None)
+
+
+def cache_groups(config: ModelConfig, tokens: CacheGroup, *, layers: Sequence[LayerKind] | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+                 ) -> tuple[CacheGroup, ...]:
+    """Every cache group a model's state needs, each with its own block count: the one place a state's
+    geometry is derived (`init_state`, `cache_budget` and the engine's memory budget all call it).
+
+    tokens: group 0's block size, and as num_blocks the capacity: the state holds as many tokens as
+            tokens.num_blocks - 1 blocks of block_size tokens do.
+    Groups 1.. (the family's, `Family.cache_groups`) hold the entries of that many tokens. Group 0
+    takes the layers' lookback (`group_lookback`; layers default to `layer_kinds(config)`).
+    Given the engine's max_num_seqs and max_num_batched_tokens (both or neither): groups 1.. get one
+    more block a sequence, for its partly filled last one (so that any max_num_seqs sequences of
+    that many tokens in all fit them), and a group 0 with a lookback keeps only the blocks those
+    sequences can hold at once (`CacheGroup.blocks_in_flight`), if fewer.
+    """
+    if (max_num_seqs is None) != (max_num_batched_tokens is None):
+        raise ValueError(f"cache_groups: max_num_seqs and max_num_batched_tokens go together, got "
+                         f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
+    kinds = layer_kinds(config) if layers is None else layers
+    first = replace(tokens, lookback=group_lookback(config, kinds))
+    rest = config.family.cache_groups(config, first)
+    if max_num_seqs is None or max_num_batched_tokens is None:
+        return (first, *rest)
+    rest = tuple(replace(g, num_blocks=g.num_blocks + max_num_seqs) for g in rest)
+    if first.lookback is not None:
+        first = replace(first, num_blocks=min(first.num_blocks,
+                                              first.blocks_in_flight(max_num_seqs, max_num_batched_tokens)))
+    return (first, *rest)

@@ -17,9 +17,16 @@ class BatchError(ValueError):
     """A plan or batch violates the shape contract; the message says expected vs got."""
 
 
+def first_read_block(seq: SeqPlan, block_size: int, lookback: int | None) -> int:
+    """The first block of `seq`'s group-0 table its step reads: with a lookback (`CacheGroup.lookback`) the
+    blocks wholly before start_pos - lookback may be freed (the scratch block in their place); else 0."""
+    return 0 if lookback is None else max(0, seq.start_pos - lookback) // block_size
+
+
 def check_seq(where: str, seq: SeqPlan, block_size: int, num_blocks: int | None, vocab_size: int | None,
-              max_position: int | None) -> None:
-    """Raise BatchError if one sequence's tokens, positions or block table are bad."""
+              max_position: int | None, lookback: int | None = None) -> None:
+    """Raise BatchError if one sequence's tokens, positions or block table are bad (group 0's `lookback`:
+    which of its blocks the step reads, and so must be real)."""
     if not seq.token_ids:
         raise BatchError(f"{where}: token_ids is empty")
     if seq.start_pos < 0:
@@ -32,9 +39,11 @@ def check_seq(where: str, seq: SeqPlan, block_size: int, num_blocks: int | None,
             f"{where}: block_table must cover {seq.seq_len} positions: expected >= {needed} blocks, "
             f"got {len(seq.block_table)}"
         )
-    used = seq.block_table[:needed]
+    first = first_read_block(seq, block_size, lookback)
+    used = seq.block_table[first:needed]
     if SCRATCH_BLOCK in used:
-        raise BatchError(f"{where}: block {SCRATCH_BLOCK} is the scratch block and cannot hold a sequence")
+        read = f" (the step reads positions from {seq.start_pos - lookback})" if lookback is not None else ""
+        raise BatchError(f"{where}: block {SCRATCH_BLOCK} is the scratch block and cannot hold a sequence{read}")
     # A negative entry would wrap to the last block when the kernels index the cache.
     if min(used) < 0 or (num_blocks is not None and max(used) >= num_blocks):
         raise BatchError(f"{where}: block ids must be in [1, {num_blocks}), got {list(used)}")
@@ -48,7 +57,8 @@ def check_seq(where: str, seq: SeqPlan, block_size: int, num_blocks: int | None,
 def plan_is_valid(plan: StepPlan, used: list[tuple[int, ...]], real_ids: list[int], seq_lens: list[int],
                   needed: list[int], num_blocks: int | None, vocab_size: int | None,
                   max_position: int | None) -> bool:
-    """Every check of `check_seq` at once, over whole columns of the plan (one pass of C loops)."""
+    """Every check of `check_seq` at once, over whole columns of the plan (one pass of C loops).
+    used: each sequence's blocks the step reads (`first_read_block` to the last it needs)."""
     rows = (*plan.prefill, *plan.decode)
     if min(len(s.token_ids) for s in rows) < 1 or min(s.start_pos for s in rows) < 0:
         return False
@@ -69,13 +79,13 @@ def plan_is_valid(plan: StepPlan, used: list[tuple[int, ...]], real_ids: list[in
 
 
 def raise_for_plan(plan: StepPlan, block_size: int, num_blocks: int | None, vocab_size: int | None,
-                   max_position: int | None) -> None:
+                   max_position: int | None, lookback: int | None = None) -> None:
     """Walk the sequences one by one and raise BatchError naming the first bad one."""
     for i, seq in enumerate(plan.prefill):
-        check_seq(f"prefill sequence {i}", seq, block_size, num_blocks, vocab_size, max_position)
+        check_seq(f"prefill sequence {i}", seq, block_size, num_blocks, vocab_size, max_position, lookback)
     q_len = plan.decode_q_len
     for i, seq in enumerate(plan.decode):
-        check_seq(f"decode sequence {i}", seq, block_size, num_blocks, vocab_size, max_position)
+        check_seq(f"decode sequence {i}", seq, block_size, num_blocks, vocab_size, max_position, lookback)
         if seq.num_tokens != q_len or seq.start_pos < 1:
             wanted = "one token" if q_len == 1 else f"{q_len} tokens (decode_q_len)"
             raise BatchError(

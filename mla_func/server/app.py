@@ -1,4 +1,5 @@
-"""The HTTP application: OpenAI's endpoints on Starlette, over an `EngineLoop`.
+"""The HTTP application: OpenAI's endpoints on Starlette, over an `EngineRunner` (the engine on a thread
+of this process, or in a process of its own).
 
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     GET  /v1/models, /health, /metrics
@@ -6,7 +7,7 @@
 Every refusal is OpenAI's error object with its status (400 naming the field, 404 for an unknown
 model or path, 429 when the engine's queue is full, 503 when the engine is not running, 504 past the
 request timeout). A handler never touches the engine: it checks the body, submits the request to the
-engine's thread and turns the events it gets back into a response.
+engine's runner and turns the events it gets back into a response.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from mla_func.server.engine_loop import EngineLoop
+from mla_func.server.engine_loop import EngineRunner
 from mla_func.server.metrics import ServerMetrics
 from mla_func.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
 from mla_func.server.request_stream import Admission, RequestStream, deliver_on
@@ -56,7 +57,7 @@ class ServerSettings:
     request_timeout_s: float
 
 
-def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, settings: ServerSettings,
+def build_app(engine_loop: EngineRunner, metrics: ServerMetrics, settings: ServerSettings,
               say: Callable[[str], None]) -> Starlette:
     """The Starlette application. Its lifespan starts `engine_loop` and, at shutdown (once the server has
     stopped taking connections and finished or cut the open ones), stops it: every request left is
@@ -70,7 +71,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, settings: ServerS
         yield
         report = engine_loop.stop(timeout=60.0)
         if report is None:
-            say("shutdown: the engine's iteration did not end within 60 s")
+            say("shutdown: the engine did not stop cleanly within 60 s (an iteration still running, or its "
+                "process gone)")
         else:
             say(f"shutdown: {report.aborted} requests aborted, {report.blocks_in_use} KV blocks in use")
 
@@ -135,7 +137,7 @@ class _Call:
 
 
 class _Handlers:
-    def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, settings: ServerSettings,
+    def __init__(self, engine_loop: EngineRunner, metrics: ServerMetrics, settings: ServerSettings,
                  admission: Admission):
         self.engine_loop, self.metrics_, self.settings, self.admission = engine_loop, metrics, settings, admission
 
@@ -167,7 +169,8 @@ class _Handlers:
             raise ApiError(404, f"the model '{body.model}' does not exist; this server runs '{settings.model_name}'",
                            param="model", code="model_not_found")
         if not self.engine_loop.alive:
-            raise ApiError(503, "the engine is not running (the server is shutting down)", type="server_error")
+            raise ApiError(503, "the engine is not running (the server is shutting down, or the engine's process "
+                                "ended)", type="server_error")
         params = sampling_params(body, settings.max_model_len)
         call = _Call(body, prompts, chat, f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
                      int(time.time()), Naming(settings.tokenizer, body.return_tokens_as_token_ids))

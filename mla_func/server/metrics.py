@@ -1,17 +1,23 @@
 """The server's Prometheus metrics: the engine's load after each iteration, and each request's latencies.
 
-Everything here is written by the engine's thread (`EngineLoop`), which sees every token as its
-iteration ends, and read by the HTTP side when /metrics is scraped; prometheus_client's values are
-thread-safe. The registry is the server's own, not the library's global one, so that two servers in
-one process (tests) never share a count.
+Everything here is written from the engine's passes (`record`), by the thread that receives them as
+they end: the engine's own thread (`EngineLoop`), or the server's reader of the engine's process
+(`EngineProcess`), which gets each pass's requests, tokens and load in one message. It is read by the
+HTTP side when /metrics is scraped; prometheus_client's values are thread-safe. The registry is the
+server's own, not the library's global one, so that two servers in one process (tests) never share a
+count.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mla_func.server.engine_driver import Pass
+from mla_func.serving.requests import StreamEvent
 
 # Latency buckets in seconds: a token every few ms on a GPU, every few hundred on a busy CPU.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
@@ -54,7 +60,24 @@ class ServerMetrics:
         """The metrics in Prometheus' text format."""
         return generate_latest(self.registry)
 
-    # ---- written by the engine's thread -------------------------------------------------
+    # ---- written by the thread that receives the engine's passes -------------------------
+
+    def record(self, done: Pass[Any], now: float) -> None:
+        """One pass of the engine's loop, received at `now` (time.monotonic()): its admissions, tokens,
+        completions and aborts, and the engine's load after it."""
+        for request_id, arrived in done.arrived:
+            self.arrived(request_id, arrived)
+        for _, item in done.items:
+            if isinstance(item, StreamEvent):
+                self.token(item.request_id, now)
+                if (completion := item.completion) is not None:
+                    self.finished_request(item.request_id, completion.finish_reason,
+                                          len(completion.prompt_token_ids), now)
+        for request_id, reason in done.ended:
+            self.finished_request(request_id, reason, 0, now)
+        load = done.load
+        self.iteration(running=load.running, waiting=load.waiting, blocks_in_use=load.blocks_in_use,
+                       blocks_total=load.blocks_total, tokens=done.tokens, now=now)
 
     def arrived(self, request_id: int, now: float) -> None:
         self._timings[request_id] = _Timing(now)

@@ -1,9 +1,9 @@
 """One HTTP request's engine requests, seen from the event loop: submitted, awaited, aborted when left.
 
-The engine's thread hands each pass's items over in one batch (`deliver_on`: one
-`loop.call_soon_threadsafe`, the one way into an event loop from another thread), which the event
-loop's thread fans out to the requests' streams. A stream keeps the items it was given in a list and
-wakes its reader once, so a reader that fell behind takes every item waiting in one go.
+The engine's side (its thread, or the reader of its process) hands each pass's items over in one batch
+(`deliver_on`: one `loop.call_soon_threadsafe`, the one way into an event loop from another thread),
+which the event loop's thread fans out to the requests' streams. A stream keeps the items it was given
+in a list and wakes its reader once, so a reader that fell behind takes every item waiting in one go.
 `RequestStream.close` aborts whatever has not finished (a client gone, a timeout, an error while
 answering), so a request never outlives its HTTP request.
 """
@@ -14,7 +14,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from mla_func.server.engine_loop import Admitted, Batch, Deliver, EngineLoop, Failure, Item, call_each
+from mla_func.server.engine_driver import Admitted, Failure, Item
+from mla_func.server.engine_loop import Batch, Deliver, EngineRunner, call_each
 from mla_func.server.protocol import ApiError
 from mla_func.serving.requests import ParamsLike, Prompt, RequestError, StreamEvent
 
@@ -49,17 +50,17 @@ class Admission:
 
 
 class RequestStream:
-    """Submit prompts to the engine's thread, then iterate their events until each choice completes.
+    """Submit prompts to the engine, then iterate their events until each choice completes.
     Its sink is `put`, called on the event loop's thread."""
 
-    def __init__(self, engine_loop: EngineLoop, admission: Admission, timeout_s: float,
+    def __init__(self, engine_loop: EngineRunner, admission: Admission, timeout_s: float,
                  disconnected: Callable[[], Awaitable[bool]] | None = None):
         self._engine_loop = engine_loop
         self._admission = admission
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
         self._disconnected = disconnected
-        self._items: list[Item] = []  # given by the engine's thread, not yet taken
+        self._items: list[Item] = []  # given by the engine's side, not yet taken
         self._waiter: asyncio.Future[None] | None = None  # set while the reader waits for items
         self._timer: asyncio.TimerHandle | None = None  # the next `_tick`, armed while the reader reads
         self._unfinished: set[int] = set()
@@ -68,7 +69,8 @@ class RequestStream:
     async def submit(self, prompts: Sequence[Prompt], params: ParamsLike, choices: int, *,
                      prompt_field: str) -> tuple[int, ...]:
         """Queue the prompts (each with `choices` samples); their request ids. ApiError 429 when the
-        server is full, 400 naming the field (`prompt_field` for the prompt) when the engine refuses one."""
+        server is full, 400 naming the field (`prompt_field` for the prompt) when the engine refuses one,
+        503 when the engine ended before taking them."""
         self._admission.acquire(len(prompts) * choices)
         self._admitted = len(prompts) * choices
         self._engine_loop.submit(prompts, params, self.put)
@@ -76,6 +78,8 @@ class RequestStream:
         item = self._items.pop(0)
         if isinstance(item, RequestError):
             raise _refusal(item, len(prompts), prompt_field)
+        if isinstance(item, Failure):
+            raise ApiError(503, f"the engine is not running: {item.message}", type="server_error")
         assert isinstance(item, Admitted), item
         self._unfinished = set(item.request_ids)
         return item.request_ids
@@ -112,7 +116,7 @@ class RequestStream:
             events: list[StreamEvent] = []
             for item in items:
                 if isinstance(item, Failure):
-                    self._unfinished.clear()  # the engine's thread aborted them
+                    self._unfinished.clear()  # the engine aborted them
                     if events:
                         yield events
                     raise ApiError(500, f"generation failed: {item.message}", type="server_error")

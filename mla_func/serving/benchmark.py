@@ -79,6 +79,7 @@ def run_throughput(
     say: Callable[[str], None] = lambda message: None,
     batch_invariant: bool = False,
     speculative_tokens: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
@@ -87,8 +88,8 @@ def run_throughput(
     cache_longest_context (the most tokens one sequence can have in its blocks), cache_sequences (sequences
     of cache_context tokens its blocks hold at once) and cache_bytes (every block).
     `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
-    `batch_invariant` and `speculative_tokens` are the engine's (off by default, as the engine's;
-    drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
+    `batch_invariant`, `speculative_tokens` and `kv_cache_dtype` are the engine's (off by default, as the
+    engine's; drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
     The warm-up captures every decode graph (with drafts, the verify and drafter graphs of
     every length), then a short run on other random prompts of the measured prompts'
     lengths compiles kernels, so timing excludes both; its prompts share no prefix with
@@ -104,7 +105,8 @@ def run_throughput(
     engine = Engine(model, backend=backend, graphs=graphs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
-                    max_model_len=min(model.config.max_position_embeddings, longest + block_size))
+                    max_model_len=min(model.config.max_position_embeddings, longest + block_size),
+                    kv_cache_dtype=kv_cache_dtype)
     # The cache at the longest request's context: bytes a token, and what the engine's blocks hold.
     cache = engine.cache_report(longest)
     if warmup:

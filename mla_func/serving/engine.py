@@ -35,6 +35,7 @@ from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.prepare import init_state
 from mla_func.core.step import StepOutput
 from mla_func.kernels import default_backend, ops_for
+from mla_func.kernels.latent_cache import check_kv_cache_dtype
 from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logprobs
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
@@ -65,7 +66,12 @@ class Engine:
     and verifies them in one step (`mla_func.serving.speculative`); with `batch_invariant=True` the
     tokens are exactly those of decoding without drafts (`mla_func.serving.acceptance`; in the default
     mode a verify row's last bits can follow its step's row count, see README "Speculative
-    decoding"), and `speculative_stats` counts accepted drafts.
+    decoding"), and `speculative_stats` counts accepted drafts. `kv_cache_dtype` is the latent
+    cache's format: "auto" (the default) the model's dtype, "fp8" FP8 latent values with a float32
+    scale per 128 and the RoPE values in the model's dtype (`mla_func.kernels.latent_cache`: 656
+    bytes a token and layer at DeepSeek's sizes against 1152 in bf16; a family without an FP8 cache,
+    `Family.fp8_cache_layer_kinds`, refuses it; the drafter's cache, with speculative_tokens, stays in
+    the model's dtype).
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class Engine:
         seed: int = 0,
         batch_invariant: bool = False,
         speculative_tokens: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         for name, flag in (("enable_mixed", enable_mixed), ("enable_prefix_caching", enable_prefix_caching),
                            ("graphs", graphs), ("batch_invariant", batch_invariant)):
@@ -95,6 +102,7 @@ class Engine:
         check_limit("long_prefill_token_threshold", long_prefill_token_threshold, 0, or_none=True)
         check_limit("seed", seed, None)
         check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
+        check_kv_cache_dtype(kv_cache_dtype, "Engine: kv_cache_dtype")
         if speculative_tokens and model.mtp is None:
             raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
         if max_model_len is None:
@@ -111,18 +119,21 @@ class Engine:
             block_size=block_size,
             num_blocks=(num_blocks if num_blocks is not None
                         else default_num_blocks(model, block_size, max_num_seqs, max_model_len,
-                                                speculative=bool(speculative_tokens))),
+                                                speculative=bool(speculative_tokens), kv_cache_dtype=kv_cache_dtype,
+                                                max_num_batched_tokens=max_num_batched_tokens)),
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, enable_mixed=enable_mixed,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
             backend=backend or default_backend(model.device), graphs=graphs, graph_kinds=tuple(graph_kinds),
-            batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
+            batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype,
         )
         c = self.config
         # With drafts, the target's steps also return every row's hidden state, which the drafter reads.
         self.step = c.build_step(model, fn=target_step_fn if c.speculative_tokens else None)
+        # Each cache group sized by its own rate; a group 0 with a lookback for max_num_seqs sequences only.
         self.state = init_state(model.config, num_blocks=c.num_blocks, block_size=c.block_size,
-                                dtype=model.dtype, device=model.device)
+                                dtype=model.dtype, device=model.device, kv_cache_dtype=c.kv_cache_dtype,
+                                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
         # The state's own cache groups (group 0 of tokens, then the family's, `Family.cache_groups`), so the
         # scheduler allocates in exactly the geometry the steps write.
         self.scheduler = Scheduler(c.scheduler_config(self.state.groups))
@@ -170,7 +181,8 @@ class Engine:
         the drafter's cache, with speculative_tokens, is not counted)."""
         c = self.config
         budget = cache_budget(self.model.config, dtype=self.state.dtype, block_size=c.block_size,
-                              num_blocks=c.num_blocks)
+                              num_blocks=c.num_blocks, max_num_seqs=c.max_num_seqs,
+                              max_num_batched_tokens=c.max_num_batched_tokens, kv_cache_dtype=c.kv_cache_dtype)
         if budget.groups != self.state.groups:  # the state is init_state's of this config: one geometry
             raise ValueError(f"Engine.cache_budget: groups {budget.groups} differ from the state's {self.state.groups}")
         return budget
@@ -196,7 +208,8 @@ class Engine:
         c = self.config
         return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
                       c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer,
-                      speculative_tokens=c.speculative_tokens, chat_template=self.model.chat_template)
+                      speculative_tokens=c.speculative_tokens, chat_template=self.model.chat_template,
+                      max_sequence_tokens=self.scheduler.blocks.num_usable_tokens())
 
     # ---- generation ---------------------------------------------------------------
 
@@ -485,18 +498,22 @@ class Engine:
         ids = check_score_ids(token_ids, self.limits)
         c, blocks, tables = self.config, self.scheduler.blocks, self.scheduler.blocks.empty_tables()  # all groups'
         try:
-            blocks.allocate(tables, blocks.blocks_needed(tables, len(ids)))
-        except OutOfBlocks as e:
-            raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache blocks "
-                                     f"({e})") from None
-        try:
-            rows, seq_tables = [], [tuple(t) for t in tables]
+            rows = []
             for start in range(0, len(ids), c.max_num_batched_tokens):
                 chunk = ids[start : start + c.max_num_batched_tokens]
+                # Each chunk's blocks as it comes, and those behind a group's lookback freed after it (a bounded
+                # group 0 holds a window, not the prompt).
+                try:
+                    blocks.allocate(tables, blocks.blocks_needed(tables, start + len(chunk)))
+                except OutOfBlocks as e:
+                    raise RequestError(None, f"score: the prompt of {len(ids)} tokens does not fit the free cache "
+                                             f"blocks ({e})") from None
+                seq_tables = [tuple(t) for t in tables]
                 plan = StepPlan(prefill=(SeqPlan(chunk, start, seq_tables[0], len(chunk), tuple(seq_tables[1:])),))
                 with self._inference():
                     out = self._target_step(plan)
                 rows.append(out.logits)
+                blocks.free_behind(tables, start + len(chunk))
             return torch.cat(rows)
         finally:
             blocks.free(tables)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mla_func.core.cache_budget import cache_budget
+from mla_func.core.cache_budget import most_blocks_within
 from mla_func.core.model import Model
 from mla_func.core.step import Step, StepFn, make_step
 from mla_func.models.mtp.layer import drafter_bytes_per_block
@@ -25,8 +25,11 @@ from mla_func.state.layer_cache import CacheGroup
 class EngineConfig:
     """The engine's limits; every field has a documented default (see `Engine`).
 
-    block_size and num_blocks are those of the state's cache group 0, which `init_state` is
-    given; the scheduler then reads the state's own groups (`scheduler_config`).
+    block_size and num_blocks are what `init_state` is given, with max_num_seqs and
+    max_num_batched_tokens: num_blocks blocks of block_size tokens is the state's capacity in
+    tokens, and each cache group gets its own block count from it (`core.layers.cache_groups`;
+    for a model of one group, exactly num_blocks). The scheduler then reads the state's own
+    groups (`scheduler_config`).
     Raises ValueError if max_num_batched_tokens cannot fit a decode row of every sequence
     (`check_token_budget`, the scheduler's rule, checked here before a state is allocated).
     """
@@ -44,6 +47,7 @@ class EngineConfig:
     graph_kinds: tuple[str, ...]
     batch_invariant: bool
     speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_token_budget(self.max_num_seqs, self.max_num_batched_tokens, self.speculative_tokens)
@@ -51,12 +55,15 @@ class EngineConfig:
     def scheduler_config(self, cache_groups: tuple[CacheGroup, ...], *,
                          carry_periods: tuple[int, ...] = ()) -> SchedulerConfig:
         """The scheduler's config: these limits over `cache_groups`, the state's own (`KVCacheState.groups`,
-        group 0 of num_blocks blocks of block_size tokens), so state and scheduler read one geometry.
-        Raises ValueError if group 0 is not this config's (a state made for another engine)."""
+        group 0 of blocks of block_size tokens, at most num_blocks of them: fewer where it has a lookback),
+        so state and scheduler read one geometry. Raises ValueError if group 0 is not this config's (a
+        state made for another engine)."""
         first = cache_groups[0] if cache_groups else None
-        if first is None or (first.num_blocks, first.block_size) != (self.num_blocks, self.block_size):
+        if first is None or first.block_size != self.block_size or not (
+                first.num_blocks == self.num_blocks or (first.lookback is not None and first.num_blocks < self.num_blocks)):
             raise ValueError(f"EngineConfig.scheduler_config: cache group 0 must have num_blocks={self.num_blocks} "
-                             f"and block_size={self.block_size}, as a state made from this config has; got {first}")
+                             f"(or fewer, with a lookback) and block_size={self.block_size}, as a state made from "
+                             f"this config has; got {first}")
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, cache_groups=cache_groups,
@@ -95,13 +102,18 @@ def check_flag(name: str, value: object) -> None:
 
 
 def default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_model_len: int, *,
-                       speculative: bool = False) -> int:
-    """Blocks for the cache: what max_num_seqs full-length sequences need, within a share of free memory
-    (a block of every cache group, and with `speculative` the drafter's cache, in every block)."""
-    # Every cache group gets num_blocks blocks (init_state), so a block of the budget costs one of each.
-    bytes_per_block = sum(cache_budget(model.config, dtype=model.dtype, block_size=block_size).bytes_per_block)
-    if speculative:
-        bytes_per_block += drafter_bytes_per_block(model, block_size)
+                       speculative: bool = False, kv_cache_dtype: str = "auto",
+                       max_num_batched_tokens: int | None = None) -> int:
+    """num_blocks for the cache (its capacity, in blocks of block_size tokens): what max_num_seqs
+    full-length sequences need, within a share of free memory.
+
+    The state it is for (`init_state` with these arguments, `kv_cache_dtype` included) sizes each cache
+    group on its own (`core.layers.cache_groups`; a group 0 with a lookback only for max_num_seqs
+    sequences and a step of max_num_batched_tokens tokens, when given), and with `speculative` the
+    drafter's cache follows group 0: the most blocks whose state fits the budget are taken
+    (`cache_budget.most_blocks_within`).
+    """
+    drafter = drafter_bytes_per_block(model, block_size) if speculative else 0
     wanted = 1 + max_num_seqs * -(-max_model_len // block_size)
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
@@ -109,4 +121,8 @@ def default_num_blocks(model: Model, block_size: int, max_num_seqs: int, max_mod
         budget = int(free * 0.85) - (2 << 30)
     else:
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
-    return max(2, min(wanted, budget // bytes_per_block))
+    # The two limits go together (`cache_groups`): without a step's size, group 0 keeps its capacity.
+    seqs = None if max_num_batched_tokens is None else max_num_seqs
+    return most_blocks_within(model.config, dtype=model.dtype, block_size=block_size, budget_bytes=max(0, budget),
+                              most=max(2, wanted), group0_extra_bytes=drafter, kv_cache_dtype=kv_cache_dtype,
+                              max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens)

@@ -186,6 +186,9 @@ class Limits:
     tokenizer: Tokenizer | None
     speculative_tokens: int = 0  # drafts a decode step verifies (0: none)
     chat_template: ChatTemplate | None = None  # renders chat prompts; None: the model has none
+    # The most tokens one sequence can hold in the cache (`GroupedAllocator.num_usable_tokens`: the scarcest
+    # cache group decides, and a group with a lookback may not limit it at all); None: the usable blocks'.
+    max_sequence_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,9 +387,13 @@ def check_request(index: int, prompt: object, params: object, limits: Limits) ->
     # sampled token is never fed back, so the cache holds at most max_len - 1 tokens.
     max_len = min(len(ids) + checked.max_tokens, limits.max_model_len)
     blocks = -(-(max_len - 1) // limits.block_size)
-    if blocks > limits.num_usable_blocks:
+    in_blocks = limits.num_usable_blocks * limits.block_size
+    longest = in_blocks if limits.max_sequence_tokens is None else limits.max_sequence_tokens
+    if max_len - 1 > longest:
+        scarcest = ("" if longest == in_blocks else
+                    f" (another cache group is scarcer: one sequence can hold at most {longest} tokens)")
         raise RequestError(index, f"needs up to {blocks} KV blocks ({max_len - 1} tokens) but the cache has only "
-                                  f"{limits.num_usable_blocks} usable blocks of {limits.block_size} tokens")
+                                  f"{limits.num_usable_blocks} usable blocks of {limits.block_size} tokens{scarcest}")
     return CheckedRequest(index, ids, checked, stop)
 
 

@@ -41,7 +41,12 @@ step; without it, no such request waits two steps in a row.
 
 Cache groups: a request holds one block table per cache group of the model
 (`SchedulerConfig.cache_groups`; one for an MLA model), and every block
-operation covers all groups at once through a `GroupedAllocator`.
+operation covers all groups at once through a `GroupedAllocator`. In a group
+with a lookback (`CacheGroup.lookback`: only a sequence's last tokens are read
+there), `update` frees a sequence's blocks that lie wholly before
+num_computed - lookback once the step's results are in, and its table keeps the
+scratch block in their place (`GroupedAllocator.free_behind`), so such a group
+holds a bounded number of blocks per sequence however long it grows.
 
 A request finishes inside `update` when it samples one of its `stop_token_ids`
 (reason STOP), when it has `max_tokens` generated tokens, or when prompt +
@@ -55,7 +60,7 @@ from collections.abc import Hashable, Sequence
 
 from mla_func.serving.scheduler_policy import SeqState, StepBuild, StepPolicy
 from mla_func.serving.scheduler_types import FinishedRequest, FinishReason, Request, ScheduledStep, SchedulerConfig
-from mla_func.state.block_allocator import BlockAllocator
+from mla_func.state.block_allocator import SCRATCH_BLOCK, BlockAllocator
 from mla_func.state.cache_groups import GroupedAllocator
 
 __all__ = ["FinishReason", "FinishedRequest", "Request", "ScheduledStep", "Scheduler", "SchedulerConfig"]
@@ -98,12 +103,14 @@ class Scheduler(StepPolicy):
             )
         max_len = min(num_prompt + request.max_tokens, cfg.max_model_len)
         # The last sampled token is never fed back, so the cache holds at most max_len - 1 tokens.
+        # A group with a lookback holds only a sequence's last tokens, so the scarcest group decides.
         blocks = -(-(max_len - 1) // cfg.block_size)
-        if blocks > self.allocator.num_usable_blocks or max_len - 1 > self.blocks.num_usable_tokens():
+        if max_len - 1 > (longest := self.blocks.num_usable_tokens()):
             raise ValueError(
                 f"request {rid!r}: needs up to {blocks} KV blocks ({max_len - 1} tokens) but the cache has "
                 f"only {self.allocator.num_usable_blocks} usable blocks of {cfg.block_size} tokens"
-                + ("" if len(cfg.cache_groups) == 1 else " (or too few in another cache group)")
+                + ("" if len(cfg.cache_groups) == 1 else
+                   f" (one sequence can hold at most {longest} tokens: the scarcest cache group decides)")
             )
         seq = SeqState(request, self._next_arrival, max_len, list(request.prompt_token_ids), self.blocks.empty_tables(),
                    tuple([] for _ in cfg.cache_groups))
@@ -215,10 +222,13 @@ class Scheduler(StepPolicy):
         finished = []
         num_prefill = len(step.plan.prefill)
         seqs, prefix_caching = self._seqs, self.config.enable_prefix_caching
+        # Only a cache group with a lookback frees blocks as sequences grow (none for V2/V3: no call per row).
+        free_behind = self.blocks.free_behind if self.blocks.has_lookback else None
         for i, (seq, row, new) in enumerate(zip(self._pending_seqs, rows, tokens)):
             if seqs.get(seq.request.request_id) is not seq:
                 continue  # finished from outside after it was scheduled
             assert seq.num_computed == row.start_pos, (seq.request.request_id, seq.num_computed, row.start_pos)
+            kept: tuple[int, ...]  # one token in the common case below, several from a verify row
             if len(new) == 1 and new[0] not in seq.request.stop_token_ids and len(seq.token_ids) + 1 < seq.max_len:
                 # The common case, once a row every step: one token, and the request goes on.
                 kept, reason = new, None
@@ -238,6 +248,10 @@ class Scheduler(StepPolicy):
                 self.blocks.register_full_blocks(seq.tables, seq.hashes, seq.token_ids, seq.num_computed)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
+            elif free_behind is not None:
+                # After a verify row's truncation and after registering, so that rejected drafts never
+                # make it free too much and freed full blocks stay in the prefix cache (evictable).
+                free_behind(seq.tables, seq.num_computed)
         return finished
 
     def _finish(self, seq: SeqState, reason: FinishReason) -> FinishedRequest:
@@ -269,10 +283,15 @@ class Scheduler(StepPolicy):
         owners: list[Counter[int]] = [Counter() for _ in groups]
         for seq in self._running:
             for g, table, count in zip(groups, seq.tables, owners):
-                assert len(set(table)) == len(table), f"{seq.request.request_id!r} repeats a block"
+                # Exactly the blocks behind a group's lookback are placeholders: none a later step reads is freed.
+                first = g.first_live_block(seq.num_computed)
+                held = table[first:]
+                assert all(b == SCRATCH_BLOCK for b in table[:first]), (seq.request.request_id, table)
+                assert SCRATCH_BLOCK not in held, (seq.request.request_id, table)
+                assert len(set(held)) == len(held), f"{seq.request.request_id!r} repeats a block"
                 if self._pending is None:
                     assert len(table) == g.blocks_for(seq.num_computed), seq.request.request_id
-                count.update(table)
+                count.update(held)
         for seq in self._waiting:
             assert not any(seq.tables) and seq.num_computed == 0, seq.request.request_id
         self.blocks.check_invariants(owners)

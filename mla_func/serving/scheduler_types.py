@@ -41,7 +41,8 @@ class SchedulerConfig:
     cache_groups: the cache's groups, as the state that the steps run on has them
     (`KVCacheState.groups`): group 0 holds one entry per token (its block_size and
     num_blocks are this config's), groups 1.. (none for an MLA model) each have their
-    own blocks, block tables and accounting (see `state.cache_groups`).
+    own blocks, block tables and accounting (see `state.cache_groups`); a group with a
+    lookback holds only each sequence's blocks a later step can read.
     carry_periods: periods of the layer kinds' state kept outside full blocks; prefix
     hits are cut to multiples of them (see `state.cache_groups`).
     speculative_tokens: drafts verified per decode row (0: plain decoding); a decode row

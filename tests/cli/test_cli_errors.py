@@ -118,6 +118,21 @@ def test_batch_invariance_on_a_v4_model_names_the_flag_and_why():
                              "batch-invariant ops yet; run it without --batch-invariant")
 
 
+def test_fp8_cache_on_a_v4_model_names_the_flag_and_why(capsys):
+    result = mla_func("generate", "1 2", "--model", "v4-tiny", "--kv-cache-dtype", "fp8")
+    assert_one_error(result, "--kv-cache-dtype fp8: v4-tiny is a DeepSeek-V4 model, whose caches have no FP8 form "
+                             "yet; run it with --kv-cache-dtype auto")
+    bad = parse_only(capsys, "bench", "--model", MISSING, "--kv-cache-dtype", "fp16")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --kv-cache-dtype: invalid choice: 'fp16'")
+
+
+def test_fp8_cache_generates():
+    result = mla_func("generate", "1 2 3", "--model", "tiny", "--kv-cache-dtype", "fp8", "--max-tokens", "4",
+                      "--temperature", "0", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 4
+
+
 def test_batch_invariant_drafts_run():
     result = mla_func("generate", "1 2 3", "--model", "tiny", "--batch-invariant", "--speculative-tokens", "2",
                       "--max-tokens", "6", "--temperature", "0", "--threads", "1")

@@ -2,13 +2,17 @@
 
 The budget is measured on the meta device; these tests allocate the same states for real (a few blocks
 of tiny shapes) and check every byte: the total, each group's bytes a block, and a sequence's bytes at
-T tokens counted leaf by leaf from the blocks the scheduler's own allocator hands out.
+T tokens counted leaf by leaf from the blocks the scheduler's own allocator hands out and keeps (a
+bounded group 0 frees what lies behind its lookback). V4's bytes a token at long context are checked
+against the design's formula, computed here from the config alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +22,17 @@ from mla_func.core.cache_budget import CacheBudget, cache_budget
 from mla_func.core.config import ModelConfig
 from mla_func.models.dsa.family import DSA
 from mla_func.models.presets import tiny, v2_lite, v32_lite, v4_mini, v4_tiny
+from mla_func.models.v4.config import CSA, HCA, SLIDING, v4_fields
 from mla_func.serving.engine_config import default_num_blocks
+from mla_func.state.block_allocator import SCRATCH_BLOCK
 from mla_func.state.cache_groups import GroupedAllocator
 from mla_func.state.layer_cache import CacheGroup
 from mla_func.state.v4_cache import V4LayerCache
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_cache_budget", ROOT / "bench" / "cache_budget.py")
+bench_cache_budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_cache_budget)
 
 
 def v32_tiny() -> ModelConfig:
@@ -46,17 +57,40 @@ def group_bytes_per_block(state: mf.KVCacheState) -> list[int]:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("block_size,num_blocks", [(1, 2), (4, 3), (16, 5), (32, 2)])
+@pytest.mark.parametrize("block_size,num_blocks,limits", [(1, 2, None), (4, 3, None), (16, 5, None), (32, 2, None),
+                                                          (4, 40, (2, 8)), (16, 9, (1, 16))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_budget_is_the_bytes_of_a_real_state(name, block_size, num_blocks, dtype):
+def test_the_budget_is_the_bytes_of_a_real_state(name, block_size, num_blocks, limits, dtype):
     config = CONFIGS[name]()
-    budget = cache_budget(config, dtype=dtype, block_size=block_size, num_blocks=num_blocks)
-    state = mf.init_state(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    seqs, step = limits or (None, None)
+    budget = cache_budget(config, dtype=dtype, block_size=block_size, num_blocks=num_blocks, max_num_seqs=seqs,
+                          max_num_batched_tokens=step)
+    state = mf.init_state(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, max_num_seqs=seqs,
+                          max_num_batched_tokens=step)
     assert budget.groups == state.groups
     allocated = sum(t.nbytes for t in state.leaves())
     assert budget.total_bytes == allocated
-    assert sum(budget.bytes_per_block) == allocated // num_blocks  # every group has num_blocks blocks
     assert list(budget.bytes_per_block) == group_bytes_per_block(state)
+    # Each group counts every leaf paged by its tables, whichever group its layer is in (V4's entries too).
+    assert [state.bytes_per_block(g) for g in range(len(state.groups))] == list(budget.bytes_per_block)
+
+
+def test_each_group_is_sized_by_its_own_rate():
+    """num_blocks is a capacity in tokens: each compressed group holds those tokens' entries (one block a
+    sequence more, given max_num_seqs), and V4's bounded group 0 only what max_num_seqs sequences and a
+    step's tokens hold at once."""
+    config = v4_tiny()
+    lookback = 15   # window 8 - 1, CSA 2 * 4 - 1, HCA 16 - 1
+    plain = mf.init_state(config, num_blocks=101, block_size=4, device="meta")
+    assert [(g.num_blocks, g.block_size, g.tokens_per_entry, g.lookback) for g in plain.groups] == [
+        (101, 4, 1, lookback), (101, 1, 4, None), (26, 1, 16, None)]
+    engine = mf.init_state(config, num_blocks=101, block_size=4, device="meta", max_num_seqs=3,
+                           max_num_batched_tokens=10)
+    in_flight = 1 + 3 * (-(-lookback // 4) + 2) + -(-10 // 4)
+    assert [g.num_blocks for g in engine.groups] == [in_flight, 101 + 3, 26 + 3] and in_flight == 22
+    # A model that reads every token keeps num_blocks in group 0.
+    assert mf.init_state(tiny(), num_blocks=101, block_size=4, device="meta", max_num_seqs=3,
+                         max_num_batched_tokens=10).groups == (CacheGroup(101, 4),)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -67,20 +101,60 @@ def test_a_sequence_holds_the_blocks_the_allocator_hands_it(name):
     for context in (1, 3, 4, 5, 16, 17, 63, 64, 65, 100):
         tables = allocator.empty_tables()
         allocator.allocate(tables, allocator.blocks_needed(tables, context))
-        held = sum(len(t) * b for t, b in zip(tables, budget.bytes_per_block))
-        assert budget.blocks(context) == tuple(len(t) for t in tables)
+        allocator.free_behind(tables, context)   # what the scheduler keeps once the step is done
+        held_blocks = tuple(sum(b != SCRATCH_BLOCK for b in t) for t in tables)
+        held = sum(n * b for n, b in zip(held_blocks, budget.bytes_per_block))
+        assert budget.blocks(context) == held_blocks
         assert budget.sequence_bytes(context) == held
         assert budget.bytes_per_token(context) == held / context
+        assert budget.peak_bytes(context) == max(budget.sequence_bytes(t) for t in range(context + 1))
         allocator.free(tables)
+        allocator.check_invariants([{}] * len(tables))
 
 
-def test_v4_bytes_a_token_vary_with_the_context_but_group_0_keeps_every_token():
+def test_v4_bytes_a_token_fall_with_the_context_as_group_0_keeps_only_its_lookback():
     budget = cache_budget(v4_tiny(), dtype=torch.bfloat16, block_size=16)
+    assert budget.groups[0].lookback == 15
     # A compressed entry is written by the last of its tokens: 3 tokens hold none, 4 hold CSA's first.
     assert budget.blocks(3) == (1, 0, 0) and budget.blocks(4) == (1, 1, 0) and budget.blocks(16) == (1, 1, 1)
     assert budget.bytes_per_token(4) != budget.bytes_per_token(3)
-    # Past the window, bytes a token do not fall: group 0 holds every token's leaves.
-    assert budget.bytes_per_token(1 << 20) >= budget.bytes_per_block[0] / 16
+    # Group 0 holds the blocks of the last 15 tokens (one or two of 16) at any length.
+    assert {budget.blocks(t)[0] for t in range(16, 4096)} == {1, 2}
+    assert budget.groups[0].peak_blocks(1 << 20) == budget.groups[0].peak_blocks(30) == 2
+    assert budget.blocks(1 << 20)[0] == budget.blocks(1 << 16)[0] == 1
+    assert budget.bytes_per_token(1 << 20) < budget.bytes_per_token(1 << 16) < budget.bytes_per_token(1 << 12)
+    entries = sum(b / g.tokens_per_block for g, b in zip(budget.groups[1:], budget.bytes_per_block[1:]))
+    assert budget.bytes_per_token(1 << 20) == pytest.approx(entries, rel=1e-3)
+
+
+def v4_formula_bytes_per_token(config, context: int, itemsize: int = 2) -> float:
+    """The design's cache a token of a V4 model at `context` tokens, from its config alone: per layer the
+    window's keys, the compressor inputs of the block being filled (CSA: and the previous one, with its
+    indexer's), the compressed entries and the indexer keys."""
+    v = v4_fields(config)
+    dh, di, window = v.head_dim, v.index_head_dim, v.sliding_window
+    total = 0
+    for kind in v.layer_types:
+        total += window * dh
+        if kind == SLIDING:
+            continue
+        rate = v.rate(kind)
+        entries = context // rate
+        if kind == CSA:
+            total += 2 * rate * (2 * 2 * dh + 4 * di) + entries * (dh + di)
+        else:
+            assert kind == HCA
+            total += rate * 2 * dh + entries * dh
+    return total * itemsize / context
+
+
+@pytest.mark.parametrize("make", [v4_mini, bench_cache_budget.v4_flash_layout], ids=["v4-mini", "v4-flash-layout"])
+@pytest.mark.parametrize("context", [1 << 16, 1 << 20])
+def test_v4_bytes_a_token_at_long_context_are_the_designs(make, context):
+    config = make()
+    got = cache_budget(config, dtype=torch.bfloat16, block_size=16).bytes_per_token(context)
+    want = v4_formula_bytes_per_token(config, context)
+    assert want * 0.9 <= got <= want * 1.1, (got, want)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -90,8 +164,10 @@ def test_the_longest_context_fits_and_one_more_token_does_not(name, dtype):
     for budget_bytes in (budget.sequence_bytes(1), 10_000, 123_456, 1 << 20, 7 << 30):
         longest = budget.longest_context(budget_bytes)
         assert (longest >= 1) == (budget_bytes >= budget.sequence_bytes(1))
-        assert budget.sequence_bytes(longest) <= budget_bytes < budget.sequence_bytes(longest + 1)
-        assert budget.sequence_bytes(longest + 16) > budget_bytes
+        # What a sequence holds on its way there (group 0's blocks rise and fall where it is bounded).
+        assert budget.peak_bytes(longest) <= budget_bytes < budget.peak_bytes(longest + 1)
+        assert budget.peak_bytes(longest + 16) > budget_bytes
+        assert all(budget.sequence_bytes(t) <= budget_bytes for t in range(max(0, longest - 64), longest + 1))
     assert budget.longest_context(budget.sequence_bytes(1) - 1) == 0
     assert budget.longest_context(0) == 0
 
@@ -101,8 +177,8 @@ def test_sequences_that_fit(name):
     budget = cache_budget(CONFIGS[name](), dtype=torch.bfloat16, block_size=16)
     for context, budget_bytes in ((1, 1 << 20), (100, 1 << 20), (4096, 1 << 30), (4096, 0)):
         n = budget.sequences_that_fit(context, budget_bytes)
-        need = budget.sequence_bytes(context)
-        assert n * need <= budget_bytes < (n + 1) * need
+        need = budget.peak_bytes(context)
+        assert n * need <= budget_bytes < (n + 1) * need and need >= budget.sequence_bytes(context)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -158,18 +234,33 @@ def test_the_engine_reports_its_own_cache(preset):
     assert budget.groups == engine.state.groups
     assert budget.total_bytes == sum(t.nbytes for t in engine.state.leaves())
     report = engine.cache_report(context=24)
-    assert report.longest_context == engine.scheduler.blocks.num_usable_tokens() == 16 * 4
-    assert report.sequences == 16 // 6  # 24 tokens take 6 blocks of 4 in group 0, the scarcest
+    groups = engine.state.groups
+    if preset == "tiny":
+        assert report.longest_context == engine.scheduler.blocks.num_usable_tokens() == 16 * 4
+        assert report.sequences == 16 // 6  # 24 tokens take 6 blocks of 4 in group 0
+    else:
+        # Group 0 keeps 15 tokens behind: 4 sequences and a step of 64 tokens would take 1 + 4 * (4 + 2) + 16
+        # blocks, more than its 17. CSA's entries (one a block of 4 tokens) hold 64 tokens, and one block more
+        # a sequence: the scarcest group.
+        assert [g.num_blocks for g in groups] == [17, 17 + 4, 5 + 4]
+        assert report.longest_context == engine.scheduler.blocks.num_usable_tokens() == 20 * 4 + 3
+        assert report.sequences == min(16 // 5, 20 // 6, 8 // 1)   # 24 tokens: at most 5, 6 and 1 blocks
     assert engine.cache_report().context == 64
     with pytest.raises(ValueError, match="context must be an int >= 1, got 0"):
         engine.cache_report(context=0)
 
 
-def test_the_engine_budgets_a_block_of_every_cache_group():
-    """`default_num_blocks` divides its memory budget by what one block of every group costs (V4's
-    compressed groups included), so the state it sizes fits the budget."""
+@pytest.mark.parametrize("limits", [None, (64, 2048)])
+def test_the_engine_budgets_every_cache_group(limits):
+    """`default_num_blocks` takes the most blocks whose state, every group sized on its own (V4's compressed
+    groups and its bounded group 0 included), fits its memory budget."""
     model = mf.load_model("v4-tiny", device="cpu")
-    per_group = cache_budget(model.config, dtype=model.dtype, block_size=16).bytes_per_block
-    assert len(per_group) > 1 and all(b > 0 for b in per_group)
+    seqs, step = limits or (1 << 20, None)
     budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
-    assert default_num_blocks(model, 16, max_num_seqs=1 << 30, max_model_len=1 << 20) == budget // sum(per_group)
+
+    def state_bytes(num_blocks):
+        return cache_budget(model.config, dtype=model.dtype, block_size=16, num_blocks=num_blocks,
+                            max_num_seqs=None if step is None else seqs, max_num_batched_tokens=step).total_bytes
+
+    n = default_num_blocks(model, 16, max_num_seqs=seqs, max_model_len=1 << 20, max_num_batched_tokens=step)
+    assert state_bytes(n) <= budget < state_bytes(n + 1)

@@ -34,12 +34,18 @@ class ToyCache:
     def paged(self) -> tuple[torch.Tensor, ...]:
         return (self.seen,)
 
+    def paged_in(self, group: int) -> tuple[torch.Tensor, ...]:
+        return self.paged() if group == self.group else ()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToyLayer:
     """residual += scale * x; the cache keeps x of every real row in its slot."""
 
     name: str = "toy"
+
+    def lookback(self, config) -> None:
+        return None
 
     def init_cache(self, config, groups: tuple[CacheGroup, ...], *, dtype, device) -> ToyCache:
         g = groups[0]

@@ -19,16 +19,9 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.config import Sharding
 from support.dsa_reference import make_v32
 from support.mla_reference import make_reference, rel_err, save_reference
-from support.parallel_runs import held, rank_steps, run_steps, scenarios, spawn_group
+from support.parallel_runs import (DP_MODES, MODES, STEP_KINDS, TOL, TP_MODES, WORLD, held, rank_steps, run_steps,
+                                   scenarios, spawn_group)
 
-WORLD = 2
-# fp32: the ranks' partial sums add up in another order than one GEMM's; nothing else differs.
-TOL = 1e-5
-STEP_KINDS = ("prefill", "chunked", "decode", "mixed", "verify")
-# mode -> (Parallel.expert_parallel, Parallel.data_parallel_attention)
-MODES = {"tp": (False, False), "ep": (True, False), "dp": (False, True), "dp-ep": (True, True)}
-TP_MODES = sorted(m for m, (_, dp) in MODES.items() if not dp)
-DP_MODES = sorted(m for m, (_, dp) in MODES.items() if dp)
 CHECKPOINTS = {
     # An even vocabulary: the embedding and LM head are split too (97, the others', is held whole).
     "v3-qlora": lambda: make_reference("v3-qlora-noaux", seed=11, vocab_size=98),
@@ -109,7 +102,7 @@ def test_data_parallel_attention_equals_each_rank_alone(sharded, folders, checkp
     through prefill, decode, mixed and verify steps; each equals its requests run by one process."""
     model = mf.load_model(folders[checkpoint], dtype=torch.float32, device="cpu")
     for rank in range(WORLD):
-        alone = run_steps(model, rank_steps(model.config.vocab_size, rank))
+        alone = run_steps(model, rank_steps(model, rank))
         got = sharded[checkpoint, mode][rank]["steps"]
         assert len(got) == len(alone)
         for step, (g, want) in enumerate(zip(got, alone)):

@@ -1,6 +1,6 @@
-"""How tokens travel from the engine's thread to a response, without a server: one batch of items per
-pass of the engine's loop, every request's waiting events taken at once, and chunk events that are
-the bytes `json.dumps` of the whole chunk gives."""
+"""How tokens travel from the engine (on a thread, or in a process of its own) to a response, without a
+server: one batch of items per pass of the engine's loop, every request's waiting events taken at once,
+and chunk events that are the bytes `json.dumps` of the whole chunk gives."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 import mla_func as mf
 from mla_func.server.engine_loop import Admitted, Batch, EngineLoop, Failure
+from mla_func.server.engine_process import EngineProcess, EngineRecipe
 from mla_func.server.metrics import ServerMetrics
 from mla_func.server.protocol import ApiError
 from mla_func.server.request_stream import Admission, RequestStream, deliver_on
@@ -29,11 +30,24 @@ def test_chunk_events_are_json_dumps_of_the_whole_chunk():
         assert chunks.event(choice) == f"data: {json.dumps(whole)}\n\n"
 
 
-def test_one_batch_per_iteration():
+ENGINE = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, graphs=False)
+
+
+@pytest.fixture(params=["thread", "process"])
+def runner(request):
+    """The engine on a thread of this process, or in a process of its own; with the metrics it records."""
+    metrics = ServerMetrics()
+    if request.param == "thread":
+        yield EngineLoop(mf.Engine(mf.load_model("tiny", device="cpu"), **ENGINE), metrics), metrics
+        return
+    recipe = EngineRecipe("tiny", device="cpu", threads=1, engine_kwargs=ENGINE, warmup=False)
+    with EngineProcess.launch(recipe, metrics, timeout_s=120, say=print) as process:
+        yield process, metrics
+
+
+def test_one_batch_per_iteration(runner):
     """Admissions go out as the commands are applied; then each iteration's events, all requests' together."""
-    engine = mf.Engine(mf.load_model("tiny", device="cpu"), block_size=4, num_blocks=64, max_num_seqs=4,
-                       max_num_batched_tokens=64, graphs=False)
-    loop = EngineLoop(engine, ServerMetrics())
+    loop, metrics = runner
     batches: list[Batch] = []
     done = threading.Event()
 
@@ -52,6 +66,15 @@ def test_one_batch_per_iteration():
     assert len(iterations) == GREEDY.max_tokens  # the three prompts fit one prefill step, then decode together
     assert all(sorted(item.index for _, item in batch if isinstance(item, StreamEvent)) == [0, 1, 2]
                for batch in iterations)
+    counted = samples(metrics)
+    assert counted["mla_func_generation_tokens_total"] == 9
+    assert counted['mla_func_requests_finished_total{reason="length"}'] == 3
+    assert counted["mla_func_kv_blocks_in_use"] == 0 and counted["mla_func_time_to_first_token_seconds_count"] == 3
+
+
+def samples(metrics: ServerMetrics) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.render().decode().splitlines()
+            if line and not line.startswith("#")}
 
 
 class _Loop:

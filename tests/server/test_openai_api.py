@@ -44,6 +44,7 @@ def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert "mla_func_kv_blocks_in_use" in server.metrics()
+    assert "engine ready in process" in server.log.read_text()  # the engine runs in a process of its own
 
 
 def test_completion_whole_and_streamed(client, engine):

@@ -139,12 +139,18 @@ class EntryCache:
     def paged(self):
         return (self.entries,)
 
+    def paged_in(self, group):
+        return self.paged() if group == self.group else ()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EntryLayer:
     """Writes its input of every entry-completing token into cache group 1; changes nothing else."""
 
     name: str = "entries"
+
+    def lookback(self, config):
+        return None
 
     def init_cache(self, config, groups, *, dtype, device):
         g = groups[1]

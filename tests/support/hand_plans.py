@@ -12,10 +12,12 @@ import mla_func as mf
 
 @dataclass
 class Seq:
-    """A test sequence: its tokens so far in the cache and its block table."""
+    """A test sequence: its tokens so far in the cache, its block table, and those of cache groups 1..
+    (a model with several groups)."""
 
     block_table: tuple[int, ...]
     cached: int = 0
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
 
 def blocks(index: int, per_seq: int) -> tuple[int, ...]:
@@ -25,11 +27,12 @@ def blocks(index: int, per_seq: int) -> tuple[int, ...]:
 
 
 def prefill_plan(seq: Seq, tokens: list[int], *, all_logits: bool = True) -> mf.SeqPlan:
-    return mf.SeqPlan(tuple(tokens), seq.cached, seq.block_table, len(tokens) if all_logits else 1)
+    return mf.SeqPlan(tuple(tokens), seq.cached, seq.block_table, len(tokens) if all_logits else 1,
+                      group_block_tables=seq.group_tables)
 
 
 def decode_plan(seq: Seq, token: int) -> mf.SeqPlan:
-    return mf.SeqPlan((token,), seq.cached, seq.block_table, 1)
+    return mf.SeqPlan((token,), seq.cached, seq.block_table, 1, group_block_tables=seq.group_tables)
 
 
 def run(model: mf.Model, state, plan: mf.StepPlan, **kwargs):

@@ -25,9 +25,20 @@ from mla_func.kernels.collectives import CollectiveError
 from mla_func.parallel import Parallel, join, leave
 from mla_func.parallel.data_parallel import plan_rank_step
 from mla_func.parallel.workers import free_local_port
+from mla_func.models.v4.params import V4AttentionParams
 from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, prefill_then_decode, run
 
+WORLD = 2  # ranks of every spawned group of the parallel tests
+# fp32: the ranks' partial sums add up in another order than one GEMM's; nothing else differs.
+TOL = 1e-5
+STEP_KINDS = ("prefill", "chunked", "decode", "mixed", "verify")
+# mode -> (Parallel.expert_parallel, Parallel.data_parallel_attention)
+MODES = {"tp": (False, False), "ep": (True, False), "dp": (False, True), "dp-ep": (True, True)}
+TP_MODES = sorted(m for m, (_, dp) in MODES.items() if not dp)
+DP_MODES = sorted(m for m, (_, dp) in MODES.items() if dp)
+
 BLOCK_SIZE = 4
+BLOCKS_A_SEQ = 8  # of group 0: every test sequence is shorter than BLOCKS_A_SEQ * BLOCK_SIZE tokens
 PROMPT = 13
 DECODE_STEPS = 4
 
@@ -38,21 +49,31 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def _state(model: mf.Model) -> Any:
-    return mf.init_state(model.config, num_blocks=48, block_size=BLOCK_SIZE, dtype=model.dtype)
+    return mf.init_state(model, num_blocks=48, block_size=BLOCK_SIZE)  # the model's dtype and device
+
+
+def _seq(groups: tuple[mf.CacheGroup, ...], index: int) -> Seq:
+    """Test sequence `index`: blocks of its own in every cache group (groups 1.. where the model has them)."""
+    tables = []
+    for group in groups[1:]:
+        n = group.blocks_for(BLOCKS_A_SEQ * BLOCK_SIZE)
+        tables.append(tuple(range(1 + index * n, 1 + (index + 1) * n)))
+    return Seq(blocks(index, BLOCKS_A_SEQ), group_tables=tuple(tables))
 
 
 def scenarios(model: mf.Model) -> dict[str, Any]:
     """Every step kind's logits, and the engine's greedy tokens, of `model` (sharded or not)."""
     vocab = model.config.vocab_size
+    groups = _state(model).groups
     tokens = _tokens(PROMPT + DECODE_STEPS, vocab, seed=1)
     out: dict[str, Any] = {}
-    out["prefill"], _ = prefill_in_chunks(model, _state(model), Seq(blocks(0, 8)), tokens[:PROMPT], chunk=PROMPT)
-    out["chunked"], _ = prefill_in_chunks(model, _state(model), Seq(blocks(1, 8)), tokens[:PROMPT], chunk=5)
-    out["decode"], _ = prefill_then_decode(model, _state(model), Seq(blocks(0, 8)), tokens, PROMPT)
+    out["prefill"], _ = prefill_in_chunks(model, _state(model), _seq(groups, 0), tokens[:PROMPT], chunk=PROMPT)
+    out["chunked"], _ = prefill_in_chunks(model, _state(model), _seq(groups, 1), tokens[:PROMPT], chunk=5)
+    out["decode"], _ = prefill_then_decode(model, _state(model), _seq(groups, 0), tokens, PROMPT)
 
     # Mixed: two sequences decode while two others prefill.
     prompts = [_tokens(n, vocab, seed=10 + n) for n in (7, 5, 9, 4)]
-    seqs = [Seq(blocks(i, 8)) for i in range(4)]
+    seqs = [_seq(groups, i) for i in range(4)]
     state = _state(model)
     _, state = run(model, state, mf.StepPlan(prefill=tuple(prefill_plan(seqs[i], prompts[i]) for i in (0, 1))))
     for i in (0, 1):
@@ -62,11 +83,12 @@ def scenarios(model: mf.Model) -> dict[str, Any]:
         decode=tuple(decode_plan(seqs[i], prompts[i][0]) for i in (0, 1))))
 
     # Verify: three query tokens a sequence after a prefill (decode_q_len = drafts + 1).
-    seq = Seq(blocks(2, 8))
+    seq = _seq(groups, 2)
     _, state = run(model, _state(model), mf.StepPlan(prefill=(prefill_plan(seq, tokens[:PROMPT]),)))
     seq.cached = PROMPT
     out["verify"], _ = run(model, state, mf.StepPlan(
-        decode=(mf.SeqPlan(tuple(tokens[PROMPT:PROMPT + 3]), PROMPT, seq.block_table, 3),), decode_q_len=3))
+        decode=(mf.SeqPlan(tuple(tokens[PROMPT:PROMPT + 3]), PROMPT, seq.block_table, 3, seq.group_tables),),
+        decode_q_len=3))
 
     engine = mf.Engine(model, num_blocks=48, block_size=BLOCK_SIZE, max_num_seqs=4)
     completions = engine.generate([_tokens(n, vocab, seed=30 + n) for n in (6, 11, 3)],
@@ -75,20 +97,24 @@ def scenarios(model: mf.Model) -> dict[str, Any]:
     return out
 
 
-def rank_steps(vocab: int, rank: int) -> list[mf.StepPlan]:
+def rank_steps(model: mf.Model, rank: int) -> list[mf.StepPlan]:
     """Rank `rank`'s steps under data-parallel attention: its own sequences, of lengths that differ
     by rank, through prefill, decode, a mixed step and a verify step (blocks fixed by hand)."""
+    vocab, groups = model.config.vocab_size, _state(model).groups
     a = _tokens(PROMPT + 3 * rank + 6, vocab, seed=100 + rank)
     b = _tokens(4 + 2 * rank, vocab, seed=200 + rank)
     n = PROMPT + 3 * rank
-    table_a, table_b = blocks(0, 8), blocks(1, 8)
+    seq_a, seq_b = _seq(groups, 0), _seq(groups, 1)
+
+    def part(seq: Seq, tokens: list[int], start: int, logits: int) -> mf.SeqPlan:
+        return mf.SeqPlan(tuple(tokens), start, seq.block_table, logits, seq.group_tables)
+
     return [
-        mf.StepPlan(prefill=(mf.SeqPlan(tuple(a[:n]), 0, table_a, n),)),
-        mf.StepPlan(decode=(mf.SeqPlan((a[n],), n, table_a, 1),)),
-        mf.StepPlan(decode=(mf.SeqPlan((a[n + 1],), n + 1, table_a, 1),)),
-        mf.StepPlan(prefill=(mf.SeqPlan(tuple(b), 0, table_b, len(b)),),
-                    decode=(mf.SeqPlan((a[n + 2],), n + 2, table_a, 1),)),
-        mf.StepPlan(decode=(mf.SeqPlan(tuple(a[n + 3:n + 6]), n + 3, table_a, 3),), decode_q_len=3),
+        mf.StepPlan(prefill=(part(seq_a, a[:n], 0, n),)),
+        mf.StepPlan(decode=(part(seq_a, a[n:n + 1], n, 1),)),
+        mf.StepPlan(decode=(part(seq_a, a[n + 1:n + 2], n + 1, 1),)),
+        mf.StepPlan(prefill=(part(seq_b, b, 0, len(b)),), decode=(part(seq_a, a[n + 2:n + 3], n + 2, 1),)),
+        mf.StepPlan(decode=(part(seq_a, a[n + 3:n + 6], n + 3, 3),), decode_q_len=3),
     ]
 
 
@@ -123,7 +149,10 @@ class RankTask:
 def held(model: mf.Model) -> dict[str, int]:
     """What a model's params hold: the first layer's heads, the embedding's rows, the last layer's routed
     experts, their elements in all."""
-    return {"heads": model.params.layers[0].attn.w_uk.shape[0], "vocab_rows": model.params.embed.shape[0],
+    attn = model.params.layers[0].attn
+    # V4's attention holds a sink a head; MLA's attention a key up-projection a head.
+    heads = attn.sinks.shape[0] if isinstance(attn, V4AttentionParams) else attn.w_uk.shape[0]
+    return {"heads": heads, "vocab_rows": model.params.embed.shape[0],
             "experts": model.params.layers[-1].mlp.w2.shape[0],
             "elements": sum(t.numel() for t in mf.pytree.tree_leaves(model.params))}
 
@@ -137,7 +166,7 @@ def _job_scenarios(task: RankTask, parallel: Parallel) -> Any:
                                             data_parallel_attention=data_parallel)
         model = mf.load_model(path, dtype=torch.float32, device="cpu", parallel=rank_parallel)
         if data_parallel:
-            every_rank = [rank_steps(model.config.vocab_size, r) for r in range(task.world)]
+            every_rank = [rank_steps(model, r) for r in range(task.world)]
             out: dict[str, Any] = {"steps": run_steps(model, every_rank[task.rank], every_rank=every_rank,
                                                       rank=task.rank)}
         else:

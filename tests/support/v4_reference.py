@@ -64,6 +64,13 @@ def save_reference(folder: Path, dtype: torch.dtype = torch.float32, seed: int =
     return model
 
 
+def saved_model(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
+                **overrides) -> tuple[mf.Model, DeepseekV4ForCausalLM]:
+    """(the checkpoint loaded by mla-func on the CPU, transformers' model) of a reference saved in `folder`."""
+    reference = save_reference(folder, dtype, seed, **overrides)
+    return mf.load_model(folder, device="cpu", dtype=dtype), reference
+
+
 def reference_logits(model: DeepseekV4ForCausalLM, token_ids: list[int]) -> torch.Tensor:
     """transformers' full forward (no cache) over the tokens: [T, V]."""
     with torch.no_grad():

@@ -22,6 +22,7 @@ import torch
 from mla_func.core.config import ModelConfig
 from mla_func.core.exchange import attention_output, shared_block
 from mla_func.core.layers import LayerContext
+from mla_func.kernels.latent_cache import LatentCache
 from mla_func.models.dsa.indexer import index_query_key, index_weight_scale
 from mla_func.models.mla.attention import LATENT_NORM_EPS
 from mla_func.models.mla.expert_shard import feed_forward_of
@@ -29,19 +30,20 @@ from mla_func.models.mla.params import LayerParams
 from mla_func.state.kv_cache import zeroed_dsa_cache
 from mla_func.state.layer_cache import CacheGroup, DSALayerCache
 
-__all__ = ["DSA_DECODER", "DSADecoderLayer", "sparse_mla_attention"]
+__all__ = ["DSA_DECODER", "DSA_DECODER_FP8", "DSADecoderLayer", "sparse_mla_attention"]
 
 
 def sparse_mla_attention(
     p: LayerParams,
     x: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     index_cache: torch.Tensor,
     ctx: LayerContext,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, LatentCache, torch.Tensor]:
     """One layer's sparse attention over all rows of a step.
 
-    x [T, D] the layer's normalised input; kv_cache [num_blocks, bs, C + R];
+    x [T, D] the layer's normalised input; kv_cache [num_blocks, bs, C + R] (a tensor or an
+    `FP8LatentCache`);
     index_cache [num_blocks, bs, Di]
     ctx.rows: the step's per-row view (block_table [T, W], key_lens [T]), which the forward makes
     returns (output [T, D], the latent cache and the indexer-key cache with this step's rows written)
@@ -90,15 +92,24 @@ class DSADecoderLayer:
 
     `enter` keeps the normalised input itself (not only its first projection, as the MLA
     layer does): the indexer's key and head weights are projections of it too.
+
+    kv_cache_dtype: the format of the latent cache `init_cache` makes, as `MLADecoderLayer`'s; the
+                    indexer's keys stay in the activations' dtype either way.
     """
 
     name: str = "dsa"
+    kv_cache_dtype: str = "auto"
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> DSALayerCache:
         if config.index_head_dim is None:
             raise ValueError(f"DSADecoderLayer: config of model_type {config.model_type!r} has no index_head_dim")
-        return zeroed_dsa_cache(config.kv_cache_dim, config.index_head_dim, groups[0], dtype=dtype, device=device)
+        return zeroed_dsa_cache(config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim, groups[0],
+                                dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype)
+
+    def lookback(self, config: ModelConfig) -> int | None:
+        """None: the indexer scores every earlier token, and any may be selected."""
+        return None
 
     def enter(self, p: LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
               ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,3 +135,5 @@ class DSADecoderLayer:
 
 
 DSA_DECODER = DSADecoderLayer()
+# The same layer over an FP8 latent cache (`init_state(kv_cache_dtype="fp8")`).
+DSA_DECODER_FP8 = DSADecoderLayer(kv_cache_dtype="fp8")

@@ -13,7 +13,7 @@ import dataclasses
 from mla_func.core.config import ModelConfig, validate_indexer
 from mla_func.core.family import Family
 from mla_func.core.layers import LayerKind
-from mla_func.models.dsa.attention import DSA_DECODER
+from mla_func.models.dsa.attention import DSA_DECODER, DSA_DECODER_FP8
 from mla_func.models.mla.family import MLA, refuse_family_fields
 
 __all__ = ["DSA"]
@@ -28,7 +28,11 @@ def _layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     return (DSA_DECODER,) * config.num_hidden_layers
 
 
-# MLA's record but for what the indexer changes: its config checks, its layer kind (its MTP
+def _fp8_cache_layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    return (DSA_DECODER_FP8,) * config.num_hidden_layers
+
+
+# MLA's record but for what the indexer changes: its config checks, its layer kinds (its MTP
 # layer's too), and row-by-row attention in every step.
 DSA: Family = dataclasses.replace(
     MLA,
@@ -37,6 +41,7 @@ DSA: Family = dataclasses.replace(
     model_types=("deepseek_v32",),
     validate=_validate,
     layer_kinds=_layer_kinds,
+    fp8_cache_layer_kinds=_fp8_cache_layer_kinds,
     attends_by_row=True,
     mtp_layer_kind=DSA_DECODER,
 )

@@ -23,6 +23,7 @@ from mla_func.core.config import ModelConfig
 from mla_func.core.mode import ForwardMode
 from mla_func.core.rows import RowMetadata
 from mla_func.kernels import Ops
+from mla_func.kernels.latent_cache import LatentCache
 from mla_func.models.mla.params import AttentionParams
 
 # DeepSeek's q_a and kv_a norms are built with RMSNorm's default epsilon, not
@@ -57,7 +58,7 @@ def project(p: AttentionParams, qkv_a: torch.Tensor, config: ModelConfig, ops: O
 def decode_attention(
     p: AttentionParams,
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     config: ModelConfig,
@@ -95,7 +96,7 @@ def _segment(meta: _M | None, name: str) -> _M:
 def mla_attention(
     p: AttentionParams,
     qkv_a: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LatentCache,
     batch: Batch,
     mode: ForwardMode,
     config: ModelConfig,
@@ -105,12 +106,12 @@ def mla_attention(
     *,
     inplace: bool,
     rows: RowMetadata | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, LatentCache]:
     """One layer's attention over all rows of a step.
 
     qkv_a [T, Q + C + R] the layer's first projection of its normalised input (see
     `project`; the forward makes it with the norm, `ops.dense.rms_norm_linear`);
-    kv_cache [num_blocks, bs, C + R]
+    kv_cache [num_blocks, bs, C + R] (a tensor, or an `FP8LatentCache`: the ops take either)
     rows: the step's per-row view (`LayerContext.rows`: block_table [T, W], key_lens [T]), which a
           batch-invariant mode needs; other modes do not read it
     returns (output [T, D], the layer's cache with this step's latents written)
@@ -161,8 +162,8 @@ def mla_attention(
 
 
 def _row_attention(p: AttentionParams, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                   kv_cache: torch.Tensor, batch: Batch, rows: RowMetadata, config: ModelConfig, ops: Ops,
-                   cos: torch.Tensor, sin: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_cache: LatentCache, batch: Batch, rows: RowMetadata, config: ModelConfig, ops: Ops,
+                   cos: torch.Tensor, sin: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, LatentCache]:
     """Every row through the absorbed path as a query of its own: q_nope [T, H, Dn], q_pe [T, H, R],
     latent [T, C + R] -> (output [T, D], the cache with the step's latents written)."""
     kv_cache, _, q_absorbed = ops.mla.write_latent_absorb(

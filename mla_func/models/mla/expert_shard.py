@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from mla_func.core.config import ModelConfig, refuse
+from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet
 from mla_func.kernels import Ops
+from mla_func.models.expert_parallel import every_shared_expert, expert_range, held_expert_ids
 from mla_func.models.mla.moe import feed_forward
 from mla_func.models.mla.params import MLPParams, MoEParams, layer_params, mla_params_from_hf
 from mla_func.parallel.shard import Shard
@@ -53,17 +54,12 @@ def expert_shard_moe(p: ExpertShardParams, x: torch.Tensor, valid: torch.Tensor,
         x, p.gate, p.e_score_correction_bias, valid, top_k=c.num_experts_per_tok, scoring_func=c.scoring_func,
         topk_method=c.topk_method, n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
         routed_scaling_factor=c.routed_scaling_factor)                                  # [T, k], ids of all E
-    local = topk_ids - p.first_expert
-    held = (local >= 0) & (local < p.w13.shape[0])
-    out = ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, torch.where(held, local, -1), out_dtype=out_dtype)
+    held = range(p.first_expert, p.first_expert + p.w13.shape[0])
+    out = ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, held_expert_ids(topk_ids, held), out_dtype=out_dtype)
     if p.shared_w13 is None or p.shared_w2 is None:
         return out
-    # Every real token takes every shared expert with weight 1; padded rows take none.
-    num_shared = p.shared_w13.shape[0]
-    ids = torch.arange(num_shared, device=x.device).expand(x.shape[0], num_shared)
-    ids = torch.where(valid.unsqueeze(-1), ids, -1)
-    ones = torch.ones(ids.shape, dtype=topk_weights.dtype, device=x.device)
-    return out + ops.moe.fused_moe(x, p.shared_w13, p.shared_w2, ones, ids, out_dtype=out_dtype)
+    weights, ids = every_shared_expert(valid, p.shared_w13.shape[0], topk_weights.dtype)
+    return out + ops.moe.fused_moe(x, p.shared_w13, p.shared_w2, weights, ids, out_dtype=out_dtype)
 
 
 def feed_forward_of(p: MLPParams | MoEParams | ExpertShardParams, x: torch.Tensor, valid: torch.Tensor,
@@ -100,16 +96,12 @@ def mla_expert_parallel_params(config: ModelConfig, fetch: TensorFetch, *, rank:
                                max_model_len: int | None = None) -> Params:
     """`Family.expert_parallel_params` of DeepSeek-V2/V3/V3.2: rank `rank` of `ranks`'s params, reading
     its own routed experts only (`fetch` reads this rank's shard of the other cut tensors)."""
-    experts = config.n_routed_experts or 0
-    if experts % ranks:
-        raise refuse("n_routed_experts", experts, f"expert parallelism over {ranks} ranks holds whole experts: "
-                     f"must be a multiple of {ranks}")
-    per_rank = experts // ranks
-    first = rank * per_rank
+    routed = expert_range(config, rank, ranks)
+    first, per_rank = routed.start, len(routed)
     shard = Shard(dim=0, index=rank, count=ranks)
 
     def layer(c: ModelConfig, i: int, get: TensorGet, layer_dtype: torch.dtype) -> Any:
-        p = layer_params(c, i, get, layer_dtype, routed=range(first, first + per_rank))
+        p = layer_params(c, i, get, layer_dtype, routed=routed)
         if not isinstance(p.mlp, MoEParams):
             return p
         return dataclasses.replace(p, mlp=_expert_shard(p.mlp, first, per_rank, shard))

@@ -17,7 +17,7 @@ from mla_func.core.config import ModelConfig, refuse, validate_no_indexer, valid
 from mla_func.core.family import Family
 from mla_func.core.layers import LayerKind
 from mla_func.models.mla.config_hf import config_from_hf_dict, config_to_hf_dict
-from mla_func.models.mla.layer import MLA_DECODER
+from mla_func.models.mla.layer import MLA_DECODER, MLA_DECODER_FP8
 from mla_func.models.mla.params import held_dtype, mla_params_from_hf, mla_with_max_positions
 from mla_func.models.mla.expert_shard import mla_expert_parallel_params
 from mla_func.models.mla.shard import mla_tensor_split
@@ -40,6 +40,10 @@ def _validate(c: ModelConfig) -> None:
 
 def _layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     return (MLA_DECODER,) * config.num_hidden_layers
+
+
+def _fp8_cache_layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    return (MLA_DECODER_FP8,) * config.num_hidden_layers
 
 
 def no_extra_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, ...]:
@@ -86,4 +90,5 @@ MLA = Family(
     mtp_layer_kind=MLA_DECODER,
     tensor_split=mla_tensor_split,
     expert_parallel_params=mla_expert_parallel_params,
+    fp8_cache_layer_kinds=_fp8_cache_layer_kinds,
 )

@@ -18,13 +18,24 @@ from mla_func.state.layer_cache import CacheGroup, MLALayerCache
 
 @dataclass(frozen=True, slots=True)
 class MLADecoderLayer:
-    """The MLA decoder layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual."""
+    """The MLA decoder layer: MLA over the latent cache, then a dense MLP or MoE, pre-norm residual.
+
+    kv_cache_dtype: the format of the latent cache `init_cache` makes ("auto": the activations' dtype;
+                    "fp8": `kernels.latent_cache.FP8LatentCache`). The body runs either: the ops
+                    take the cache by its type.
+    """
 
     name: str = "mla"
+    kv_cache_dtype: str = "auto"
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
                    device: torch.device | str) -> MLALayerCache:
-        return zeroed_mla_caches(1, config.kv_cache_dim, groups[0], dtype=dtype, device=device)[0]
+        return zeroed_mla_caches(1, config.kv_lora_rank, config.qk_rope_head_dim, groups[0], dtype=dtype,
+                                 device=device, kv_cache_dtype=self.kv_cache_dtype)[0]
+
+    def lookback(self, config: ModelConfig) -> int | None:
+        """None: every query attends to every earlier token's latent."""
+        return None
 
     def enter(self, p: LayerParams, delta: torch.Tensor, residual: torch.Tensor | None,
               ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,3 +63,5 @@ class MLADecoderLayer:
 
 
 MLA_DECODER = MLADecoderLayer()
+# The same layer over an FP8 latent cache (`init_state(kv_cache_dtype="fp8")`).
+MLA_DECODER_FP8 = MLADecoderLayer(kv_cache_dtype="fp8")

@@ -24,53 +24,25 @@ requests); the MLPs and experts are cut as above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from mla_func.core.config import ModelConfig, refuse
+from mla_func.core.config import ModelConfig
 from mla_func.parallel.config import Sharding
+from mla_func.parallel.shard import SplitNames, SplitRule, split_rule
 
-_ATTENTION_ROWS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight")
-_ATTENTION_COLUMNS = ("self_attn.o_proj.weight",)
-_MLP_ROWS = ("gate_proj.weight", "up_proj.weight")
-_MLP_COLUMNS = ("down_proj.weight",)
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-_EXPERTS = (".mlp.experts.", ".mlp.shared_experts.")
-
-
-@dataclass(frozen=True, slots=True)
-class _Rule:
-    """Checkpoint tensor name -> the dim a rank reads an even share of, or None (read whole)."""
-
-    heads: bool           # attention split by heads (tensor-parallel attention)
-    vocab: bool           # embedding and LM head split by rows
-    expert_columns: bool  # experts split by columns (not whole experts a rank)
-
-    def __call__(self, name: str) -> int | None:
-        if name in _VOCAB:
-            return 0 if self.vocab else None
-        if name.endswith(_ATTENTION_ROWS):
-            return 0 if self.heads else None
-        if name.endswith(_ATTENTION_COLUMNS):
-            return 1 if self.heads else None
-        if not self.expert_columns and any(part in name for part in _EXPERTS):
-            return None
-        if name.endswith(_MLP_ROWS):
-            return 0
-        if name.endswith(_MLP_COLUMNS):
-            return 1
-        return None
+NAMES = SplitNames(
+    vocab=("model.embed_tokens.weight", "lm_head.weight"),
+    head_rows=("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight"),
+    head_columns=("self_attn.o_proj.weight",),
+    whole_experts=(".mlp.experts.", ".mlp.shared_experts."),
+    mlp_rows=("gate_proj.weight", "up_proj.weight"),
+    mlp_columns=("down_proj.weight",),
+)
 
 
-def mla_tensor_split(config: ModelConfig, sharding: Sharding) -> _Rule:
+def mla_tensor_split(config: ModelConfig, sharding: Sharding) -> SplitRule:
     """The rule of the module docstring for `sharding`, after checking every split width divides."""
-    c, ranks = config, sharding.ranks
-    widths = {} if sharding.data_parallel_attention else {"num_attention_heads": c.num_attention_heads}
-    widths["intermediate_size"] = c.intermediate_size
+    c = config
+    mlp_widths = {"intermediate_size": c.intermediate_size}
     if c.n_routed_experts:
-        widths["moe_intermediate_size"] = c.moe_intermediate_size
-    for field, width in widths.items():
-        if width % ranks:
-            raise refuse(field, width, f"split evenly across {ranks} ranks: must be a multiple of {ranks}")
-    tensor_parallel_attention = not sharding.data_parallel_attention
-    return _Rule(heads=tensor_parallel_attention, vocab=tensor_parallel_attention and c.vocab_size % ranks == 0,
-                 expert_columns=not sharding.expert_parallel)
+        mlp_widths["moe_intermediate_size"] = c.moe_intermediate_size
+    return split_rule(NAMES, sharding, vocab_size=c.vocab_size,
+                      head_widths={"num_attention_heads": c.num_attention_heads}, mlp_widths=mlp_widths)

@@ -50,6 +50,9 @@ class MTPLayer:
                    device: torch.device | str) -> Any:
         return self.base.init_cache(config, groups, dtype=dtype, device=device)
 
+    def lookback(self, config: ModelConfig) -> int | None:
+        return self.base.lookback(config)
+
     def enter(self, p: MTPParams, delta: torch.Tensor, residual: torch.Tensor | None,
               ctx: LayerContext) -> tuple[Any, torch.Tensor]:
         """delta [T, D] the rows' token embeddings (the first layer) -> what `base` enters with for x [T, D]."""
@@ -90,9 +93,16 @@ def drafter_params(model: Model) -> Params:
 
 
 def init_drafter_state(model: Model, target: KVCacheState) -> KVCacheState:
-    """The drafter's state: one zeroed cache of the MTP layer's kind in `target`'s block geometry."""
-    return init_state(model, num_blocks=target.num_blocks, block_size=target.block_size, dtype=target.dtype,
-                      device=target.device, layers=(mtp_layer(model.config),))
+    """The drafter's state: one zeroed cache of the MTP layer's kind in `target`'s block geometry (its
+    groups as they are, so the target's tables address it). ValueError if the MTP layer reads group 0
+    further back than the target's lookback: the scheduler frees the target's blocks behind it."""
+    kind = mtp_layer(model.config)
+    lookback, target_lookback = kind.lookback(model.config), target.groups[0].lookback
+    if target_lookback is not None and (lookback is None or lookback > target_lookback):
+        raise ValueError(f"init_drafter_state: the MTP layer reads cache group 0 back {lookback} tokens (None: every "
+                         f"token), past the target's lookback of {target_lookback}")
+    cache = kind.init_cache(model.config, target.groups, dtype=target.dtype, device=target.device)
+    return KVCacheState.checked([cache], groups=target.groups)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import torch
 
 from mla_func.core.batch import Batch
 from mla_func.core.config import ModelConfig
+from mla_func.core.exchange import attention_output
 from mla_func.core.mode import ForwardMode
 from mla_func.core.rows import RowMetadata, SegmentRows
 from mla_func.kernels import Ops
@@ -119,7 +120,8 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
         raise ValueError("v4_attention: the step's row metadata (LayerContext.rows) is missing: the forward builds "
                          "it when rows.rows_needed holds (the family attends by row)")
     v = v4_fields(config)
-    t, h, dh = x.shape[0], config.num_attention_heads, v.head_dim
+    # The heads these params hold: a tensor-parallel rank's share (`shard`), every head otherwise.
+    t, h, dh = x.shape[0], p.sinks.shape[0], v.head_dim
     eps = config.rms_norm_eps
     positions = batch.positions
     # The rope tables [P, R / 2] are read at each token's position inside the op.
@@ -142,7 +144,8 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
                                          layer_type, v, ops))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)                   # [T, H, Dh]
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
-    groups = v.o_groups
+    groups = p.o_a_proj.shape[0] // v.o_lora_rank  # whole groups: all G, or a tensor-parallel rank's G / n
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
     grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
-    return ops.dense.linear(grouped.flatten(1), p.o_b_proj), cache
+    # A rank's groups give a partial sum of o_b_proj's product: the ranks' sum is the output (`core.exchange`).
+    return attention_output(ops.dense.linear(grouped.flatten(1), p.o_b_proj), ops.collectives), cache

@@ -18,6 +18,8 @@ from mla_func.models.v4.layers import v4_cache_groups, v4_layer_kinds
 from mla_func.models.v4.params import canonical_names, checkpoint_dtype, v4_held_dtype, v4_tensor_count, v4_tensor_shapes
 from mla_func.models.v4.params_load import v4_params_from_hf, v4_with_max_positions
 from mla_func.models.v4.quant_layout import v4_quant_layout
+from mla_func.models.v4.expert_shard import v4_expert_parallel_params
+from mla_func.models.v4.shard import v4_tensor_split
 from mla_func.state.layer_cache import CacheGroup
 
 __all__ = ["V4"]
@@ -55,4 +57,6 @@ V4 = Family(
     supports_batch_invariant=False,
     mtp_layer_kind=None,
     quant_layout=v4_quant_layout,
+    tensor_split=v4_tensor_split,
+    expert_parallel_params=v4_expert_parallel_params,
 )

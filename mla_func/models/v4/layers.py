@@ -17,6 +17,7 @@ final norm.
 Each kind's cache (`state.v4_cache.V4LayerCache`) holds the leaves that kind
 needs; the compressed kinds' entries live in their own cache group
 (`v4_cache_groups`): group 1.. in the order CSA, HCA, for the kinds the model has.
+Group 0 is read only near a sequence's end; each kind's `lookback` says how far.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mla_func.core.config import ModelConfig
 from mla_func.core.layers import LayerContext
 from mla_func.models.v4.attention import v4_attention
 from mla_func.models.v4.config import CSA, HCA, SLIDING, V4Config, v4_fields
-from mla_func.models.v4.hash_moe import v4_moe
+from mla_func.models.v4.expert_shard import v4_feed_forward
 from mla_func.models.v4.hyper_connections import HyperResidual
 from mla_func.models.v4.params import HyperConnectionParams, V4LayerParams
 from mla_func.state.layer_cache import CacheGroup
@@ -75,13 +76,33 @@ class V4DecoderLayer:
                                    dtype=dtype, device=device)
         entry_group = 1 + compressed_types(v).index(self.attention)
         expected = compressed_group(groups[0], v.rate(self.attention))
-        if len(groups) <= entry_group or groups[entry_group] != expected:
-            raise ValueError(f"{self.attention} layers keep their entries in cache group {entry_group} = {expected}; "
-                             f"the state's groups are {groups} (make the state with init_state(model, ...))")
+        # Each group has its own block count (group 0's may be bounded): the shape of an entry is what must agree.
+        shape = (expected.block_size, expected.tokens_per_entry)
+        if len(groups) <= entry_group or (groups[entry_group].block_size, groups[entry_group].tokens_per_entry) != shape:
+            raise ValueError(f"{self.attention} layers keep their entries in cache group {entry_group} of blocks of "
+                             f"{shape[0]} entries of {shape[1]} tokens; the state's groups are {groups} (make the "
+                             "state with init_state(model, ...))")
         overlap = self.attention == CSA
         return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=entry_group,
                                compressor_width=(2 if overlap else 1) * v.head_dim,
                                index_dim=v.index_head_dim if overlap else 0, dtype=dtype, device=device)
+
+    def lookback(self, config: ModelConfig) -> int:
+        """Tokens before a sequence's next position n that a later step of this layer reads from group 0.
+
+        A row at p >= n reads the window keys of [p - sliding_window + 1, p], so sliding_window - 1
+        before n. A row completing entry w (p = (w + 1) * rate - 1) pools the compressor inputs of its
+        block [w * rate, p], and with CSA's overlap (c = 2; its indexer's compressor too) those of the
+        block before: [(w - c + 1) * rate, p]. The lowest of these over p >= n is
+        n - n % rate - (c - 1) * rate >= n - (c * rate - 1), equal when n % rate = rate - 1. Rows that
+        complete no entry read inside the same range (`compress_entries`).
+        """
+        v = v4_fields(config)
+        window = v.sliding_window - 1
+        if self.attention == SLIDING:
+            return window
+        overlap = 2 if self.attention == CSA else 1
+        return max(window, overlap * v.rate(self.attention) - 1)
 
     def _site(self, p: HyperConnectionParams, norm: torch.Tensor, streams: torch.Tensor, ctx: LayerContext
               ) -> V4Entered:
@@ -117,7 +138,8 @@ class V4DecoderLayer:
         out, cache = v4_attention(p.attn, entered.x, cache, ctx.batch, ctx.mode, self.attention, ctx.config, ctx.ops,
                                   inplace=ctx.inplace, rows=ctx.rows)
         ffn, streams = self._write_back_site(entered, out, residual, p.ffn_hc, p.ffn_norm, ctx)
-        y = v4_moe(p.mlp, ffn.x, ctx.batch.input_ids, ctx.valid, ctx.config, ctx.ops)
+        # A sharded layer's MoE shares meet across ranks inside (identities with one process).
+        y = v4_feed_forward(p.mlp, ffn.x, ctx)
         if not self.head:
             return y, HyperResidual(streams, ffn.post, ffn.comb), cache
         if p.hc_head is None:

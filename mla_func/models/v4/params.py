@@ -21,7 +21,7 @@ from mla_func.checkpoint.safetensors_file import TensorEntry, load_dtype
 from mla_func.core.config import ModelConfig
 from mla_func.kernels.quantized import Weight
 from mla_func.models.v4.config import CSA, SLIDING, V4Config, v4_fields
-from mla_func.pytree import register_dataclass
+from mla_func.pytree import register_dataclass, static_field
 
 
 @register_dataclass
@@ -130,11 +130,28 @@ class V4MoEParams:
 
 @register_dataclass
 @dataclass(frozen=True, slots=True)
+class V4ExpertShardParams:
+    """An expert-parallel rank's share of a MoE block (float weights; `expert_shard`): E / n routed
+    experts whole, and 1 / n of the shared experts' columns. The router and the hash table are whole,
+    so every rank picks the same experts; `first_expert` is the router's id of w13[0]."""
+
+    gate: torch.Tensor                                   # [E, D]
+    w13: torch.Tensor                                    # [E / n, 2I, D]
+    w2: torch.Tensor                                     # [E / n, D, I]
+    first_expert: int = static_field()
+    e_score_correction_bias: torch.Tensor | None = None  # [E] float32, learned routing only
+    tid2eid: torch.Tensor | None = None                  # [V, k] int64, hash routing only
+    shared_w13: torch.Tensor | None = None               # [S, 2I' / n, D]
+    shared_w2: torch.Tensor | None = None                # [S, D, I' / n]
+
+
+@register_dataclass
+@dataclass(frozen=True, slots=True)
 class V4LayerParams:
     attn_norm: torch.Tensor      # [D]
     attn: V4AttentionParams
     ffn_norm: torch.Tensor       # [D]
-    mlp: V4MoEParams
+    mlp: V4MoEParams | V4ExpertShardParams
     attn_hc: HyperConnectionParams
     ffn_hc: HyperConnectionParams
     # The model's final stream collapse, held by the last layer (see `layers`).

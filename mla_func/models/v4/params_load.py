@@ -39,7 +39,7 @@ def v4_with_max_positions(params: Params, num_positions: int) -> Params:
 
 
 def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.dtype, device: torch.device | str,
-                      progress: bool = False, max_model_len: int | None = None) -> Params:
+                      progress: bool = False, max_model_len: int | None = None, routed: range | None = None) -> Params:
     """The params pytree of a V4 checkpoint; `fetch(name)` returns one tensor checked against its shape,
     or for a weight the checkpoint stores quantized, its FP8 or FP4 pair (`checkpoint.quant_layout`).
 
@@ -47,6 +47,10 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
     group) or joined with unquantized rows into one product (`wq_a` and `wkv` beside a compressor's
     BF16 projections), which are dequantized into `dtype`. Raises CheckpointError naming a tensor that
     holds NaN or inf once converted, or a `tid2eid` entry that names no expert.
+
+    routed: the routed experts to read (default all). Given, each MoE block's w13 / w2 hold those only
+    and the shared experts are held apart (`shared_w13`), for `expert_shard` to make an expert-parallel
+    rank's share of it.
     """
     v = v4_fields(config)
     if v is None:
@@ -101,6 +105,7 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
     def stacked(experts: list[tuple[Weight, Weight]]) -> tuple[Weight, Weight]:
         return stack_experts([w13 for w13, _ in experts]), stack_experts([w2 for _, w2 in experts])
 
+    experts = range(config.n_routed_experts or 0) if routed is None else routed
     positions = rope_positions(config, max_model_len)
     (main_cos, main_sin), (comp_cos, comp_sin) = v4_rope_tables(config, device, positions)
     layers = []
@@ -121,11 +126,11 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
             compressor=None if kind == SLIDING else compressor(a + "compressor."), indexer=indexer,
         )
         f = p + "ffn."
-        routed = [expert(f"{f}experts.{j}.") for j in range(config.n_routed_experts or 0)]
+        held = [expert(f"{f}experts.{j}.") for j in experts]
         shared = [expert(f + "shared_experts.")] if config.n_shared_experts else []
         # One stack (one expert launch) where routed and shared experts are held alike.
-        apart = bool(shared) and type(shared[0][0]) is not type(routed[0][0])
-        w13, w2 = stacked(routed if apart else routed + shared)
+        apart = bool(shared) and (routed is not None or type(shared[0][0]) is not type(held[0][0]))
+        w13, w2 = stacked(held if apart else held + shared)
         shared_w13, shared_w2 = stacked(shared) if apart else (None, None)
         hashed = v.mlp_layer_types[i] == "hash_moe"
         mlp = V4MoEParams(
@@ -134,7 +139,7 @@ def v4_params_from_hf(config: ModelConfig, fetch: TensorFetch, *, dtype: torch.d
             tid2eid=_tid2eid(plain(f + "gate.tid2eid"), f + "gate.tid2eid", config, device) if hashed else None,
             shared_w13=shared_w13, shared_w2=shared_w2,
         )
-        del routed, shared
+        del held, shared
         head = None
         if i == num_layers - 1:
             head = HyperHeadParams(fn=get("model.hc_head.hc_fn"), base=get("model.hc_head.hc_base"),
