@@ -114,11 +114,19 @@ def latent_tile(v_ptr, sc_ptr, r_ptr, page, offset, key_mask,
                 FP8: tl.constexpr):
     """The cache rows at (page, offset) [N] int64 (zeros where not key_mask) -> (k_latent [N, BLOCK_C],
     k_pe [N, BLOCK_R]) in the RoPE values' dtype, the latent values dequantized (`latent_values`)."""
-    r_row = r_ptr + page * s_rn + offset * s_rb
     out_ty = r_ptr.dtype.element_ty
-    k_latent = latent_values(v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb, key_mask,
-                             s_vd, s_scd, 0, BLOCK_C, KV_LORA_RANK, out_ty, FP8)
-    k_pe = latent_values(r_row, r_row, key_mask, s_rd, s_rd, 0, BLOCK_R, ROPE_DIM, out_ty, False)
+    if FP8:
+        r_row = r_ptr + page * s_rn + offset * s_rb
+        k_latent = latent_values(v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb,
+                                 key_mask, s_vd, s_scd, 0, BLOCK_C, KV_LORA_RANK, out_ty, FP8)
+        k_pe = latent_values(r_row, r_row, key_mask, s_rd, s_rd, 0, BLOCK_R, ROPE_DIM, out_ty, False)
+    else:
+        # A plain cache's RoPE values follow its latent values in the same row (`latent_parts` views one
+        # tensor), so one row address serves both: a second per-key address cost 2-3% at 128 heads on an H100.
+        row = v_ptr + page * s_vn + offset * s_vb
+        k_latent = latent_values(row, row, key_mask, s_vd, s_vd, 0, BLOCK_C, KV_LORA_RANK, out_ty, False)
+        k_pe = latent_values(row, row, key_mask, s_vd, s_vd, KV_LORA_RANK, BLOCK_R, KV_LORA_RANK + ROPE_DIM,
+                             out_ty, False)
     return k_latent, k_pe
 
 
