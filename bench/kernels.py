@@ -4,6 +4,7 @@
     python bench/kernels.py --sweep      # time tile-size candidates instead (no result file)
     python bench/kernels.py --fp8        # only the block-scaled FP8 rows (with --sweep: their tiles)
     python bench/kernels.py --fp8-cache  # only the decode kernel over a bf16 and an FP8 latent cache, B64 x 32K
+    python bench/kernels.py --fp4        # only V4's FP4 experts read packed (with --sweep: their tiles)
 
 Prints a table and writes bench/results/kernels/<gpu>/<date>-<commit>.json. Both ceilings
 (device-to-device copy bandwidth, counting bytes read and written, and a bf16
@@ -28,7 +29,8 @@ from mla_func.kernels.latent_cache import scale_groups, zeroed_latent  # noqa: E
 from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
 from mla_func.kernels.triton import cache as triton_cache  # noqa: E402
-from mla_func.kernels.triton import decode, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
+from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight  # noqa: E402
+from mla_func.kernels.triton import decode, fp4_experts, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
 from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -306,6 +308,62 @@ def sweep_fp8(ceilings):
     return rows
 
 
+# --- DeepSeek-V4's FP4 experts, read packed ------------------------------------------------------
+
+def _fp4_weight(shape):
+    """A random FP4 weight [E, N, K] as V4 ships its experts: packed bytes, one e8m0 scale per 32 values."""
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), device="cuda", dtype=torch.uint8)
+    scale = torch.randint(119, 122, (*lead, n, k // 32), device="cuda", dtype=torch.uint8).view(SCALE_DTYPE)
+    return BlockFP4Weight(packed, scale, (1, 32))
+
+
+def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=4096, inter=2048, config=None,
+                      routing_sets=8):
+    """`fp4_experts.fp4_clamped_experts` over V4-Flash's routed experts (256 of D 4096, I 2048, top 6); bytes
+    are what it reads: the distinct chosen experts' packed values and scales, and the activations (x read,
+    the output written), as `bench_fp8_moe` counts them."""
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
+    w13, w2 = _fp4_weight((num_experts, 2 * inter, hidden)), _fp4_weight((num_experts, hidden, inter))
+    routes = []
+    for _ in range(routing_sets):
+        weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)
+        routes.append(((weights / weights.sum(1, keepdim=True)).float(), ids.to(torch.int32)))
+
+    def call(route):
+        return fp4_experts.fp4_clamped_experts(x, w13, w2, *route, limit=10.0, config=config)
+
+    ms = common.time_graph([lambda r=r: call(r) for r in routes])
+    expert_bytes = (w13[0].nbytes + w2[0].nbytes)
+    distinct = sum(r[1].unique().numel() for r in routes) / routing_sets
+    num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
+    flops = num_tokens * top_k * 2 * 3 * inter * hidden
+    return dict(op="fp4_experts", tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
+                distinct_experts=distinct, ms=ms, us=ms * 1e3, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"], bytes=num_bytes, flops=flops,
+                copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
+
+
+def fp4_rows(ceilings):
+    return [bench_fp4_experts(num_tokens, ceilings) for num_tokens in (1, 16)]
+
+
+def sweep_fp4(ceilings):
+    rows = []
+    for num_tokens in (1, 16):
+        for c in [fp4_experts.Fp4MoeConfig(m, n, k, w, st) for m in (16, 32) for (n, k) in ((32, 128), (64, 128),
+                  (64, 256), (128, 128)) for w in (4, 8) for st in (3, 4)]:
+            try:
+                r = bench_fp4_experts(num_tokens, ceilings, config=c)
+            except Exception as exc:  # a config that does not compile is a sweep result, not a failure
+                r = dict(op="fp4_experts", error=repr(exc)[:120])
+            common.sweep_row(rows, r, case=f"fp4 experts T{num_tokens}", config=str(c))
+    print("\n== FP4 sweep ==")
+    common.print_table(rows, [("case", "case"), ("config", "config"), ("ms", "ms"), ("pct_copy", "%copy"),
+                              ("error", "error")])
+    return rows
+
+
 # --- tile sweeps --------------------------------------------------------------------------
 
 def sweep(ceilings):
@@ -360,6 +418,8 @@ def main() -> None:
     parser = common.kernel_bench_parser(__doc__)
     parser.add_argument("--skip-reference", action="store_true", help="no torch reference timings")
     parser.add_argument("--fp8", action="store_true", help="only the block-scaled FP8 rows (or, with --sweep, tiles)")
+    parser.add_argument("--fp4", action="store_true",
+                        help="only V4's FP4 experts read packed (or, with --sweep, their tiles)")
     parser.add_argument("--fp8-cache", action="store_true",
                         help="only the decode kernel over a bf16 and an FP8 latent cache (B64 x 32K), and their ratio")
     args = parser.parse_args()
@@ -370,6 +430,9 @@ def main() -> None:
     if args.sweep and args.fp8:
         sweep_fp8(ceilings)
         return
+    if args.sweep and args.fp4:
+        sweep_fp4(ceilings)
+        return
     if args.sweep:
         sweep(ceilings)
         return
@@ -379,6 +442,10 @@ def main() -> None:
         return
     if args.fp8_cache:
         result["rows"] += fp8_cache_rows(ceilings)
+        _report(result, args.out)
+        return
+    if args.fp4:
+        result["rows"] += fp4_rows(ceilings)
         _report(result, args.out)
         return
 
@@ -393,6 +460,7 @@ def main() -> None:
         result["rows"].append(bench_moe(num_tokens, ceilings, reference=ref and num_tokens <= 16))
     result["rows"].append(bench_prefill(8192, ceilings, reference=ref))
     result["rows"] += fp8_rows(ceilings)
+    result["rows"] += fp4_rows(ceilings)
     print()
     _report(result, args.out)
 
@@ -407,7 +475,8 @@ def _report(result, out):
                  "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}",
                  "fp8_gemm": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
                  "fp8_linear": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
-                 "fp8_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}" + " w8a8" * c["w8a8"]}[c["op"]](c)
+                 "fp8_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}" + " w8a8" * c["w8a8"],
+                 "fp4_experts": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}"}[c["op"]](c)
         rows.append(dict(c, shape=shape))
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s  -> {path}")

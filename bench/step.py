@@ -11,6 +11,12 @@ the same run. transformers runs beside v2-lite only. Each row also times the bat
 (`make_step(batch_invariant=True)`) on the same shapes;
 "invariant cost" is its time over the default step's, less 1. Prints a table and
 writes JSON under bench/results/.
+
+    python bench/step.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]
+
+times the step on one rank and on N ranks of this host (one GPU each) in the same run, over the same
+random weights, and writes `step-parallel` results instead (`bench/step_parallel.py`: batches 1, 64
+and 256 by default; `--device cpu --preset tiny` runs it on the CPU over gloo, for a smoke test).
 """
 
 from __future__ import annotations
@@ -28,24 +34,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import ranks  # noqa: E402
+import step_parallel  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.kernels import ops_for, record_expert_choice  # noqa: E402
 from mla_func.models.mla.params import MLPParams, MoEParams  # noqa: E402
+from mla_func.pytree import tree_leaves  # noqa: E402
 
 BLOCK_SIZE = 64
 
 
-def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def nbytes(t) -> int:
+    """Bytes of a weight: a tensor, a block-scaled pair (values and scales), or None."""
+    return 0 if t is None else sum(leaf.numel() * leaf.element_size() for leaf in tree_leaves(t))
 
 
-def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
+def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step, kv_cache_dtype: str = "auto"):
     blocks_per_seq = math.ceil((context + 1) / BLOCK_SIZE)
     state = mf.init_state(model.config, num_blocks=1 + batch * blocks_per_seq, block_size=BLOCK_SIZE,
-                          dtype=model.dtype, device="cuda")
+                          dtype=model.dtype, device="cuda", kv_cache_dtype=kv_cache_dtype)
     for cache in state.leaves():
-        cache.normal_(0.0, 1.0)
+        if cache.dtype.itemsize == 1:                       # FP8 latent values: drawn in float32, then cast
+            cache.copy_(torch.randn(cache.shape, device=cache.device).to(cache.dtype))
+        else:
+            cache.normal_(0.0, 1.0)
+            if kv_cache_dtype == "fp8" and cache.dtype == torch.float32:
+                cache.abs_()                                # an FP8 cache's scales are positive
     plan = mf.StepPlan(decode=tuple(
         mf.SeqPlan(((17 * i) % model.config.vocab_size,), context,
                    tuple(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
@@ -83,9 +98,10 @@ def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> 
     if c.has_indexer:
         # A sparse layer reads every indexer key and only the selected latent rows.
         per_seq = min(keys, c.index_topk) * c.kv_cache_dim + keys * c.index_head_dim
+        kv = mode.num_decode_seqs * per_seq * model.dtype.itemsize * c.num_hidden_layers
     else:
-        per_seq = keys * c.kv_cache_dim
-    kv = mode.num_decode_seqs * per_seq * model.dtype.itemsize * c.num_hidden_layers
+        # Every cached byte of a token (an FP8 cache's values, scales and RoPE values alike).
+        kv = mode.num_decode_seqs * keys * state.bytes_per_block() // state.block_size
     return weight, kv, sum(distinct) / max(len(distinct), 1)
 
 
@@ -146,31 +162,11 @@ def transformers_decode(config: mf.ModelConfig, batch: int, context: int, new_to
     return statistics.median(cold), statistics.median(warm)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="v2-lite", choices=["v2-lite", "v32-lite"],
-                        help="the model: dense MLA (v2-lite) or DeepSeek-V3.2 sparse attention (v32-lite)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8],
-                        help="batches (at context 1024) to also run transformers' generate on")
-    parser.add_argument("--hf-new-tokens", type=int, default=32,
-                        help="decode steps timed in each transformers generate")
-    parser.add_argument("--hf-repeats", type=int, default=2,
-                        help="warm transformers generates a batch, timed after the cold one")
-    parser.add_argument("--backend", default="triton")
-    parser.add_argument("--no-invariant", dest="invariant", action="store_false",
-                        help="skip the batch-invariant graph step run beside each row")
-    parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    args = parser.parse_args()
-    if args.hf_new_tokens < 1 or args.hf_repeats < 1:
-        parser.error(f"--hf-new-tokens and --hf-repeats: expected >= 1, got {args.hf_new_tokens} and {args.hf_repeats}")
-
-    copy_bw = common.copy_bandwidth()
-    model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda")
+def time_rows(model: mf.Model, args: argparse.Namespace, copy_bw: float, kv_cache_dtype: str = "auto",
+              invariant: bool | None = None) -> list[dict]:
+    """One row a (context, batch) of args: the graph step (and the eager and batch-invariant steps as args ask)
+    against the roofline of the bytes it reads."""
+    invariant = args.invariant if invariant is None else invariant
     max_len = max(args.contexts) + 1
     rows = []
     for context in args.contexts:
@@ -178,11 +174,11 @@ def main() -> None:
             # A fresh step a row: each row has a state of its own, and a graph replays
             # only over the cache buffers it was captured with.
             invariant_ms = None
-            if args.invariant:
+            if invariant:
                 # The batch-invariant step first, on a state of its own (freed before the rest).
                 bi_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
                                        max_model_len=max_len, block_size=BLOCK_SIZE, batch_invariant=True)
-                state, batch_tensors, mode = decode_setup(model, batch, context, bi_step)
+                state, batch_tensors, mode = decode_setup(model, batch, context, bi_step, kv_cache_dtype)
                 invariant_ms, state = time_steps(bi_step, state, batch_tensors, mode, args.iters)
                 del state, batch_tensors, bi_step
                 gc.collect()
@@ -190,7 +186,7 @@ def main() -> None:
             graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
                                       max_model_len=max_len, block_size=BLOCK_SIZE)
             eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
-            state, batch_tensors, mode = decode_setup(model, batch, context, graph_step)
+            state, batch_tensors, mode = decode_setup(model, batch, context, graph_step, kv_cache_dtype)
             weight_bytes, kv_bytes, experts = touched_bytes(model, state, batch_tensors, mode, context)
             roofline_ms = (weight_bytes + kv_bytes) / copy_bw * 1e3
             graph_ms, state = time_steps(graph_step, state, batch_tensors, mode, args.iters)
@@ -212,6 +208,80 @@ def main() -> None:
             del state, batch_tensors, graph_step, eager_step
             gc.collect()
             torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
+    """`--fp8`: the decode step with bf16 weights and cache, with block-scaled FP8 weights, and with FP8 weights
+    and the FP8 latent cache, in one run; each FP8 row's time over the bf16 row's of its batch and context."""
+    variants = (("bf16", None, "auto"), ("fp8", "fp8", "auto"), ("fp8", "fp8", "fp8"))
+    rows = []
+    for weights, quantization, kv_cache_dtype in variants:
+        model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda", quantization=quantization)
+        print(f"== weights {weights}, cache {kv_cache_dtype}", flush=True)
+        for row in time_rows(model, args, copy_bw, kv_cache_dtype, invariant=False):
+            rows.append(dict(row, weights=weights, cache=kv_cache_dtype))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    bf16 = {(r["batch"], r["context"]): r for r in rows if r["weights"] == "bf16"}
+    for row in rows:
+        base = bf16[(row["batch"], row["context"])]
+        row["vs_bf16"] = row["graph_ms"] / base["graph_ms"]
+        row["roofline_ratio"] = row["graph_ms"] / row["roofline_ms"]
+    result = dict(preset=args.preset, dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+                  gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(),
+                  commit=common.git_commit(args.commit), torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9,
+                  rows=rows)
+    path = common.write_json(result, args.out, "step-fp8" if args.preset == "v2-lite" else f"step-fp8-{args.preset}")
+    print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
+    common.print_table(rows, [
+        ("weights", "weights"), ("cache", "cache"), ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"),
+        ("roofline_ms", "roofline ms"), ("roofline_ratio", "x roofline"), ("vs_bf16", "x bf16 step"),
+        ("weight_gb", "weight GB"), ("kv_gb", "KV GB"),
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="v2-lite", choices=list(step_parallel.PRESETS),
+                        help="the model: dense MLA (v2-lite) or DeepSeek-V3.2 sparse attention (v32-lite); "
+                             "tiny: the small preset, for a smoke test of --tensor-parallel")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="default 1 8 32 64 128 256; with --tensor-parallel, 1 64 256")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8],
+                        help="batches (at context 1024) to also run transformers' generate on")
+    parser.add_argument("--hf-new-tokens", type=int, default=32,
+                        help="decode steps timed in each transformers generate")
+    parser.add_argument("--hf-repeats", type=int, default=2,
+                        help="warm transformers generates a batch, timed after the cold one")
+    parser.add_argument("--backend", default=None, help="default triton on cuda, torch on cpu")
+    parser.add_argument("--no-invariant", dest="invariant", action="store_false",
+                        help="skip the batch-invariant graph step run beside each row")
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
+    parser.add_argument("--fp8", action="store_true",
+                        help="bf16 weights and cache, FP8 weights, FP8 weights and latent cache, in one run "
+                             "(results under step-fp8/)")
+    ranks.add_arguments(parser)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if args.hf_new_tokens < 1 or args.hf_repeats < 1:
+        parser.error(f"--hf-new-tokens and --hf-repeats: expected >= 1, got {args.hf_new_tokens} and {args.hf_repeats}")
+    several = ranks.check_arguments(parser, args)
+    args.batches = args.batches or ([1, 64, 256] if several else [1, 8, 32, 64, 128, 256])
+    if several:
+        step_parallel.run(args)
+        return
+
+    copy_bw = common.copy_bandwidth()
+    if args.fp8:
+        fp8_run(args, copy_bw)
+        return
+    model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda")
+    rows = time_rows(model, args, copy_bw)
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -8,6 +8,13 @@ early stop, so every request generates exactly --output-len tokens. mla-func run
 twice, batch-invariant (`Engine(batch_invariant=True)`) and not; "invariant cost" is the
 default mode's output tokens/s over the batch-invariant one's, less 1. Prints a
 table and writes JSON under bench/results/.
+
+    python bench/throughput.py --tensor-parallel 2 [--expert-parallel]
+
+runs the engine on one rank and on N ranks of this host (one GPU each) in the same run, same requests
+and random weights, and writes `throughput-parallel` results instead (`bench/throughput_parallel.py`;
+neither the batch-invariant mode nor transformers runs then; `--device cpu --preset tiny` runs it on
+the CPU over gloo, for a smoke test).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import ranks  # noqa: E402
+import throughput_parallel  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.serving.benchmark import random_requests, run_throughput  # noqa: E402
@@ -68,10 +77,22 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--hf-prompts", type=int, default=256, help="how many of the same requests transformers runs")
     parser.add_argument("--hf-batch", type=int, default=64)
-    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--backend", default=None, help="default triton on cuda, torch on cpu")
+    parser.add_argument("--preset", default="v2-lite", choices=["v2-lite", "tiny"],
+                        help="tiny: the small preset, for a smoke test of --tensor-parallel")
+    ranks.add_arguments(parser)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    if args.data_parallel_attention:
+        parser.error("--data-parallel-attention: the engine does not drive data-parallel attention yet (README, "
+                     "'Several GPUs'); bench/step.py --tensor-parallel N --data-parallel-attention times its step")
+    several = ranks.check_arguments(parser, args)
+    if not several and args.preset != "v2-lite":
+        parser.error(f"--preset {args.preset}: the one-GPU run measures v2-lite; other presets need --tensor-parallel N")
+    if several:
+        throughput_parallel.run(args)
+        return
 
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")
     # Both modes on the same requests, one after the other in this process: the

@@ -1,6 +1,6 @@
 """Decode step latency of the "v4-mini" preset: graphs vs eager, against the roofline.
 
-    python bench/v4_step.py [--batches 1 64] [--contexts 8192 65536] [--commit SHA] [--profile]
+    python bench/v4_step.py [--batches 1 64] [--contexts 8192 65536] [--commit SHA] [--profile] [--invariant]
 
 Each row: one decode step of `batch` sequences with `context` cached tokens each
 (random bf16 weights, every cache leaf filled with random values). The roofline is
@@ -16,6 +16,10 @@ bench/results/.
 
 With --profile, each row's graph step is also profiled with programmatic launch off (each
 kernel's own time) and its longest kernels printed; the list goes into the JSON too.
+
+With --invariant, each row also times the batch-invariant graph step (`make_step(batch_invariant=True)`,
+the Triton table's invariant ops) on the same shapes, on a state of its own: "invariant cost" is its
+time over the default step's, less 1 (the figures `bench/step.py` reports for v2-lite).
 
 The state is the engine's: cache group 0 (every layer's window keys, compressor and indexer
 inputs) holds only the blocks within its lookback (`CacheGroup.lookback`), the compressed
@@ -134,7 +138,21 @@ def time_steps(step: mf.Step, state, batch_tensors, mode, iters: int) -> tuple[f
     return (time.perf_counter() - started) * 1e3 / iters, state
 
 
+def invariant_step_ms(model, batch, context, args, max_len) -> float:
+    """Milliseconds per batch-invariant graph step of `batch` x `context` (its state freed before returning)."""
+    step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
+                        block_size=BLOCK_SIZE, batch_invariant=True)
+    state, batch_tensors, mode = decode_setup(model, batch, context, step)
+    ms, state = time_steps(step, state, batch_tensors, mode, args.iters)
+    del state, batch_tensors, step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ms
+
+
 def run_row(model, batch, context, args, copy_bw, max_len) -> dict:
+    # The batch-invariant step first, so that its state is freed before the default step's is made.
+    invariant_ms = invariant_step_ms(model, batch, context, args, max_len) if args.invariant else None
     graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
                               block_size=BLOCK_SIZE)
     eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
@@ -164,12 +182,15 @@ def run_row(model, batch, context, args, copy_bw, max_len) -> dict:
               f"in {sum(r[2] for r in profile)} launches", flush=True)
         for name, us, launches in profile[:PROFILE_ROWS]:
             print(f"  {us:8.1f} us {launches:4d}x  {name[:100]}", flush=True)
+    invariant = {} if invariant_ms is None else dict(
+        invariant_ms=invariant_ms, invariant_cost=invariant_ms / graph_ms - 1,
+        invariant_pct_roofline=100 * roofline_ms / invariant_ms)
     return dict(batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
                 pct_roofline=100 * roofline_ms / graph_ms, roofline_ratio=graph_ms / roofline_ms,
                 graph_speedup=eager_ms / graph_ms, graph_tok_s=batch / graph_ms * 1e3,
                 weight_gb=weight_bytes / 1e9, cache_gb=cache_bytes / 1e9,
                 experts_per_layer=sum(experts) / max(1, len(experts)), padded_batch=mode.padded_decode_seqs,
-                **({"kernels_without_programmatic_launch": profile} if profile is not None else {}))
+                **invariant, **({"kernels_without_programmatic_launch": profile} if profile is not None else {}))
 
 
 def main() -> None:
@@ -182,6 +203,8 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--profile", action="store_true",
                         help="also profile each row's step kernel by kernel (programmatic launch off)")
+    parser.add_argument("--invariant", action="store_true",
+                        help="also time the batch-invariant graph step of each row (its cost over the default)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -203,7 +226,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     result = dict(
-        preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE,
+        preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE, invariant=args.invariant,
         gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9,
         targets="batch 1: graph_ms <= 1.5 x roofline_ms; batch 64 at 64K: >= 70% of roofline", rows=rows,
@@ -211,8 +234,8 @@ def main() -> None:
     path = common.write_json(result, args.out, "v4-step")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
-        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("eager_ms", "eager ms"),
-        ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
+        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("invariant_ms", "invariant ms"),
+        ("invariant_cost", "invariant cost"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
         ("graph_speedup", "graph x"), ("graph_tok_s", "tok/s"), ("weight_gb", "weights GB"),
         ("cache_gb", "cache GB"), ("experts_per_layer", "experts/layer"), ("error", "error"),
     ])

@@ -13,7 +13,8 @@ Hi indexer heads, Di = index_head_dim.
 
 A `Weight` (`quantized`) is a tensor or a block-scaled FP8 pair: every backend computes with the
 pair as with its dequantized tensor (`BlockFP8Weight.dequantize` into the activations' dtype, or
-`out_dtype` where given), up to the rounding of its own products.
+`out_dtype` where given), up to the rounding of its own products. The MLA ops' up-projections
+(`w_uk` [H, Dn, C], `w_uv` [H, Dv, C]) are such weights stacked over heads.
 
 A `LatentCache` (`latent_cache`) is the MLA latent cache [num_blocks, bs, C + R] as a tensor or as an
 `FP8LatentCache` (FP8 values with per-group scales, RoPE values in the activations' dtype): the ops
@@ -28,6 +29,7 @@ from typing import Protocol, overload
 
 import torch
 
+from .index_cache import IndexCache
 from .latent_cache import FP8LatentCache, LatentCache
 from .quantized import Weight
 
@@ -139,7 +141,7 @@ class WriteLatent(Protocol):
 
 class WriteLatentAbsorb(Protocol):
     def __call__(self, kv_cache: LatentCache, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor,
-                 q_nope: Tensor, q_pe: Tensor, w_uk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 q_nope: Tensor, q_pe: Tensor, w_uk: Weight, positions: Tensor, cos: Tensor, sin: Tensor, /, *,
                  eps: float, interleaved: bool, absorb_from: int,
                  inplace: bool = True) -> tuple[LatentCache, Tensor, Tensor]:
         """`WriteLatent`, then `AbsorbQuery` of the rows from absorb_from in [0, T] on.
@@ -149,7 +151,7 @@ class WriteLatentAbsorb(Protocol):
 
 
 class AbsorbQuery(Protocol):
-    def __call__(self, q_nope: Tensor, q_pe: Tensor, w_uk: Tensor, /) -> Tensor:
+    def __call__(self, q_nope: Tensor, q_pe: Tensor, w_uk: Weight, /) -> Tensor:
         """q_nope [T, H, Dn], q_pe [T, H, R], w_uk [H, Dn, C] -> q [T, H, C + R]: each head's
         q_nope through its key up-projection, then q_pe (what `MlaDecode` scores the cache with)."""
         ...
@@ -157,7 +159,7 @@ class AbsorbQuery(Protocol):
 
 class MlaDecode(Protocol):
     def __call__(self, q: Tensor, kv_cache: LatentCache, block_table: Tensor, seq_lens: Tensor, /, *,
-                 softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None,
+                 softmax_scale: float, kv_lora_rank: int, w_uv: Weight | None = None,
                  q_len: int = 1) -> tuple[Tensor, Tensor]:
         """Absorbed MLA decode of q_len causal query tokens per sequence over the latent cache,
         which already holds the step's keys. q [B * q_len, H, C + R] (rows of sequence b are
@@ -171,7 +173,7 @@ class MlaDecode(Protocol):
 
 class PrefillAttention(Protocol):
     def __call__(self, q_nope: Tensor, q_pe: Tensor, kv_cache: LatentCache, block_table: Tensor, cu_seqlens_q: Tensor,
-                 seq_lens: Tensor, positions: Tensor, w_uk: Tensor, w_uv: Tensor, /, *,
+                 seq_lens: Tensor, positions: Tensor, w_uk: Weight, w_uv: Weight, /, *,
                  softmax_scale: float) -> tuple[Tensor, Tensor]:
         """MLA prefill: new tokens attend causally over their own sequence's cache, which
         already holds their keys. q_nope [T, H, Dn]; q_pe [T, H, R] rotated; block_table
@@ -205,19 +207,22 @@ class FusedMoe(Protocol):
 
 
 class WriteIndexKey(Protocol):
-    def __call__(self, index_cache: Tensor, slot_mapping: Tensor, index_key: Tensor, /, *,
-                 inplace: bool) -> Tensor:
+    def __call__(self, index_cache: IndexCache, slot_mapping: Tensor, index_key: Tensor, /, *,
+                 inplace: bool) -> IndexCache:
         """DSA indexer keys into their paged cache, addressed like the latent cache.
-        index_cache [num_blocks, bs, Di]; slot_mapping [T] int64 (-1: skip the row); index_key
-        [T, Di] -> the cache with the rows written: the same tensor when `inplace`, else a new one."""
+        index_cache [num_blocks, bs, Di] (a tensor, or an `FP8IndexCache`, which takes each key quantized as
+        `reference.dsa.quantize_index_keys` does, bit for bit); slot_mapping [T] int64 (-1: skip the row);
+        index_key [T, Di] -> the cache with the rows written, of the type given: the same value when
+        `inplace`, else a new one."""
         ...
 
 
 class IndexScores(Protocol):
-    def __call__(self, q: Tensor, head_weights: Tensor, index_cache: Tensor, block_table: Tensor,
+    def __call__(self, q: Tensor, head_weights: Tensor, index_cache: IndexCache, block_table: Tensor,
                  key_lens: Tensor, /, *, weight_scale: float = 1.0) -> Tensor:
         """The lightning indexer's score of every key position of each row's sequence.
-        q [T, Hi, Di]; head_weights [T, Hi] float32; index_cache [num_blocks, bs, Di];
+        q [T, Hi, Di]; head_weights [T, Hi] float32; index_cache [num_blocks, bs, Di] (an `FP8IndexCache`
+        read dequantized, value * scale in float32);
         block_table [T, W] int32 (row t's sequence's); key_lens [T] int32; weight_scale the
         score's constant factor -> scores [T, W * bs] float32: sum_h w[t, h] * relu(q[t, h] .
         key_j) (dot in float32), w = head_weights * weight_scale rounded as that product is in
@@ -237,7 +242,7 @@ class TopKIndices(Protocol):
 
 class SparseMlaDecode(Protocol):
     def __call__(self, q: Tensor, kv_cache: LatentCache, block_table: Tensor, indices: Tensor, /, *,
-                 softmax_scale: float, kv_lora_rank: int, w_uv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 softmax_scale: float, kv_lora_rank: int, w_uv: Weight | None = None) -> tuple[Tensor, Tensor]:
         """Absorbed MLA of each row over its selected latent rows only (prefill and decode rows alike).
         q [T, H, C + R] absorbed query; kv_cache [num_blocks, bs, C + R]; block_table [T, W] int32;
         indices [T, k] int32 key positions in row t's sequence (-1 = none); w_uv [H, Dv, C] or None

@@ -23,8 +23,8 @@ group's largest magnitude / 448, values rounded to the nearest e4m3); reading de
 is what every kernel feeds its products with, so all backends attend over the same keys.
 The ops pick the path by the cache's type, one dispatch per op; model code never asks.
 
-Only the MLA latent is FP8 here: DeepSeek-V3.2's indexer keys (`DSALayerCache.index_k`) stay in the
-activations' dtype with either format, and so does the MTP drafter's own cache.
+DeepSeek-V3.2's indexer keys (`DSALayerCache.index_k`) follow the same choice with a format of their own
+(`index_cache.FP8IndexCache`); the MTP drafter's own cache stays in the activations' dtype.
 """
 
 from __future__ import annotations

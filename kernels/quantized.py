@@ -16,7 +16,9 @@ shared MLP into experts. A block boundary of one piece need not fall on a bounda
 so `cat_rows` and `slice_block` regroup the scales to a finer block that divides every boundary
 (each scale repeated over the sub-blocks it covered): the values and their dequantized weight are
 unchanged bit for bit, and the scales grow by the factor of the regrouping (for DeepSeek-V3's
-shapes at most 2x, on a matrix whose scales are under 1% of its bytes).
+shapes at most 2x, on a matrix whose scales are under 1% of its bytes). MLA's kv_b_proj is cut per
+head the same way (`split_heads`): W_UK [H, Dn, C] and W_UV [H, Dv, C] stay pairs, whose products
+the attention ops take (`contracts`).
 """
 
 from __future__ import annotations
@@ -153,6 +155,30 @@ def slice_block(w: Weight, dim: int, start: int, stop: int) -> Weight:
     first, last = start // g, math.ceil(stop / g)
     scales = grouped.scale_inv.narrow(dim, first, last - first).contiguous()
     return BlockFP8Weight(values, scales, grouped.block)
+
+
+def split_heads(w: BlockFP8Weight, heads: int, parts: Sequence[int]) -> list[BlockFP8Weight]:
+    """A matrix whose rows are `heads` heads of sum(parts) rows each, [H * sum(parts), K], cut per head into
+    one stacked pair a part: [H, parts[i], K] (MLA's kv_b_proj: W_UK then W_UV of each head).
+
+    Each piece keeps its scales per head: where a head's or a part's first row falls inside a block (parts
+    not multiples of the block's height), the scales are first regrouped to the largest height that divides
+    the block and every part (`regrouped`), so no block straddles two pieces. DeepSeek-V2/V3's parts (128,
+    128) fill their 128-row blocks and keep them."""
+    n, k = w.values.shape[-2:]
+    per_head = sum(parts)
+    if w.values.ndim != 2 or heads < 1 or min(parts, default=0) < 1 or n != heads * per_head:
+        raise ValueError(f"split_heads: a weight of shape {list(w.shape)} is not {heads} heads of parts {list(parts)}")
+    height = math.gcd(w.block[0], *parts)
+    grouped = regrouped(w, (height, w.block[1]))
+    values = grouped.values.reshape(heads, per_head, k)
+    scales = grouped.scale_inv.reshape(heads, per_head // height, -1)
+    pieces, start = [], 0
+    for rows in parts:
+        pieces.append(BlockFP8Weight(values[:, start:start + rows].contiguous(),
+                                     scales[:, start // height:(start + rows) // height].contiguous(), grouped.block))
+        start += rows
+    return pieces
 
 
 def stack_experts(weights: Sequence[Weight]) -> Weight:

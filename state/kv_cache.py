@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mla_func.kernels.index_cache import zeroed_index_cache
 from mla_func.kernels.latent_cache import zeroed_latent
 from mla_func.pytree import register_dataclass, static_field, tree_leaves
 
@@ -195,9 +196,11 @@ def zeroed_dsa_cache(
     kv_cache_dtype: str = "auto",
 ) -> DSALayerCache:
     """One sparse-attention layer's zeroed caches in group 0: latents [num_blocks, block_size,
-    kv_lora_rank + rope_dim] in `kv_cache_dtype` (as `zeroed_mla_caches`) and indexer keys
-    [num_blocks, block_size, index_head_dim] in `dtype`."""
+    kv_lora_rank + rope_dim] and indexer keys [num_blocks, block_size, index_head_dim], both in
+    `kv_cache_dtype` (`zeroed_latent`, `zeroed_index_cache`: "auto" is `dtype`, "fp8" FP8 values
+    with scales)."""
     shape = (group.num_blocks, group.block_size)
     return DSALayerCache(kv=zeroed_latent(*shape, kv_lora_rank, rope_dim, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                                           device=device),
-                         index_k=torch.zeros(*shape, index_head_dim, dtype=dtype, device=device))
+                         index_k=zeroed_index_cache(*shape, index_head_dim, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                                                    device=device))

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from mla_func.kernels.index_cache import IndexCache, index_leaves
 from mla_func.kernels.latent_cache import LatentCache, latent_leaves
 from mla_func.pytree import register_dataclass, static_field
 
@@ -176,16 +177,16 @@ class DSALayerCache:
     kv:      [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (as `MLALayerCache`, a tensor
              or an `FP8LatentCache`)
     index_k: [num_blocks, block_size, index_head_dim] the indexer's keys (LayerNorm, then
-             the first qk_rope_head_dim dims rotated half-split), in the activations' dtype with
-             either latent format: an FP8 indexer cache is a later step
+             the first qk_rope_head_dim dims rotated half-split): a tensor in the activations' dtype
+             beside a tensor latent cache, an `FP8IndexCache` (`kernels.index_cache`) beside an FP8 one
     """
 
     kv: LatentCache
-    index_k: torch.Tensor
+    index_k: IndexCache
     group: int = static_field(default=0)
 
     def paged(self) -> tuple[torch.Tensor, ...]:
-        return (*latent_leaves(self.kv), self.index_k)
+        return (*latent_leaves(self.kv), *index_leaves(self.index_k))
 
     def paged_in(self, group: int) -> tuple[torch.Tensor, ...]:
         return self.paged() if group == self.group else ()

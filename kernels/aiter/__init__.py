@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..checks import check_dtype, check_shape
-from ..dequantizing import DequantizingFusedMoe
+from ..dequantizing import DequantizingFusedMoe, DequantizingMlaDecode
 from ..latent_cache import LatentCache
 from ..reference import attention as ref_attention
 from ..ops import Ops
@@ -146,6 +146,6 @@ def ops() -> Ops:
     return dataclasses.replace(
         REFERENCE,
         backend="aiter",
-        mla=dataclasses.replace(REFERENCE.mla, mla_decode=mla_decode),
+        mla=dataclasses.replace(REFERENCE.mla, mla_decode=DequantizingMlaDecode(mla_decode)),
         moe=dataclasses.replace(REFERENCE.moe, fused_moe=DequantizingFusedMoe(fused_moe)),
     )

@@ -15,6 +15,7 @@ import torch
 
 from ..checks import as_dtype, check_shape
 from ..latent_cache import LatentCache, latent_rows
+from ..quantized import Weight, dequantized
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,7 +47,7 @@ def mla_decode(
     *,
     softmax_scale: float,
     kv_lora_rank: int,
-    w_uv: torch.Tensor | None = None,
+    w_uv: Weight | None = None,
     q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: `q_len` query tokens per sequence attend causally over the latent cache.
@@ -62,7 +63,8 @@ def mla_decode(
                  an `FP8LatentCache` of that shape, read dequantized
     block_table: [B, W] int32
     seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
-    w_uv:        [H, Dv, C] value up-projection, or None
+    w_uv:        [H, Dv, C] value up-projection (a tensor, or a stacked FP8 pair: dequantized into q's
+                 dtype), or None
     returns      out [B * q_len, H, C] in q's dtype (values are the first C dims of the cache),
                  or with w_uv out [B * q_len, H, Dv] = out @ w_uv[h]^T (out rounded to q's dtype
                  first); lse [B * q_len, H] float32 (natural log); the rows of a padded
@@ -97,6 +99,7 @@ def mla_decode(
     out, lse = out.view(num_rows, num_heads, kv_lora_rank), lse.flatten(0, 1)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+        w_uv = dequantized(w_uv, q.dtype)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # bhc,hvc->bhv
     return out, lse.float()
 
@@ -115,8 +118,8 @@ def prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     positions: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_uk: Weight,
+    w_uv: Weight,
     *,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +137,8 @@ def prefill_attention(
                   rows from cu[B] on are padding
     seq_lens:     [B] int32 KV length of each sequence after this step
     positions:    [T] int64, token t sees key positions j <= positions[t]
-    w_uk:         [H, Dn, C]      w_uv: [H, Dv, C] (kv_b_proj split per head)
+    w_uk:         [H, Dn, C]      w_uv: [H, Dv, C] (kv_b_proj split per head; tensors, or stacked FP8
+                  pairs, dequantized into q's dtype)
     returns       out [T, H, Dv] in q's dtype, lse [T, H] float32; padded rows give 0 / -inf.
 
     Memory is O(T * S * (C + R + H)): each token meets only its own sequence's
@@ -153,6 +157,7 @@ def prefill_attention(
     check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
     check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
     acc = _acc_dtype(q_nope.dtype)
+    w_uk, w_uv = dequantized(w_uk, q_nope.dtype), dequantized(w_uv, q_nope.dtype)
     if num_seqs == 0:
         out = torch.zeros((num_tokens, num_heads, w_uv.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
         return out, torch.full((num_tokens, num_heads), float("-inf"), device=q_nope.device)
@@ -221,14 +226,16 @@ def merge_attn_states(
     return out.to(out_a.dtype), lse.float()
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: Weight) -> torch.Tensor:
     """The absorbed decode query: each head's q_nope through its key up-projection, then q_pe.
 
-    q_nope [B, H, Dn], q_pe [B, H, R], w_uk [H, Dn, C] -> q [B, H, C + R], which
-    `mla_decode` scores against the latent cache: q_nope . (W_UK c_kv) = (q_nope W_UK) . c_kv.
+    q_nope [B, H, Dn], q_pe [B, H, R], w_uk [H, Dn, C] (a tensor, or a stacked FP8 pair: dequantized
+    into q_nope's dtype) -> q [B, H, C + R], which `mla_decode` scores against the latent cache:
+    q_nope . (W_UK c_kv) = (q_nope W_UK) . c_kv.
     """
     num_heads, qk_nope_head_dim, _ = w_uk.shape
     check_shape("q_nope", q_nope, (None, num_heads, qk_nope_head_dim))
     check_shape("q_pe", q_pe, (q_nope.shape[0], num_heads, None))
     # bhd,hdc->bhc as a bmm (einsum's parsing outweighs the product at decode sizes)
-    return torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)
+    product = torch.bmm(q_nope.transpose(0, 1), dequantized(w_uk, q_nope.dtype)).transpose(0, 1)
+    return torch.cat([product, q_pe], dim=-1)

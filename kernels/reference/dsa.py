@@ -13,12 +13,17 @@ only the k selected latent rows for the attention.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from ..checks import as_dtype, check_shape
+from ..index_cache import FP8IndexCache, IndexCache
 from ..latent_cache import LatentCache, latent_rows
+from ..quantized import Weight, dequantized
 from .attention import _acc_dtype, _softmax_with_lse
-from .cache import write_kv
+from .cache import write_kv, write_rows
+from .fp8 import quantize_activations
 
 # Elements of the gathered keys and logits ([rows, L, Di + Hi]) scored at once: rows are taken
 # in chunks of a size fixed by the shapes (static under a graph), so a long context or a long
@@ -26,26 +31,54 @@ from .cache import write_kv
 _SCORE_ELEMENTS = 1 << 25
 
 
+def quantize_index_keys(index_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 indexer cache's form of keys: index_key [T, Di] -> (values [T, Di] float8_e4m3fn, scales [T, 1]
+    float32): one scale a key, max(|key|, AMAX_FLOOR) / 448, values rounded as `fp8.quantize_activations`
+    rounds one group (the latent cache's FP8 rule)."""
+    return quantize_activations(index_key, max(1, index_key.shape[1]))
+
+
+@overload
+def write_index_key(index_cache: torch.Tensor, slot_mapping: torch.Tensor, index_key: torch.Tensor, *,
+                    inplace: bool) -> torch.Tensor: ...
+@overload
+def write_index_key(index_cache: FP8IndexCache, slot_mapping: torch.Tensor, index_key: torch.Tensor, *,
+                    inplace: bool) -> FP8IndexCache: ...
+
+
 def write_index_key(
-    index_cache: torch.Tensor,
+    index_cache: IndexCache,
     slot_mapping: torch.Tensor,
     index_key: torch.Tensor,
     *,
     inplace: bool,
-) -> torch.Tensor:
-    """index_cache [num_blocks, bs, Di], slot_mapping [T] int64 (-1: skip), index_key [T, Di]
-    -> the cache with the rows written (the same tensor when `inplace`, else a new one).
+) -> IndexCache:
+    """index_cache [num_blocks, bs, Di] (a tensor, or an `FP8IndexCache`, which takes the keys quantized:
+    `quantize_index_keys`), slot_mapping [T] int64 (-1: skip), index_key [T, Di]
+    -> the cache with the rows written, of the type given (the same value when `inplace`, else a new one).
 
     The indexer keys are per token like the latents, so they use the latent cache's
-    slots: one `write_kv` (a skipped row writes only the scratch block).
+    slots: one `write_rows` a leaf (a skipped row writes only the scratch block).
     """
-    return write_kv(index_cache, slot_mapping, index_key, inplace=inplace)
+    if isinstance(index_cache, torch.Tensor):
+        return write_kv(index_cache, slot_mapping, index_key, inplace=inplace)
+    check_shape("index_key", index_key, (slot_mapping.shape[0], index_cache.shape[2]))
+    values, scales = quantize_index_keys(index_key)
+    # The FP8 values move as their bytes: index_copy has no float8 kernel, and a byte copy keeps every bit.
+    value_bytes = write_rows(index_cache.values.view(torch.uint8), slot_mapping, values.view(torch.uint8),
+                             inplace=inplace)
+    scale_rows = write_rows(index_cache.scales, slot_mapping, scales, inplace=inplace)
+    if inplace:
+        return index_cache
+    return FP8IndexCache(values=value_bytes.view(index_cache.values.dtype), scales=scale_rows)
+
+
 
 
 def index_scores(
     q: torch.Tensor,
     head_weights: torch.Tensor,
-    index_cache: torch.Tensor,
+    index_cache: IndexCache,
     block_table: torch.Tensor,
     key_lens: torch.Tensor,
     *,
@@ -54,7 +87,8 @@ def index_scores(
     """scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j) for j < key_lens[t], else -inf.
 
     q [T, Hi, Di]; head_weights [T, Hi] float32, w = head_weights * weight_scale (in
-    head_weights' dtype); index_cache [num_blocks, bs, Di]; block_table [T, W] int32;
+    head_weights' dtype); index_cache [num_blocks, bs, Di] (a tensor, or an `FP8IndexCache`: its keys
+    dequantized, value * scale in float32); block_table [T, W] int32;
     key_lens [T] int32 -> scores [T, W * bs] float32 (dot products and the head sum in
     float32, or float64 for float64 inputs).
     """
@@ -73,6 +107,7 @@ def index_scores(
     for start in range(0, num_rows, chunk):
         rows = slice(start, min(start + chunk, num_rows))
         table = block_table[rows].long()
+        # An FP8 cache indexed gives its keys dequantized (value * scale in float32, exact).
         keys = as_dtype(index_cache[table].reshape(table.shape[0], num_keys, dim), acc)    # [t, L, Di]
         logits = torch.bmm(as_dtype(q[rows], acc), keys.transpose(1, 2)).relu_()           # thd,tld->thl
         scores = torch.bmm(as_dtype(head_weights[rows], acc).unsqueeze(1), logits).squeeze(1)  # th,thl->tl
@@ -118,13 +153,14 @@ def sparse_mla_decode(
     *,
     softmax_scale: float,
     kv_lora_rank: int,
-    w_uv: torch.Tensor | None = None,
+    w_uv: Weight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA of each row over the latent rows its indices select.
 
     q [T, H, C + R]; kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, its selected rows read
     dequantized); block_table [T, W] int32;
-    indices [T, k] int32 key positions (-1 = none); w_uv [H, Dv, C] or None
+    indices [T, k] int32 key positions (-1 = none); w_uv [H, Dv, C] (a tensor, or a stacked FP8 pair:
+    dequantized into q's dtype) or None
     -> out [T, H, C] in q's dtype, or [T, H, Dv] with w_uv (out rounded to q's dtype, then
        @ w_uv[h]^T); lse [T, H] float32; a row with no valid index gives out 0, lse -inf.
     """
@@ -146,5 +182,6 @@ def sparse_mla_decode(
     out = as_dtype(torch.bmm(probs, kv[..., :kv_lora_rank]), q.dtype)       # thk,tkc->thc
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
+        w_uv = dequantized(w_uv, q.dtype)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # thc,hvc->thv
     return out, lse.float()

@@ -3,25 +3,27 @@
 A BLAS picks its code path by the problem's shape (a GEMV for one row, other
 blockings for more), so `F.linear(x)[t]` may change in the last bits with the
 number of rows of x. Here every product runs on tiles of exactly `ROW_TILE` rows
-(the last one zero-padded): each BLAS call has one shape, so a row reduces the
+(`row_tiles`; the last one zero-padded): each BLAS call has one shape, so a row reduces the
 same way in a batch of 1 or of 1000 (checked by tests/core/test_batch_invariance.py).
 
 Attention (`mla_decode`) takes one query a row, cut into chunks of
 `SPLIT_KEYS` keys at absolute positions and merged one chunk after the other,
 so a row's result depends on its own keys only, not on the longest row of the
 batch; the batch-invariant forward sends prefill rows through it as well.
+
+DeepSeek-V4's ops (the `v4` group and the indexer's scores) are `v4_invariant`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import overload
 
 import torch
 
 from ..checks import as_dtype, check_shape
-from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
+from ..dequantizing import (DequantizingAbsorbQuery, DequantizingFusedMoe, DequantizingLinear, DequantizingMlaDecode,
+                            DequantizingRmsNormLinear, DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
 from ..latent_cache import LatentCache, latent_rows
 from ..ops import Ops
 from . import attention as ref_attention
@@ -30,30 +32,12 @@ from . import latent as ref_latent
 from . import linear as ref_linear
 from . import moe as ref_moe
 from . import routing as ref_routing
+from . import v4_invariant
 from .norm import rms_norm
+# ROW_TILE and linear are this table's too (the tests read them here).
+from .row_tiles import ROW_TILE, by_row_tiles, linear
 
-ROW_TILE = 16
 SPLIT_KEYS = 64
-
-
-def _by_row_tiles(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
-                  *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fn over ROW_TILE-row slices of `rows` (same first dim; the last slice zero-padded),
-    each of its results concatenated over the slices and cut back to the rows given."""
-    num_rows = rows[0].shape[0]
-    pad = -num_rows % ROW_TILE or (ROW_TILE if num_rows == 0 else 0)
-    if pad:
-        rows = tuple(torch.cat([r, r.new_zeros((pad, *r.shape[1:]))]) for r in rows)
-    parts = []
-    for tile in zip(*(r.split(ROW_TILE) for r in rows)):
-        result = fn(*tile)
-        parts.append(result if isinstance(result, tuple) else (result,))
-    return tuple(torch.cat(column)[:num_rows] for column in zip(*parts))
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`reference.linear.linear` on ROW_TILE-row tiles: x [T, K], weight [N, K] -> [T, N]."""
-    return _by_row_tiles(lambda tile: ref_linear.linear(tile, weight, out_dtype=out_dtype), x)[0]
 
 
 @overload
@@ -75,7 +59,7 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """`reference.attention.absorb_query` on ROW_TILE-row tiles: [B, H, Dn], [B, H, R] -> [B, H, C + R]."""
-    return _by_row_tiles(lambda qn, qp: ref_attention.absorb_query(qn, qp, w_uk), q_nope, q_pe)[0]
+    return by_row_tiles(lambda qn, qp: ref_attention.absorb_query(qn, qp, w_uk), q_nope, q_pe)[0]
 
 
 def write_latent_absorb(kv_cache: LatentCache, slot_mapping: torch.Tensor, latent: torch.Tensor,
@@ -94,7 +78,7 @@ def write_latent_absorb(kv_cache: LatentCache, slot_mapping: torch.Tensor, laten
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`reference.moe.fused_moe` on ROW_TILE-row tiles (padding rows take no expert): [T, D] -> [T, D]."""
-    return _by_row_tiles(lambda xt, wt, it: ref_moe.fused_moe(xt, w13, w2, wt, it, out_dtype=out_dtype),
+    return by_row_tiles(lambda xt, wt, it: ref_moe.fused_moe(xt, w13, w2, wt, it, out_dtype=out_dtype),
                          x, topk_weights, topk_ids)[0]
 
 
@@ -110,7 +94,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Te
                                  num_shared=num_shared, fixed_ids=fixed[0] if fixed else None)
 
     rows = (x, valid) if fixed_ids is None else (x, valid, fixed_ids)
-    weights, ids = _by_row_tiles(tile, *rows)
+    weights, ids = by_row_tiles(tile, *rows)
     return weights, ids
 
 
@@ -164,7 +148,7 @@ def mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor
                       torch.full_like(total, float("-inf")))
     if w_uv is not None:
         check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank))
-        out = _by_row_tiles(lambda o: torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out)[0]
+        out = by_row_tiles(lambda o: torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out)[0]
     return out, lse.float()
 
 
@@ -177,7 +161,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch
                                          kv_lora_rank=kv_lora_rank)
     if w_uv is not None:
         check_shape("w_uv", w_uv, (q.shape[1], None, kv_lora_rank))
-        out = _by_row_tiles(lambda o: torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out)[0]
+        out = by_row_tiles(lambda o: torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out)[0]
     return out, lse
 
 
@@ -188,8 +172,14 @@ def invariant_ops(base: Ops) -> Ops:
         batch_invariant=True,
         dense=dataclasses.replace(base.dense, linear=DequantizingLinear(linear), logits=ref_linear.logits_of(linear),
                                   rms_norm_linear=DequantizingRmsNormLinear(rms_norm_linear)),
-        mla=dataclasses.replace(base.mla, write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
-                                mla_decode=mla_decode),
+        mla=dataclasses.replace(base.mla, write_latent_absorb=DequantizingWriteLatentAbsorb(write_latent_absorb),
+                                absorb_query=DequantizingAbsorbQuery(absorb_query),
+                                mla_decode=DequantizingMlaDecode(mla_decode)),
         moe=dataclasses.replace(base.moe, route=route, fused_moe=DequantizingFusedMoe(fused_moe)),
-        dsa=dataclasses.replace(base.dsa, sparse_mla_decode=sparse_mla_decode),
+        dsa=dataclasses.replace(base.dsa, index_scores=v4_invariant.index_scores,
+                                sparse_mla_decode=DequantizingSparseMlaDecode(sparse_mla_decode)),
+        v4=dataclasses.replace(base.v4, window_entry_attention=v4_invariant.window_entry_attention,
+                               compress_entries=v4_invariant.compress_entries, hc_site=v4_invariant.hc_site, hc_write_back=v4_invariant.hc_write_back,
+                               hc_write_back_site=v4_invariant.hc_write_back_site, hc_head=v4_invariant.hc_head,
+                               clamped_experts=v4_invariant.clamped_experts),
     )

@@ -6,6 +6,7 @@ import torch
 
 from ..checks import check_shape
 from ..latent_cache import LatentCache
+from ..quantized import Weight
 from .attention import absorb_query
 from .cache import write_kv
 from .norm import rms_norm
@@ -52,7 +53,7 @@ def write_latent_absorb(
     kv_a_norm: torch.Tensor,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    w_uk: torch.Tensor,
+    w_uk: Weight,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -64,7 +65,8 @@ def write_latent_absorb(
 ) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """`write_latent`, then `absorb_query` of the rows from `absorb_from` on (a step's decode rows).
 
-    q_nope:      [T, H, Dn]; w_uk: [H, Dn, C]; absorb_from in [0, T]; the rest as `write_latent`
+    q_nope:      [T, H, Dn]; w_uk: [H, Dn, C] (a tensor or a stacked FP8 pair, see `absorb_query`);
+                 absorb_from in [0, T]; the rest as `write_latent`
     returns      (kv_cache, rotated q_pe [T, H, R], absorbed q [T - absorb_from, H, C + R])
     """
     if not 0 <= absorb_from <= q_pe.shape[0]:

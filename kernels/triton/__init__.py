@@ -12,8 +12,9 @@ from .decode import mla_decode, mla_decode_num_splits, mla_decode_workspace
 from .dsa_decode import sparse_mla_decode
 from .dsa_indexer import index_scores, write_index_key
 from .dsa_topk import top_k_indices
+from .fp4_experts import QuantizedClampedExperts
+from .fp8_heads import Fp8HeadsMlaDecode, Fp8HeadsSparseMlaDecode, Fp8HeadsWriteLatentAbsorb
 from .fp8_ops import Fp8FusedMoe, Fp8Linear, Fp8RmsNormLinear
-from ..dequantizing import DequantizingClampedExperts
 from .latent import write_latent, write_latent_absorb
 from .linear import linear, logits, rms_norm_linear
 from .merge import merge_attn_states
@@ -67,13 +68,14 @@ __all__ = [
 ]
 
 
-# FP8 and FP4 experts dequantized into the kernel's dtype (no kernel reads them packed yet); one value, so
-# every table built from this one holds the same op.
-_CLAMPED_EXPERTS = DequantizingClampedExperts(clamped_experts)
+# FP4 and FP8 experts read by their own kernels (`fp4_experts`); one value, so every table built from
+# this one holds the same op.
+_CLAMPED_EXPERTS = QuantizedClampedExperts(clamped_experts)
 
 
 def ops() -> Ops:
-    """The Triton op table: a kernel for every op (FP8 weights to the FP8 kernels, `fp8_ops`)."""
+    """The Triton op table: a kernel for every op (FP8 weights to the FP8 kernels, `fp8_ops`, `fp8_heads`;
+    FP4 experts to `fp4_experts`)."""
     return dataclasses.replace(
         REFERENCE,
         backend="triton",
@@ -82,11 +84,12 @@ def ops() -> Ops:
                                   rope=rope,
                                   partial_rope=partial_rope, merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
-                                write_latent_absorb=write_latent_absorb, absorb_query=absorb_query,
-                                mla_decode=mla_decode, prefill_attention=prefill_attention),
+                                write_latent_absorb=Fp8HeadsWriteLatentAbsorb(write_latent_absorb, write_latent),
+                                absorb_query=absorb_query, mla_decode=Fp8HeadsMlaDecode(mla_decode),
+                                prefill_attention=prefill_attention),
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=Fp8FusedMoe(fused_moe)),
         dsa=dataclasses.replace(REFERENCE.dsa, write_index_key=write_index_key, index_scores=index_scores,
-                                top_k_indices=top_k_indices, sparse_mla_decode=sparse_mla_decode),
+                                top_k_indices=top_k_indices, sparse_mla_decode=Fp8HeadsSparseMlaDecode(sparse_mla_decode)),
         v4=dataclasses.replace(REFERENCE.v4, rope_tail=rope_tail, unit_rms=unit_rms,
                                window_entry_attention=window_entry_attention, compress_entries=compress_entries,
                                hc_site=hc_site, hc_write_back=hc_write_back,

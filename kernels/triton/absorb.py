@@ -14,7 +14,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..quantized import BlockFP8Weight, Weight, dequantized
 from ._common import check_float, dot_precision, next_pow2, pdl
+from .fp8_heads import fp8_absorb_query
 
 # W_UK columns per program.
 ABSORB_BLOCK_C = 64
@@ -77,12 +79,16 @@ def absorb_block_b(num_seqs: int) -> int:
 
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: Weight) -> torch.Tensor:
     """Contract of `reference.attention.absorb_query`, in one launch.
 
-    q_nope [B, H, Dn], q_pe [B, H, R] (any strides), w_uk [H, Dn, C], one float dtype
-    returns a new contiguous q [B, H, C + R]; products in float32, rounded once.
+    q_nope [B, H, Dn], q_pe [B, H, R] (any strides), w_uk [H, Dn, C], one float dtype, or a stacked
+    FP8 pair (`fp8_heads.fp8_absorb_query`) -> a new contiguous q [B, H, C + R]; products in float32,
+    rounded once.
     """
+    if isinstance(w_uk, BlockFP8Weight):
+        return fp8_absorb_query(q_nope, q_pe, w_uk)
+    w_uk = dequantized(w_uk, q_nope.dtype)
     num_heads, nope_dim, kv_lora_rank = w_uk.shape
     num_seqs = q_nope.shape[0]
     check_shape("q_nope", q_nope, (num_seqs, num_heads, nope_dim))

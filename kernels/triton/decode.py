@@ -9,6 +9,8 @@ and the device only (`mla_decode_num_splits`), and each sequence divides its
 *actual* length among them on the device, so a captured graph stays valid for
 any lengths and no step waits on the host. An FP8 latent cache is read through the
 same kernel, its tiles dequantized as they are loaded (`latent_parts.latent_tile`).
+On a GPU, one query a row over a plain cache takes a twin of the split kernel whose
+latent columns come in four chunks (`_chunked_split_kernel`, `latent_chunks`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
 from .decode_merge import merge_splits, merge_splits_value, split_partials
+from .latent_chunks import attend_tile, query_columns, store_columns
 from .latent_parts import LatentParts, check_latent_cache, latent_parts, latent_tile
 
 
@@ -36,6 +39,9 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # 4: one query a row takes the latent's columns in four chunks (`latent_chunks`; C a power of two of at
+    # least 64); 1: the whole row in one product chain.
+    chunks: int = 1
 
 
 # Chosen on an H100 by `bench/kernels.py --sweep` (bf16, C=512, R=64). At 16 heads
@@ -59,6 +65,16 @@ _GPU_FP8_CONFIGS = MappingProxyType({
     32: _GPU_CONFIGS[32],
     64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
 })
+# One query a row over a plain cache takes the latent's columns in four chunks (`_chunked_split_kernel`),
+# whose product chains run side by side. H100, B64 x 32K (`bench/notes/kernels.md`): 16 heads 0.811 ms
+# (98.8% of copy) against 0.904 for whole rows; 128 heads, 64 a program, three stages, 2.49 ms
+# (234 TFLOP/s) against 3.47 (128 heads a program, or 32-key tiles, ran slower). An FP8 cache keeps
+# whole rows: chunked, its dequantization ran slower still (1.43 ms at 16 heads, 2.81 at 128). 32 heads
+# were not measured and keep whole rows.
+_GPU_CHUNKED_CONFIGS = MappingProxyType({
+    16: DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
+    64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, chunks=4),
+})
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -74,10 +90,25 @@ _MAX_SPLITS = 64
 
 
 def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> DecodeConfig:
-    """The split kernel's tiles for `num_heads` rows a sequence on `device`, over an FP8 latent cache if `fp8`."""
+    """The split kernel's tiles for `num_heads` rows a sequence on `device`, over an FP8 latent cache if `fp8`
+    (whole rows: the tiles every path can take, `mla_decode_num_splits`' and the batch-invariant decode's)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     return (_GPU_FP8_CONFIGS if fp8 else _GPU_CONFIGS)[min(64, max(16, next_pow2(num_heads)))]
+
+
+def _launch_config(num_heads: int, q_len: int, kv_lora_rank: int, device: torch.device, fp8: bool,
+                   dtype: torch.dtype) -> DecodeConfig:
+    """`mla_decode`'s tiles: the chunked kernel's where it was measured faster (one query a row in 16 bits over
+    a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
+    else `decode_config`'s. Both take the same heads a program, so the split count (and a workspace) is the
+    same for either."""
+    key = min(64, max(16, next_pow2(num_heads)))
+    chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
+                 and next_pow2(kv_lora_rank) == kv_lora_rank)
+    if device.type == "cuda" and chunkable and key in _GPU_CHUNKED_CONFIGS:
+        return _GPU_CHUNKED_CONFIGS[key]
+    return decode_config(num_heads * q_len, device, fp8)
 
 
 # Up to this many sequences stage 2 also applies W_UV. Each of its programs
@@ -265,6 +296,70 @@ def _split_kernel(
         tl.store(pl_ptr + rows * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 
+# The split count follows the batch size (see `_split_kernel`).
+@triton.jit(do_not_specialize=["num_splits", "s_plh"])
+def _chunked_split_kernel(
+    q_ptr, v_ptr, sc_ptr, r_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, scale_log2, s_sl,
+    s_qb, s_qh, s_qd,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_btb, s_btw,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
+):
+    # `_split_kernel` for one query a row, the latent's columns in four chunks (`latent_chunks.attend_tile`).
+    b = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    seq_len = tl.load(seq_lens_ptr + b * s_sl)
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seq_len)
+
+    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_n = tl.arange(0, BLOCK_N)
+    b64 = b.to(tl.int64)
+    q_row = q_ptr + b64 * s_qb + heads[:, None] * s_qh
+    q0 = query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
+    q1 = query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+    q2 = query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+    q3 = query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+    q_pe = query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    bt_row = bt_ptr + b64 * s_btb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        key_mask = pos < end
+        page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
+        offset = pos % PAGE_SIZE
+        m_i, l_i, a0, a1, a2, a3 = attend_tile(
+            q0, q1, q2, q3, q_pe, v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb,
+            r_ptr + page * s_rn + offset * s_rb, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
+            s_vd, s_scd, s_rd, KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, 4, DOT_PRECISION, FP8)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    po_row = po_ptr + b64 * s_pob + heads[:, None] * s_poh + split * s_pos
+    store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    tl.store(pl_ptr + b64 * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+
+
 def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,
                                 kv_lora_rank: int, w_uv: torch.Tensor | None, *, num_seqs: int,
                                 seq_lens: torch.Tensor | None = None, **per_row: torch.Tensor) -> LatentParts:
@@ -326,7 +421,7 @@ def mla_decode(
                  from `mla_decode_workspace`, so that a captured graph allocates only its
                  outputs; None allocates it here. Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
-    config:      overrides the tile sizes (benchmark sweeps).
+    config:      overrides the tile sizes (benchmark sweeps); `chunks=4` takes the chunked kernel.
     w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
     returns      out [B * q_len, H, C] in q's dtype, or with w_uv out [B * q_len, H, Dv] =
                  (out rounded to q's dtype) @ w_uv[h]^T; lse [B * q_len, H] float32 (natural
@@ -345,7 +440,7 @@ def mla_decode(
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
-    config = config or decode_config(num_heads * q_len, device, parts.fp8)
+    config = config or _launch_config(num_heads, q_len, kv_lora_rank, device, parts.fp8, q.dtype)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
@@ -362,19 +457,34 @@ def mla_decode(
 
     grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
-    _split_kernel[grid](
-        q, *parts.pointers(), block_table, seq_lens, partial_out, partial_lse,
-        num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
-        *q.stride(), *parts.strides(), *block_table.stride(),
-        *partial_out.stride(), *partial_lse.stride(),
-        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, FP8=parts.fp8,
-        BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
-        BLOCK_H=block_rows, BLOCK_N=config.block_n,
-        PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
-        Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
-    )
+    if config.chunks == 4:
+        if q_len != 1 or kv_lora_rank < 64 or next_pow2(kv_lora_rank) != kv_lora_rank:
+            raise ValueError(f"config: four chunks take one query a row and a power-of-two kv_lora_rank of at least "
+                             f"64, got q_len={q_len}, kv_lora_rank={kv_lora_rank}")
+        _chunked_split_kernel[grid](
+            q, *parts.pointers(), block_table, seq_lens, partial_out, partial_lse,
+            num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
+            *q.stride(), *parts.strides(), *block_table.stride(),
+            *partial_out.stride(), *partial_lse.stride(),
+            KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, CHUNK=kv_lora_rank // 4,
+            BLOCK_R=max(16, next_pow2(rope_dim)), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+            PAGE_SIZE=block_size, DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, FP8=parts.fp8,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+        )
+    else:
+        _split_kernel[grid](
+            q, *parts.pointers(), block_table, seq_lens, partial_out, partial_lse,
+            num_heads, splits, softmax_scale * LOG2E, seq_lens.stride(0),
+            *q.stride(), *parts.strides(), *block_table.stride(),
+            *partial_out.stride(), *partial_lse.stride(),
+            KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, FP8=parts.fp8,
+            BLOCK_C=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope_dim)),
+            BLOCK_H=block_rows, BLOCK_N=config.block_n,
+            PAGE_SIZE=block_size,
+            DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl,
+            Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+        )
     if fused_value and w_uv is not None:
         out = torch.empty((num_rows, num_heads, w_uv.shape[1]), dtype=q.dtype, device=device)
         merge_splits_value(partial_out, partial_lse, w_uv, out, lse, use_pdl)

@@ -31,10 +31,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..latent_cache import LatentCache
-from ._common import LN2, LOG2E, dot_precision, next_pow2, online_softmax_weights, pdl
+from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value, split_partials
-from .latent_parts import latent_values
+from .latent_chunks import attend_tile, query_columns, store_columns
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -111,61 +111,6 @@ def _cache_slots(idx_row, bt_row, slot, end, num_positions, s_ik, s_btw, PAGE_SI
     return tl.where(valid, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
 
 
-@triton.jit
-def _query_columns(q_row, head_mask, c0, limit, s_qd, WIDTH: tl.constexpr):
-    """Columns [c0, c0 + WIDTH) of the queries at `q_row` [BLOCK_H, 1] (zeros past limit or a head)."""
-    cols = c0 + tl.arange(0, WIDTH)
-    return tl.load(q_row + cols[None, :] * s_qd, mask=head_mask[:, None] & (cols[None, :] < limit), other=0.0)
-
-
-@triton.jit
-def _scaled_scores(q, k, scale_log2, DOT_PRECISION: tl.constexpr):
-    # Scaled on its own: a raw sum of products would be folded back into one accumulator chain.
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-
-
-@triton.jit
-def _attend_tile(q0, q1, q2, q3, q_pe, v_row, sc_row, r_row, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
-                 s_vd, s_scd, s_rd,
-                 KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                 CHUNKS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """One tile of the base-2 online softmax over the latent rows at `v_row` (scales at `sc_row`, RoPE
-    values at `r_row`; where key_mask), the latent's columns in CHUNKS (4 or 1) chunks: folded into
-    (m_i, l_i [BLOCK_H]; a0..a3 [BLOCK_H, CHUNK] float32; with one chunk, a1..a3 come back as they came)."""
-    out_ty = r_row.dtype.element_ty
-    k0 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 0, CHUNK, KV_LORA_RANK, out_ty, FP8)
-    k_pe = latent_values(r_row, r_row, key_mask, s_rd, s_rd, 0, BLOCK_R, ROPE_DIM, out_ty, False)
-    if CHUNKS == 4:
-        k1 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
-        k2 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 2 * CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
-        k3 = latent_values(v_row, sc_row, key_mask, s_vd, s_scd, 3 * CHUNK, CHUNK, KV_LORA_RANK, out_ty, FP8)
-        scores = ((_scaled_scores(q0, k0, scale_log2, DOT_PRECISION)
-                   + _scaled_scores(q1, k1, scale_log2, DOT_PRECISION))
-                  + (_scaled_scores(q2, k2, scale_log2, DOT_PRECISION)
-                     + _scaled_scores(q3, k3, scale_log2, DOT_PRECISION))
-                  + _scaled_scores(q_pe, k_pe, scale_log2, DOT_PRECISION))
-    else:
-        scores = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * scale_log2
-    scores = tl.where(key_mask[None, :], scores, float("-inf"))
-    m_new, l_i, alpha, p = online_softmax_weights(scores, m_i, l_i)
-    p = p.to(k0.dtype)
-    a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PRECISION)
-    if CHUNKS == 4:
-        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PRECISION)
-        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PRECISION)
-        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l_i, a0, a1, a2, a3
-
-
-@triton.jit
-def _store_columns(po_row, a, l_i, c0, limit, head_mask, s_pod, CHUNK: tl.constexpr):
-    """Columns [c0, c0 + CHUNK) of the split's output, a / l_i, at `po_row` [BLOCK_H, 1] (below limit)."""
-    cols = c0 + tl.arange(0, CHUNK)
-    tl.store(po_row + cols[None, :] * s_pod, (a / l_i[:, None]).to(po_row.dtype.element_ty),
-             mask=head_mask[:, None] & (cols[None, :] < limit))
-
-
 # The split count follows the row count, which eager steps vary: as a constexpr
 # or a specialised int it would compile a kernel per count mid-run.
 @triton.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
@@ -199,15 +144,15 @@ def _sparse_split_kernel(
     head_mask = heads < num_heads
     offs_n = tl.arange(0, BLOCK_N)
     q_row = q_ptr + t64 * s_qt + heads[:, None] * s_qh
-    q0 = _query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
-    q_pe = _query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
+    q0 = query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
+    q_pe = query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     a0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
     if CHUNKS == 4:
-        q1 = _query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-        q2 = _query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-        q3 = _query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q1 = query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q2 = query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q3 = query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
         a1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
         a3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
@@ -232,7 +177,7 @@ def _sparse_split_kernel(
             # compiler keeps the strides' alignment and copies rows asynchronously.
             page = cache_slot // PAGE_SIZE
             offset = cache_slot % PAGE_SIZE
-            m_i, l_i, a0, a1, a2, a3 = _attend_tile(
+            m_i, l_i, a0, a1, a2, a3 = attend_tile(
                 q0, q1, q2, q3, q_pe, v_ptr + page * s_vn + offset * s_vb, sc_ptr + page * s_scn + offset * s_scb,
                 r_ptr + page * s_rn + offset * s_rb, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
                 s_vd, s_scd, s_rd,
@@ -242,11 +187,11 @@ def _sparse_split_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     po_row = po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos
-    _store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
     if CHUNKS == 4:
-        _store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-        _store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-        _store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
     tl.store(pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, lse, mask=head_mask)
 
 

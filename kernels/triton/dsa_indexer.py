@@ -1,6 +1,8 @@
 """The lightning indexer of DeepSeek sparse attention: its key cache write and its scores.
 
-`index_scores` scores every visible position of a row's paged indexer cache:
+`write_index_key` writes a key as it is, or, into an `FP8IndexCache`, quantized (one scale a key, the
+reference's rounding bit for bit). `index_scores` scores every visible position of a row's paged
+indexer cache (FP8 keys read as one byte a value, each key's logits times its scale):
 scores[t, j] = sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale.
 A program owns one row and one contiguous chunk of its positions; it keeps the
 row's queries [Hi, Di] and head weights on chip and streams key tiles [BLOCK_N, Di]
@@ -25,20 +27,46 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..index_cache import FP8IndexCache, IndexCache
 from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
 from .cache import write_kv
+from .fp8_quant import quantize_tile
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _write_fp8_key_kernel(
+    key_ptr, slot_ptr, values_ptr, scales_ptr,
+    num_rows, head_dim, block_size,
+    s_kt, s_kd, s_slot, s_vn, s_vb, s_vd, s_sn, s_sb,
+    BLOCK_D: tl.constexpr, GDC: tl.constexpr,
+):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row * s_slot).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_dim
+        key = tl.load(key_ptr + row.to(tl.int64) * s_kt + d * s_kd, mask=d_mask, other=0.0).to(tl.float32)
+        # One group a key: the columns past Di are zeros, which change no largest magnitude.
+        values, scale = quantize_tile(key[None, :])
+        page, offset = slot // block_size, slot % block_size
+        tl.store(values_ptr + page * s_vn + offset * s_vb + d[None, :] * s_vd, values, mask=d_mask[None, :])
+        tl.store(scales_ptr + page * s_sn + offset * s_sb + tl.arange(0, 1), scale)
 
 
 def write_index_key(
-    index_cache: torch.Tensor,
+    index_cache: IndexCache,
     slot_mapping: torch.Tensor,
     index_key: torch.Tensor,
     *,
     inplace: bool,
-) -> torch.Tensor:
+) -> IndexCache:
     """Write each row's indexer key into the paged indexer cache.
 
-    index_cache:  [num_blocks, bs, Di]
+    index_cache:  [num_blocks, bs, Di], or an `FP8IndexCache` (each key quantized as
+                  `reference.dsa.quantize_index_keys` does, bit for bit)
     slot_mapping: [T] int64 (int32 accepted), slot = block * bs + offset; -1 skips the row
     index_key:    [T, Di] (any strides; cast to the cache dtype)
     returns       the cache with the rows written: `index_cache` itself when `inplace`,
@@ -48,11 +76,26 @@ def write_index_key(
     check_shape("index_cache", index_cache, (None, None, None))
     check_shape("index_key", index_key, (slot_mapping.shape[0], index_cache.shape[2]))
     check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
-    check_float("index_cache", index_cache)
     check_float("index_key", index_key)
-    check_same_device(index_cache=index_cache, slot_mapping=slot_mapping, index_key=index_key)
-    # The latent cache's writer already skips -1 slots and casts to the cache dtype.
-    return write_kv(index_cache, slot_mapping, index_key, inplace=inplace)
+    if isinstance(index_cache, torch.Tensor):
+        check_float("index_cache", index_cache)
+        check_same_device(index_cache=index_cache, slot_mapping=slot_mapping, index_key=index_key)
+        # The latent cache's writer already skips -1 slots and casts to the cache dtype.
+        return write_kv(index_cache, slot_mapping, index_key, inplace=inplace)
+    check_same_device(index_cache=index_cache.values, slot_mapping=slot_mapping, index_key=index_key)
+    if not inplace:
+        index_cache = FP8IndexCache(values=index_cache.values.clone(), scales=index_cache.scales.clone())
+    num_rows, head_dim = index_key.shape
+    if num_rows:
+        values, scales = index_cache.values, index_cache.scales
+        use_pdl = pdl(index_key.device)
+        _write_fp8_key_kernel[(num_rows,)](
+            index_key, slot_mapping, values, scales,
+            num_rows, head_dim, values.shape[1],
+            *index_key.stride(), slot_mapping.stride(0), *values.stride(), scales.stride(0), scales.stride(1),
+            BLOCK_D=max(16, next_pow2(head_dim)), GDC=use_pdl, num_warps=1, launch_pdl=use_pdl,
+        )
+    return index_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,30 +176,38 @@ def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device |
 
 
 @triton.jit
-def _score_tile(q, weights, rows, pos, key_mask, out_row, s_cd, s_oj,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of one tile of keys (row pointers [BLOCK_N]) against the row's queries [BLOCK_H, BLOCK_D]."""
+def _score_tile(q, weights, rows, scale_rows, pos, key_mask, out_row, s_cd, s_oj,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """Scores of one tile of keys (row pointers [BLOCK_N]; with FP8, of e4m3 keys whose scales are at
+    scale_rows [BLOCK_N]) against the row's queries [BLOCK_H, BLOCK_D]."""
     offs_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
         k_mask = key_mask[:, None]
     else:
         k_mask = key_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     keys = tl.load(rows[:, None] + offs_d[None, :] * s_cd, mask=k_mask, other=0.0)
+    if FP8:
+        # e4m3 values are exact in any of the queries' dtypes; the key's scale multiplies its logits
+        # after the product (relu(s x) = s relu(x) for the positive scales the write makes).
+        keys = keys.to(q.dtype)
     # Keys as the product's rows: the sum over heads then runs along the
     # accumulator's columns, inside each warp, not across warps.
     logits = tl.dot(keys, tl.trans(q), input_precision=DOT_PRECISION)          # [BLOCK_N, BLOCK_H]
+    if FP8:
+        logits = logits * tl.load(scale_rows, mask=key_mask, other=0.0)[:, None]
     score = tl.sum(tl.maximum(logits, 0.0) * weights[None, :], axis=1)         # [BLOCK_N]
     tl.store(out_row + pos * s_oj, score, mask=key_mask)
 
 
 @triton.jit(do_not_specialize=["num_cols", "keys_per_chunk"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, cache_ptr, bt_ptr, key_lens_ptr, out_ptr,
+    q_ptr, w_ptr, cache_ptr, scale_ptr, bt_ptr, key_lens_ptr, out_ptr,
     weight_scale, num_heads, num_cols, keys_per_chunk,
     s_qt, s_qh, s_qd, s_wt, s_wh,
-    s_cn, s_cb, s_cd, s_btt, s_btw, s_kl, s_ot, s_oj,
+    s_cn, s_cb, s_cd, s_sn, s_sb, s_btt, s_btw, s_kl, s_ot, s_oj,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -189,8 +240,9 @@ def _index_scores_kernel(
             pos = n0 + offs_n
             key_mask = pos < visible_end
             page = tl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=key_mask, other=0).to(tl.int64)
-            _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos, key_mask, out_row,
-                        s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+            _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb,
+                        scale_ptr + page * s_sn + (pos % PAGE_SIZE) * s_sb, pos, key_mask, out_row,
+                        s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION, FP8)
     else:
         # The pages of LOCATE_TILES tiles are looked up at once, so the key loads of the
         # inner loop depend only on registers and the loop counter (as in `dsa_decode`).
@@ -201,8 +253,9 @@ def _index_scores_kernel(
             for j in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(visible_end - c0, BLOCK_N))):
                 pos = c0 + j * BLOCK_N + offs_n
                 page = tl.sum(tl.where(tile_ids[:, None] == j, pages, 0), axis=0).to(tl.int64)
-                _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb, pos,
-                            pos < visible_end, out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                _score_tile(q, weights, cache_ptr + page * s_cn + (pos % PAGE_SIZE) * s_cb,
+                            scale_ptr + page * s_sn + (pos % PAGE_SIZE) * s_sb, pos,
+                            pos < visible_end, out_row, s_cd, s_oj, HEAD_DIM, BLOCK_D, DOT_PRECISION, FP8)
     hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(tl.maximum(start, key_len), end, BLOCK_N):
         pos = n0 + offs_n
@@ -212,7 +265,7 @@ def _index_scores_kernel(
 def index_scores(
     q: torch.Tensor,
     head_weights: torch.Tensor,
-    index_cache: torch.Tensor,
+    index_cache: IndexCache,
     block_table: torch.Tensor,
     key_lens: torch.Tensor,
     *,
@@ -225,7 +278,8 @@ def index_scores(
     q:            [T, Hi, Di] indexer queries (any strides), bf16 / fp16 / fp32
     head_weights: [T, Hi] float32
     weight_scale: the scores' constant factor, applied to head_weights (in float32)
-    index_cache:  [num_blocks, bs, Di], same dtype as q
+    index_cache:  [num_blocks, bs, Di], same dtype as q, or an `FP8IndexCache` (e4m3 keys read as such, each
+                  key's scores times its scale)
     block_table:  [T, W] int32, one table per row
     key_lens:     [T] int32 keys the row sees (clamped to [0, W * bs]); 0 marks a padded row
     out:          [T, W * bs] float32 to write into (a captured graph allocates nothing), or None
@@ -241,10 +295,15 @@ def index_scores(
     check_shape("key_lens", key_lens, (num_rows,))
     check_float("q", q)
     check_dtype("head_weights", head_weights, (torch.float32,))
-    check_dtype("index_cache", index_cache, (q.dtype,))
+    fp8 = isinstance(index_cache, FP8IndexCache)
+    if isinstance(index_cache, FP8IndexCache):
+        keys, scales = index_cache.values, index_cache.scales
+    else:
+        keys = scales = index_cache
+        check_dtype("index_cache", keys, (q.dtype,))
     check_dtype("block_table", block_table, (torch.int32,))
     check_dtype("key_lens", key_lens, (torch.int32,))
-    check_same_device(q=q, head_weights=head_weights, index_cache=index_cache, block_table=block_table,
+    check_same_device(q=q, head_weights=head_weights, index_cache=keys, block_table=block_table,
                       key_lens=key_lens)
     num_cols = block_table.shape[1] * block_size
     if out is None:
@@ -264,13 +323,14 @@ def index_scores(
     config = config or indexer_config(device, keys_per_chunk)
     use_pdl = pdl(device)
     _index_scores_kernel[(num_rows, chunks)](
-        q, head_weights, index_cache, block_table, key_lens, out,
+        # Without FP8 keys the scale pointer is the cache's, never read.
+        q, head_weights, keys, scales, block_table, key_lens, out,
         float(weight_scale), num_heads, num_cols, keys_per_chunk,
         *q.stride(), *head_weights.stride(),
-        *index_cache.stride(), *block_table.stride(), key_lens.stride(0), *out.stride(),
+        *keys.stride(), scales.stride(0), scales.stride(1), *block_table.stride(), key_lens.stride(0), *out.stride(),
         HEAD_DIM=head_dim, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=config.locate_tiles,
+        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=config.locate_tiles, FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -57,30 +57,89 @@ def fp8_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp
     return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
 
 
+# Tile pieces the quantized expert kernels share (this module's and `fp4_experts`').
+
+@triton.jit
+def gate_up_program(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num_pairs, num_experts, inter,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INLINE_ALIGN: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A gate/up program's expert (-1: an unused block), sorted rows and columns (`moe_align.gate_up_block`):
+    (expert, rows, row_mask, each row's token (0 for padding), the output columns and their mask, the gate
+    rows [0, I) and up rows [I, 2I) of w13 they read; columns past I read row 0 and are not stored)."""
+    block = tl.program_id(0)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    expert, pairs = gate_up_block(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, block, num_pairs,
+                                  num_experts, TOP_K, BLOCK_M, INLINE_ALIGN, BLOCK_E, BLOCK_P)
+    row_mask = pairs < num_pairs
+    tokens = tl.where(row_mask, pairs // TOP_K, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    gate_rows = tl.where(col_mask, cols, 0)
+    return expert, rows, row_mask, tokens, cols, col_mask, gate_rows, gate_rows + inter
+
+
+@triton.jit
+def swiglu_activation(acc_gate, acc_up, limit, X_DTYPE: tl.constexpr, CLAMP: tl.constexpr):
+    """silu(gate) * up of float32 accumulators, rounded to x's dtype as the reference keeps it. With CLAMP,
+    DeepSeek-V4's clamped SwiGLU (`moe`'s CLAMP path): the pre-activations rounded to x's dtype first, as
+    the reference's projections are, then the gate clamped from above at `limit`, up both ways."""
+    if CLAMP:
+        acc_gate = tl.minimum(acc_gate.to(X_DTYPE).to(tl.float32), limit)
+        acc_up = tl.minimum(tl.maximum(acc_up.to(X_DTYPE).to(tl.float32), -limit), limit)
+    return (acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up).to(X_DTYPE)
+
+
+@triton.jit
+def down_rows(sorted_ptr, num_pairs, hidden, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A down program's sorted rows and columns: (rows, their pairs, row_mask, the output columns, their
+    mask, the w2 rows they read: row 0 past D)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    return rows, pairs, pairs < num_pairs, cols, col_mask, tl.where(col_mask, cols, 0)
+
+
+@triton.jit
+def store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
+                         TOP_K: tl.constexpr):
+    """Each row's down product times its pair's router weight, into its float32 pair row."""
+    router = tl.load(weights_ptr + (pairs // TOP_K) * s_tw_t + (pairs % TOP_K) * s_tw_k, mask=row_mask, other=0.0)
+    tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * s_pr + cols[None, :], acc * router[:, None],
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def sorted_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[int, bool, torch.Tensor, torch.Tensor]:
+    """The pairs of topk_ids [T, k] sorted by expert in runs of block_m rows: (the blocks of rows, whether the
+    gate/up programs sort them themselves (few pairs), sorted pairs [blocks * block_m] int32, each block's
+    expert [blocks] int32; the last two left for the gate/up programs to fill when they sort)."""
+    num_pairs = topk_ids.numel()
+    num_rows = moe_sorted_size(num_pairs, num_experts, block_m)
+    if num_pairs <= _INLINE_ALIGN_MAX_PAIRS:
+        return (num_rows // block_m, True, torch.empty(num_rows, dtype=torch.int32, device=topk_ids.device),
+                torch.empty(num_rows // block_m, dtype=torch.int32, device=topk_ids.device))
+    sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
+    return num_rows // block_m, False, sorted_pairs, block_expert
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     a_ptr, as_ptr, w13_ptr, ws_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr, act_scale_ptr,
-    num_pairs, num_experts, hidden, inter,
+    num_pairs, num_experts, hidden, inter, limit,
     s_at, s_ad, s_ast, s_asb, s_we, s_wn, s_wd, s_wse, s_wsn, s_wsb, s_ar, s_ai, s_asr, s_asg, s_ids_t, s_ids_k,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, X_DTYPE: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, CLAMP: tl.constexpr,
 ):
-    block = tl.program_id(0)
     if GDC:
         gdc_wait()
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    expert, pairs = gate_up_block(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, block, num_pairs,
-                                  num_experts, TOP_K, BLOCK_M, INLINE_ALIGN, BLOCK_E, BLOCK_P)
+    expert, rows, row_mask, tokens, cols, col_mask, gate_rows, up_rows = gate_up_program(
+        ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num_pairs, num_experts, inter,
+        TOP_K, BLOCK_M, BLOCK_N, INLINE_ALIGN, BLOCK_E, BLOCK_P)
     if expert >= 0:
-        row_mask = pairs < num_pairs
-        tokens = tl.where(row_mask, pairs // TOP_K, 0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < inter
-        # Gate rows [0, I) and up rows [I, 2I) of w13; a scale block may straddle the two.
-        gate_rows = tl.where(col_mask, cols, 0)
-        up_rows = gate_rows + inter
+        # A scale block may straddle the gate and up rows.
         offs_k = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + tokens[:, None] * s_at
         w_expert = w13_ptr + expert.to(tl.int64) * s_we
@@ -103,8 +162,7 @@ def _gate_up_kernel(
             acc_up = scaled_dot(a, up, acc_up, a_scale, up_scale, W8A8, DOT_PRECISION)
         if GDC:
             gdc_launch_dependents()
-        # The activation is rounded to x's dtype, as the reference keeps it.
-        act = (acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up).to(X_DTYPE)
+        act = swiglu_activation(acc_gate, acc_up, limit, X_DTYPE, CLAMP)
         out_mask = row_mask[:, None] & col_mask[None, :]
         if W8A8:
             # One program's columns are one quantization group of the down product's input:
@@ -130,12 +188,7 @@ def _down_kernel(
         gdc_wait()
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ptr + rows)
-        row_mask = pairs < num_pairs
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < hidden
-        out_rows = tl.where(col_mask, cols, 0)
+        rows, pairs, row_mask, cols, col_mask, out_rows = down_rows(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + rows[:, None].to(tl.int64) * s_ar
         w_cols = w2_ptr + expert.to(tl.int64) * s_we + out_rows[None, :] * s_wn
@@ -154,10 +207,8 @@ def _down_kernel(
             acc = scaled_dot(a, w, acc, a_scale, w_scale, W8A8, DOT_PRECISION)
         if GDC:
             gdc_launch_dependents()
-        router = tl.load(weights_ptr + (pairs // TOP_K) * s_tw_t + (pairs % TOP_K) * s_tw_k, mask=row_mask, other=0.0)
-        acc = acc * router[:, None]
-        tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * s_pr + cols[None, :], acc,
-                 mask=row_mask[:, None] & col_mask[None, :])
+        store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
+                             TOP_K)
 
 
 def fp8_fused_moe(
@@ -173,6 +224,7 @@ def fp8_fused_moe(
     w8a8: bool = False,
     out_dtype: torch.dtype | None = None,
     config: Fp8MoeConfig | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Contract of `reference.fp8.fp8_fused_moe`: the sum over each token's chosen experts of
     weight * down(silu(gate(x)) * up(x)) with block-scaled FP8 expert weights.
@@ -185,6 +237,9 @@ def fp8_fused_moe(
     block:         (bn, bk), bk a power of two >= 32
     returns        [T, D] in out_dtype (x's by default). The activation is kept in x's dtype,
                    products and the k-way sum in float32. `config` overrides `fp8_moe_config`.
+    limit:         DeepSeek-V4's `swiglu_limit`, or None: the gate and up pre-activations, rounded to x's
+                   dtype, are clamped (gate from above, up both ways) before the SwiGLU, as
+                   `reference.v4_moe.clamped_experts` does (its contract on FP8 experts).
     """
     num_tokens, hidden = x.shape
     num_experts = check_fp8_moe(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, block)
@@ -206,14 +261,8 @@ def fp8_fused_moe(
     c = config or fp8_moe_config(num_pairs, num_experts, device)
     block_k = min(c.block_k, block[1])
     bm = c.block_m
-    num_rows = moe_sorted_size(num_pairs, num_experts, bm)
-    num_blocks = num_rows // bm
-    inline_align = num_pairs <= _INLINE_ALIGN_MAX_PAIRS
-    if inline_align:
-        sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
-        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    else:
-        sorted_pairs, block_expert = moe_align(topk_ids, num_experts, bm)
+    num_blocks, inline_align, sorted_pairs, block_expert = sorted_rows(topk_ids, num_experts, bm)
+    num_rows = num_blocks * bm
 
     a, a_scales = quantize_activations(x, block[1]) if w8a8 else (x, w13_scale_inv[0])
     precision = dot_precision(x.dtype)
@@ -226,7 +275,7 @@ def fp8_fused_moe(
                              device=device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, gate_up_n))](
         a, a_scales, w13, w13_scale_inv, topk_ids, sorted_pairs, block_expert, act, act_scales,
-        num_pairs, num_experts, hidden, inter,
+        num_pairs, num_experts, hidden, inter, 0.0 if limit is None else float(limit),
         *a.stride(), *a_scales.stride(), *w13.stride(), *w13_scale_inv.stride(), *act.stride(), *act_scales.stride(),
         *topk_ids.stride(),
         SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8, TOP_K=top_k,
@@ -235,7 +284,7 @@ def fp8_fused_moe(
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
         BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, X_DTYPE=_TL_DTYPES[x.dtype], GDC=use_pdl,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        CLAMP=limit is not None, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     d_scales = act_scales if w8a8 else w2_scale_inv[0]
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)

@@ -27,7 +27,7 @@ from .norm import rms_norm
 Tensor = torch.Tensor
 
 
-def _fp8_pair(w: Weight) -> BlockFP8Weight | None:
+def fp8_pair(w: Weight) -> BlockFP8Weight | None:
     """`w` when the FP8 kernels take it as it is (an FP8 pair whose K block they can step through), else None."""
     if not isinstance(w, BlockFP8Weight):
         return None
@@ -36,7 +36,7 @@ def _fp8_pair(w: Weight) -> BlockFP8Weight | None:
 
 
 def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype: torch.dtype | None) -> Tensor:
-    if (pair := _fp8_pair(weight)) is not None:
+    if (pair := fp8_pair(weight)) is not None:
         return fp8_linear(x, pair.values, pair.scale_inv, block=pair.block, out_dtype=out_dtype)
     return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
 
@@ -88,7 +88,7 @@ class Fp8FusedMoe:
     def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  out_dtype: torch.dtype | None = None) -> Tensor:
         """x [T, D] -> [T, D] in out_dtype (see `contracts.FusedMoe`)."""
-        up, down = _fp8_pair(w13), _fp8_pair(w2)
+        up, down = fp8_pair(w13), fp8_pair(w2)
         if up is not None and down is not None and up.block == down.block:
             return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights, topk_ids,
                                  block=up.block, out_dtype=out_dtype)

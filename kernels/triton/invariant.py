@@ -12,14 +12,26 @@ What changes against the default table, and why:
 * `route`: one launch configuration (token tile, split of the router logits over D)
   for every batch size, instead of one chosen by the token count;
 * `sparse_mla_decode` (DeepSeek-V3.2): a split count set by top-k alone and W_UV by
-  the invariant `bmm`, instead of splits and a fused projection by the row count.
+  the invariant `bmm`, instead of splits and a fused projection by the row count;
+* `index_scores` (V3.2's and V4's indexer): one tile configuration, instead of one
+  chosen by the chunk length, which follows the row count (`v4_invariant`);
+* DeepSeek-V4 (`v4_invariant`): `window_entry_attention` with one split a row and one
+  tile configuration, instead of a split count and tiles that follow the rows and the
+  widest table; the mHC sites, write-backs and hyper head (`hc_site`, `hc_write_back`,
+  `hc_write_back_site`, `hc_head`) with their streams pass in one layout, instead of a
+  kernel and a slicing of D that follow the token count; `clamped_experts` in the tiled
+  path of `fused_moe` here, K steps of 64, instead of K steps that follow the token count.
 
 Row-local ops keep their kernels: `rms_norm`, `rope`, the latent write and the
 sampler's `gumbel_max` run one program per row with tiles sized by the model's
-dimensions. `prefill_attention` stays in the table for its contract but the
+dimensions; so do V4's `rope_tail`, `unit_rms` and `compress_entries` (a program a
+completing row). `top_k_indices` keeps its paths: each is an exact selection with the
+contract's tie rule, so a row's indices do not depend on which one runs; `write_index_key`
+is a copy. `prefill_attention` stays in the table for its contract but the
 batch-invariant forward does not call it: prefill rows take `mla_decode` like
 decode rows, so a token's bits do not depend on the step kind (see
-`mla_func.models.mla.attention`).
+`mla_func.models.mla.attention`); V4's layers take one per-row path for every step kind
+already (`mla_func.models.v4.attention`).
 """
 
 from __future__ import annotations
@@ -29,10 +41,13 @@ from typing import overload
 
 import torch
 
-from ..dequantizing import DequantizingFusedMoe, DequantizingLinear, DequantizingRmsNormLinear
+from ..dequantizing import (DequantizingAbsorbQuery, DequantizingClampedExperts, DequantizingFusedMoe,
+                           DequantizingLinear, DequantizingMlaDecode, DequantizingRmsNormLinear,
+                           DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
 from ..latent_cache import LatentCache
 from ..ops import Ops
 from ..reference.linear import logits_of
+from . import v4_invariant
 from .decode_invariant import mla_decode
 from .dsa_decode import sparse_mla_decode
 from .invariant_matmul import bmm, linear
@@ -40,6 +55,7 @@ from .latent import write_latent
 from .moe import MoeConfig, fused_moe
 from .norm import rms_norm
 from .routing import route, route_config
+from .v4_experts import clamped_experts
 
 # The tiled path in K steps of 64, as every batch-invariant product takes; rows and
 # columns of a tile follow the token count for speed (they do not change a row's
@@ -94,15 +110,25 @@ def invariant_write_latent_absorb(kv_cache: LatentCache, slot_mapping: torch.Ten
     return kv_cache, q_pe, invariant_absorb_query(q_nope[absorb_from:], q_pe[absorb_from:], w_uk)
 
 
+def _moe_config(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> MoeConfig:
+    """The tiled path's configuration: K steps of 64 (on the GPU), tiles by the pairs an expert gets."""
+    if x.device.type != "cuda":
+        return _INTERPRETER_MOE
+    pairs_per_expert = topk_ids.numel() / w13.shape[0]
+    return _FEW_PAIRS_MOE if pairs_per_expert <= 16 else _MANY_PAIRS_MOE
+
+
 def invariant_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Contract of `reference.moe.fused_moe`: the tiled path with one configuration for every token count."""
-    if x.device.type != "cuda":
-        config = _INTERPRETER_MOE
-    else:
-        pairs_per_expert = topk_ids.numel() / w13.shape[0]
-        config = _FEW_PAIRS_MOE if pairs_per_expert <= 16 else _MANY_PAIRS_MOE
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, out_dtype=out_dtype, config=config)
+    """Contract of `reference.moe.fused_moe`: the tiled path with one K step for every token count."""
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, out_dtype=out_dtype, config=_moe_config(x, w13, topk_ids))
+
+
+def invariant_clamped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor, *, limit: float) -> torch.Tensor:
+    """Contract of `reference.v4_moe.clamped_experts` (DeepSeek-V4's experts): the fused MoE's tiled path
+    with the same configuration as `invariant_fused_moe`: x [T, D] -> [T, D]."""
+    return clamped_experts(x, w13, w2, topk_weights, topk_ids, limit=limit, config=_moe_config(x, w13, topk_ids))
 
 
 def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
@@ -149,8 +175,15 @@ def invariant_ops(base: Ops) -> Ops:
         batch_invariant=True,
         dense=dataclasses.replace(base.dense, linear=DequantizingLinear(linear), logits=logits_of(linear),
                                   rms_norm_linear=DequantizingRmsNormLinear(invariant_rms_norm_linear)),
-        mla=dataclasses.replace(base.mla, write_latent_absorb=invariant_write_latent_absorb,
-                                absorb_query=invariant_absorb_query, mla_decode=mla_decode),
+        mla=dataclasses.replace(base.mla, write_latent_absorb=DequantizingWriteLatentAbsorb(invariant_write_latent_absorb),
+                                absorb_query=DequantizingAbsorbQuery(invariant_absorb_query),
+                                mla_decode=DequantizingMlaDecode(mla_decode)),
         moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=DequantizingFusedMoe(invariant_fused_moe)),
-        dsa=dataclasses.replace(base.dsa, sparse_mla_decode=invariant_sparse_mla_decode),
+        dsa=dataclasses.replace(base.dsa, index_scores=v4_invariant.invariant_index_scores,
+                                sparse_mla_decode=DequantizingSparseMlaDecode(invariant_sparse_mla_decode)),
+        v4=dataclasses.replace(base.v4, window_entry_attention=v4_invariant.invariant_window_entry_attention,
+                               hc_site=v4_invariant.invariant_hc_site, hc_write_back=v4_invariant.invariant_hc_write_back,
+                               hc_write_back_site=v4_invariant.invariant_hc_write_back_site,
+                               hc_head=v4_invariant.invariant_hc_head,
+                               clamped_experts=DequantizingClampedExperts(invariant_clamped_experts)),
     )

@@ -25,7 +25,9 @@ import triton.language as tl
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache, latent_rows
+from ..quantized import Weight
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2
+from .fp8_heads import check_up_projections, head_rows
 from .latent_parts import check_latent_cache, latent_parts
 
 
@@ -185,13 +187,13 @@ def _check_head_dim(name: str, value: int) -> None:
 def decompress_context(
     kv_cache: LatentCache,
     block_table: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_uk: Weight,
+    w_uv: Weight,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head keys and values of every block-table position.
 
     kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, dequantized), block_table [B, W],
-    w_uk [H, Dn, C], w_uv [H, Dv, C]
+    w_uk [H, Dn, C], w_uv [H, Dv, C] (tensors, or stacked FP8 pairs read by `fp8_heads.head_rows`)
     returns  k_nope [B, S, H, Dn], k_pe [B, S, R] (a view), value [B, S, H, Dv]; S = W * bs.
     """
     num_seqs, width = block_table.shape
@@ -201,8 +203,8 @@ def decompress_context(
     context = width * block_size
     rows = latent_rows(kv_cache, block_table.long()).view(num_seqs, context, dim)              # [B, S, C+R]
     latent = rows[..., :kv_lora_rank]                                                           # [B, S, C]
-    k_nope = torch.matmul(latent, w_uk.reshape(num_heads * nope_dim, kv_lora_rank).t())        # bsc,(hd)c->bs(hd)
-    value = torch.matmul(latent, w_uv.reshape(num_heads * v_dim, kv_lora_rank).t())            # bsc,(hv)c->bs(hv)
+    k_nope = head_rows(latent, w_uk)                                                            # bsc,(hd)c->bs(hd)
+    value = head_rows(latent, w_uv)                                                             # bsc,(hv)c->bs(hv)
     return (
         k_nope.view(num_seqs, context, num_heads, nope_dim),
         rows[..., kv_lora_rank:],
@@ -260,8 +262,8 @@ def prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     positions: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    w_uk: Weight,
+    w_uv: Weight,
     *,
     softmax_scale: float,
     config: PrefillConfig | None = None,
@@ -277,7 +279,7 @@ def prefill_attention(
     cu_seqlens_q: [B + 1] int32; rows from cu[B] on are padding
     seq_lens:     [B] int32 KV length of each sequence after this step
     positions:    [T] int64, token t sees key positions j <= positions[t], j < seq_lens[b]
-    w_uk:         [H, Dn, C]      w_uv: [H, Dv, C], same dtype as q
+    w_uk:         [H, Dn, C]      w_uv: [H, Dv, C], same dtype as q, or stacked FP8 pairs
     returns       out [T, H, Dv] in q's dtype, lse [T, H] float32; padded rows give 0 / -inf.
     Dn, R and Dv must be powers of two >= 16 (128, 64, 128 in DeepSeek V2/V3).
     """
@@ -297,14 +299,14 @@ def prefill_attention(
     check_float("q_nope", q_nope)
     parts = latent_parts(kv_cache, kv_lora_rank)
     check_latent_cache(parts, q_nope.dtype)
-    for name, t in (("q_pe", q_pe), ("w_uk", w_uk), ("w_uv", w_uv)):
-        check_dtype(name, t, (q_nope.dtype,))
+    check_dtype("q_pe", q_pe, (q_nope.dtype,))
+    check_up_projections(q_nope.dtype, q_nope.device, w_uk=w_uk, w_uv=w_uv)
     check_dtype("block_table", block_table, (torch.int32,))
     check_dtype("cu_seqlens_q", cu_seqlens_q, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
     check_dtype("positions", positions, (torch.int64,))
     check_same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=parts.rope, block_table=block_table,
-                      cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, positions=positions, w_uk=w_uk, w_uv=w_uv)
+                      cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, positions=positions)
     for name, size in (("Dn", nope_dim), ("R", rope_dim), ("Dv", v_dim)):
         _check_head_dim(name, size)
     device = q_nope.device

@@ -13,15 +13,16 @@ import torch
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ._common import check_float
-from .moe import tiled_config, tiled_moe
+from .moe import MoeConfig, tiled_config, tiled_moe
 
 
 def clamped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, *, limit: float) -> torch.Tensor:
+                    topk_ids: torch.Tensor, *, limit: float, config: MoeConfig | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with clamped SwiGLU (see
     `reference.v4_moe.clamped_experts`): x [T, D]; w13 [E, 2I, D]; w2 [E, D, I]; topk_weights [T, k]
     (any float dtype); topk_ids [T, k] int (-1: none) -> [T, D] in x's dtype. Products and the k-way
-    sum in float32."""
+    sum in float32. config: the tiled path's launch configuration, by default `tiled_config` of T * k
+    pairs."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -38,5 +39,5 @@ def clamped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     if num_tokens * top_k == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    config = tiled_config(num_tokens * top_k, num_experts, x.device, x.dtype)
+    config = config or tiled_config(num_tokens * top_k, num_experts, x.device, x.dtype)
     return tiled_moe(x, w13, w2, topk_weights.float(), topk_ids, config, x.dtype, limit=limit)

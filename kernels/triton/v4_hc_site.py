@@ -23,10 +23,14 @@ float32, read once). Here:
   and applies the weighted RMS norm: in registers when the row fits one tile, else in
   two passes over D.
 
-The workspace is sized by static shapes only, so the wrappers are graph-capturable.
+The workspace is sized by static shapes only, so the wrappers are graph-capturable. The streams
+pass's layout (`StreamsLayout`: which kernel, how D is sliced) follows the token count by default;
+a caller may fix it, as the batch-invariant table does (`v4_invariant`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -312,6 +316,23 @@ def _head_kernel(
         tl.store(y_ptr + t * s_yt + dd * s_yd, tl.sum(weights * tile, axis=0).to(y_ptr.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamsLayout:
+    """How the streams pass covers [T, N, D]: its tokens a block at a time through the dot product
+    (`_streams_dot_kernel`) or one at a time, block_t tokens a program, D in `slices` slices of `chunks`
+    _BLOCK_D-wide chunks each (a row's partial sums follow the slices)."""
+
+    block_dot: bool
+    block_t: int
+    slices: int
+    chunks: int
+
+
+def streams_layout(num_tokens: int, dim: int) -> StreamsLayout:
+    """The layout for `num_tokens` tokens of width `dim`: the fastest, from static shapes only."""
+    return StreamsLayout(_block_dot(num_tokens), *_geometry(num_tokens, dim))
+
+
 def _block_dot(num_tokens: int) -> bool:
     """Whether the streams pass takes its tokens a block at a time (`_streams_dot_kernel`)."""
     return num_tokens >= _DOT_MIN_TOKENS
@@ -362,19 +383,23 @@ def _check_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
         raise ValueError(f"iters: expected >= 1, got {iters}")
 
 
-def _workspace(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """The partials of `_streams_kernel` for `streams` [T, N, D] and fn [M, N * D]: [T, S, 1 + M] float32."""
+def _workspace(streams: torch.Tensor, fn: torch.Tensor, layout: StreamsLayout | None = None) -> torch.Tensor:
+    """The partials of `_streams_kernel` for `streams` [T, N, D] and fn [M, N * D]: [T, S, 1 + M] float32
+    (S slices: `layout`'s, by default `streams_layout`'s)."""
     num_tokens, _, dim = streams.shape
-    _, slices, _ = _geometry(num_tokens, dim)
+    slices = (layout or streams_layout(num_tokens, dim)).slices
     return torch.empty((num_tokens, slices, 1 + fn.shape[0]), dtype=torch.float32, device=streams.device)
 
 
 def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                  fn: torch.Tensor | None, ws: torch.Tensor | None) -> torch.Tensor:
-    """Launch `_streams_kernel`, writing the partials into ws (with fn) -> the streams the site reads [T, N, D]
-    (new ones with `write_back` = (post, comb, out), else `streams`)."""
+                  fn: torch.Tensor | None, ws: torch.Tensor | None, layout: StreamsLayout | None = None
+                  ) -> torch.Tensor:
+    """Launch `_streams_kernel` in `layout` (by default `streams_layout`'s), writing the partials into ws
+    (with fn) -> the streams the site reads [T, N, D] (new ones with `write_back` = (post, comb, out), else
+    `streams`)."""
     num_tokens, n, dim = streams.shape
-    block_t, slices, chunks = _geometry(num_tokens, dim)
+    layout = layout or streams_layout(num_tokens, dim)
+    block_t, slices, chunks = layout.block_t, layout.slices, layout.chunks
     width = 1 if fn is None else fn.shape[0]
     new = torch.empty_like(streams, memory_format=torch.contiguous_format) if write_back is not None else streams
     # Pointers a constexpr-disabled branch never reads are bound to `streams`.
@@ -385,7 +410,7 @@ def _streams_pass(streams: torch.Tensor, write_back: tuple[torch.Tensor, torch.T
             *((0, 0) if fn is None else fn.stride()), *((0, 0) if ws is None else ws.stride()[:2]))
     meta = dict(N=n, M=width, BLOCK_T=block_t, BLOCK_D=_BLOCK_D, WRITE_BACK=write_back is not None,
                 PARTIALS=fn is not None, GDC=pdl(streams.device), num_warps=4, launch_pdl=pdl(streams.device))
-    if _block_dot(num_tokens):
+    if layout.block_dot:
         _streams_dot_kernel[(triton.cdiv(num_tokens, block_t), slices)](
             *args, MP=max(16, next_pow2(width)), num_stages=_STREAMS_DOT_STAGES, **meta)
     else:
@@ -417,43 +442,47 @@ def _site_pass(ws: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            norm_weight: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            norm_weight: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float,
+            layout: StreamsLayout | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mHC site (see `reference.v4_hc.hc_site`): streams [T, N, D]; fn [(2 + N) * N, N * D] float32;
     base [(2 + N) * N], scale [3] float32; norm_weight [D] -> (x [T, D] in promote(norm_weight, streams)
-    dtype, post [T, N], comb [T, N, N] float32). Two launches."""
+    dtype, post [T, N], comb [T, N, N] float32). Two launches; `layout`: the streams pass's
+    (`streams_layout`'s by default)."""
     num_tokens, n, dim = _check_streams(streams)
     _check_site(streams, fn, base, scale, norm_weight, iters)
     if num_tokens == 0:
         return _empty_site(streams, norm_weight)
-    ws = _workspace(streams, fn)
-    _streams_pass(streams, None, fn, ws)
+    ws = _workspace(streams, fn, layout)
+    _streams_pass(streams, None, fn, ws, layout)
     return _site_pass(ws, streams, base, scale, norm_weight, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
 
-def hc_write_back(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+def hc_write_back(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor, *,
+                  layout: StreamsLayout | None = None) -> torch.Tensor:
     """A sublayer's write-back (see `reference.v4_hc.hc_write_back`): post [T, N], comb [T, N, N] float32;
-    out [T, D]; streams [T, N, D] -> the new streams [T, N, D] in streams' dtype. One launch."""
+    out [T, D]; streams [T, N, D] -> the new streams [T, N, D] in streams' dtype. One launch, in `layout`
+    (`streams_layout`'s by default)."""
     num_tokens, _, _ = _check_streams(streams)
     _check_write_back(post, comb, out, streams)
     if num_tokens == 0:
         return torch.empty_like(streams)
-    return _streams_pass(streams, (post, comb, out), None, None)
+    return _streams_pass(streams, (post, comb, out), None, None, layout)
 
 
 def hc_write_back_site(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor,
                        fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-                       iters: int, hc_eps: float, norm_eps: float
+                       iters: int, hc_eps: float, norm_eps: float, layout: StreamsLayout | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_write_back` then `hc_site` of the new streams (see `reference.v4_hc.hc_write_back_site`)
-    -> (new streams [T, N, D], x [T, D], post [T, N], comb [T, N, N]). Two launches."""
+    -> (new streams [T, N, D], x [T, D], post [T, N], comb [T, N, N]). Two launches; `layout`: the streams
+    pass's (`streams_layout`'s by default)."""
     num_tokens, _, _ = _check_streams(streams)
     _check_write_back(post, comb, out, streams)
     _check_site(streams, fn, base, scale, norm_weight, iters)
     if num_tokens == 0:
         return (torch.empty_like(streams), *_empty_site(streams, norm_weight))
-    ws = _workspace(streams, fn)
-    new = _streams_pass(streams, (post, comb, out), fn, ws)
+    ws = _workspace(streams, fn, layout)
+    new = _streams_pass(streams, (post, comb, out), fn, ws, layout)
     return (new, *_site_pass(ws, new, base, scale, norm_weight, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps))
 
 
@@ -466,9 +495,10 @@ def _empty_site(streams: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float,
-            norm_eps: float) -> torch.Tensor:
+            norm_eps: float, layout: StreamsLayout | None = None) -> torch.Tensor:
     """The hyper head (see `reference.v4_hc.hc_head`): streams [T, N, D]; fn [N, N * D], base [N], scale [1]
-    float32 -> [T, D] in the streams' dtype. Two launches."""
+    float32 -> [T, D] in the streams' dtype. Two launches; `layout`: the streams pass's (`streams_layout`'s
+    by default)."""
     num_tokens, n, dim = _check_streams(streams)
     check_shape("fn", fn, (n, n * dim))
     check_dtype("fn", fn, (torch.float32,))
@@ -480,8 +510,8 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     y = torch.empty((num_tokens, dim), dtype=streams.dtype, device=streams.device)
     if num_tokens == 0:
         return y
-    ws = _workspace(streams, fn)
-    _streams_pass(streams, None, fn, ws)
+    ws = _workspace(streams, fn, layout)
+    _streams_pass(streams, None, fn, ws, layout)
     block_d, num_warps = _site_tile(n, dim)
     _head_kernel[(num_tokens,)](
         ws, streams, base.contiguous(), scale, y,

@@ -62,7 +62,7 @@ def _layer_to_hf(p: str, layer: LayerParams, c: ModelConfig) -> dict[str, torch.
     out[a + "kv_a_proj_with_mqa.weight"] = kv_a
     out[a + "kv_a_layernorm.weight"] = attn.kv_a_norm
     # kv_b_proj rows are per head: Dn key rows then Dv value rows, [H * (Dn + Dv), C].
-    out[a + "kv_b_proj.weight"] = torch.cat([attn.w_uk, attn.w_uv], dim=1).flatten(0, 1)
+    out[a + "kv_b_proj.weight"] = torch.cat([_dense(attn.w_uk), _dense(attn.w_uv)], dim=1).flatten(0, 1)
     out[a + "o_proj.weight"] = _dense(attn.o_proj)
     m = p + "mlp."
     if isinstance(layer.mlp, MoEParams):

@@ -102,8 +102,9 @@ def load_model(
     families: config.json's model_type -> the `Family` that reads and runs it (`models.registry.FAMILIES`;
             pass `{**FAMILIES, "my_model": MY_FAMILY}` to load a family of one's own).
     parallel: this rank's place in a tensor-parallel group (`mla_func.parallel.Parallel`): each rank
-            reads only its shard of each tensor (`Family.tensor_split`) and the params know their
-            ranks (`Params.collectives`). A checkpoint folder of float weights only, without mtp.
+            reads only its shard of each tensor (`Family.tensor_split`; a block-scaled weight's values
+            and the scales of their blocks, `mla_func.parallel.shard`) and the params know their ranks
+            (`Params.collectives`). A checkpoint folder (its MTP layer cut as its other layers are).
     """
     # Truthiness would read mtp="no" as True and load a layer nobody asked for.
     if not isinstance(mtp, bool):
@@ -113,9 +114,6 @@ def load_model(
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"load_model: quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     sharded = parallel is not None and parallel.tensor_parallel > 1
-    if sharded and (mtp or quantization is not None):
-        raise ValueError(f"load_model: parallel= shards float weights without the MTP layer for now; got mtp={mtp}, "
-                         f"quantization={quantization!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
     name = str(path_or_preset)
@@ -208,9 +206,7 @@ def _load_folder(
                        layout=layout)
         dtypes = {name: _stored_dtype(config, layout, name, folder.label(located[name].file), located[name].entry, dtype)
                   for name in expected}
-        if parallel is not None and parallel.tensor_parallel > 1 and block is not None:
-            raise CheckpointError(f"{path}: parallel= shards float weights for now; this checkpoint stores FP8")
-        shard = None if parallel is None else shard_reader(config, parallel)
+        shard = None if parallel is None else shard_reader(config, parallel, layout, expected, str(folder.root))
 
         def read(name: str) -> torch.Tensor:
             where = located[name]
@@ -225,7 +221,8 @@ def _load_folder(
         else:
             params = params_from_hf(config, fetch, dtype=dtype, device=device,
                                     progress=_show_progress(config, progress), max_model_len=max_model_len)
-        drafter = load_mtp(config, params, fetch, dtype, device, frozenset(expected)) if mtp else None
+        drafter = (load_mtp(config, params, fetch, dtype, device, frozenset(expected), parallel=parallel)
+                   if mtp else None)
         if parallel is not None:
             params = dataclasses.replace(params, collectives=parallel.collectives)
     return Model(config=config, params=params, tokenizer=_load_tokenizer(folder), mtp=drafter,

@@ -43,8 +43,8 @@ def params_bytes(config: ModelConfig, dtype: torch.dtype, *, mtp: bool = False, 
     tensor the layout quantizes as its format holds it (`StoredFormat.held_bytes`: FP8 one byte a value
     plus a float32 scale a block, FP4 half a byte a value plus a byte a block), except those the family
     dequantizes at load (`QuantLayout.held_dense`), in the dtype it holds them in. (MLA's key/value
-    up-projection, dequantized too but not declared, is a few percent of the attention's bytes,
-    not counted.) Plus the float32 RoPE tables of
+    up-projection is held as stored, cut per head: on blocks finer than the checkpoint's where a head's
+    rows end inside one, whose extra scales are not counted.) Plus the float32 RoPE tables of
     `rope_positions(config, max_model_len)` positions. A tied head and the MTP layer's embedding and
     head are the model's own tensors, counted once. Raises what `mtp_tensor_shapes` raises for a
     model without MTP support, and ValueError for a bad max_model_len, as loading would.

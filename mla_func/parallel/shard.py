@@ -4,6 +4,18 @@ A family's `tensor_split` rule says which dim of a tensor the ranks share evenly
 rank holds it whole); rank r of n reads the r-th of n contiguous ranges of that dim. The bytes
 come from the header entry the loader has already checked, so no rank ever reads (or holds) the
 whole checkpoint: a row range is one read, a column range one read per row.
+
+A block-scaled weight (FP8 values with a scale per 128 x 128 block, or FP4 values with one per
+1 x 32) is cut as its values are, and its scale grid along the same dim: rank r reads the
+scales of exactly the blocks its values fill. That needs every rank's range to hold whole blocks
+((L / n) a multiple of the block's side along the cut dim), checked for every weight before a byte
+is read (`check_block_aligned`, a CheckpointError naming the tensor and the sizes). A split inside
+a block is refused rather than regrouped: each rank's scales would repeat their block's, and a
+w8a8 product would quantize the activations in groups that straddle the ranks' columns, which one
+process does not. A partial block at the edge of a cut dim (L not a multiple of the block) cannot
+meet that rule (an even cut into whole blocks makes L a multiple of them), so it is refused too;
+along the dim that is not cut, partial edge blocks stay as stored, every rank reading that side
+of the scale grid whole.
 """
 
 from __future__ import annotations
@@ -17,8 +29,11 @@ from io import FileIO
 import torch
 
 from mla_func.checkpoint.files import CheckpointError, read_exactly
+from mla_func.checkpoint.quant_layout import QuantLayout
 from mla_func.checkpoint.safetensors_file import TensorEntry, read_tensor
 from mla_func.core.config import ModelConfig, refuse
+from mla_func.kernels.fp4_weight import BlockFP4Weight
+from mla_func.kernels.quantized import Weight, slice_block
 from mla_func.parallel.config import Parallel, Sharding
 
 # (name, open file, its label, the name's header entry, the dtype it is stored as) -> the tensor to hold
@@ -139,9 +154,62 @@ def read_shard(f: FileIO, label: str, entry: TensorEntry, dtype: torch.dtype, sh
     return torch.frombuffer(buf, dtype=dtype).view(out_shape)
 
 
-def shard_reader(config: ModelConfig, parallel: Parallel) -> TensorReader:
+_SIDES = ("rows", "columns")
+
+
+def _misaligned(what: str, shape: tuple[int, ...], dim: int, block: tuple[int, int], fmt: str,
+                ranks: int) -> str | None:
+    """Why `what` [..., N, K] in `fmt` blocks of `block` cannot be cut into `ranks` whole-block ranges
+    along `dim` (0 or 1 of its last two dims), or None when it can."""
+    length, side = shape[len(shape) - 2 + dim], block[dim]
+    if length % (ranks * side) == 0:
+        return None
+    return (f"{what} of shape {list(shape)} ({fmt} in {block[0]} x {block[1]} blocks): its {length} "
+            f"{_SIDES[dim]} split across {ranks} ranks are {length / ranks:g} a rank, not a multiple of the "
+            f"scales' {side}-{_SIDES[dim][:-1]} blocks; each rank must read whole blocks (choose a number of "
+            "ranks whose share of this width is a multiple of the block)")
+
+
+def check_block_aligned(rule: Callable[[str], int | None], layout: QuantLayout,
+                        shapes: Mapping[str, tuple[int, ...]], ranks: int, label: str) -> None:
+    """CheckpointError naming the first block-scaled weight of `shapes` (the stored shapes of every
+    tensor to be read, `quant_layout.stored_shapes`) that `rule` cuts inside a block (module docstring)."""
+    for name in sorted(shapes):
+        fmt = layout.format_of(name)
+        dim = None if fmt is None or layout.weight_of_scale(name) is not None else rule(name)
+        if fmt is None or dim is None:
+            continue
+        stored = shapes[name]
+        logical = (*stored[:-1], stored[-1] * fmt.pack)
+        why = _misaligned(f"tensor {name!r}", logical, dim, fmt.block, fmt.name, ranks)
+        if why is not None:
+            raise CheckpointError(f"{label}: {why}")
+
+
+def cut_weight(w: Weight, shard: Shard, what: str) -> Weight:
+    """`shard` of a weight held in memory (`shard.dim` -2: rows, -1: columns of [..., N, K]), for a cut
+    the checkpoint's split cannot make (an expert-parallel rank's columns of each shared expert).
+    A block-scaled pair keeps the scales of its own blocks, and is refused (ValueError naming `what`)
+    where the cut falls inside one (module docstring)."""
+    if shard.dim not in (-2, -1):
+        raise ValueError(f"cut_weight: shard.dim must be -2 (rows) or -1 (columns), got {shard.dim}")
+    start, stop = shard.bounds(w.shape[shard.dim])
+    if isinstance(w, BlockFP4Weight):
+        raise ValueError(f"cut_weight: {what} is held as FP4, which is read whole or cut by the checkpoint's split")
+    if not isinstance(w, torch.Tensor):
+        why = _misaligned(what, tuple(w.shape), shard.dim + 2, w.block, "FP8", shard.count)
+        if why is not None:
+            raise ValueError(f"cut_weight: {why}")
+    return slice_block(w, shard.dim, start, stop)
+
+
+def shard_reader(config: ModelConfig, parallel: Parallel, layout: QuantLayout | None = None,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None, label: str = "") -> TensorReader:
     """The reader of this rank's shard of every tensor, by the family's `tensor_split` rule.
 
+    layout: a quantized checkpoint's (`Family.quant_layout`): a weight's scales are cut along the
+            weight's dim; `shapes` (the stored shapes of every tensor to be read) are checked first,
+            CheckpointError (`label`: the folder) for a weight cut inside a block (module docstring).
     ValueError when the family cannot be sharded or the config does not divide (the field named).
     """
     split_rule = config.family.tensor_split
@@ -150,9 +218,16 @@ def shard_reader(config: ModelConfig, parallel: Parallel) -> TensorReader:
                          "sharded yet")
     rule = split_rule(config, parallel.sharding)
     rank, count = parallel.rank, parallel.tensor_parallel
+    if layout is not None:
+        if shapes is None:
+            raise ValueError("shard_reader: a quantized layout needs the stored shapes, to check its cuts first")
+        if count > 1:
+            check_block_aligned(rule, layout, shapes, count, label)
 
     def read(name: str, f: FileIO, label: str, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
-        dim = rule(name)
+        weight = None if layout is None else layout.weight_of_scale(name)
+        # A scale grid is cut along its weight's dim: [ceil(N / bn), ceil(K / bk)] as [N, K] is.
+        dim = rule(name if weight is None else weight)
         if dim is None or count == 1:
             return read_tensor(f, label, entry, dtype)
         return read_shard(f, label, entry, dtype, Shard(dim, rank, count))

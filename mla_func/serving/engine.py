@@ -19,13 +19,19 @@ reaches the caller, aborts that call's requests and frees their blocks, and leav
 engine usable: every step of its state goes through `Engine._target_step`, which keeps the
 state the step returns before anything else runs (the drafter's state is kept the same way
 in `mla_func.serving.speculative`).
+
+Under data-parallel attention (a model loaded with `Parallel(data_parallel_attention=True)`) every
+rank runs this engine with the same calls: it schedules every rank's requests alike
+(`mla_func.serving.rank_scheduler`), runs its own rank's step (an idle one when it has no request in
+it), draws its own rows' tokens, and gathers every rank's, so every rank returns every completion.
 """
 
 from __future__ import annotations
 
 import gc
 import random
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -34,11 +40,13 @@ from mla_func.core.model import Model
 from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.prepare import init_state
 from mla_func.core.step import StepOutput
-from mla_func.kernels import default_backend, ops_for
+from mla_func.kernels import CollectiveOps, default_backend, ops_for
 from mla_func.kernels.latent_cache import check_kv_cache_dtype
 from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
+from mla_func.parallel.data_parallel import prepare_rank_step
 from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logprobs
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
+from mla_func.serving.rank_scheduler import RankSchedulers, RanksStep, StepScheduler
 from mla_func.serving.requests import (CheckedRequest, Completion, Limits, LiveRequest, ParamsLike, Prompt,
                                        RequestError, StopText, StreamEvent, TokenLogprob, check_request,
                                        check_score_ids, choice_seed, split_call)
@@ -47,6 +55,15 @@ from mla_func.serving.speculative import SpeculativeDecoder, SpeculativeStats
 from mla_func.state.block_allocator import OutOfBlocks
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "StreamEvent"]
+
+# What a step gives each of its rows: a token, a verify row's tokens, or None (a row without logits).
+Drawn = int | tuple[int, ...] | None
+_Step = TypeVar("_Step", ScheduledStep, RanksStep)  # a step of one scheduler, or of every rank's
+
+
+def _fewest(count: int, ranks: CollectiveOps, device: torch.device) -> int:
+    """The least of every rank's `count` (one all-gather): a number every rank's schedulers agree on."""
+    return int(ranks.all_gather(torch.tensor([count], dtype=torch.int64, device=device), dim=0).min())
 
 
 class Engine:
@@ -72,6 +89,13 @@ class Engine:
     bytes a token and layer at DeepSeek's sizes against 1152 in bf16; a family without an FP8 cache,
     `Family.fp8_cache_layer_kinds`, refuses it; the drafter's cache, with speculative_tokens, stays in
     the model's dtype).
+
+    Under data-parallel attention (`model.params.collectives.tokens_split`) every rank builds the engine
+    and makes the same calls on it (module docstring): requests go to ranks by `RankSchedulers`' rule,
+    max_num_seqs, max_num_batched_tokens and num_blocks are each rank's (num_blocks the fewest any rank
+    would take), and every step runs eagerly (graphs off: a rank that captures a graph runs its step's
+    collectives once more than a rank that replays one). Speculative decoding and logprobs are not
+    supported there yet.
     """
 
     def __init__(
@@ -105,6 +129,11 @@ class Engine:
         check_kv_cache_dtype(kv_cache_dtype, "Engine: kv_cache_dtype")
         if speculative_tokens and model.mtp is None:
             raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
+        # The ranks of a data-parallel group (None: this engine's steps are every rank's steps).
+        ranks = model.params.collectives if model.params.collectives.tokens_split else None
+        if ranks is not None and speculative_tokens:
+            raise ValueError(f"Engine: speculative_tokens={speculative_tokens} is not supported under data-parallel "
+                             "attention yet (the drafter's steps do not exchange rows)")
         if max_model_len is None:
             max_model_len = model.max_positions
         check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
@@ -115,16 +144,20 @@ class Engine:
         if max_model_len > model.max_positions:  # RoPE tables are built as long as the engine needs
             model = model.with_max_positions(max_model_len)
         self.model = model
+        if num_blocks is None:
+            num_blocks = default_num_blocks(model, block_size, max_num_seqs, max_model_len,
+                                            speculative=bool(speculative_tokens), kv_cache_dtype=kv_cache_dtype,
+                                            max_num_batched_tokens=max_num_batched_tokens)
+        if ranks is not None:
+            num_blocks = _fewest(num_blocks, ranks, model.device)
         self.config = EngineConfig(
             block_size=block_size,
-            num_blocks=(num_blocks if num_blocks is not None
-                        else default_num_blocks(model, block_size, max_num_seqs, max_model_len,
-                                                speculative=bool(speculative_tokens), kv_cache_dtype=kv_cache_dtype,
-                                                max_num_batched_tokens=max_num_batched_tokens)),
+            num_blocks=num_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, enable_mixed=enable_mixed,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            backend=backend or default_backend(model.device), graphs=graphs, graph_kinds=tuple(graph_kinds),
+            backend=backend or default_backend(model.device), graphs=graphs and ranks is None,
+            graph_kinds=tuple(graph_kinds),
             batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype,
         )
         c = self.config
@@ -135,8 +168,11 @@ class Engine:
                                 dtype=model.dtype, device=model.device, kv_cache_dtype=c.kv_cache_dtype,
                                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
         # The state's own cache groups (group 0 of tokens, then the family's, `Family.cache_groups`), so the
-        # scheduler allocates in exactly the geometry the steps write.
-        self.scheduler = Scheduler(c.scheduler_config(self.state.groups))
+        # scheduler allocates in exactly the geometry the steps write (every rank's state has the same).
+        self._ranks = ranks
+        self.scheduler: Scheduler | RankSchedulers = (
+            Scheduler(c.scheduler_config(self.state.groups)) if ranks is None
+            else RankSchedulers(c.scheduler_config(self.state.groups), ranks.size, ranks.rank))
         # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
         self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
@@ -209,7 +245,8 @@ class Engine:
         return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
                       c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer,
                       speculative_tokens=c.speculative_tokens, chat_template=self.model.chat_template,
-                      max_sequence_tokens=self.scheduler.blocks.num_usable_tokens())
+                      max_sequence_tokens=self.scheduler.blocks.num_usable_tokens(),
+                      data_parallel=self._ranks is not None)
 
     # ---- generation ---------------------------------------------------------------
 
@@ -317,20 +354,28 @@ class Engine:
         Each event carries its request id; a request's last event carries its completion. Returns []
         when nothing is queued. An error or an interrupt inside the iteration reaches the caller with
         the scheduler as it was before it (its requests are scheduled again unless the caller aborts
-        them, as `generate_stream` does).
+        them, as `generate_stream` does). Under data-parallel attention every rank's events.
         """
-        scheduled = self.scheduler.schedule()
+        scheduler = self.scheduler
+        if isinstance(scheduler, RankSchedulers):
+            return self._iterate(scheduler, self._draw_ranks)
+        return self._iterate(scheduler, self._draw_step)
+
+    def _iterate(self, scheduler: StepScheduler[_Step],
+                 draw: Callable[[_Step, dict[Hashable, LiveRequest]], list[Drawn]]) -> list[StreamEvent]:
+        """`iterate` over `scheduler`'s steps, whose rows' tokens `draw` gives."""
+        scheduled = scheduler.schedule()
         if scheduled is None:
             return []
         live = self._live
         try:
             with self._inference():
-                sampled = self._draw_step(scheduled, live)
+                sampled = draw(scheduled, live)
         except BaseException:
-            self.scheduler.cancel(scheduled)
+            scheduler.cancel(scheduled)
             raise
         # Finished requests leave `live` before any event is built: one that ended is never aborted.
-        finished = {f.request_id: (f, live.pop(f.request_id)) for f in self.scheduler.update(scheduled, sampled)}
+        finished = {f.request_id: (f, live.pop(f.request_id)) for f in scheduler.update(scheduled, sampled)}
         if (spec := self._speculative) is not None:
             spec.forget(*finished)
         events: list[StreamEvent] = []
@@ -413,8 +458,11 @@ class Engine:
         # Nothing here is differentiated: eager steps skip autograd's per-op bookkeeping; graphs keep theirs.
         return torch.inference_mode(not self.step.graphs)
 
-    def _target_step(self, plan: StepPlan) -> StepOutput:
+    def _target_step(self, plan: StepPlan, every_rank: tuple[StepPlan, ...] | None = None) -> StepOutput:
         """Run `plan` on the engine's state: the one place that state is donated.
+
+        every_rank: under data-parallel attention, every rank's plan of the step (`plan` is this rank's,
+        empty when it is idle); by default every rank runs `plan` (a prompt scored on every rank).
 
         The step donates `self.state` and returns a new live state over the same buffers; it is
         stored here as the step returns, before anything after it (drawing, the drafter's catch-up, a
@@ -422,12 +470,15 @@ class Engine:
         step marks its state donated only once it has run, so one that raises part-way leaves it live;
         the cache entries it wrote lie past what the scheduler counts, and later steps overwrite them.
         """
-        batch, mode = self.step.prepare(self.state, plan)
+        if self._ranks is None:
+            batch, mode = self.step.prepare(self.state, plan)
+        else:
+            plans = every_rank if every_rank is not None else (plan,) * self._ranks.size
+            batch, mode = prepare_rank_step(self.step, self.state, plans, self._ranks.rank)
         self.state, out = self.step(self.state, batch, mode)
         return out
 
-    def _draw_step(self, scheduled: ScheduledStep,
-                 live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
+    def _draw_step(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
         """Run one scheduled step, with drafts when speculative; returns a token (or tokens, or None) per row.
         `live` holds the record of every request the step has a row of."""
         spec = self._speculative
@@ -436,9 +487,23 @@ class Engine:
         verify = spec.draft(scheduled, live)
         return spec.accept(verify, self._target_step(verify.plan), live)
 
-    def _run(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[int | tuple[int, ...] | None]:
+    def _draw_ranks(self, scheduled: RanksStep, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
+        """Run this rank's step of a data-parallel one (an idle step when it has none), draw its own rows'
+        tokens and gather every rank's; returns a token (or None) per row of every rank."""
+        ranks, own = self._ranks, scheduled.own
+        if ranks is None:
+            raise ValueError("Engine: a step of every rank, but the model is not loaded with data-parallel attention")
+        out = self._target_step(StepPlan() if own is None else own.plan, every_rank=scheduled.plans)
+        drawn = [] if own is None else self._draw(own, out, live)
+        tokens: list[Drawn] = [*scheduled.every_token(drawn, ranks, self.model.device)]
+        return tokens
+
+    def _run(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
         """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
-        out = self._target_step(scheduled.plan)
+        return self._draw(scheduled, self._target_step(scheduled.plan), live)
+
+    def _draw(self, scheduled: ScheduledStep, out: StepOutput, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
+        """The tokens of the logits rows of `scheduled`, whose step gave `out`: a token (or None) per row."""
         rows, request_ids = scheduled.rows, scheduled.request_ids
         drawn_rows = [i for i, row in enumerate(rows) if row.num_logits]
         if not drawn_rows:

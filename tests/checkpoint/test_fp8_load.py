@@ -81,9 +81,15 @@ def _tokens(n: int, vocab: int) -> list[int]:
 def test_projections_stay_fp8_pairs(pair):
     _, model, _ = pair
     layer = model.params.layers[1]
-    for weight in (layer.attn.qkv_a_proj, layer.attn.q_b_proj, layer.attn.o_proj, layer.mlp.w13, layer.mlp.w2):
+    a = layer.attn
+    for weight in (a.qkv_a_proj, a.q_b_proj, a.w_uk, a.w_uv, a.o_proj, layer.mlp.w13, layer.mlp.w2):
         assert isinstance(weight, BlockFP8Weight)
         assert weight.values.dtype == torch.float8_e4m3fn and weight.scale_inv.dtype == torch.float32
+    # kv_b_proj per head: heads of 40 + 56 rows inside 128-row blocks keep their scales on blocks of 8 rows.
+    c = model.config
+    assert a.w_uk.shape == (c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank)
+    assert a.w_uv.shape == (c.num_attention_heads, c.v_head_dim, c.kv_lora_rank)
+    assert a.w_uk.block == a.w_uv.block == (8, 128)
     assert isinstance(model.params.layers[0].mlp.gate_up, BlockFP8Weight)
     assert model.params.embed.dtype == torch.float32
 
@@ -219,8 +225,8 @@ def test_a_float_folder_refuses_quantization_fp8(tmp_path):
 
 def test_a_v3_shaped_layer_holds_one_byte_a_value_plus_scales():
     """DeepSeek-V3's layer shapes (four routed experts instead of 256, to fit a test machine): every
-    projection but kv_b_proj (dequantized at load, see models/mla/params.py) is one byte a value
-    plus float32 scales, whose bytes are under 1% of the values'."""
+    projection, kv_b_proj's per-head W_UK and W_UV included, is one byte a value plus float32 scales,
+    whose bytes are under 1% of the values', and the memory estimate is what the params hold."""
     v3 = dataclasses.replace(PRESETS["v2-lite"](), model_type="deepseek_v3", hidden_size=7168, q_lora_rank=1536,
                              num_attention_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              kv_lora_rank=512, moe_intermediate_size=2048, intermediate_size=4096,
@@ -231,15 +237,16 @@ def test_a_v3_shaped_layer_holds_one_byte_a_value_plus_scales():
                                progress=False, max_model_len=64, block=(128, 128))
     for layer in params.layers:
         mlp = (layer.mlp.w13, layer.mlp.w2) if isinstance(layer.mlp, MoEParams) else (layer.mlp.gate_up, layer.mlp.down)
-        for w in (layer.attn.qkv_a_proj, layer.attn.q_b_proj, layer.attn.o_proj, *mlp):
+        a = layer.attn
+        for w in (a.qkv_a_proj, a.q_b_proj, a.w_uk, a.w_uv, a.o_proj, *mlp):
             assert isinstance(w, BlockFP8Weight)
             assert w.values.element_size() == 1
             assert w.scale_inv.numel() * 4 < 0.01 * w.values.numel()
+        # kv_b_proj's heads of 128 + 128 rows fill their 128 x 128 blocks: each keeps its scales as stored.
+        rows = v3.num_attention_heads * (v3.qk_nope_head_dim + v3.v_head_dim)
+        assert a.w_uk.nbytes + a.w_uv.nbytes == rows * v3.kv_lora_rank + (rows // 128) * (v3.kv_lora_rank // 128) * 4
     fp8_leaves = [t for t in tree_leaves(params) if t.dtype == torch.float8_e4m3fn]
     values = sum(t.numel() for t in fp8_leaves)
     assert values > 0.9 * sum(t.numel() for t in tree_leaves(params) if t.ndim >= 2 and t.shape[0] > 256)
-    # The estimate counts kv_b_proj at one byte a value; the params hold it in bfloat16.
     estimate = params_bytes(v3, torch.bfloat16, max_model_len=64, block=(128, 128))
-    held = sum(t.numel() * t.element_size() for t in tree_leaves(params))
-    kv_b = v3.num_hidden_layers * v3.num_attention_heads * (v3.qk_nope_head_dim + v3.v_head_dim) * v3.kv_lora_rank
-    assert estimate <= held <= estimate + kv_b * (torch.bfloat16.itemsize - 1) * 1.01
+    assert sum(t.numel() * t.element_size() for t in tree_leaves(params)) == estimate

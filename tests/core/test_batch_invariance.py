@@ -1,4 +1,5 @@
-"""Batch invariance on CPU (torch backend, and the Triton kernels in the interpreter).
+"""Batch invariance on CPU (torch backend, and the Triton kernels in the interpreter); DeepSeek-V4's in
+tests/core/test_v4_batch_invariance.py.
 
 A batch-invariant step gives each row bits that depend on its own sequence only:
 the same logits and cache entries whatever else shares the step, however a
@@ -15,7 +16,9 @@ import torch
 
 import mla_func as mf
 from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, run
-from support.logits_probes import ProbeRun, first_difference, other_requests, probe_requests, run_probes
+from support import invariant_runs
+from support.invariant_runs import padded_mixed_logits, probes_alone
+from support.logits_probes import first_difference, other_requests, probe_requests, run_probes
 from mla_func.kernels import ops_for
 from mla_func.kernels.reference import attention as ref_attention
 from mla_func.kernels.reference import invariant as ref_invariant
@@ -144,13 +147,9 @@ def test_batch_mates_and_padding_do_not_change_a_bit(model):
     others = [Seq(blocks(i, 10)) for i in range(1, 5)]
     for i, other in enumerate(others):
         _, state = prefill_in_chunks(model, state, other, tokens(9 + 5 * i, 10 + i), 64, batch_invariant=True)
-    padding = mf.PaddingPolicy(decode_seqs=(4, 8), prefill_tokens=(64,), prefill_seqs=(2, 4),
-                               block_table_widths=(16,))
     plan = mf.StepPlan(prefill=(prefill_plan(Seq(blocks(0, 10)), prompt), prefill_plan(others[0], [5, 6, 7])),
                        decode=tuple(decode_plan(s, 11) for s in others[1:]))
-    batch, mode = mf.plan_step(model.config, state, plan, padding=padding, batch_invariant=True)
-    assert mode.kind == "mixed" and mode.padded_decode_seqs == 4 and mode.padded_prefill_tokens == 64
-    logits, _ = mf.forward(model.params, state, batch, mode)
+    logits = padded_mixed_logits(model, state, plan, table_width=16)
     assert torch.equal(logits[: len(prompt)], alone)
 
 
@@ -158,9 +157,7 @@ def test_batch_mates_and_padding_do_not_change_a_bit(model):
 
 
 def cpu_engine(model, **kwargs):
-    settings = dict(block_size=BLOCK, num_blocks=400, max_num_seqs=8, max_num_batched_tokens=48,
-                    long_prefill_token_threshold=16, batch_invariant=True)
-    return mf.Engine(model, **{**settings, **kwargs})
+    return invariant_runs.cpu_engine(model, BLOCK, **kwargs)
 
 
 @pytest.mark.parametrize("settings", [
@@ -174,9 +171,7 @@ def test_engine_requests_do_not_depend_on_their_batch_mates(model, settings):
     settings = dict(settings)
     vocab = model.config.vocab_size
     probes = probe_requests(vocab, 0, count=4, max_tokens=12, max_len=40)
-    engine = cpu_engine(model)
-    singles = [run_probes(engine, ([p], [s]), ([], []), seed=0) for p, s in zip(*probes)]
-    alone = ProbeRun([r.tokens[0] for r in singles], [r.logits[0] for r in singles], 0)
+    alone = probes_alone(cpu_engine(model), probes)
     others = other_requests(vocab, 1, count=settings.pop("others"), probes=probes[0], max_tokens=12, max_len=40)
     crowd = run_probes(cpu_engine(model, **settings), probes, others, seed=3)
     if settings.get("num_blocks"):
@@ -211,11 +206,3 @@ def test_sparse_attention_model_is_invariant_too(tmp_path):
     plan = mf.StepPlan(decode=(decode_plan(other, 3), decode_plan(seq, prompt[-1])))
     decoded, _ = run(v32, state, plan, batch_invariant=True)
     assert torch.equal(decoded[1], whole[-1])
-
-
-def test_a_v4_model_refuses_the_mode():
-    v4 = mf.load_model("v4-tiny", device="cpu")
-    with pytest.raises(ValueError, match="V4"):
-        mf.Engine(v4, batch_invariant=True, num_blocks=64)
-    with pytest.raises(ValueError, match="V4"):
-        mf.make_step(v4, batch_invariant=True)

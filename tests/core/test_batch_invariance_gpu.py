@@ -3,7 +3,10 @@
 16 probe requests (8 seeded sampled, 8 greedy, 48 tokens) give the same tokens, and
 the same logits bit for bit on their first 16 steps, alone, among 16 and among 64
 other requests of random lengths, with mixed batches and prefix caching on, with
-chunk thresholds 64 / 512 / unlimited, after preemptions, and with graphs off.
+chunk thresholds 64 / 512 / unlimited, after preemptions, and with graphs off: on
+DeepSeek-V2/V3's shapes ("tiny", "v2-lite") and DeepSeek-V4's ("v4-mini": 64 heads of 512
+over a window of 128, CSA with its indexer's top-512, HCA, hyper-connections, hash and
+score routing).
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ PROBE_TOKENS = 48
 LOGIT_STEPS = 16
 
 
-@pytest.fixture(scope="module", params=["tiny", "v2-lite"])
+# v4-mini's rope tables for the engines' max_model_len, not its 1M positions.
+LOAD = {"tiny": {}, "v2-lite": {}, "v4-mini": dict(max_model_len=1024)}
+
+
+@pytest.fixture(scope="module", params=list(LOAD))
 def model(request):
-    model = mf.load_model(request.param, dtype=torch.bfloat16, device="cuda", seed=3)
+    model = mf.load_model(request.param, dtype=torch.bfloat16, device="cuda", seed=3, **LOAD[request.param])
     yield model
     del model
     torch.cuda.empty_cache()
@@ -142,3 +149,124 @@ def test_invariant_sparse_decode_rows_at_real_sizes():
         assert torch.equal(sub, out[sl]) and torch.equal(sub_lse, lse[sl])
     expected, _ = plain.dsa.sparse_mla_decode(q, kv, table, indices, **args)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def _same_rows(op, rows, cases):
+    """op(*rows) (each [T, ...]) -> its results; op of rows[start:start + count] for each (start, count)
+    gives their rows' bits."""
+    full = op(*rows)
+    full = full if isinstance(full, tuple) else (full,)
+    for start, count in cases:
+        sub = op(*(r[start:start + count] for r in rows))
+        for got, want in zip(sub if isinstance(sub, tuple) else (sub,), full):
+            assert torch.equal(got, want[start:start + count]), (op, start, count)
+    return full
+
+
+def check_v4_ops(dev, *, rows=300, heads=64, head_dim=512, window=128, hidden=4096, hc=4, inter=2048, experts=9,
+                 top_k=7, index_heads=64, index_dim=128, index_topk=512, block=16, context=4096):
+    """Each V4 op of the batch-invariant Triton table on `rows` rows at V4's sizes (v4-mini's by default),
+    in bf16: a row's bits are the same alone, at another place, among few rows (which the default table
+    gives other tiles) and many, and where the batch's tables are wider; close to the default table's."""
+    ops, plain = mf.kernels.ops_for("triton", batch_invariant=True), mf.kernels.ops_for("triton")
+    torch.manual_seed(2)
+    bf16 = torch.bfloat16
+    cases = ((0, 1), (5, 1), (2, 3), (7, 40), (0, rows))
+
+    def close(got, want):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+    width = context // block
+    lens = torch.randint(1, context, (rows,), device=dev, dtype=torch.int32)
+    table = torch.randint(1, 4 * width, (rows, width), device=dev, dtype=torch.int32)
+    window_cache = torch.randn(4 * width, block, head_dim, device=dev, dtype=bf16)
+    q = torch.randn(rows, heads, head_dim, device=dev, dtype=bf16) * head_dim ** -0.25
+    sinks = torch.randn(heads, device=dev)
+    scale = dict(softmax_scale=head_dim ** -0.5, sliding_window=window)
+    # CSA: entries of 4 tokens, 4 a block of 16, the indexer's ascending top-k with a -1 tail.
+    csa_cache = torch.randn(4 * width, block // 4, head_dim, device=dev, dtype=bf16)
+    csa_table = torch.randint(1, 4 * width, (rows, width), device=dev, dtype=torch.int32)
+    counts = lens // 4
+    # The indexer's choice: the top-k of random scores among a row's complete entries, ascending, -1 after.
+    num_entries = width * (block // 4)
+    indices = plain.dsa.top_k_indices(torch.rand(rows, num_entries, device=dev), counts,
+                                      k=min(index_topk, num_entries))
+    # HCA: entries of 128 tokens, one a block.
+    hca_cache = torch.randn(4 * width, 1, head_dim, device=dev, dtype=bf16)
+    hca_table = torch.randint(1, 4 * width, (rows, context // 128 + 1), device=dev, dtype=torch.int32)
+    for entries in (None, "csa", "hca"):
+        extra = {} if entries is None else dict(
+            entry_cache=csa_cache if entries == "csa" else hca_cache, compress_rate=4 if entries == "csa" else 128)
+
+        def attend(qs, t, n, et=None, idx=None, widen=0):
+            kw = dict(extra)
+            if et is not None:
+                kw["entry_table"] = torch.cat([et, et[:, :widen]], dim=1)
+            if idx is not None:
+                kw["entry_indices"] = torch.cat([idx, torch.full_like(idx[:, :widen], -1)], dim=1)
+            return ops.v4.window_entry_attention(qs, window_cache, torch.cat([t, t[:, :widen]], dim=1), n, sinks,
+                                                 **scale, **kw)
+
+        rows_in = [q, table, lens] + ([] if entries is None else [csa_table if entries == "csa" else hca_table])
+        rows_in += [indices] if entries == "csa" else []
+        out, lse = _same_rows(attend, rows_in, cases)
+        wide = attend(*rows_in, widen=3)
+        assert torch.equal(wide[0], out) and torch.equal(wide[1], lse), entries
+        kw = dict(extra)
+        if entries is not None:
+            kw["entry_table"] = rows_in[3]
+        if entries == "csa":
+            kw["entry_indices"] = indices
+        want, want_lse = plain.v4.window_entry_attention(q, window_cache, table, lens, sinks, **scale, **kw)
+        close(out, want)
+        close(lse, want_lse)
+
+    width_fn = (2 + hc) * hc
+    streams = torch.randn(rows, hc, hidden, device=dev, dtype=bf16)
+    fn = torch.randn(width_fn, hc * hidden, device=dev) * (hc * hidden) ** -0.5
+    base, hc_scale = torch.randn(width_fn, device=dev), torch.rand(3, device=dev)
+    norm = 1 + 0.1 * torch.randn(hidden, device=dev, dtype=bf16)
+    post, comb = torch.rand(rows, hc, device=dev) * 2, torch.rand(rows, hc, hc, device=dev)
+    out = torch.randn(rows, hidden, device=dev, dtype=bf16)
+    site = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    got = _same_rows(lambda s: ops.v4.hc_site(s, fn, base, hc_scale, norm, **site), [streams], cases)
+    for g, w in zip(got, plain.v4.hc_site(streams, fn, base, hc_scale, norm, **site)):
+        close(g, w)
+    got = _same_rows(lambda p, c, o, s: ops.v4.hc_write_back_site(p, c, o, s, fn, base, hc_scale, norm, **site),
+                     [post, comb, out, streams], cases)
+    for g, w in zip(got, plain.v4.hc_write_back_site(post, comb, out, streams, fn, base, hc_scale, norm, **site)):
+        close(g, w)
+    written = _same_rows(ops.v4.hc_write_back, [post, comb, out, streams], cases)[0]
+    close(written, plain.v4.hc_write_back(post, comb, out, streams))
+    head_fn = torch.randn(hc, hc * hidden, device=dev) * (hc * hidden) ** -0.5
+    head = dict(hc_eps=1e-6, norm_eps=1e-6)
+    got = _same_rows(lambda s: ops.v4.hc_head(s, head_fn, base[:hc], hc_scale[:1], **head), [streams], cases)[0]
+    close(got, plain.v4.hc_head(streams, head_fn, base[:hc], hc_scale[:1], **head))
+
+    x = torch.randn(rows, hidden, device=dev, dtype=bf16) * 0.5
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=bf16) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=bf16) * inter ** -0.5
+    ids = torch.stack([torch.randperm(experts - 1, device=dev)[:top_k - 1] for _ in range(rows)])
+    ids = torch.cat([ids, torch.full_like(ids[:, :1], experts - 1)], dim=1)          # routed, then the shared one
+    weights = torch.rand(rows, top_k, device=dev)
+    got = _same_rows(lambda xs, w, i: ops.v4.clamped_experts(xs, w13, w2, w, i, limit=10.0), [x, weights, ids], cases)
+    close(got[0], plain.v4.clamped_experts(x, w13, w2, weights, ids, limit=10.0))
+
+    q_index = torch.randn(rows, index_heads, index_dim, device=dev, dtype=bf16)
+    head_weights = torch.randn(rows, index_heads, device=dev)
+    index_cache = torch.randn(4 * width, block // 4, index_dim, device=dev, dtype=bf16)
+    weight_scale = index_heads ** -0.5 * index_dim ** -0.5
+
+    def index(qs, w, t, n, widen=0):
+        return ops.dsa.index_scores(qs, w, index_cache, torch.cat([t, t[:, :widen]], dim=1), n,
+                                    weight_scale=weight_scale)
+
+    got = _same_rows(index, [q_index, head_weights, csa_table, counts], cases)[0]
+    assert torch.equal(index(q_index, head_weights, csa_table, counts, widen=20)[:, :got.shape[1]], got)
+    close(got, plain.dsa.index_scores(q_index, head_weights, index_cache, csa_table, counts,
+                                      weight_scale=weight_scale))
+
+
+def test_invariant_v4_ops_rows_at_real_sizes():
+    """DeepSeek-V4's ops of the batch-invariant Triton table at v4-mini's sizes (see `check_v4_ops`)."""
+    check_v4_ops("cuda")

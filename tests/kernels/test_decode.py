@@ -11,7 +11,7 @@ from mla_func.kernels.triton import decode as tri
 
 
 def _check(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, dtype, device, seed,
-           num_splits=None, non_contiguous=False, workspace=False):
+           num_splits=None, non_contiguous=False, workspace=False, config=None):
     gen = generator(seed, device)
     dim = kv_lora_rank + rope_dim
     kv_cache, block_table = paged_cache(seq_lens, block_size, dim, dtype, device, gen)
@@ -26,7 +26,7 @@ def _check(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, dtype, devic
         kwargs["workspace"] = tri.mla_decode_workspace(
             len(seq_lens), num_heads, kv_lora_rank, block_table.shape[1], block_size, device)
     out, lse = tri.mla_decode(q, kv_cache, block_table, lens, softmax_scale=scale,
-                              kv_lora_rank=kv_lora_rank, num_splits=num_splits, **kwargs)
+                              kv_lora_rank=kv_lora_rank, num_splits=num_splits, config=config, **kwargs)
     ref_out, ref_lse = ref.mla_decode(q.double(), kv_cache.double(), block_table, lens,
                                       softmax_scale=scale, kv_lora_rank=kv_lora_rank)
     assert out.dtype == dtype and out.shape == (len(seq_lens), num_heads, kv_lora_rank)
@@ -51,6 +51,26 @@ def test_lengths_around_block_boundaries(dtype, block_size, num_heads, num_split
 def test_split_counts_agree(num_splits, device):
     # More splits than a short sequence has key tiles leaves some splits empty.
     _check([3, 40, 77], 4, 32, 16, 16, torch.float32, device, seed=num_splits, num_splits=num_splits)
+
+
+CHUNKED = tri.DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, chunks=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_latent_in_four_chunks(dtype, num_splits, device):
+    """The chunked twin (`DecodeConfig.chunks == 4`), which one query a row over a plain cache takes on a GPU."""
+    _check([1, 16, 17, 0, 47], 3, 64, 16, 16, dtype, device, seed=31, num_splits=num_splits, config=CHUNKED)
+    _check([5, 70], 4, 512, 64, 16, torch.bfloat16, device, seed=32, non_contiguous=True, config=CHUNKED)
+
+
+def test_chunks_refuse_what_they_cannot_take(device):
+    q = torch.zeros((2, 4, 2 * 48), device=device)
+    cache = torch.zeros((4, 16, 96), device=device)
+    table = torch.ones((1, 2), dtype=torch.int32, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="four chunks"):
+        tri.mla_decode(q, cache, table, lens, softmax_scale=1.0, kv_lora_rank=48, q_len=2, config=CHUNKED)
 
 
 def test_real_mla_dims(device):
@@ -105,6 +125,27 @@ def test_rejects_bad_inputs(device):
 def test_gpu_real_sizes(num_heads, dtype):
     lens = [1, 63, 64, 65, 1000, 4096, 0, 3000]
     _check(lens, num_heads, 512, 64, 64, dtype, torch.device("cuda"), seed=num_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_gpu_chunked_twin_agrees_with_whole_rows(num_heads):
+    """The chunked kernel (the GPU's default for one query a row) and the whole-row kernel at the bench's
+    sizes: each equal to the reference, and to each other within bf16 rounding."""
+    device = torch.device("cuda")
+    gen = generator(num_heads + 1, device)
+    lens = [1, 63, 64, 65, 1000, 4096, 0, 3000]
+    kv_cache, table = paged_cache(lens, 64, 576, torch.bfloat16, device, gen)
+    q = randn((len(lens), num_heads, 576), torch.bfloat16, device, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    kw = dict(softmax_scale=576 ** -0.5, kv_lora_rank=512)
+    chunked, chunked_lse = tri.mla_decode(q, kv_cache, table, seq_lens, **kw)
+    whole, whole_lse = tri.mla_decode(q, kv_cache, table, seq_lens, config=tri.decode_config(num_heads, device), **kw)
+    want, want_lse = ref.mla_decode(q.double(), kv_cache.double(), table, seq_lens, **kw)
+    for out, lse in ((chunked, chunked_lse), (whole, whole_lse)):
+        assert_close(out, want, torch.bfloat16)
+        assert_close(lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(chunked, whole, torch.bfloat16)
 
 
 @pytest.mark.gpu

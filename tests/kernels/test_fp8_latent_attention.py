@@ -29,7 +29,7 @@ def _cache(seq_lens, block_size, kv_lora_rank, rope_dim, dtype, device, gen):
 
 
 def _check_decode(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, dtype, device, seed, *, q_len=1,
-                  num_splits=None, value_dim=None, invariant=False):
+                  num_splits=None, value_dim=None, invariant=False, config=None):
     gen = generator(seed, device)
     cache, table = _cache(seq_lens, block_size, kv_lora_rank, rope_dim, dtype, device, gen)
     q = randn((len(seq_lens) * q_len, num_heads, kv_lora_rank + rope_dim), dtype, device, gen)
@@ -41,7 +41,8 @@ def _check_decode(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, dtype
         out, lse = tri_invariant.mla_decode(q, cache, table, lens, w_uv=w_uv, **kw)
         want, want_lse = ref_invariant.mla_decode(q.double(), cache, table, lens, **kw)
     else:
-        out, lse = tri_decode.mla_decode(q, cache, table, lens, w_uv=w_uv, q_len=q_len, num_splits=num_splits, **kw)
+        out, lse = tri_decode.mla_decode(q, cache, table, lens, w_uv=w_uv, q_len=q_len, num_splits=num_splits,
+                                         config=config, **kw)
         want, want_lse = ref.mla_decode(q.double(), cache, table, lens, q_len=q_len, **kw)
     if w_uv is not None:
         want = torch.einsum("bhc,hvc->bhv", want, w_uv.double())
@@ -63,6 +64,14 @@ def test_decode(dtype, kv_lora_rank, num_splits, device):
 def test_decode_of_four_whole_groups(device):
     """C = 512: every tile covers whole scale groups (the kernels' grouped dequantization)."""
     _check_decode([5, 40, 0], 2, 512, 64, 16, torch.bfloat16, device, seed=13, num_splits=2)
+
+
+@pytest.mark.parametrize("kv_lora_rank", [512, 64])              # a scale group a chunk; four chunks of one group
+def test_decode_in_four_chunks(kv_lora_rank, device):
+    """The chunked kernel (`DecodeConfig.chunks == 4`): the latent's columns in four chunks."""
+    config = tri_decode.DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, chunks=4)
+    _check_decode([5, 40, 0, 17], 3, kv_lora_rank, 64, 16, torch.bfloat16, device, seed=14, num_splits=2,
+                  config=config)
 
 
 @pytest.mark.parametrize("q_len", [2, 3])

@@ -40,12 +40,14 @@ def test_leaves_are_one_byte_a_latent_value(model):
     assert len(state.leaves()) == 3 * c.num_hidden_layers
 
 
-@pytest.mark.parametrize("config, indexer", [(v2_lite, 0), (v32_lite, 128 * 2)], ids=["v2-lite", "v3.2-lite"])
-def test_real_sizes_take_656_bytes_a_token_and_layer(config, indexer):
-    """DeepSeek's latent (512 + 64) in bf16: 512 FP8 values, 4 float32 scales, 64 bf16 RoPE values."""
+@pytest.mark.parametrize("config, indexer, fp8_indexer", [(v2_lite, 0, 0), (v32_lite, 128 * 2, 128 + 4)],
+                         ids=["v2-lite", "v3.2-lite"])
+def test_real_sizes_take_656_bytes_a_token_and_layer(config, indexer, fp8_indexer):
+    """DeepSeek's latent (512 + 64) in bf16: 512 FP8 values, 4 float32 scales, 64 bf16 RoPE values; V3.2's
+    indexer keys (128) in FP8: 128 values and a float32 scale, against 128 bf16 values."""
     c = config()
     state = mf.init_state(c, num_blocks=2, block_size=64, dtype=torch.bfloat16, device="meta", kv_cache_dtype="fp8")
-    assert state.bytes_per_block() == c.num_hidden_layers * 64 * (656 + indexer)
+    assert state.bytes_per_block() == c.num_hidden_layers * 64 * (656 + fp8_indexer)
     auto = mf.init_state(c, num_blocks=2, block_size=64, dtype=torch.bfloat16, device="meta")
     assert auto.bytes_per_block() == c.num_hidden_layers * 64 * (1152 + indexer)
 

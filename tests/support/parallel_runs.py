@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,10 @@ def run_steps(model: mf.Model, plans: list[mf.StepPlan], *, every_rank: list[lis
 
 @dataclass(frozen=True)
 class RankTask:
-    """What one spawned rank does: join a group of `world` on `port`, then `job` (a name in JOBS)."""
+    """What one spawned rank does: join a group of `world` on `port`, then `job` (a name in JOBS, or a
+    module-level function of (task, parallel) that the spawned process imports, as `support.parallel_jobs`')."""
 
-    job: str
+    job: str | Callable[[RankTask, Parallel], Any]
     rank: int
     world: int
     port: int
@@ -198,7 +200,7 @@ def _rank_main(task: RankTask) -> None:
         parallel = join(rank=task.rank, world_size=task.world, init_method=f"tcp://127.0.0.1:{task.port}",
                         backend="gloo", timeout_s=task.timeout_s)
         try:
-            result = JOBS[task.job](task, parallel)
+            result = (JOBS[task.job] if isinstance(task.job, str) else task.job)(task, parallel)
         finally:
             if task.job != "die_before_step":
                 leave(parallel)
@@ -207,8 +209,9 @@ def _rank_main(task: RankTask) -> None:
     torch.save(result, Path(task.out) / f"rank{task.rank}.pt")
 
 
-def spawn_group(job: str, world: int, out: Path, *, ranks: tuple[int, ...] | None = None, timeout_s: float = 30.0,
-                deadline_s: float = 120.0, args: tuple[Any, ...] = ()) -> dict[int, Any]:
+def spawn_group(job: str | Callable[[RankTask, Parallel], Any], world: int, out: Path, *,
+                ranks: tuple[int, ...] | None = None, timeout_s: float = 30.0, deadline_s: float = 120.0,
+                args: tuple[Any, ...] = ()) -> dict[int, Any]:
     """Run `job` on ranks `ranks` (default all of `world`) in spawned processes; {rank: saved result}.
 
     A rank that saved nothing (it died) is absent. Every process is joined within `deadline_s`

@@ -22,6 +22,7 @@ import torch
 from mla_func.core.config import ModelConfig
 from mla_func.core.exchange import attention_output, shared_block
 from mla_func.core.layers import LayerContext
+from mla_func.kernels.index_cache import IndexCache
 from mla_func.kernels.latent_cache import LatentCache
 from mla_func.models.dsa.indexer import index_query_key, index_weight_scale
 from mla_func.models.mla.attention import LATENT_NORM_EPS
@@ -37,14 +38,14 @@ def sparse_mla_attention(
     p: LayerParams,
     x: torch.Tensor,
     kv_cache: LatentCache,
-    index_cache: torch.Tensor,
+    index_cache: IndexCache,
     ctx: LayerContext,
-) -> tuple[torch.Tensor, LatentCache, torch.Tensor]:
+) -> tuple[torch.Tensor, LatentCache, IndexCache]:
     """One layer's sparse attention over all rows of a step.
 
     x [T, D] the layer's normalised input; kv_cache [num_blocks, bs, C + R] (a tensor or an
     `FP8LatentCache`);
-    index_cache [num_blocks, bs, Di]
+    index_cache [num_blocks, bs, Di] (a tensor or an `FP8IndexCache`)
     ctx.rows: the step's per-row view (block_table [T, W], key_lens [T]), which the forward makes
     returns (output [T, D], the latent cache and the indexer-key cache with this step's rows written)
     """
@@ -93,8 +94,8 @@ class DSADecoderLayer:
     `enter` keeps the normalised input itself (not only its first projection, as the MLA
     layer does): the indexer's key and head weights are projections of it too.
 
-    kv_cache_dtype: the format of the latent cache `init_cache` makes, as `MLADecoderLayer`'s; the
-                    indexer's keys stay in the activations' dtype either way.
+    kv_cache_dtype: the format of the caches `init_cache` makes: the latents as `MLADecoderLayer`'s, and
+                    the indexer's keys ("fp8": an `FP8IndexCache`, one byte a value and a scale a key).
     """
 
     name: str = "dsa"
@@ -135,5 +136,5 @@ class DSADecoderLayer:
 
 
 DSA_DECODER = DSADecoderLayer()
-# The same layer over an FP8 latent cache (`init_state(kv_cache_dtype="fp8")`).
+# The same layer over FP8 latent and indexer-key caches (`init_state(kv_cache_dtype="fp8")`).
 DSA_DECODER_FP8 = DSADecoderLayer(kv_cache_dtype="fp8")

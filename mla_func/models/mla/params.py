@@ -8,11 +8,11 @@ then up rows) and `w2` [E + S, D, I]: the E routed experts, then the shared MLP
 (intermediate size S * I) cut into S experts of I columns each, which sum to it.
 
 A block-scaled FP8 checkpoint keeps its projections as (values, scales) pairs (`BlockFP8Weight`):
-joined and cut by `cat_rows`, `slice_block` and `stack_experts`, which keep every value and regroup
-the scales where a piece's boundary falls inside a block. `kv_b_proj` alone is dequantized at load
-into the model dtype: `w_uk` and `w_uv` are read per head by both attention paths (the absorbed
-query, the decompressed keys and values), and they are small beside the experts (DeepSeek-V3:
-16.8M values a layer against 11.3G of expert weights), so they stay plain tensors in every op.
+joined and cut by `cat_rows`, `slice_block`, `stack_experts` and `split_heads`, which keep every value
+and regroup the scales where a piece's boundary falls inside a block. `kv_b_proj` becomes the stacked
+pairs `w_uk` [H, Dn, C] and `w_uv` [H, Dv, C] (`split_heads`: DeepSeek-V2/V3's heads of 128 + 128 rows
+fill their 128-row blocks, so each head keeps its own scales as stored), which the attention ops take
+as they take a tensor (the absorbed query, the value projection, prefill's decompressed keys and values).
 """
 
 
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
 from mla_func.core.rope_tables import rope_positions, rope_tables
-from mla_func.kernels.quantized import Weight, cat_rows, dequantized, slice_block, stack_experts
+from mla_func.kernels.quantized import BlockFP8Weight, Weight, cat_rows, dequantized, slice_block, split_heads, stack_experts
 from mla_func.models.mla.indexer_params import IndexerParams, indexer_params, indexer_projections
 from mla_func.pytree import register_dataclass
 
@@ -51,8 +51,8 @@ class AttentionParams:
     qkv_a_proj: Weight                    # [Q + C + R (+ Di), D]: query rows (Q = H * (Dn + R), or
                                           # q_lora_rank with a low-rank query), latent rows, indexer key rows
     kv_a_norm: torch.Tensor               # [C]
-    w_uk: torch.Tensor                    # [H, Dn, C] key up-projection
-    w_uv: torch.Tensor                    # [H, Dv, C] value up-projection
+    w_uk: Weight                          # [H, Dn, C] key up-projection (a tensor or a stacked FP8 pair)
+    w_uv: Weight                          # [H, Dv, C] value up-projection (likewise)
     o_proj: Weight                        # [D, H * Dv]
     q_a_norm: torch.Tensor | None = None  # [q_lora_rank], low-rank query only
     q_b_proj: Weight | None = None        # [H * (Dn + R) (+ Hi * Di), q_lora_rank], low-rank query only
@@ -173,6 +173,19 @@ def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def key_value_up(kv_b: Weight, config: ModelConfig, dtype: torch.dtype) -> tuple[Weight, Weight]:
+    """kv_b_proj [H * (Dn + Dv), C] (its heads' rows one head after another) -> (w_uk [H, Dn, C],
+    w_uv [H, Dv, C]): an FP8 pair's per-head pairs (`split_heads`), else the rows of the tensor (another
+    pair dequantized into `dtype`), contiguous. H is read from the rows given (a tensor-parallel rank's)."""
+    nope, value = config.qk_nope_head_dim, config.v_head_dim
+    heads = kv_b.shape[0] // (nope + value)
+    if isinstance(kv_b, BlockFP8Weight):
+        w_uk, w_uv = split_heads(kv_b, heads, (nope, value))
+        return w_uk, w_uv
+    rows = dequantized(kv_b, dtype).view(heads, nope + value, config.kv_lora_rank)
+    return rows[:, :nope].contiguous(), rows[:, nope:].contiguous()
+
+
 def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype,
                  routed: range | None = None) -> LayerParams:
     """Decoder layer `i` from the tensors named `model.layers.{i}.*` (`get` as `checked_fetch` makes it).
@@ -188,10 +201,9 @@ def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype
     c = config
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    # Dequantized once here, not per step (see the module docstring). Heads by the rows fetched: a
-    # tensor-parallel rank's fetch gives its own heads' rows only (`mla_func.parallel`).
-    kv_b = dequantized(get.weight(a + "kv_b_proj.weight"), dtype).view(
-        -1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    # Heads by the rows fetched: a tensor-parallel rank's fetch gives its own heads' rows only
+    # (`mla_func.parallel`).
+    w_uk, w_uv = key_value_up(get.weight(a + "kv_b_proj.weight"), c, dtype)
     # An indexer's projections become the last rows of the attention's (see AttentionParams).
     index_proj = indexer_projections(c, a, get.weight)
     index_q_rows, index_k_rows = ([index_proj[0]], [index_proj[1]]) if index_proj is not None else ([], [])
@@ -205,8 +217,8 @@ def layer_params(config: ModelConfig, i: int, get: TensorGet, dtype: torch.dtype
     attn = AttentionParams(
         qkv_a_proj=cat_rows([q_a, get.weight(a + "kv_a_proj_with_mqa.weight"), *index_k_rows]),
         kv_a_norm=get(a + "kv_a_layernorm.weight"),
-        w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
-        w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(),
+        w_uk=w_uk,
+        w_uv=w_uv,
         o_proj=get.weight(a + "o_proj.weight"),
         **q_parts,  # type: ignore[arg-type]
     )

@@ -12,7 +12,8 @@ only its bytes:
   and shared) intermediate columns, so the stacked experts keep one width; the layer
   all-reduces the partial sum once for routed and shared experts together.
 * embedding and LM head: vocab rows split (`core.vocab`) when n divides the vocabulary, whole
-  on every rank otherwise.
+  on every rank otherwise; so are the MTP layer's copies of them (`model.layers.{L}.embed_tokens`,
+  `shared_head.head`, L = num_hidden_layers), whose decoder layer is cut as every other.
 * the router, norms and V3.2's indexer are whole on every rank: routing and the indexer's top-k
   then see the same bits everywhere and agree by construction.
 
@@ -23,6 +24,8 @@ requests); the MLPs and experts are cut as above.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from mla_func.core.config import ModelConfig
 from mla_func.parallel.config import Sharding
@@ -44,5 +47,9 @@ def mla_tensor_split(config: ModelConfig, sharding: Sharding) -> SplitRule:
     mlp_widths = {"intermediate_size": c.intermediate_size}
     if c.n_routed_experts:
         mlp_widths["moe_intermediate_size"] = c.moe_intermediate_size
-    return split_rule(NAMES, sharding, vocab_size=c.vocab_size,
+    # The MTP layer (`models.mtp.params`) follows the decoder layers; its copies are cut as the originals.
+    mtp = f"model.layers.{c.num_hidden_layers}."
+    copies = (f"{mtp}embed_tokens.weight", f"{mtp}shared_head.head.weight")
+    names = dataclasses.replace(NAMES, vocab=(*NAMES.vocab, *copies))
+    return split_rule(names, sharding, vocab_size=c.vocab_size,
                       head_widths={"num_attention_heads": c.num_attention_heads}, mlp_widths=mlp_widths)

@@ -88,8 +88,9 @@ def drafter_params(model: Model) -> Params:
     mtp = model.mtp
     # Params.layers holds each layer's params of its kind; this kind's are MTPParams.
     layers = cast(tuple[Any, ...], (mtp,))
+    # A sharded model's drafter is sharded alike (`load_mtp`): it joins its partial sums over the same ranks.
     return Params(embed=mtp.embed, layers=layers, norm=mtp.norm, lm_head=mtp.head, rope_cos=model.params.rope_cos,
-                  rope_sin=model.params.rope_sin, config=model.config)
+                  rope_sin=model.params.rope_sin, config=model.config, collectives=model.params.collectives)
 
 
 def init_drafter_state(model: Model, target: KVCacheState) -> KVCacheState:

@@ -12,10 +12,15 @@ decoder layers, as `model.layers.{L}.` with L = num_hidden_layers (and up):
 
 The embedding and head are the model's own in DeepSeek-V3 (the checkpoint holds copies):
 a copy equal to the model's tensor is replaced by it, so memory holds one.
+
+A sharded model's MTP layer is cut as its decoder layers are (the family's `tensor_split` names the
+layer's tensors by the same suffixes, and its copies of the embedding and head as vocabulary rows);
+under expert parallelism its MoE block holds the rank's own routed experts (`load_mtp(parallel=)`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +28,10 @@ import torch
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
+from mla_func.models.mla.expert_shard import expert_parallel_layer
 from mla_func.models.mla.params import LayerParams, layer_params
 from mla_func.models.mla.tensor_shapes import layer_tensor_shapes
+from mla_func.parallel.config import Parallel
 from mla_func.pytree import register_dataclass
 
 __all__ = ["MTP_OPTIONAL_TENSORS", "MTP_UNSUPPORTED", "MTP_UNSUPPORTED_V4", "NO_MTP_LAYER", "MTPParams", "load_mtp", "mtp_layer_index",
@@ -92,11 +99,14 @@ def _shared(own: torch.Tensor | None, model: torch.Tensor) -> torch.Tensor:
 
 
 def mtp_params_from_hf(config: ModelConfig, get: TensorGet, *, dtype: torch.dtype, embed: torch.Tensor,
-                       lm_head: torch.Tensor, present: frozenset[str], depth: int = 0) -> MTPParams:
+                       lm_head: torch.Tensor, present: frozenset[str], depth: int = 0,
+                       layer: Callable[[ModelConfig, int, TensorGet, torch.dtype], LayerParams] = layer_params
+                       ) -> MTPParams:
     """MTP layer `depth` from checkpoint tensors (`get` as `params.checked_fetch` makes it).
 
     embed, lm_head: the model's [V, D] embedding and head, used unless the checkpoint's own
-    differ; present: the optional tensor names the checkpoint holds.
+    differ; present: the optional tensor names the checkpoint holds; layer: builds its decoder
+    layer (`layer_params`, or an expert-parallel rank's `expert_parallel_layer`).
     """
     i = mtp_layer_index(config, depth)
     p = f"model.layers.{i}."
@@ -108,7 +118,7 @@ def mtp_params_from_hf(config: ModelConfig, get: TensorGet, *, dtype: torch.dtyp
         enorm=get(p + "enorm.weight"),
         hnorm=get(p + "hnorm.weight"),
         eh_proj=get(p + "eh_proj.weight"),
-        layer=layer_params(config, i, get, dtype),
+        layer=layer(config, i, get, dtype),
         norm=get(p + "shared_head.norm.weight"),
         embed=_shared(optional("embed_tokens.weight"), embed),
         head=_shared(optional("shared_head.head.weight"), lm_head),
@@ -116,7 +126,11 @@ def mtp_params_from_hf(config: ModelConfig, get: TensorGet, *, dtype: torch.dtyp
 
 
 def load_mtp(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype,
-             device: torch.device | str, present: frozenset[str]) -> MTPParams:
-    """The first MTP layer of a checkpoint whose model `params` are loaded; `fetch` as for `params_from_hf`."""
+             device: torch.device | str, present: frozenset[str], *, parallel: Parallel | None = None) -> MTPParams:
+    """The first MTP layer of a checkpoint whose model `params` are loaded; `fetch` as for `params_from_hf`
+    (a rank's shard of each tensor under `parallel`, whose expert parallelism the layer's MoE block follows)."""
+    layer: Callable[[ModelConfig, int, TensorGet, torch.dtype], LayerParams] = layer_params
+    if parallel is not None and parallel.expert_parallel and parallel.tensor_parallel > 1:
+        layer = expert_parallel_layer(config, parallel.rank, parallel.tensor_parallel)
     return mtp_params_from_hf(config, checked_fetch(fetch, dtype=dtype, device=device), dtype=dtype,
-                              embed=params.embed, lm_head=params.lm_head, present=present)
+                              embed=params.embed, lm_head=params.lm_head, present=present, layer=layer)

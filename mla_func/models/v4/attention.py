@@ -21,7 +21,10 @@ The caches are written first (window keys, compressor inputs, completed entries)
 then each segment's rows (prefill, then decode) read their own keys through their
 own block tables: slices (`RowMetadata.segments`) of the step's per-row view, which
 the forward builds once a step (`LayerContext.rows`, `rows.row_metadata`). Prefill
-and decode rows take the same per-row path, each with its own segment's metadata.
+and decode rows take the same per-row path, each with its own segment's metadata, so a
+batch-invariant step (`mode.batch_invariant`, the invariant op table) takes it too; its one
+change is the grouped output product, which goes through the table's `linear` a group at a
+time (`grouped_projection`).
 """
 
 from __future__ import annotations
@@ -146,6 +149,17 @@ def v4_attention(p: V4AttentionParams, x: torch.Tensor, cache: V4LayerCache, bat
     out = ops.v4.rope_tail(out, cos, sin, positions=positions, inverse=True)
     groups = p.o_a_proj.shape[0] // v.o_lora_rank  # whole groups: all G, or a tensor-parallel rank's G / n
     o_a = p.o_a_proj.view(groups, -1, p.o_a_proj.shape[-1])                                 # [G, Og, H * Dh / G]
-    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, groups, -1), o_a)                # [T, G, Og]
+    grouped = grouped_projection(out.reshape(t, groups, -1), o_a, ops)                     # [T, G * Og]
     # A rank's groups give a partial sum of o_b_proj's product: the ranks' sum is the output (`core.exchange`).
-    return attention_output(ops.dense.linear(grouped.flatten(1), p.o_b_proj), ops.collectives), cache
+    return attention_output(ops.dense.linear(grouped, p.o_b_proj), ops.collectives), cache
+
+
+def grouped_projection(x: torch.Tensor, o_a: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """Each group's heads through that group's o_a: x [T, G, I], o_a [G, Og, I] -> [T, G * Og] (group-major).
+
+    One batched product by default. A batch-invariant table takes a product per group through its
+    `linear` instead: a batched GEMM's algorithm, and so a row's last bits, follows the row count.
+    """
+    if ops.batch_invariant:
+        return torch.cat([ops.dense.linear(x[:, g], o_a[g]) for g in range(o_a.shape[0])], dim=1)
+    return torch.einsum("tgi,goi->tgo", x, o_a).flatten(1)

@@ -53,14 +53,10 @@ def v4_feed_forward(p: V4MoEParams | V4ExpertShardParams, x: torch.Tensor, ctx: 
 def _expert_shard(p: V4MoEParams, held: range) -> V4ExpertShardParams:
     """p as `v4_params_from_hf(routed=held)` made it (w13 [E / n, 2I, D], the shared experts apart) ->
     this rank's share."""
-    w13, w2, shared_w13, shared_w2 = p.w13, p.w2, p.shared_w13, p.shared_w2
-    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
-            and isinstance(shared_w13, torch.Tensor | None) and isinstance(shared_w2, torch.Tensor | None)):
-        # The loader refuses a quantized checkpoint under parallel= before this; a direct call is refused here.
-        raise ValueError("expert parallelism holds float weights only (this checkpoint's experts are quantized)")
-    return V4ExpertShardParams(gate=p.gate, w13=w13, w2=w2, first_expert=held.start,
+    # The routed experts are this rank's already, the shared ones its columns (read so, FP4 and FP8 pairs alike).
+    return V4ExpertShardParams(gate=p.gate, w13=p.w13, w2=p.w2, first_expert=held.start,
                                e_score_correction_bias=p.e_score_correction_bias, tid2eid=p.tid2eid,
-                               shared_w13=shared_w13, shared_w2=shared_w2)
+                               shared_w13=p.shared_w13, shared_w2=p.shared_w2)
 
 
 def v4_expert_parallel_params(config: ModelConfig, fetch: TensorFetch, *, rank: int, ranks: int, dtype: torch.dtype,

@@ -4,8 +4,9 @@ Sliding-window, CSA and HCA layers with hyper-connections (`layers`), whose
 compressed entries live in cache groups past the token group; V4's own config
 fields (`config`, `config_hf`, and `config_released` for DeepSeek's config.json
 spellings), params and checkpoint names (`params`, `params_load`), its released
-FP8 / FP4 layout (`quant_layout`), all in this folder. It has no batch-invariant
-ops and its MTP layers are not run yet: both are refused by name.
+FP8 / FP4 layout (`quant_layout`), all in this folder. Its batch-invariant ops are the
+invariant tables' (`kernels.reference.v4_invariant`, `kernels.triton.v4_invariant`); its MTP
+layers are not run yet, and are refused by name.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ V4 = Family(
     with_max_positions=v4_with_max_positions,
     rope_table_pairs=_rope_table_pairs,
     attends_by_row=True,
-    supports_batch_invariant=False,
+    supports_batch_invariant=True,
     mtp_layer_kind=None,
     quant_layout=v4_quant_layout,
     tensor_split=v4_tensor_split,

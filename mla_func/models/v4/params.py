@@ -131,18 +131,18 @@ class V4MoEParams:
 @register_dataclass
 @dataclass(frozen=True, slots=True)
 class V4ExpertShardParams:
-    """An expert-parallel rank's share of a MoE block (float weights; `expert_shard`): E / n routed
-    experts whole, and 1 / n of the shared experts' columns. The router and the hash table are whole,
-    so every rank picks the same experts; `first_expert` is the router's id of w13[0]."""
+    """An expert-parallel rank's share of a MoE block (float weights or quantized pairs; `expert_shard`):
+    E / n routed experts whole, and 1 / n of the shared experts' columns. The router and the hash table
+    are whole, so every rank picks the same experts; `first_expert` is the router's id of w13[0]."""
 
     gate: torch.Tensor                                   # [E, D]
-    w13: torch.Tensor                                    # [E / n, 2I, D]
-    w2: torch.Tensor                                     # [E / n, D, I]
+    w13: Weight                                          # [E / n, 2I, D]
+    w2: Weight                                           # [E / n, D, I]
     first_expert: int = static_field()
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, learned routing only
     tid2eid: torch.Tensor | None = None                  # [V, k] int64, hash routing only
-    shared_w13: torch.Tensor | None = None               # [S, 2I' / n, D]
-    shared_w2: torch.Tensor | None = None                # [S, D, I' / n]
+    shared_w13: Weight | None = None                     # [S, 2I' / n, D]
+    shared_w2: Weight | None = None                      # [S, D, I' / n]
 
 
 @register_dataclass

@@ -1,0 +1,244 @@
+"""DeepSeek-V4's routed experts read as stored: packed e2m1 weights and their e8m0 block scales in the kernel.
+
+`reference.v4_moe.clamped_experts` on `BlockFP4Weight` experts computes with the dequantized
+weights (`BlockFP4Weight.dequantize`: value * scale, exact in the activations' dtype). Here the
+tiled fused MoE of `moe` (pairs sorted by expert, one expert per program's rows; gate/up with the
+clamped SwiGLU, down scaled by the router weight, the k-way sum by `moe.combine_pairs`) reads the
+packed bytes [BLOCK_K / 2, BLOCK_N] of each weight tile and its scale bytes [BLOCK_N, BLOCK_K / 32]
+and hands both to `tl.dot_scaled`, which applies the scales to the unpacked values before the
+tensor-core product (OCP MXFP4: one e8m0 scale per 32 values of a row, the first value of a byte
+in its low nibble, as DeepSeek stores them). A weight value is read as half a byte plus 1/32 of a
+scale byte, and the dense weight is never materialised.
+
+The activations stay in bf16, the format `tl.dot_scaled` pairs with e2m1 (on GPUs without MX tensor
+cores, Hopper's included, Triton widens the weight tile to bf16 in registers: value * scale, exact,
+then a bf16 product with float32 accumulation, the reference's rounding). Other activation dtypes
+and other K blocks take the dequantizing path (`QuantizedClampedExperts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..checks import check_dtype, check_same_device, check_shape
+from ..fp4_weight import BlockFP4Weight
+from ..quantized import Weight, dequantized
+from ._common import next_pow2, pdl
+from .fp8_moe import (down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs,
+                      swiglu_activation)
+from .fp8_ops import fp8_pair
+from .moe import combine_pairs
+
+# Values one e8m0 scale covers along K: the only group `tl.dot_scaled` takes.
+MX_GROUP = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Fp4MoeConfig:
+    block_m: int   # sorted rows per program (one expert each)
+    block_n: int   # output columns per program
+    block_k: int   # values of K a step (a multiple of MX_GROUP)
+    num_warps: int
+    num_stages: int
+
+
+# Decode: a row or two per expert, so the GEMMs stream the chosen experts' bytes; 64-wide column
+# tiles give every multiprocessor programs. 32 rows and 128-deep K steps are inside the shapes
+# Triton's own tests run `dot_scaled` at on Hopper (M, N in 32..128, K 64 or 128). Prefill: 64-row tiles.
+_GPU_DECODE = Fp4MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+_GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+_INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
+
+
+def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp4MoeConfig:
+    """The launch configuration for num_pairs = T * k pairs over num_experts experts."""
+    if device.type != "cuda":
+        return _INTERPRETER
+    return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    x_ptr, w13_ptr, ws_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
+    num_pairs, num_experts, hidden, inter, limit,
+    s_xt, s_xd, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_ar, s_ai, s_ids_t, s_ids_k,
+    SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    if GDC:
+        gdc_wait()
+    expert, rows, row_mask, tokens, cols, col_mask, gate_rows, up_rows = gate_up_program(
+        ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num_pairs, num_experts, inter,
+        TOP_K, BLOCK_M, BLOCK_N, INLINE_ALIGN, BLOCK_E, BLOCK_P)
+    if expert >= 0:
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_p = tl.arange(0, BLOCK_K // 2)
+        offs_s = tl.arange(0, BLOCK_K // 32)
+        x_rows = x_ptr + tokens[:, None] * s_xt
+        w_expert = w13_ptr + expert.to(tl.int64) * s_we
+        s_expert = ws_ptr + expert.to(tl.int64) * s_se
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + offs_k
+            a = tl.load(x_rows + ks[None, :] * s_xd, mask=row_mask[:, None] & (ks[None, :] < hidden), other=0.0)
+            # Packed bytes [BLOCK_K / 2, BLOCK_N] (K-major, as `dot_scaled` takes its right operand) and the
+            # scale bytes [BLOCK_N, BLOCK_K / 32]; past K, zero bytes (e2m1 zeros) under a unit scale (127).
+            kp = k0 // 2 + offs_p
+            p_mask = (kp < hidden // 2)[:, None]
+            gate = tl.load(w_expert + gate_rows[None, :] * s_wn + kp[:, None] * s_wk, mask=p_mask, other=0)
+            up = tl.load(w_expert + up_rows[None, :] * s_wn + kp[:, None] * s_wk, mask=p_mask, other=0)
+            kb = k0 // 32 + offs_s
+            s_mask = (kb < hidden // 32)[None, :]
+            gate_scale = tl.load(s_expert + (gate_rows // SCALE_N)[:, None] * s_sn + kb[None, :] * s_sk,
+                                 mask=s_mask, other=127)
+            up_scale = tl.load(s_expert + (up_rows // SCALE_N)[:, None] * s_sn + kb[None, :] * s_sk,
+                               mask=s_mask, other=127)
+            acc_gate = tl.dot_scaled(a, None, "bf16", gate, gate_scale, "e2m1", acc=acc_gate)
+            acc_up = tl.dot_scaled(a, None, "bf16", up, up_scale, "e2m1", acc=acc_up)
+        if GDC:
+            gdc_launch_dependents()
+        act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai, act,
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    act_ptr, w2_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, pair_out_ptr,
+    num_pairs, hidden, inter,
+    s_ar, s_ai, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_tw_t, s_tw_k, s_pr,
+    SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if GDC:
+        gdc_wait()
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        rows, pairs, row_mask, cols, col_mask, out_rows = down_rows(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_p = tl.arange(0, BLOCK_K // 2)
+        offs_s = tl.arange(0, BLOCK_K // 32)
+        a_rows = act_ptr + rows[:, None].to(tl.int64) * s_ar
+        w_cols = w2_ptr + expert.to(tl.int64) * s_we + out_rows[None, :] * s_wn
+        s_cols = ws_ptr + expert.to(tl.int64) * s_se + (out_rows // SCALE_N)[:, None] * s_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + offs_k
+            a = tl.load(a_rows + ks[None, :] * s_ai, mask=row_mask[:, None] & (ks[None, :] < inter), other=0.0)
+            kp = k0 // 2 + offs_p
+            w = tl.load(w_cols + kp[:, None] * s_wk, mask=(kp < inter // 2)[:, None], other=0)
+            kb = k0 // 32 + offs_s
+            w_scale = tl.load(s_cols + kb[None, :] * s_sk, mask=(kb < inter // 32)[None, :], other=127)
+            acc = tl.dot_scaled(a, None, "bf16", w, w_scale, "e2m1", acc=acc)
+        if GDC:
+            gdc_launch_dependents()
+        store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
+                             TOP_K)
+
+
+def fp4_pair(x: torch.Tensor, w: Weight) -> BlockFP4Weight | None:
+    """`w` when `fp4_clamped_experts` reads it as it is (a stacked FP4 pair whose K blocks are the MX group,
+    against bf16 activations), else None."""
+    if isinstance(w, BlockFP4Weight) and w.block[1] == MX_GROUP and w.packed.ndim == 3 and x.dtype == torch.bfloat16:
+        return w
+    return None
+
+
+def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, limit: float, config: Fp4MoeConfig | None = None) -> torch.Tensor:
+    """Contract of `reference.v4_moe.clamped_experts` with FP4 experts read packed.
+
+    x:            [T, D] bf16 (any strides)
+    w13:          [E, 2I, D] as packed [E, 2I, D / 2] uint8 and scale [E, 2I / bn, D / 32] float8_e8m0fnu
+                  (gate rows, then up)
+    w2:           [E, D, I] as packed [E, D, I / 2] and scale [E, D / bn, I / 32]
+    topk_weights: [T, k] any float dtype (used in float32); topk_ids [T, k] int32 / int64 in [-1, E)
+                  (-1: no expert; ids >= E are not checked, which would need a host sync)
+    limit:        the SwiGLU clamp (`swiglu_limit`)
+    returns       [T, D] bf16. Pre-activations and the activation rounded to bf16, products and the
+                  k-way sum in float32. `config` overrides `fp4_moe_config`.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    check_dtype("x", x, (torch.bfloat16,))
+    check_shape("w13", w13, (num_experts, 2 * inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, inter))
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.block[1] != MX_GROUP:
+            raise ValueError(f"{name}: FP4 blocks of {w.block[1]} values along K; the kernel reads groups of "
+                             f"{MX_GROUP} (dequantize it instead)")
+    check_shape("topk_ids", topk_ids, (num_tokens, None))
+    top_k = topk_ids.shape[1]
+    check_shape("topk_weights", topk_weights, (num_tokens, top_k))
+    check_dtype("topk_ids", topk_ids, (torch.int32, torch.int64))
+    check_same_device(x=x, w13=w13.packed, w13_scale=w13.scale, w2=w2.packed, w2_scale=w2.scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids)
+    device = x.device
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=device)
+    c = config or fp4_moe_config(num_pairs, num_experts, device)
+    if c.block_k % MX_GROUP:
+        raise ValueError(f"config.block_k: expected a multiple of {MX_GROUP}, got {c.block_k}")
+    bm = c.block_m
+    num_blocks, inline_align, sorted_pairs, block_expert = sorted_rows(topk_ids, num_experts, bm)
+    num_rows = num_blocks * bm
+    # e8m0 bytes as uint8: what `dot_scaled` takes for its scales.
+    s13, s2 = w13.scale.view(torch.uint8), w2.scale.view(torch.uint8)
+    use_pdl = pdl(device)
+    act = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, c.block_n))](
+        x, w13.packed, s13, topk_ids, sorted_pairs, block_expert, act,
+        num_pairs, num_experts, hidden, inter, float(limit),
+        *x.stride(), *w13.packed.stride(), *s13.stride(), *act.stride(), *topk_ids.stride(),
+        SCALE_N=w13.block[0], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
+        # power of two of pairs in an eager step would compile another variant.
+        INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    weights = topk_weights.float()
+    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, c.block_n))](
+        act, w2.packed, s2, sorted_pairs, block_expert, weights, pair_out,
+        num_pairs, hidden, inter,
+        *act.stride(), *w2.packed.stride(), *s2.stride(), *weights.stride(), pair_out.stride(0),
+        SCALE_N=w2.block[0], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GDC=use_pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
+    combine_pairs(pair_out, topk_ids, out)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedClampedExperts:
+    """`contracts.ClampedExperts` for the Triton table: FP4 experts to `fp4_clamped_experts` (bf16 activations,
+    K blocks of 32), FP8 experts to `fp8_moe.fp8_fused_moe` with the clamp, anything else dequantized into
+    `dense(x, w13, w2, topk_weights, topk_ids, *, limit)`, the 16-bit kernel."""
+
+    dense: Callable[..., torch.Tensor]
+
+    def __call__(self, x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, /, *, limit: float) -> torch.Tensor:
+        """x [T, D] -> [T, D] in x's dtype (see `contracts.ClampedExperts`)."""
+        fp4_up, fp4_down = fp4_pair(x, w13), fp4_pair(x, w2)
+        if fp4_up is not None and fp4_down is not None:
+            return fp4_clamped_experts(x, fp4_up, fp4_down, topk_weights, topk_ids, limit=limit)
+        up, down = fp8_pair(w13), fp8_pair(w2)
+        if up is not None and down is not None and up.block == down.block:
+            return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights.float(),
+                                 topk_ids, block=up.block, limit=limit)
+        return self.dense(x, dequantized(w13, x.dtype), dequantized(w2, x.dtype), topk_weights, topk_ids, limit=limit)
+

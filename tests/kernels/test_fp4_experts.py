@@ -1,0 +1,182 @@
+"""DeepSeek-V4's FP4 routed experts read packed by the Triton kernel (`kernels.triton.fp4_experts`), and FP8
+experts through the FP8 MoE with the clamp, against the torch reference on the dequantized weights.
+
+On the CPU the kernels run in Triton's interpreter at small sizes; the `gpu` tests run V4-Flash's expert
+shapes (D 4096, I 2048, top 6) in bf16.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import mla_func as mf
+from mla_func.checkpoint.fp8 import block_quantize
+from mla_func.kernels import ops_for
+from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight
+from mla_func.kernels.quantized import BlockFP8Weight
+from mla_func.kernels.reference.v4_moe import clamped_experts as reference
+from mla_func.kernels.triton import fp4_experts
+from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts
+from support.kernel_cases import assert_close, generator, randn
+from support.v4_official import write_v4_official
+from support.v4_reference import save_reference
+
+
+def random_fp4(shape, gen, device, exponents=(-6, -3)) -> BlockFP4Weight:
+    """A random FP4 weight [..., N, K]: every byte (two e2m1 codes) uniform, one e8m0 scale per 32 values of a
+    row, a power of two drawn from 2^exponents[0] .. 2^exponents[1]."""
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=gen, device=device, dtype=torch.uint8)
+    biased = 127 + torch.randint(exponents[0], exponents[1] + 1, (*lead, n, k // 32), generator=gen, device=device)
+    return BlockFP4Weight(packed, biased.to(torch.uint8).view(SCALE_DTYPE), (1, 32))
+
+
+def _routing(tokens, experts, top_k, gen, device):
+    ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=gen, device=device)
+    ids[0] = -1                              # a padded row takes no expert
+    weights[0] = 0
+    if tokens > 2 and top_k > 1:
+        ids[1, 0] = -1                       # a dropped slot of a real row
+    return weights, ids
+
+
+@pytest.mark.parametrize("tokens, top_k", [(3, 2), (40, 2), (5, 1)])
+def test_fp4_experts_equal_the_reference(device, tokens, top_k, monkeypatch):
+    gen = generator(tokens * 10 + top_k, device)
+    experts, hidden, inter = 6, 96, 64
+    x = randn((tokens, hidden), torch.bfloat16, device, gen)
+    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
+    weights, ids = _routing(tokens, experts, top_k, gen, device)
+    limit = 1.0                              # inside the pre-activations' spread: the clamp matters
+    want = reference(x.double(), w13, w2, weights.double(), ids, limit=limit)
+    unclamped = reference(x.double(), w13, w2, weights.double(), ids, limit=1e9)
+    assert not torch.allclose(want, unclamped, rtol=1e-3, atol=1e-3), "the clamp should change the result"
+
+    def no_dense_copy(self, dtype):
+        raise AssertionError("the FP4 kernel dequantized a weight instead of reading it packed")
+
+    monkeypatch.setattr(BlockFP4Weight, "dequantize", no_dense_copy)
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=limit)
+    table = ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=limit)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert bool((got[0] == 0).all())
+    assert_close(got, want, torch.bfloat16)
+    assert torch.equal(table, got)
+
+
+@pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1)])
+def test_wider_k_steps_read_several_scales_a_step(config, device):
+    """K steps of 2 and 4 scale groups (the GPU's are 128 deep), the last one partial (D 96, I 160)."""
+    gen = generator(config.block_k, device)
+    experts, hidden, inter = 3, 96, 160
+    x = randn((9, hidden), torch.bfloat16, device, gen)
+    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
+    weights, ids = _routing(9, experts, 2, gen, device)
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
+    assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
+
+
+def test_other_activation_dtypes_take_the_dequantized_weights(device):
+    """float32 activations: no bf16 `dot_scaled` would keep them, so the table dequantizes (exactly) instead."""
+    gen = generator(7, device)
+    experts, hidden, inter = 4, 64, 32
+    x = randn((6, hidden), torch.float32, device, gen)
+    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
+    weights, ids = _routing(6, experts, 2, gen, device)
+    got = ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=1.0)
+    assert got.dtype == torch.float32
+    assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.float32)
+
+
+def test_the_kernel_refuses_other_blocks_by_name(device):
+    gen = generator(8, device)
+    x = randn((2, 64), torch.bfloat16, device, gen)
+    w13 = random_fp4((2, 64, 64), gen, device)
+    coarse = BlockFP4Weight(w13.packed, w13.scale[..., ::2].contiguous(), (1, 64))
+    weights, ids = _routing(2, 2, 1, gen, device)
+    with pytest.raises(ValueError, match="w13"):
+        fp4_clamped_experts(x, coarse, random_fp4((2, 64, 32), gen, device), weights, ids, limit=1.0)
+    with pytest.raises(ValueError, match="x"):
+        fp4_clamped_experts(x.float(), w13, random_fp4((2, 64, 32), gen, device), weights, ids, limit=1.0)
+
+
+def _fp8(shape, gen, device) -> BlockFP8Weight:
+    full = torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5
+    pairs = [block_quantize(w) for w in full.view(-1, *shape[-2:])]
+    return BlockFP8Weight(torch.stack([v for v, _ in pairs]).view(shape),
+                          torch.stack([s for _, s in pairs]).view(*shape[:-2], *pairs[0][1].shape), (128, 128))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_experts_are_clamped_in_the_fp8_kernel(device, dtype, monkeypatch):
+    """V4's FP8 experts (its shared expert; every expert of an `expert_dtype: fp8` checkpoint)."""
+    gen = generator(9, device)
+    experts, hidden, inter = 4, 160, 96
+    x = randn((7, hidden), dtype, device, gen)
+    w13, w2 = _fp8((experts, 2 * inter, hidden), gen, device), _fp8((experts, hidden, inter), gen, device)
+    weights, ids = _routing(7, experts, 2, gen, device)
+    limit = 0.5
+    want = reference(x.double(), w13, w2, weights.double(), ids, limit=limit)
+    assert not torch.allclose(want, reference(x.double(), w13, w2, weights.double(), ids, limit=1e9), atol=1e-3)
+
+    def no_dense_copy(self, dtype):
+        raise AssertionError("the FP8 kernel dequantized a weight instead of reading it")
+
+    monkeypatch.setattr(BlockFP8Weight, "dequantize", no_dense_copy)
+    got = ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=limit)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.slow
+def test_a_released_fp4_checkpoint_on_triton_is_as_near_float32_as_torch(tmp_path, monkeypatch):
+    """A tiny V4 checkpoint in DeepSeek's released layout (FP4 routed experts, FP8 linears), loaded in bf16:
+    the Triton table's prompt logits, its FP4 experts read packed, are as near the float32 model's as the torch
+    table's (which computes with the dequantized experts); bf16 rounding alone, on this random toy, puts both
+    about 2% away."""
+    save_reference(tmp_path / "float", seed=random.randrange(1000), hidden_size=128, moe_intermediate_size=64)
+    write_v4_official(tmp_path / "float", tmp_path / "official", tmp_path / "dequantized", "fp4")
+    model = mf.load_model(tmp_path / "official", dtype=torch.bfloat16, device="cpu")
+    truth_model = mf.load_model(tmp_path / "official", dtype=torch.float32, device="cpu")
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fp4_clamped_experts(*args, **kwargs)
+
+    monkeypatch.setattr(fp4_experts, "fp4_clamped_experts", counted)
+    prompt = [random.randrange(2, 97) for _ in range(17)]
+    truth = mf.Engine(truth_model, backend="torch", graphs=False, max_model_len=64).score(prompt)
+    errors = {}
+    for backend in ("torch", "triton"):
+        scores = mf.Engine(model, backend=backend, graphs=False, max_model_len=64).score(prompt).float()
+        errors[backend] = float((scores - truth).norm() / truth.norm())
+    assert len(calls) == model.config.num_hidden_layers
+    assert errors["triton"] <= 1.5 * errors["torch"] + 2e-3
+
+
+# --- on the GPU: V4-Flash's expert shapes ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_fp4_experts_real_sizes_on_the_gpu(tokens):
+    """V4-Flash's routed experts (D 4096, I 2048, top 6, swiglu_limit 10; 16 of its 256 experts, which the
+    float64 oracle can hold), bf16 activations, scales around 2^-8 as a trained checkpoint's are."""
+    device = torch.device("cuda")
+    gen = generator(tokens, device)
+    experts, hidden, inter, top_k = 16, 4096, 2048, 6
+    x = randn((tokens, hidden), torch.bfloat16, device, gen)
+    w13 = random_fp4((experts, 2 * inter, hidden), gen, device, exponents=(-9, -7))
+    w2 = random_fp4((experts, hidden, inter), gen, device, exponents=(-9, -7))
+    ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=gen, device=device)
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0)
+    want = reference(x.double(), w13, w2, weights.double(), ids, limit=10.0)
+    assert ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=10.0).equal(got)
+    # The kernel rounds the pre-activations and the SwiGLU to bf16 (0.4% each) before 2048-term sums:
+    # judged over the whole output, not element by element near 0.
+    assert float((got.double() - want).norm() / want.norm()) <= 1e-2
