@@ -220,7 +220,8 @@ def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
         model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda", quantization=quantization)
         print(f"== weights {weights}, cache {kv_cache_dtype}", flush=True)
         for row in time_rows(model, args, copy_bw, kv_cache_dtype, invariant=False):
-            rows.append(dict(row, weights=weights, cache=kv_cache_dtype))
+            run = f"{weights} weights, {'FP8' if kv_cache_dtype == 'fp8' else 'bf16'} cache"
+            rows.append(dict(row, run=run, weights=weights, cache=kv_cache_dtype))
         del model
         gc.collect()
         torch.cuda.empty_cache()

@@ -235,7 +235,8 @@ def main() -> None:
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
         ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("invariant_ms", "invariant ms"),
-        ("invariant_cost", "invariant cost"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
+        ("invariant_cost", "invariant cost"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
+        ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
         ("graph_speedup", "graph x"), ("graph_tok_s", "tok/s"), ("weight_gb", "weights GB"),
         ("cache_gb", "cache GB"), ("experts_per_layer", "experts/layer"), ("error", "error"),
     ])

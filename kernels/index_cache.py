@@ -11,8 +11,9 @@ addressed like the latent cache. `IndexCache` is what `write_index_key` and `ind
 
 Writing quantizes as the latent cache's FP8 write does (`reference.fp8.quantize_activations` with one
 group a key: an IEEE division, rounded to the nearest e4m3); reading dequantizes exactly, value * scale
-in float32 (`FP8IndexCache.__getitem__`: the cache indexed as a tensor cache is). A score relu(q . key) * w takes the scale out of the dot product
-(relu(s x) = s relu(x) for a positive s), so a kernel may multiply a key's score by its scale instead.
+in float32 (`FP8IndexCache.__getitem__`: the cache indexed as a tensor cache is). A score
+relu(q . key) * w takes the scale out of the dot product (relu(s x) = s relu(x) for a positive s), so a
+kernel may multiply a key's logits by its scale instead.
 The query stays in the activations' dtype: only the cache is quantized.
 """
 

@@ -179,7 +179,8 @@ def invariant_ops(base: Ops) -> Ops:
         dsa=dataclasses.replace(base.dsa, index_scores=v4_invariant.index_scores,
                                 sparse_mla_decode=DequantizingSparseMlaDecode(sparse_mla_decode)),
         v4=dataclasses.replace(base.v4, window_entry_attention=v4_invariant.window_entry_attention,
-                               compress_entries=v4_invariant.compress_entries, hc_site=v4_invariant.hc_site, hc_write_back=v4_invariant.hc_write_back,
+                               compress_entries=v4_invariant.compress_entries, hc_site=v4_invariant.hc_site,
+                               hc_write_back=v4_invariant.hc_write_back,
                                hc_write_back_site=v4_invariant.hc_write_back_site, hc_head=v4_invariant.hc_head,
                                clamped_experts=v4_invariant.clamped_experts),
     )

@@ -53,7 +53,7 @@ def _write_fp8_key_kernel(
         values, scale = quantize_tile(key[None, :])
         page, offset = slot // block_size, slot % block_size
         tl.store(values_ptr + page * s_vn + offset * s_vb + d[None, :] * s_vd, values, mask=d_mask[None, :])
-        tl.store(scales_ptr + page * s_sn + offset * s_sb + tl.arange(0, 1), scale)
+        tl.store(scales_ptr + page * s_sn + offset * s_sb, tl.sum(scale, axis=0))
 
 
 def write_index_key(

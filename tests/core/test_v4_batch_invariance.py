@@ -114,6 +114,7 @@ def probes(model):
 
 @pytest.fixture(scope="module")
 def alone(model, probes):
+    torch.set_num_threads(1)  # as the tests that compare with it run (`one_thread`)
     return probes_alone(cpu_engine(model), probes)
 
 

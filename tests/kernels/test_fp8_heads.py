@@ -108,7 +108,8 @@ def test_latent_write_absorbs_with_a_pair_w_uk(table, device):
     args = (torch.tensor([9, 10, -1, 11, 12, 13], device=device), randn((tokens, rank + rope_dim), dtype, device, gen),
             1 + 0.1 * randn((rank,), dtype, device, gen), randn((tokens, heads, nope_dim), dtype, device, gen),
             randn((tokens, heads, rope_dim), dtype, device, gen), w_uk, torch.arange(tokens, device=device),
-            randn((16, rope_dim // 2), torch.float32, device, gen), randn((16, rope_dim // 2), torch.float32, device, gen))
+            randn((16, rope_dim // 2), torch.float32, device, gen),
+            randn((16, rope_dim // 2), torch.float32, device, gen))
     kw = dict(eps=1e-6, interleaved=False, absorb_from=2, inplace=False)
     got_cache, got_pe, got_q = ops.mla.write_latent_absorb(kv_cache, *args, **kw)
     want_cache, want_pe, want_q = reference.mla.write_latent_absorb(kv_cache, *args, **kw)

@@ -41,7 +41,8 @@ def dequantized(cache: FP8IndexCache) -> torch.Tensor:
 @pytest.mark.parametrize("inplace", [True, False])
 def test_the_write_quantizes_as_the_reference_bit_for_bit(head_dim, dtype, inplace, device):
     gen = generator(head_dim, device)
-    keys = randn((9, head_dim), dtype, device, gen, scale=4.0) * torch.logspace(-6, 2, 9, device=device)[:, None].to(dtype)
+    magnitudes = torch.logspace(-6, 2, 9, device=device)[:, None].to(dtype)   # each key's scale follows it
+    keys = randn((9, head_dim), dtype, device, gen, scale=4.0) * magnitudes
     keys[3] = 0                                                     # an all-zero key takes the floor's scale
     slots = torch.tensor([5, 6, 7, 8, -1, 12, 13, 2, 30], device=device)
     base = ref.write_index_key(zeroed_index_cache(4, 8, head_dim, kv_cache_dtype="fp8", dtype=dtype, device=device),

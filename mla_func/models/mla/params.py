@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
 from mla_func.core.rope_tables import rope_positions, rope_tables
-from mla_func.kernels.quantized import BlockFP8Weight, Weight, cat_rows, dequantized, slice_block, split_heads, stack_experts
+from mla_func.kernels.quantized import (BlockFP8Weight, Weight, cat_rows, dequantized, slice_block, split_heads,
+                                        stack_experts)
 from mla_func.models.mla.indexer_params import IndexerParams, indexer_params, indexer_projections
 from mla_func.pytree import register_dataclass
 
