@@ -16,6 +16,7 @@ overhead included, L2 flushed) are recorded beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -319,12 +320,14 @@ def _fp4_weight(shape):
 
 
 def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=4096, inter=2048, config=None,
-                      routing_sets=8):
+                      routing_sets=8, scales_on_acc=False):
     """`fp4_experts.fp4_clamped_experts` over V4-Flash's routed experts (256 of D 4096, I 2048, top 6); bytes
     are what it reads: the distinct chosen experts' packed values and scales, and the activations (x read,
     the output written), as `bench_fp8_moe` counts them."""
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
     w13, w2 = _fp4_weight((num_experts, 2 * inter, hidden)), _fp4_weight((num_experts, hidden, inter))
+    config = config or dataclasses.replace(fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device),
+                                           scales_on_acc=scales_on_acc)
     routes = []
     for _ in range(routing_sets):
         weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)
@@ -338,21 +341,26 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     distinct = sum(r[1].unique().numel() for r in routes) / routing_sets
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * 3 * inter * hidden
-    return dict(op="fp4_experts", tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
-                distinct_experts=distinct, ms=ms, us=ms * 1e3, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+    return dict(op="fp4_experts", run="scales on products" if config.scales_on_acc else "scales on tiles",
+                tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
+                scales_on_acc=config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
+                gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                 pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"], bytes=num_bytes, flops=flops,
                 copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
 
 
 def fp4_rows(ceilings):
-    return [bench_fp4_experts(num_tokens, ceilings) for num_tokens in (1, 16)]
+    """The default tiles, with the scales applied to the weight tiles (the default) and to the products."""
+    return [bench_fp4_experts(num_tokens, ceilings, scales_on_acc=on_acc) for num_tokens in (1, 16)
+            for on_acc in (False, True)]
 
 
 def sweep_fp4(ceilings):
     rows = []
     for num_tokens in (1, 16):
-        for c in [fp4_experts.Fp4MoeConfig(m, n, k, w, st) for m in (16, 32) for (n, k) in ((32, 128), (64, 128),
-                  (64, 256), (128, 128)) for w in (4, 8) for st in (3, 4)]:
+        for c in [fp4_experts.Fp4MoeConfig(m, n, k, w, st, on_acc) for m in (16, 32)
+                  for (n, k) in ((32, 128), (64, 128), (64, 256)) for w in (4, 8) for st in (3, 4)
+                  for on_acc in (False, True)]:
             try:
                 r = bench_fp4_experts(num_tokens, ceilings, config=c)
             except Exception as exc:  # a config that does not compile is a sweep result, not a failure
@@ -476,7 +484,8 @@ def _report(result, out):
                  "fp8_gemm": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
                  "fp8_linear": lambda c: f"T{c['tokens']} {c['n']}x{c['k']}" + " w8a8" * c["w8a8"],
                  "fp8_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}" + " w8a8" * c["w8a8"],
-                 "fp4_experts": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}"}[c["op"]](c)
+                 "fp4_experts": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}"
+                                          + " scales on products" * c.get("scales_on_acc", False)}[c["op"]](c)
         rows.append(dict(c, shape=shape))
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"mm {result['bf16_matmul_tflop_s']:.0f} TFLOP/s  -> {path}")

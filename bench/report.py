@@ -96,6 +96,9 @@ BENCHES = {
                     + [dict(op="fp8_linear", tokens=t, n=7168, k=7168, w8a8=w) for t in (1, 16) for w in (False, True)]
                     + [dict(op="fp8_moe", tokens=t, w8a8=w) for t in (1, 16) for w in (False, True)],
                     [("µs", "us", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% copy", "pct_copy", "{:.1f}")]),
+    "kernels:fp4": ("V4's FP4 routed experts read packed in the kernel, V4-Flash's shapes (`bench/kernels.py --fp4`)",
+                    "rows", [dict(op="fp4_experts", tokens=t) for t in (1, 16)],
+                    [("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.1f}")]),
     "kernels:fp8-cache": ("MLA decode over the FP8 latent cache against the bf16 cache, same run "
                           "(`bench/kernels.py --fp8-cache`)", "rows",
                           [dict(op="mla_decode", batch=64, context=32768, heads=h, cache="fp8") for h in (16, 128)],

@@ -54,10 +54,6 @@ class FP8IndexCache:
         """[num_blocks, bs, Di]: the shape of the cache it stands for."""
         return self.values.shape
 
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, scales): the paged leaves."""
         return self.values, self.scales

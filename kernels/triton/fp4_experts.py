@@ -14,6 +14,13 @@ The activations stay in bf16, the format `tl.dot_scaled` pairs with e2m1 (on GPU
 cores, Hopper's included, Triton widens the weight tile to bf16 in registers: value * scale, exact,
 then a bf16 product with float32 accumulation, the reference's rounding). Other activation dtypes
 and other K blocks take the dequantizing path (`QuantizedClampedExperts`).
+
+On an H100 (V4-Flash's 256 experts of 4096 x 2048, top 6, `bench/kernels.py --fp4`) the first version,
+scales broadcast over each tile with Triton's NaN check, read its bytes at 22.7% of the copy bandwidth
+at one token and 32.7% at 16 (bench/results/kernels/h100/2026-11-27-2ee19b2.json): widening a tile
+costs more than reading it. The check is now skipped
+(`fast_math`: no scale byte is 0xFF), and `Fp4MoeConfig.scales_on_acc` applies each 32-value group's
+scale to its product instead, as `fp8_linear` applies its block scales, for the sweep to weigh.
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ class Fp4MoeConfig:
     block_k: int   # values of K a step (a multiple of MX_GROUP)
     num_warps: int
     num_stages: int
+    # Where the scales apply: False, to the weight tile inside `tl.dot_scaled` (Triton broadcasts them over
+    # the tile); True, to each group's product in the accumulator, one `tl.dot_scaled` of unscaled values
+    # per MX_GROUP of K (as `fp8_linear` applies its block scales). The same sums in another order.
+    scales_on_acc: bool = False
 
 
 # Decode: a row or two per expert, so the GEMMs stream the chosen experts' bytes; 64-wide column
@@ -63,6 +74,48 @@ def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp
     return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
 
 
+@triton.jit
+def _scaled_fp4(a, w, byte, acc, SCALES_ON_ACC: tl.constexpr):
+    """acc + a [M, K] (bf16) @ the e2m1 tile w [K / 2, N] (packed along K) under its scale bytes: [N, K / 32]
+    applied to the tile by `tl.dot_scaled`, or, SCALES_ON_ACC (K = 32), [N, 1] applied to the product."""
+    if SCALES_ON_ACC:
+        # 2^(byte - 127) as its float32 bits (byte 0, 2^-127, would read 0: no trained scale is that small).
+        scale = tl.sum((byte.to(tl.int32) << 23).to(tl.float32, bitcast=True), axis=1)
+        return acc + tl.dot_scaled(a, None, "bf16", w, None, "e2m1") * scale[None, :]
+    # The loader refuses non-finite scales, so no byte is 0xFF (NaN): `fast_math` skips that check.
+    return tl.dot_scaled(a, None, "bf16", w, byte, "e2m1", acc=acc, fast_math=True)
+
+
+@triton.jit
+def _fp4_step(acc, acc2, x_rows, row_mask, s_xk, w_cols, s_cols, w2_cols, s2_cols, k0, k_dim, s_wk, s_sk,
+              BLOCK_K: tl.constexpr, TWO: tl.constexpr, SCALES_ON_ACC: tl.constexpr):
+    """One K step of one or (TWO) two FP4 products that share their activations: acc [BLOCK_M, BLOCK_N] +
+    x[:, k0 : k0 + BLOCK_K] @ W^T[k0 : k0 + BLOCK_K], and acc2 likewise with W2. x_rows [BLOCK_M, 1]: the
+    activation rows (bf16) of row_mask [BLOCK_M]; w_cols [1, BLOCK_N]: the packed rows of W's output columns
+    (K / 2 bytes, strides s_wk); s_cols [BLOCK_N, 1]: their scale bytes (strides s_sk). Past K: zero bytes
+    (e2m1 zeros) under a unit scale (127). With SCALES_ON_ACC, one product per group of 32 values of K."""
+    GROUP: tl.constexpr = 32 if SCALES_ON_ACC else BLOCK_K
+    for g in tl.static_range(BLOCK_K // GROUP):
+        kg = k0 + g * GROUP
+        ks = kg + tl.arange(0, GROUP)
+        a = tl.load(x_rows + ks[None, :] * s_xk, mask=row_mask[:, None] & (ks[None, :] < k_dim), other=0.0)
+        kp = kg // 2 + tl.arange(0, GROUP // 2)
+        p_mask = (kp < k_dim // 2)[:, None]
+        if SCALES_ON_ACC:
+            s_offs = (kg // 32) * s_sk                                  # one scale a column: [BLOCK_N, 1]
+            s_mask = (kg + tl.zeros([1, 1], dtype=tl.int32)) < k_dim
+        else:
+            kb = kg // 32 + tl.arange(0, GROUP // 32)
+            s_offs = kb[None, :] * s_sk                                 # [BLOCK_N, GROUP / 32]
+            s_mask = (kb < k_dim // 32)[None, :]
+        w = tl.load(w_cols + kp[:, None] * s_wk, mask=p_mask, other=0)
+        acc = _scaled_fp4(a, w, tl.load(s_cols + s_offs, mask=s_mask, other=127), acc, SCALES_ON_ACC)
+        if TWO:
+            w2 = tl.load(w2_cols + kp[:, None] * s_wk, mask=p_mask, other=0)
+            acc2 = _scaled_fp4(a, w2, tl.load(s2_cols + s_offs, mask=s_mask, other=127), acc2, SCALES_ON_ACC)
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, ws_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
@@ -70,7 +123,7 @@ def _gate_up_kernel(
     s_xt, s_xd, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_ar, s_ai, s_ids_t, s_ids_k,
     SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr,
 ):
     if GDC:
         gdc_wait()
@@ -78,31 +131,17 @@ def _gate_up_kernel(
         ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num_pairs, num_experts, inter,
         TOP_K, BLOCK_M, BLOCK_N, INLINE_ALIGN, BLOCK_E, BLOCK_P)
     if expert >= 0:
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_p = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 32)
         x_rows = x_ptr + tokens[:, None] * s_xt
         w_expert = w13_ptr + expert.to(tl.int64) * s_we
         s_expert = ws_ptr + expert.to(tl.int64) * s_se
+        gate_w, up_w = w_expert + gate_rows[None, :] * s_wn, w_expert + up_rows[None, :] * s_wn
+        gate_s = s_expert + (gate_rows // SCALE_N)[:, None] * s_sn
+        up_s = s_expert + (up_rows // SCALE_N)[:, None] * s_sn
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + offs_k
-            a = tl.load(x_rows + ks[None, :] * s_xd, mask=row_mask[:, None] & (ks[None, :] < hidden), other=0.0)
-            # Packed bytes [BLOCK_K / 2, BLOCK_N] (K-major, as `dot_scaled` takes its right operand) and the
-            # scale bytes [BLOCK_N, BLOCK_K / 32]; past K, zero bytes (e2m1 zeros) under a unit scale (127).
-            kp = k0 // 2 + offs_p
-            p_mask = (kp < hidden // 2)[:, None]
-            gate = tl.load(w_expert + gate_rows[None, :] * s_wn + kp[:, None] * s_wk, mask=p_mask, other=0)
-            up = tl.load(w_expert + up_rows[None, :] * s_wn + kp[:, None] * s_wk, mask=p_mask, other=0)
-            kb = k0 // 32 + offs_s
-            s_mask = (kb < hidden // 32)[None, :]
-            gate_scale = tl.load(s_expert + (gate_rows // SCALE_N)[:, None] * s_sn + kb[None, :] * s_sk,
-                                 mask=s_mask, other=127)
-            up_scale = tl.load(s_expert + (up_rows // SCALE_N)[:, None] * s_sn + kb[None, :] * s_sk,
-                               mask=s_mask, other=127)
-            acc_gate = tl.dot_scaled(a, None, "bf16", gate, gate_scale, "e2m1", acc=acc_gate)
-            acc_up = tl.dot_scaled(a, None, "bf16", up, up_scale, "e2m1", acc=acc_up)
+            acc_gate, acc_up = _fp4_step(acc_gate, acc_up, x_rows, row_mask, s_xd, gate_w, gate_s, up_w, up_s, k0,
+                                         hidden, s_wk, s_sk, BLOCK_K, True, SCALES_ON_ACC)
         if GDC:
             gdc_launch_dependents()
         act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
@@ -116,7 +155,7 @@ def _down_kernel(
     num_pairs, hidden, inter,
     s_ar, s_ai, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_tw_t, s_tw_k, s_pr,
     SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr,
 ):
     block = tl.program_id(0)
     if GDC:
@@ -124,21 +163,14 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         rows, pairs, row_mask, cols, col_mask, out_rows = down_rows(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_p = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 32)
         a_rows = act_ptr + rows[:, None].to(tl.int64) * s_ar
         w_cols = w2_ptr + expert.to(tl.int64) * s_we + out_rows[None, :] * s_wn
         s_cols = ws_ptr + expert.to(tl.int64) * s_se + (out_rows // SCALE_N)[:, None] * s_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + offs_k
-            a = tl.load(a_rows + ks[None, :] * s_ai, mask=row_mask[:, None] & (ks[None, :] < inter), other=0.0)
-            kp = k0 // 2 + offs_p
-            w = tl.load(w_cols + kp[:, None] * s_wk, mask=(kp < inter // 2)[:, None], other=0)
-            kb = k0 // 32 + offs_s
-            w_scale = tl.load(s_cols + kb[None, :] * s_sk, mask=(kb < inter // 32)[None, :], other=127)
-            acc = tl.dot_scaled(a, None, "bf16", w, w_scale, "e2m1", acc=acc)
+            # One product: the second accumulator and weight are bound to the first and never read.
+            acc, _ = _fp4_step(acc, acc, a_rows, row_mask, s_ai, w_cols, s_cols, w_cols, s_cols, k0, inter, s_wk, s_sk,
+                               BLOCK_K, False, SCALES_ON_ACC)
         if GDC:
             gdc_launch_dependents()
         store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
@@ -205,7 +237,7 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
         # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
-        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl,
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl, SCALES_ON_ACC=c.scales_on_acc,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     weights = topk_weights.float()
@@ -215,7 +247,7 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
         num_pairs, hidden, inter,
         *act.stride(), *w2.packed.stride(), *s2.stride(), *weights.stride(), pair_out.stride(0),
         SCALE_N=w2.block[0], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GDC=use_pdl,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        SCALES_ON_ACC=c.scales_on_acc, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
     combine_pairs(pair_out, topk_ids, out)

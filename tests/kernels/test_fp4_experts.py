@@ -68,9 +68,12 @@ def test_fp4_experts_equal_the_reference(device, tokens, top_k, monkeypatch):
     assert torch.equal(table, got)
 
 
-@pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1)])
+@pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1),
+                                    Fp4MoeConfig(16, 32, 64, 4, 1, scales_on_acc=True),
+                                    Fp4MoeConfig(32, 64, 128, 4, 1, scales_on_acc=True)])
 def test_wider_k_steps_read_several_scales_a_step(config, device):
-    """K steps of 2 and 4 scale groups (the GPU's are 128 deep), the last one partial (D 96, I 160)."""
+    """K steps of 2 and 4 scale groups (the GPU's are 128 deep), the last one partial (D 96, I 160); the
+    scales applied to the tiles or to each group's product."""
     gen = generator(config.block_k, device)
     experts, hidden, inter = 3, 96, 160
     x = randn((9, hidden), torch.bfloat16, device, gen)
@@ -133,15 +136,15 @@ def test_fp8_experts_are_clamped_in_the_fp8_kernel(device, dtype, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_released_fp4_checkpoint_on_triton_is_as_near_float32_as_torch(tmp_path, monkeypatch):
-    """A tiny V4 checkpoint in DeepSeek's released layout (FP4 routed experts, FP8 linears), loaded in bf16:
-    the Triton table's prompt logits, its FP4 experts read packed, are as near the float32 model's as the torch
-    table's (which computes with the dequantized experts); bf16 rounding alone, on this random toy, puts both
-    about 2% away."""
+def test_a_released_fp4_checkpoint_runs_its_experts_packed_on_triton(tmp_path, monkeypatch):
+    """A tiny V4 checkpoint in DeepSeek's released layout (FP4 routed experts, FP8 linears) in bf16 on the
+    Triton table: every layer's routed experts go through the packed FP4 kernel, and the prompt logits are
+    those of the same table with the experts dequantized first. (Against a float32 run the two are equally
+    far, 2-10% on this random toy, whose routing flips with bf16 rounding.)"""
     save_reference(tmp_path / "float", seed=random.randrange(1000), hidden_size=128, moe_intermediate_size=64)
     write_v4_official(tmp_path / "float", tmp_path / "official", tmp_path / "dequantized", "fp4")
     model = mf.load_model(tmp_path / "official", dtype=torch.bfloat16, device="cpu")
-    truth_model = mf.load_model(tmp_path / "official", dtype=torch.float32, device="cpu")
+    prompt = [random.randrange(2, 97) for _ in range(17)]
     calls = []
 
     def counted(*args, **kwargs):
@@ -149,14 +152,12 @@ def test_a_released_fp4_checkpoint_on_triton_is_as_near_float32_as_torch(tmp_pat
         return fp4_clamped_experts(*args, **kwargs)
 
     monkeypatch.setattr(fp4_experts, "fp4_clamped_experts", counted)
-    prompt = [random.randrange(2, 97) for _ in range(17)]
-    truth = mf.Engine(truth_model, backend="torch", graphs=False, max_model_len=64).score(prompt)
-    errors = {}
-    for backend in ("torch", "triton"):
-        scores = mf.Engine(model, backend=backend, graphs=False, max_model_len=64).score(prompt).float()
-        errors[backend] = float((scores - truth).norm() / truth.norm())
+    packed = mf.Engine(model, backend="triton", graphs=False, max_model_len=64).score(prompt).float()
     assert len(calls) == model.config.num_hidden_layers
-    assert errors["triton"] <= 1.5 * errors["torch"] + 2e-3
+    monkeypatch.setattr(fp4_experts, "fp4_pair", lambda x, w: None)     # every FP4 stack dequantized instead
+    dense = mf.Engine(model, backend="triton", graphs=False, max_model_len=64).score(prompt).float()
+    assert len(calls) == model.config.num_hidden_layers
+    assert float((packed - dense).norm() / dense.norm()) <= 1e-3
 
 
 # --- on the GPU: V4-Flash's expert shapes ------------------------------------------------------------------

@@ -33,7 +33,7 @@ def fp8_keys(key_lens, block_size, head_dim, device, gen, magnitude=3.0):
 
 def dequantized(cache: FP8IndexCache) -> torch.Tensor:
     """Every key as the scores read it: [num_blocks, bs, Di] float32."""
-    return cache[torch.arange(cache.shape[0], device=cache.device)]
+    return cache[torch.arange(cache.shape[0], device=cache.values.device)]
 
 
 @pytest.mark.parametrize("head_dim", [32, 24])                      # a power of two; keys of a partial tile
