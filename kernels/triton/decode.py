@@ -27,7 +27,7 @@ from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
 from .decode_merge import merge_splits, merge_splits_value, split_partials
-from .latent_chunks import attend_tile, query_columns, store_columns
+from .latent_chunks import attend_tile, chunked_queries, store_split
 from .latent_parts import LatentParts, check_latent_cache, latent_parts, latent_tile
 
 
@@ -327,11 +327,7 @@ def _chunked_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
     q_row = q_ptr + b64 * s_qb + heads[:, None] * s_qh
-    q0 = query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
-    q1 = query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-    q2 = query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-    q3 = query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-    q_pe = query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
+    q0, q1, q2, q3, q_pe = chunked_queries(q_row, head_mask, s_qd, KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, 4)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     a0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
@@ -349,15 +345,9 @@ def _chunked_split_kernel(
             r_ptr + page * s_rn + offset * s_rb, key_mask, m_i, l_i, a0, a1, a2, a3, scale_log2,
             s_vd, s_scd, s_rd, KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, 4, DOT_PRECISION, FP8)
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    po_row = po_ptr + b64 * s_pob + heads[:, None] * s_poh + split * s_pos
-    store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    tl.store(pl_ptr + b64 * s_plb + heads * s_plh + split * s_pls, lse, mask=head_mask)
+    store_split(po_ptr + b64 * s_pob + heads[:, None] * s_poh + split * s_pos,
+                pl_ptr + b64 * s_plb + heads * s_plh + split * s_pls, m_i, l_i, a0, a1, a2, a3, head_mask, s_pod,
+                KV_LORA_RANK, CHUNK, 4)
 
 
 def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,

@@ -31,10 +31,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..latent_cache import LatentCache
-from ._common import LN2, LOG2E, dot_precision, next_pow2, pdl
+from ._common import LOG2E, dot_precision, next_pow2, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
 from .decode_merge import merge_splits, merge_splits_value, split_partials
-from .latent_chunks import attend_tile, query_columns, store_columns
+from .latent_chunks import attend_tile, chunked_queries, store_split
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -144,21 +144,16 @@ def _sparse_split_kernel(
     head_mask = heads < num_heads
     offs_n = tl.arange(0, BLOCK_N)
     q_row = q_ptr + t64 * s_qt + heads[:, None] * s_qh
-    q0 = query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
-    q_pe = query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
+    q0, q1, q2, q3, q_pe = chunked_queries(q_row, head_mask, s_qd, KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, CHUNKS)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     a0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
     if CHUNKS == 4:
-        q1 = query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-        q2 = query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
-        q3 = query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
         a1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
         a3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
     else:
         # One chunk: the other slots only pass through the tile function (and compile away).
-        q1, q2, q3 = q0, q0, q0
         a1, a2, a3 = a0, a0, a0
     bt_row = bt_ptr + t64 * s_btt
     idx_row = idx_ptr + t64 * s_it
@@ -183,16 +178,9 @@ def _sparse_split_kernel(
                 s_vd, s_scd, s_rd,
                 KV_LORA_RANK, ROPE_DIM, CHUNK, BLOCK_R, CHUNKS, DOT_PRECISION, FP8)
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    po_row = po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos
-    store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    if CHUNKS == 4:
-        store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-        store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-        store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
-    tl.store(pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, lse, mask=head_mask)
+    store_split(po_ptr + t64 * s_pot + heads[:, None] * s_poh + split * s_pos,
+                pl_ptr + t64 * s_plt + heads * s_plh + split * s_pls, m_i, l_i, a0, a1, a2, a3, head_mask, s_pod,
+                KV_LORA_RANK, CHUNK, CHUNKS)
 
 
 def sparse_mla_decode(

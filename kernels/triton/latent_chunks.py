@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import online_softmax_weights
+from ._common import LN2, online_softmax_weights
 from .latent_parts import latent_values
 
 
@@ -69,3 +69,35 @@ def store_columns(po_row, a, l_i, c0, limit, head_mask, s_pod, CHUNK: tl.constex
     cols = c0 + tl.arange(0, CHUNK)
     tl.store(po_row + cols[None, :] * s_pod, (a / l_i[:, None]).to(po_row.dtype.element_ty),
              mask=head_mask[:, None] & (cols[None, :] < limit))
+
+
+@triton.jit
+def chunked_queries(q_row, head_mask, s_qd, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
+    """The queries at `q_row` [BLOCK_H, 1] as `attend_tile` takes them: (q0..q3 [BLOCK_H, CHUNK], q_pe
+    [BLOCK_H, BLOCK_R]); with one chunk q1..q3 are q0 again (they only pass through and compile away)."""
+    q0 = query_columns(q_row, head_mask, 0, KV_LORA_RANK, s_qd, CHUNK)
+    q_pe = query_columns(q_row, head_mask, KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM, s_qd, BLOCK_R)
+    if CHUNKS == 4:
+        q1 = query_columns(q_row, head_mask, CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q2 = query_columns(q_row, head_mask, 2 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+        q3 = query_columns(q_row, head_mask, 3 * CHUNK, KV_LORA_RANK, s_qd, CHUNK)
+    else:
+        q1, q2, q3 = q0, q0, q0
+    return q0, q1, q2, q3, q_pe
+
+
+@triton.jit
+def store_split(po_row, pl_row, m_i, l_i, a0, a1, a2, a3, head_mask, s_pod,
+                KV_LORA_RANK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """A split's normalised output (a0..a3 / l_i) at `po_row` [BLOCK_H, 1] and its natural-log LSE at
+    `pl_row` [BLOCK_H] (-inf, and an output of 0, for a head that saw no key)."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    store_columns(po_row, a0, l_safe, 0, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    if CHUNKS == 4:
+        store_columns(po_row, a1, l_safe, CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        store_columns(po_row, a2, l_safe, 2 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+        store_columns(po_row, a3, l_safe, 3 * CHUNK, KV_LORA_RANK, head_mask, s_pod, CHUNK)
+    tl.store(pl_row, lse, mask=head_mask)
