@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import mla_func as mf
+from mla_func.pytree import tree_map
 from support.dsa_reference import make_v32
 from support.mla_reference import make_reference, rel_err, save_reference
 from support.parallel_gpu_runs import DTYPES, GRAPH_STEPS, run_gpu_group
@@ -83,37 +84,58 @@ def folders(tmp_path_factory):
     return folders
 
 
+class Lazily:
+    """Results by key, computed a group at a time on first use (the group: the key's first `width` fields),
+    so that `-k` starts only the groups its tests read."""
+
+    def __init__(self, compute: Any, width: int) -> None:
+        self._compute, self._width, self._done = compute, width, {}
+
+    def __getitem__(self, key: tuple[str, ...]) -> Any:
+        group = key[:self._width]
+        if group not in self._done:
+            self._done[group] = self._compute(*group)
+        return self._done[group][key]
+
+
 @pytest.fixture(scope="module")
 def sharded(folders, tmp_path_factory):
-    """{(checkpoint, mode, dtype): [what each rank saw, or the error it raised]}, from one NCCL group."""
-    runs = {(name, mode, dtype): (str(path), mode, dtype)
-            for name, path in folders.items() for mode in MODES for dtype in DTYPES}
-    saved, failure = run_gpu_group(tuple(runs.values()), tmp_path_factory.mktemp("ranks"))
-    for rank, result in saved.items():
-        assert "raised" not in result, f"rank {rank}: {result.get('traceback')}"
-    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
-    return {key: [saved[r][run] for r in range(WORLD)] for key, run in runs.items()}
+    """{(checkpoint, mode, dtype): [what each rank saw, or the error it raised]}, from one NCCL group a
+    checkpoint and mode."""
+    def run(checkpoint: str, mode: str) -> dict:
+        runs = {(checkpoint, mode, dtype): (str(folders[checkpoint]), mode, dtype) for dtype in DTYPES}
+        saved, failure = run_gpu_group(tuple(runs.values()), tmp_path_factory.mktemp(f"ranks-{checkpoint}-{mode}"))
+        for rank, result in saved.items():
+            assert "raised" not in result, f"rank {rank}: {result.get('traceback')}"
+        assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
+        return {key: [saved[r][run] for r in range(WORLD)] for key, run in runs.items()}
+
+    return Lazily(run, 2)
 
 
 @pytest.fixture(scope="module")
 def whole(folders):
     """{(checkpoint, dtype): one process's scenarios and each rank's data-parallel steps run alone, or the
     error that raised}."""
-    results: dict[tuple[str, str], Any] = {}
-    for name, path in folders.items():
+    def run(checkpoint: str) -> dict:
+        results: dict[tuple[str, str], Any] = {}
         for dtype, torch_dtype in DTYPES.items():
             try:
-                model = mf.load_model(path, dtype=torch_dtype, device="cuda")
+                model = mf.load_model(folders[checkpoint], dtype=torch_dtype, device="cuda")
                 alone = [run_steps(model, rank_steps(model, r)) for r in range(WORLD)]
-                results[name, dtype] = {**scenarios(model), "alone": alone}
+                # On the host, where the ranks' saved results are read back.
+                results[checkpoint, dtype] = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t,
+                                                      {**scenarios(model), "alone": alone})
                 del model
             except Exception as e:  # that checkpoint's tests fail with it; the others still run
-                results[name, dtype] = e
+                results[checkpoint, dtype] = e
             torch.cuda.empty_cache()
-    return results
+        return results
+
+    return Lazily(run, 1)
 
 
-def ranks_of(sharded: dict, key: tuple[str, str, str]) -> list[dict]:
+def ranks_of(sharded: Lazily, key: tuple[str, str, str]) -> list[dict]:
     return [outcome(result, f"rank {rank} of {key}") for rank, result in enumerate(sharded[key])]
 
 

@@ -132,6 +132,6 @@ def run_gpu_group(runs: tuple[Run, ...], out: Path, *, device_type: str = "cuda"
         run_ranks(WORLD, _rank_main, (str(out), runs, device_type), timeout_s=timeout_s)
     except ChildProcessError as e:
         failure = str(e)
-    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False)
+    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False, map_location="cpu")
              for r in range(WORLD) if (out / f"rank{r}.pt").exists()}
     return saved, failure
