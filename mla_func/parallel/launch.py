@@ -52,7 +52,9 @@ def join(*, rank: int | None = None, world_size: int | None = None, init_method:
 
 
 def leave(parallel: Parallel) -> None:
-    """Destroy the process group `parallel` names (after the last collective of this process)."""
+    """Destroy the process group `parallel` names (after the last collective of this process, and after
+    the last reference to what holds the group, a model or an engine: one still referenced when the
+    interpreter exits is torn down during finalization, which can abort the process)."""
     if parallel.group is not None and dist.is_initialized():
         # Every rank reaches here before any tears its connections down: a rank still in its last
         # collective would otherwise see its peer vanish (gloo then aborts the process).
