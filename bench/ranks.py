@@ -79,6 +79,12 @@ def modes(ranks: int, codes: Sequence[str]) -> list[Mode]:
     return [Mode(1), *(Mode(ranks, *MODE_CODES[c]) for c in codes)]
 
 
+def mode_codes(args: argparse.Namespace) -> list[str]:
+    """TP always; EP, DP-attention and both, as --expert-parallel / --data-parallel-attention ask."""
+    ep, dp = args.expert_parallel, args.data_parallel_attention
+    return ["tp"] + ["ep"] * ep + ["dp"] * dp + ["dp-ep"] * (ep and dp)
+
+
 def _seed_of(name: str, seed: int) -> int:
     # A seed a tensor name: every rank draws each tensor alike, whatever it fetches before it.
     return (seed << 32) + zlib.crc32(name.encode())

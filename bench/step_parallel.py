@@ -133,15 +133,9 @@ def run_modes(args: argparse.Namespace, bench: ranks.RankBench, codes: list[str]
     return rows, dict(gpu=found[0]["gpu"], device=found[0]["device"], peak_gb=peaks)
 
 
-def mode_codes(args: argparse.Namespace) -> list[str]:
-    """TP always; EP, DP-attention and both, as the flags ask."""
-    ep, dp = args.expert_parallel, args.data_parallel_attention
-    return ["tp"] + ["ep"] * ep + ["dp"] * dp + ["dp-ep"] * (ep and dp)
-
-
 def run(args: argparse.Namespace) -> None:
     """`bench/step.py --tensor-parallel N`: every mode, then the rows printed and written."""
-    rows, facts = run_modes(args, step_rank, mode_codes(args))
+    rows, facts = run_modes(args, step_rank, ranks.mode_codes(args))
     bench = "step-parallel" if args.preset == "v2-lite" else f"step-parallel-{args.preset}"
     result = dict(preset=args.preset, dtype="bfloat16" if args.device == "cuda" else "float32",
                   backend=args.backend, block_size=BLOCK_SIZE, commit=common.git_commit(args.commit),

@@ -9,7 +9,7 @@ twice, batch-invariant (`Engine(batch_invariant=True)`) and not; "invariant cost
 default mode's output tokens/s over the batch-invariant one's, less 1. Prints a
 table and writes JSON under bench/results/.
 
-    python bench/throughput.py --tensor-parallel 2 [--expert-parallel]
+    python bench/throughput.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]
 
 runs the engine on one rank and on N ranks of this host (one GPU each) in the same run, same requests
 and random weights, and writes `throughput-parallel` results instead (`bench/throughput_parallel.py`;
@@ -84,9 +84,6 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    if args.data_parallel_attention:
-        parser.error("--data-parallel-attention: the engine does not drive data-parallel attention yet (README, "
-                     "'Several GPUs'); bench/step.py --tensor-parallel N --data-parallel-attention times its step")
     several = ranks.check_arguments(parser, args)
     if not several and args.preset != "v2-lite":
         parser.error(f"--preset {args.preset}: the one-GPU run measures v2-lite; other presets need --tensor-parallel N")

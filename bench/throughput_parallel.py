@@ -5,9 +5,9 @@ Each mode runs in a group of fresh processes of its own (`ranks.run_group`): one
 ranks tensor-parallel (and with --expert-parallel, N ranks holding whole experts). Every rank draws
 the same random weights and keeps its shard (`ranks.random_shard`), and runs the same engine over the
 same requests (`serving.benchmark.run_throughput`): the engine's scheduler decides alike on every
-rank, and sampling reads logits every rank holds whole, so the ranks step together. Rank 0's figures
-are the mode's. Data-parallel attention is not run: the engine does not drive it yet (README,
-"Several GPUs").
+rank, and sampling reads logits every rank holds whole, so the ranks step together. With
+--data-parallel-attention also N ranks attending for their own requests (each rank's engine runs every
+rank's schedulers and returns every completion, `serving.rank_scheduler`). Rank 0's figures are the mode's.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def throughput_rank(args: argparse.Namespace, mode: ranks.Mode, parallel: Parall
 def run(args: argparse.Namespace) -> None:
     """One rank, then N ranks each way asked; the rows compared, printed and written."""
     found = [ranks.run_group(mode, throughput_rank, args, device_type=args.device)
-             for mode in ranks.modes(args.tensor_parallel, ["tp"] + ["ep"] * args.expert_parallel)]
+             for mode in ranks.modes(args.tensor_parallel, ranks.mode_codes(args))]
     rows = [result["row"] for result in found]
     ranks.against_one_rank(rows, case=(), time_key="seconds", rate_key="output_tok_s")
     result = dict(preset=args.preset, dtype="bfloat16" if args.device == "cuda" else "float32",

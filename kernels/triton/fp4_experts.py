@@ -37,10 +37,10 @@ from ..checks import check_dtype, check_same_device, check_shape
 from ..fp4_weight import BlockFP4Weight
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
-from .fp8_moe import (down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs,
-                      swiglu_activation)
+from .fp8_moe import down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs
 from .fp8_ops import fp8_pair
 from .moe import combine_pairs
+from .swiglu import swiglu_activation
 
 # Values one e8m0 scale covers along K: the only group `tl.dot_scaled` takes.
 MX_GROUP = 32

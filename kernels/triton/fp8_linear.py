@@ -67,9 +67,13 @@ _GPU_GEMM_W8A8 = GemmTiles(block_m=128, block_n=128, block_k=128, group_m=8, num
 _GPU_GEMM_WIDE = GemmTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _INTERPRETER_GEMM = GemmTiles(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 # The stream splits K until there are this many programs a multiprocessor: fewer leave too few
-# loads in flight. H100, [7168, 7168] weight, 1 or 16 bf16 rows, 64-wide tiles: 2 splits (224
-# programs) 28.8 us, 4 splits 29.7, none 41.5; 8 warps or 128-wide tiles were slower.
-_STREAM_PROGRAMS_PER_SM = 2
+# loads in flight. H100, one bf16 row, 64-wide tiles, three stages (a sweep of tile width, split,
+# stages and warps, bench/results/step-fp8/h100/logs-archive/fp8-step-profile-h100-2026-11-27.log):
+# [7168, 7168] best at 8 splits (896 programs) 26.5 us against 30.6 at 2 splits and four stages,
+# [18432, 7168] at 4 splits (1152 programs) 56.6 against 77.2 unsplit; 8 warps or 128-wide tiles
+# were slower.
+_STREAM_PROGRAMS_PER_SM = 6
+_STREAM_STAGES = 3
 
 
 def gemm_tiles(w8a8: bool, on_gpu: bool) -> GemmTiles:
@@ -90,7 +94,8 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
     col_tiles = triton.cdiv(n_out, block_n)
     wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), col_tiles)
     split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
-    return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4, num_stages=4 if on_gpu else 1)
+    return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
+                       num_stages=_STREAM_STAGES if on_gpu else 1)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ to the accumulator times the weight block's scale per output column (and with w8
 activation group's scale per row), as in `fp8_linear`. With w8a8, x is quantized once per token
 before gate/up (`fp8_quant`), and the gate/up programs quantize the activation they write, one
 group of bk columns a program, for the down product; otherwise x and the activation stay 16-bit
-and each weight tile is widened to them in registers.
+and each weight tile is widened to them in registers. Few pairs of 16-bit activations (decode) take the
+per-pair path instead (`fp8_moe_pairs`, one launch).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from ..checks import check_dtype, check_same_device
 from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe
 from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl
 from .fp8_linear import check_block_k, scaled_dot
+from .fp8_moe_pairs import FP8_PAIR_MAX_PAIRS, fp8_pair_config, fp8_pair_moe, pair_block_i
 from .fp8_quant import quantize_activations, quantize_tile
 from .moe import combine_pairs
+from .moe_pairs import PairConfig
 from .moe_align import gate_up_block, moe_align, moe_sorted_size
+from .swiglu import swiglu_activation
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,13 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 _INLINE_ALIGN_MAX_PAIRS = 64
 
 
-def fp8_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp8MoeConfig:
-    """The launch configuration for num_pairs = T * k pairs over num_experts experts."""
+def fp8_moe_config(num_pairs: int, num_experts: int, device: torch.device, *,
+                   w8a8: bool = False) -> Fp8MoeConfig | PairConfig:
+    """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts:
+    up to FP8_PAIR_MAX_PAIRS pairs of 16-bit activations the per-pair path (`fp8_moe_pairs`: one launch, where
+    the tiled path's 16-row tiles hold one live row each)."""
+    if not w8a8 and num_pairs <= FP8_PAIR_MAX_PAIRS:
+        return fp8_pair_config(device)
     if device.type != "cuda":
         return _INTERPRETER
     return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
@@ -76,17 +85,6 @@ def gate_up_program(ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num
     col_mask = cols < inter
     gate_rows = tl.where(col_mask, cols, 0)
     return expert, rows, row_mask, tokens, cols, col_mask, gate_rows, gate_rows + inter
-
-
-@triton.jit
-def swiglu_activation(acc_gate, acc_up, limit, X_DTYPE: tl.constexpr, CLAMP: tl.constexpr):
-    """silu(gate) * up of float32 accumulators, rounded to x's dtype as the reference keeps it. With CLAMP,
-    DeepSeek-V4's clamped SwiGLU (`moe`'s CLAMP path): the pre-activations rounded to x's dtype first, as
-    the reference's projections are, then the gate clamped from above at `limit`, up both ways."""
-    if CLAMP:
-        acc_gate = tl.minimum(acc_gate.to(X_DTYPE).to(tl.float32), limit)
-        acc_up = tl.minimum(tl.maximum(acc_up.to(X_DTYPE).to(tl.float32), -limit), limit)
-    return (acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up).to(X_DTYPE)
 
 
 @triton.jit
@@ -223,7 +221,7 @@ def fp8_fused_moe(
     block: tuple[int, int] = DEFAULT_BLOCK,
     w8a8: bool = False,
     out_dtype: torch.dtype | None = None,
-    config: Fp8MoeConfig | None = None,
+    config: Fp8MoeConfig | PairConfig | None = None,
     limit: float | None = None,
 ) -> torch.Tensor:
     """Contract of `reference.fp8.fp8_fused_moe`: the sum over each token's chosen experts of
@@ -236,7 +234,9 @@ def fp8_fused_moe(
                    ids >= E are not checked, which would need a host sync)
     block:         (bn, bk), bk a power of two >= 32
     returns        [T, D] in out_dtype (x's by default). The activation is kept in x's dtype,
-                   products and the k-way sum in float32. `config` overrides `fp8_moe_config`.
+                   products and the k-way sum in float32. `config` overrides `fp8_moe_config` (a
+                   `PairConfig` takes the per-pair path, whose float32 atomics add the k terms in an
+                   order, and so to last bits, that may differ from run to run).
     limit:         DeepSeek-V4's `swiglu_limit`, or None: the gate and up pre-activations, rounded to x's
                    dtype, are clamped (gate from above, up both ways) before the SwiGLU, as
                    `reference.v4_moe.clamped_experts` does (its contract on FP8 experts).
@@ -258,7 +258,13 @@ def fp8_fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=out_dtype, device=device)
-    c = config or fp8_moe_config(num_pairs, num_experts, device)
+    c = config or fp8_moe_config(num_pairs, num_experts, device, w8a8=w8a8)
+    if isinstance(c, PairConfig):
+        if w8a8:
+            raise ValueError("config: the per-pair path takes 16-bit activations, got w8a8=True")
+        pair_sum = fp8_pair_moe(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, block=block,
+                                block_i=pair_block_i(c, block), config=c, limit=limit)
+        return pair_sum if out_dtype == torch.float32 else pair_sum.to(out_dtype)
     block_k = min(c.block_k, block[1])
     bm = c.block_m
     num_blocks, inline_align, sorted_pairs, block_expert = sorted_rows(topk_ids, num_experts, bm)

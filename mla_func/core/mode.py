@@ -211,6 +211,33 @@ class ForwardMode:
         """This mode's shapes and static key, with every row padding."""
         return replace(self, num_prefill_tokens=0, num_prefill_seqs=0, num_decode_seqs=0, num_logits=0)
 
+    def padded_to(self, *, decode_seqs: int, block_table_width: int, prefill_tokens: int = 0,
+                  prefill_seqs: int = 0) -> ForwardMode:
+        """This mode's real rows in a step of larger padded sizes: the static key of a step that
+        pads them further (the key data-parallel ranks agree on, `parallel.data_parallel.rank_modes`).
+
+        Each size is at least this mode's padded one, and a segment its kind lacks stays empty.
+        The logits sizes (`padded_num_logits`, `gather_logits`) are derived from the new sizes as
+        `decide` derives them; the kind, graph use and `exchange_rows` are kept.
+        """
+        padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
+                  "width": block_table_width}
+        own = {"prefill_tokens": self.padded_prefill_tokens, "prefill_seqs": self.padded_prefill_seqs,
+               "decode_seqs": self.padded_decode_seqs, "width": self.block_table_width}
+        smaller = [f"{name} {padded[name]} < {size}" for name, size in own.items() if padded[name] < size]
+        if smaller:
+            raise ValueError(f"ForwardMode.padded_to: padding only grows, got {', '.join(smaller)}")
+        lacks = {SegmentKind.PREFILL: ("decode_seqs",), SegmentKind.DECODE: ("prefill_tokens", "prefill_seqs"),
+                 SegmentKind.MIXED: ()}[self.kind]
+        if any(padded[name] for name in lacks):
+            raise ValueError(f"ForwardMode.padded_to: a {self.kind.value} step has no rows of {' or '.join(lacks)}, "
+                             f"got {', '.join(f'{name} {padded[name]}' for name in lacks)}")
+        real = {"prefill_tokens": self.num_prefill_tokens, "prefill_seqs": self.num_prefill_seqs,
+                "decode_seqs": self.num_decode_seqs}
+        mode = ForwardMode._make(self.kind, self.backend, self.cache_groups, real, padded, self.num_logits,
+                                 self.decode_q_len, self.use_graph, self.graph_fallback, self.batch_invariant)
+        return replace(mode, exchange_rows=self.exchange_rows)
+
     @staticmethod
     def decide(
         plan: StepPlan,

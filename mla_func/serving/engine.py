@@ -23,7 +23,8 @@ in `mla_func.serving.speculative`).
 Under data-parallel attention (a model loaded with `Parallel(data_parallel_attention=True)`) every
 rank runs this engine with the same calls: it schedules every rank's requests alike
 (`mla_func.serving.rank_scheduler`), runs its own rank's step (an idle one when it has no request in
-it), draws its own rows' tokens, and gathers every rank's, so every rank returns every completion.
+it; a CUDA graph only where every rank's step replays one of the same key), draws its own rows' tokens,
+and gathers every rank's, so every rank returns every completion.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from mla_func.core.step import StepOutput
 from mla_func.kernels import CollectiveOps, default_backend, ops_for
 from mla_func.kernels.latent_cache import check_kv_cache_dtype
 from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
-from mla_func.parallel.data_parallel import prepare_rank_step
+from mla_func.parallel.data_parallel import prepare_rank_step, rank_graph_modes
 from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logprobs
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
 from mla_func.serving.rank_scheduler import RankSchedulers, RanksStep, StepScheduler
@@ -93,9 +94,10 @@ class Engine:
     Under data-parallel attention (`model.params.collectives.tokens_split`) every rank builds the engine
     and makes the same calls on it (module docstring): requests go to ranks by `RankSchedulers`' rule,
     max_num_seqs, max_num_batched_tokens and num_blocks are each rank's (num_blocks the fewest any rank
-    would take), and every step runs eagerly (graphs off: a rank that captures a graph runs its step's
-    collectives once more than a rank that replays one). Speculative decoding and logprobs are not
-    supported there yet.
+    would take). A step replays a CUDA graph only when every rank's can: the ranks agree on one padded
+    static key from every rank's plan (`parallel.data_parallel.rank_modes`), since a rank that captures
+    a graph runs its step's collectives once more than a rank that replays one; a step any rank cannot
+    graph runs eagerly on all. Speculative decoding and logprobs are not supported there yet.
     """
 
     def __init__(
@@ -156,7 +158,7 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, enable_mixed=enable_mixed,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            backend=backend or default_backend(model.device), graphs=graphs and ranks is None,
+            backend=backend or default_backend(model.device), graphs=graphs,
             graph_kinds=tuple(graph_kinds),
             batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype,
         )
@@ -189,6 +191,8 @@ class Engine:
         """Capture every decode graph the step's ladders allow (one per batch rung and table-width rung;
         with drafts, for each verify length 1..k+1, and the drafter's), now rather than on first use.
         Without graphs (or off CUDA) it does nothing to the step. Returns how many graphs were captured.
+        Under data-parallel attention every rank calls it (a capture runs the step's collectives), and each
+        captures the same keys, those its steps agree on (`parallel.data_parallel.rank_graph_modes`).
 
         freeze_gc: afterwards, move every object alive so far (the model, torch, the captured graphs)
         out of the cyclic garbage collector's sight (`gc.freeze`). They live as long as the engine, and
@@ -199,6 +203,8 @@ class Engine:
         max_q = self.config.speculative_tokens + 1
         before = len(self.step.captured_keys)
         modes = [m for q in range(1, max_q + 1) for m in self.step.decode_graph_modes(self.state, decode_q_len=q)]
+        if self._ranks is not None:  # every rank captures the keys its steps will agree on, in the same order
+            modes = list(rank_graph_modes(modes))
         self.step.warmup(self.state, modes, progress=progress)
         drafter = 0 if self._speculative is None else self._speculative.warmup(
             max_q, self.model.config.hidden_size, progress=progress)

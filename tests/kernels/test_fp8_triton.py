@@ -15,6 +15,7 @@ from support.kernel_cases import TOLERANCE, assert_close, generator, randn, stri
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels.reference import fp8 as ref
 from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
+from mla_func.kernels.triton.moe_pairs import PairConfig
 
 
 def _weight(shape, gen, device):
@@ -116,10 +117,29 @@ def test_fp8_fused_moe(num_tokens, dtype, w8a8, device):
     _check_moe(inputs, dtype, w8a8)
 
 
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_fused_moe_per_pair_path_equals_the_tiled_path_and_reference(dtype, limit, device):
+    # 4 tokens x top-3: few pairs of 16-bit activations take the per-pair path by default; the gate
+    # and up rows of a program lie in different row blocks (I = 96 in 128-row blocks).
+    inputs = _moe_inputs(4, 160, 96, 6, 3, dtype, device, seed=11)
+    chosen = fp8_moe.fp8_moe_config(12, 6, device)
+    tiled = fp8_moe.fp8_moe_config(12, 6, device, w8a8=True)
+    assert isinstance(chosen, PairConfig) and not isinstance(tiled, PairConfig)
+    per_pair = fp8_moe.fp8_fused_moe(*inputs, limit=limit)
+    by_tiles = fp8_moe.fp8_fused_moe(*inputs, limit=limit, config=tiled)
+    assert_close(per_pair, by_tiles, dtype)
+    assert torch.all(per_pair[-1] == 0)
+    if limit is None:
+        _check_moe(inputs, dtype, False)
+    with pytest.raises(ValueError, match="per-pair path"):
+        fp8_moe.fp8_fused_moe(*inputs, w8a8=True, config=chosen)
+
+
 def test_fp8_fused_moe_larger_tiles(device):
     # The prefill tiles' shape (one 64-row tile an expert) on the same function.
     inputs = _moe_inputs(9, 160, 96, 4, 2, torch.bfloat16, device, seed=5)
-    config = dataclasses.replace(fp8_moe.fp8_moe_config(18, 4, device), block_m=64)
+    config = dataclasses.replace(fp8_moe.fp8_moe_config(18, 4, device, w8a8=True), block_m=64)  # the tiled path
     _check_moe(inputs, torch.bfloat16, False, config)
 
 
@@ -152,3 +172,20 @@ def test_fp8_fused_moe_gpu(num_tokens, w8a8):
     # V3's expert shapes (D 7168, I 2048), 16 experts, top-8.
     inputs = _moe_inputs(num_tokens, 7168, 2048, 16, 8, torch.bfloat16, torch.device("cuda"), seed=num_tokens)
     _check_moe(inputs, torch.bfloat16, w8a8, table=_GPU_W8A8_TOLERANCE if w8a8 else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [None, 10.0])
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fp8_fused_moe_per_pair_path_gpu(num_tokens, limit):
+    # V2-Lite's expert shapes (D 2048, I 1408 = 11 blocks), 66 experts, top-8: the per-pair path against
+    # the tiled path and the reference.
+    device = torch.device("cuda")
+    inputs = _moe_inputs(num_tokens, 2048, 1408, 66, 8, torch.bfloat16, device, seed=num_tokens)
+    assert isinstance(fp8_moe.fp8_moe_config(num_tokens * 8, 66, device), PairConfig)
+    per_pair = fp8_moe.fp8_fused_moe(*inputs, limit=limit)
+    tiled = fp8_moe.fp8_fused_moe(*inputs, limit=limit, config=fp8_moe.fp8_moe_config(num_tokens * 8, 66, device,
+                                                                                        w8a8=True))
+    assert_close(per_pair, tiled, torch.bfloat16)
+    if limit is None:
+        _check_moe(inputs, torch.bfloat16, False)

@@ -42,10 +42,10 @@ def graph_and_eager(model: mf.Model, every_rank: list[list[mf.StepPlan]], rank: 
                     data_parallel: bool) -> dict[str, list[Any]]:
     """Rank `rank`'s first GRAPH_STEPS steps (`every_rank[rank]`; every rank's plans are the same list
     under tensor parallelism) through a step that captures and replays CUDA graphs and through the same
-    step eager, with the same padding (`graph_checks.LADDER`), each from an empty state. Every rank meets
-    a new static key at the same steps (under LADDER, each of `rank_steps`' steps brings a new kind or
-    width rung to both ranks at once, or to neither), so the ranks capture together: a capture runs the
-    step's collectives once more (its warm-up) than a replay does.
+    step eager, with the same padding (`graph_checks.LADDER`), each from an empty state. The ranks must
+    capture together (a capture runs the step's collectives once more, its warm-up, than a replay does):
+    under tensor parallelism every rank runs the same plans; under data-parallel attention `plan_rank_step`
+    pads every rank's decode step to one static key, and runs prefill and mixed steps eagerly on all.
 
     Returns {"graph": [logits [num_logits, V] a step], "eager": [...], "replayed": [whether the graph
     step replayed a graph, a step]}, on the CPU."""

@@ -3,12 +3,15 @@ and the same runs on one process, so a test compares a group's results with one 
 
 `drafts(model)` runs the MTP drafter directly (its logits over a prefill's hidden states) and the
 engine's speculative decoding; `engine_run(model, ...)` runs the engine's greedy generation of a set
-of prompts, on any model: whole, tensor-parallel or with data-parallel attention.
+of prompts, on any model: whole, tensor-parallel or with data-parallel attention. `job_agreed_steps`
+(gloo) and `dp_graphs_rank` (NCCL, with CUDA graphs) run steps whose padding the ranks agree on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,12 +19,16 @@ from typing import Any
 import torch
 
 import mla_func as mf
+from mla_func.core.step import Step
 from mla_func.kernels.fp4_weight import BlockFP4Weight
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.models.mtp.layer import drafter_params, init_drafter_state, mtp_layer, target_step_fn
 from mla_func.parallel import Parallel
+from mla_func.parallel.data_parallel import plan_rank_step
 from mla_func.serving.rank_scheduler import RanksStep
-from support.parallel_runs import BLOCK_SIZE, WORLD, RankTask, held, scenarios, spawn_group
+from support.graph_checks import LADDER
+from support.parallel_gpu_runs import DTYPES
+from support.parallel_runs import BLOCK_SIZE, WORLD, RankTask, held, rank_steps, scenarios, spawn_group
 
 SPECULATIVE = 2   # drafts a verify step checks
 PROMPT = 11
@@ -144,3 +151,100 @@ def runs_of_every_rank(job: Callable[[RankTask, Parallel], dict[Any, Any]], runs
     for rank, result in results.items():
         assert "raised" not in result, f"rank {rank}: {result.get('traceback')}"
     return {name: [results[r][args] for r in range(WORLD)] for name, args in runs.items()}
+
+
+# Rank 1 of `agreed_plans` runs `rank_steps`' first AGREED_BUSY steps (prefill, decode), then idles while
+# rank 0 decodes, runs a mixed step and verifies.
+AGREED_BUSY = 2
+
+
+def agreed_plans(model: mf.Model, world: int) -> list[list[mf.StepPlan]]:
+    """Every rank's steps of `job_agreed_steps`: `rank_steps`', rank 1's empty (idle) after its first
+    AGREED_BUSY."""
+    every_rank = [rank_steps(model, r) for r in range(world)]
+    every_rank[1] = every_rank[1][:AGREED_BUSY] + [mf.StepPlan()] * (len(every_rank[1]) - AGREED_BUSY)
+    return every_rank
+
+
+def job_agreed_steps(task: RankTask, parallel: Parallel) -> dict[Any, Any]:
+    """task.args: (checkpoint folder,) each, loaded with data-parallel attention; {args: this rank's
+    `agreed_plans` steps padded as a graph step pads them (graphs=True over `graph_checks.LADDER`: the sizes
+    the ranks agree on, `plan_rank_step`) and run eagerly: {"logits": each busy step's real logits rows (None
+    where idle), "keys": each step's static key, "graph": whether its mode was to replay a graph}}."""
+    results = {}
+    for args in task.args:
+        model = mf.load_model(args[0], dtype=torch.float32, device="cpu",
+                              parallel=dataclasses.replace(parallel, data_parallel_attention=True))
+        every_rank = agreed_plans(model, task.world)
+        state = mf.init_state(model, num_blocks=48, block_size=BLOCK_SIZE)
+        out: dict[str, list[Any]] = {"logits": [], "keys": [], "graph": []}
+        for i, plan in enumerate(every_rank[task.rank]):
+            batch, mode = plan_rank_step(model.config, state, [plans[i] for plans in every_rank], task.rank,
+                                         padding=LADDER, graphs=True, max_position=model.max_positions)
+            logits, state = mf.forward(model.params, state, batch, mode)
+            out["logits"].append(logits[:mode.num_logits] if plan.num_seqs else None)
+            out["keys"].append(mode.static_key)
+            out["graph"].append(mode.use_graph)
+        results[args] = out
+    return results
+
+
+class GraphSteps:
+    """An engine's step that counts the steps it ran and those it replayed from a CUDA graph; anything
+    else is the step's."""
+
+    def __init__(self, step: Step) -> None:
+        self.step, self.steps, self.graph_steps = step, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)
+
+    def __call__(self, *args: Any) -> Any:
+        state, out = self.step(*args)
+        self.steps += 1
+        self.graph_steps += out.graph
+        return state, out
+
+
+def graph_engine_run(model: mf.Model, *, graphs: bool) -> dict[str, Any]:
+    """`engine_run`'s greedy generations (five prompts, the ranks' loads uneven and one rank idle at the end;
+    then one prompt, the other rank idle throughout) through an engine with or without CUDA graphs, warmed
+    up: their tokens, the keys warm-up captured and those captured by the end, and the steps run and those
+    replayed from a graph."""
+    vocab = model.config.vocab_size
+    engine = mf.Engine(model, num_blocks=48, block_size=BLOCK_SIZE, max_num_seqs=2, max_num_batched_tokens=8,
+                       long_prefill_token_threshold=6, max_model_len=64, graphs=graphs)
+    engine.warmup(progress=False, freeze_gc=False)
+    warm_keys = engine.step.captured_keys
+    counted = GraphSteps(engine.step)
+    engine.step = counted  # type: ignore[assignment]
+    prompts = [_tokens(n, vocab, seed=80 + n) for n in PROMPT_LENGTHS]
+    params = [mf.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    many = engine.generate(prompts, params)
+    one = engine.generate([prompts[2]], [params[2]])
+    return {"many": [list(c.token_ids) for c in many], "one": [list(c.token_ids) for c in one],
+            "warm_keys": warm_keys, "keys": counted.captured_keys, "steps": counted.steps,
+            "graph_steps": counted.graph_steps}
+
+
+def dp_graphs_rank(task: tuple[str, str, tuple[str, ...]], parallel: Parallel) -> int:
+    """One NCCL rank of the data-parallel graph test (`run_ranks`' function): task (checkpoint folder, output
+    folder, dtype names of `parallel_gpu_runs.DTYPES`). Saves {dtype: {"graphs": `graph_engine_run` with graphs,
+    "eager": without}} to rank{r}.pt, or the error it raised; after an error it exits at once, which stops
+    the other rank rather than leaving it in a collective."""
+    path, out, dtypes = task
+    file = Path(out) / f"rank{parallel.rank}.pt"
+    try:
+        results = {}
+        for dtype in dtypes:
+            model = mf.load_model(path, dtype=DTYPES[dtype], device=torch.device("cuda", parallel.rank),
+                                  parallel=dataclasses.replace(parallel, data_parallel_attention=True))
+            results[dtype] = {"graphs": graph_engine_run(model, graphs=True),
+                              "eager": graph_engine_run(model, graphs=False)}
+            del model
+            torch.cuda.empty_cache()
+        torch.save(results, file)
+    except Exception as e:  # saved for the test, which names it
+        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
+        os._exit(1)
+    return 0

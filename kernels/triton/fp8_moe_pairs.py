@@ -1,0 +1,139 @@
+"""The per-pair path of the fused MoE over block-scaled FP8 experts: one launch for decode's few pairs.
+
+`moe_pairs`' scheme with FP8 weight tiles: a program takes one (token, slot) pair and BLOCK_I of its
+expert's intermediate columns, computes their gate/up products and activation, and adds its slice's
+share of the down projection into the token's zeroed float32 row with atomics. Each weight tile is
+read as FP8, widened to x's dtype in registers and multiplied on the tensor cores into a fresh
+float32 tile, which is added to the accumulator times the tile's block scales (`fp8_linear`'s math):
+per gate/up column for w13, per output column for w2, whose K (intermediate) block a program's
+columns lie inside (BLOCK_I, a power of two, at most the scale block's K).
+
+Against the tiled path (`fp8_moe`: gate/up, down and combine launches over 16-row tiles, one row
+of which is live at decode) it saves two launches and the idle tiles; the float32 atomics make the
+order of the k-way sum, and so its last bits, vary from run to run, as in the bf16 per-pair path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import dot_precision, next_pow2, pdl
+from .fill import zeros
+from .moe_pairs import PairConfig
+from .swiglu import swiglu_activation
+
+# Chosen on an H100 from 36 settings, graph replays of the whole op (bench/notes/fp8.md): one token
+# of v2-lite's experts (D 2048, I 1408, top-6 + 2 shared) 39.1 us against the tiled path's 44.5, of
+# V3's (D 7168, I 2048, top-8 + 1) 180.5 against 194.8; 64 intermediate columns a program 42-47 us.
+_GPU_FP8_PAIRS = PairConfig(block_i=32, block_k=128, block_d=256, num_warps=4, num_stages=3)
+# Up to this many pairs the per-pair path runs. It reads an expert's weights once per pair: at four
+# tokens it ties the tiled path on v2-lite's experts (111.5 vs 109.3 us) and loses on V3's (558 vs 351).
+FP8_PAIR_MAX_PAIRS = 16
+_INTERPRETER_FP8_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
+
+# x's dtype, which the activation is rounded to, as a kernel argument.
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def fp8_pair_config(device: torch.device) -> PairConfig:
+    """The FP8 per-pair path's launch configuration on `device`."""
+    return _GPU_FP8_PAIRS if device.type == "cuda" else _INTERPRETER_FP8_PAIRS
+
+
+def pair_block_i(config: PairConfig, block: tuple[int, int]) -> int:
+    """The intermediate columns a program takes for scale blocks `block` (bn, bk): the config's, at most bk.
+    Both are powers of two (`fp8_linear.check_block_k`), so they divide bk: one K block of w2."""
+    return min(config.block_i, block[1])
+
+
+@triton.jit
+def _fp8_pair_kernel(
+    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, out_ptr,
+    hidden, inter, limit,
+    s_xt, s_xd, s_ge, s_gn, s_gd, s_gse, s_gsn, s_gsk, s_de, s_dd, s_di, s_dse, s_dsn, s_dsk,
+    s_ids_t, s_ids_k, s_tw_t, s_tw_k, s_ot,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_DTYPE: tl.constexpr, CLAMP: tl.constexpr, GDC: tl.constexpr,
+):
+    """One (token, slot) pair, BLOCK_I of its expert's intermediate columns: gate/up, activation, down.
+
+    The pair's row sits in row 0 of 16-row tiles (rows 1-15 are zero) so that the weight loads feed
+    `tl.dot`, whose loads Triton pipelines; BLOCK_K <= SCALE_K, so a K step lies in one scale block.
+    """
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    slot = pair % TOP_K
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
+    if expert >= 0:
+        router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k)
+        first = tl.arange(0, 16) == 0
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_mask = offs_i < inter
+        gate_rows = tl.where(i_mask, offs_i, 0)
+        up_rows = gate_rows + inter
+        w_gate = w13_ptr + expert * s_ge + gate_rows[None, :] * s_gn
+        w_up = w13_ptr + expert * s_ge + up_rows[None, :] * s_gn
+        # Gate and up rows of one column may lie in different row blocks of w13.
+        s_gate = s13_ptr + expert * s_gse + (gate_rows // SCALE_N) * s_gsn
+        s_up = s13_ptr + expert * s_gse + (up_rows // SCALE_N) * s_gsn
+        x_row = x_ptr + token * s_xt
+        offs_k = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros([16, BLOCK_I], dtype=tl.float32)
+        acc_up = tl.zeros([16, BLOCK_I], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < hidden
+            xa = tl.load(x_row + ks[None, :] * s_xd + tl.zeros([16, 1], dtype=tl.int64),
+                         mask=first[:, None] & k_mask[None, :], other=0.0)
+            w_mask = k_mask[:, None] & i_mask[None, :]
+            gate = tl.load(w_gate + ks[:, None] * s_gd, mask=w_mask, other=0.0)
+            up = tl.load(w_up + ks[:, None] * s_gd, mask=w_mask, other=0.0)
+            kb = k0 // SCALE_K
+            gate_scale = tl.load(s_gate + kb * s_gsk)
+            up_scale = tl.load(s_up + kb * s_gsk)
+            acc_gate += tl.dot(xa, gate.to(xa.dtype), input_precision=DOT_PRECISION) * gate_scale[None, :]
+            acc_up += tl.dot(xa, up.to(xa.dtype), input_precision=DOT_PRECISION) * up_scale[None, :]
+        act = swiglu_activation(acc_gate, acc_up, limit, X_DTYPE, CLAMP)
+        # The program's columns are one K block of w2 (BLOCK_I divides SCALE_K): one scale a down column.
+        w_down = w2_ptr + expert * s_de + offs_i[:, None] * s_di
+        s_down = s2_ptr + expert * s_dse + (tl.program_id(1) * BLOCK_I // SCALE_K) * s_dsk
+        offs_d = tl.arange(0, BLOCK_D)
+        out_row = out_ptr + token * s_ot + tl.zeros([16, 1], dtype=tl.int64)
+        for d0 in range(0, hidden, BLOCK_D):
+            ds = d0 + offs_d
+            d_mask = ds < hidden
+            w = tl.load(w_down + ds[None, :] * s_dd, mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+            d_scale = tl.load(s_down + (ds // SCALE_N) * s_dsn, mask=d_mask, other=0.0)
+            part = tl.dot(act, w.to(act.dtype), input_precision=DOT_PRECISION) * (d_scale * router)[None, :]
+            tl.atomic_add(out_row + ds[None, :], part, mask=first[:, None] & d_mask[None, :], sem="relaxed")
+
+
+def fp8_pair_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
+                 w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 block: tuple[int, int], block_i: int, config: PairConfig, limit: float | None) -> torch.Tensor:
+    """The per-pair path on inputs `fp8_moe.fp8_fused_moe` checked: x [T, D], w13 [E, 2I, D] and w2 [E, D, I]
+    float8_e4m3fn with their scales, topk_weights / topk_ids [T, k] -> a float32 [T, D] (a zeroed row summed
+    into). block_i from `pair_block_i`."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    out = zeros((num_tokens, hidden), torch.float32, x.device)
+    use_pdl = pdl(x.device)
+    _fp8_pair_kernel[(topk_ids.numel(), triton.cdiv(inter, block_i))](
+        x, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, out,
+        hidden, inter, 0.0 if limit is None else float(limit),
+        *x.stride(), *w13.stride(), *w13_scale_inv.stride(), *w2.stride(), *w2_scale_inv.stride(),
+        *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
+        SCALE_N=block[0], SCALE_K=block[1], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
+        BLOCK_K=min(config.block_k, block[1], max(16, next_pow2(hidden))),
+        BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))),
+        DOT_PRECISION=dot_precision(x.dtype), X_DTYPE=_TL_DTYPES[x.dtype], CLAMP=limit is not None, GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
+    return out
