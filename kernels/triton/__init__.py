@@ -84,7 +84,7 @@ def ops() -> Ops:
                                   rope=rope,
                                   partial_rope=partial_rope, merge_attn_states=merge_attn_states),
         mla=dataclasses.replace(REFERENCE.mla, write_kv=write_kv, write_latent=write_latent,
-                                write_latent_absorb=Fp8HeadsWriteLatentAbsorb(write_latent_absorb, write_latent),
+                                write_latent_absorb=Fp8HeadsWriteLatentAbsorb(write_latent_absorb),
                                 absorb_query=absorb_query, mla_decode=Fp8HeadsMlaDecode(mla_decode),
                                 prefill_attention=prefill_attention),
         moe=dataclasses.replace(REFERENCE.moe, route=route, fused_moe=Fp8FusedMoe(fused_moe)),

@@ -4,6 +4,9 @@ Unfused this is a batched GEMM of one row per head at batch 1 (a few
 microseconds of launch-bound cuBLAS work) and a concatenation; here each program
 multiplies a tile of sequences of one head by a column tile of that head's W_UK
 and the first column tile's programs also copy q_pe into the output's tail.
+The tile (`absorb_tile`) also reads W_UK as a stacked FP8 pair, for the latent
+write's fused query (`latent.write_latent_absorb`); `absorb_query` sends a pair
+to `fp8_heads.fp8_absorb_query`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device, check_shape
 from ..quantized import BlockFP8Weight, Weight, dequantized
 from ._common import check_float, dot_precision, next_pow2, pdl
-from .fp8_heads import fp8_absorb_query
+from .fp8_heads import fp8_absorb_query, head_tile
 
 # W_UK columns per program.
 ABSORB_BLOCK_C = 64
@@ -24,25 +27,29 @@ ABSORB_BLOCK_C = 64
 
 @triton.jit
 def absorb_tile(
-    head, col_block, seq_block, qn_ptr, qpe_ptr, w_ptr, out_ptr,
+    head, col_block, seq_block, qn_ptr, qpe_ptr, w_ptr, ws_ptr, out_ptr,
     num_seqs,
-    s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
+    s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_sh, s_sd, s_sc, s_ob, s_oh, s_oc,
     NOPE_DIM: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, COPY_PE: tl.constexpr,
+    W_FP8: tl.constexpr, SCALE_D: tl.constexpr, SCALE_C: tl.constexpr,
+    ONE_D_BLOCK: tl.constexpr, ONE_C_BLOCK: tl.constexpr,
 ):
-    """out[seqs, head, cols] = q_nope[seqs, head] @ W_UK[head][:, cols] for one tile; with COPY_PE the
-    first column block also copies q_pe into the tail. Waits for the previous kernel (GDC) after loading W_UK."""
+    """out[seqs, head, cols] = q_nope[seqs, head] @ W_UK[head][:, cols] for one tile, W_UK a 16-bit weight or
+    (W_FP8) an FP8 pair's values with their scales at ws_ptr (`fp8_heads.head_tile`); with COPY_PE the first
+    column block also copies q_pe into the tail. Waits for the previous kernel (GDC) after loading W_UK."""
     seqs = seq_block * BLOCK_B + tl.arange(0, BLOCK_B)
     seq_mask = seqs < num_seqs
     seqs64 = seqs.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < NOPE_DIM
-    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col0 = col_block * BLOCK_C
+    cols = col0 + tl.arange(0, BLOCK_C)
     col_mask = cols < KV_LORA_RANK
-    # The weight tile depends on no earlier kernel: in flight before the wait.
-    w = tl.load(w_ptr + head * s_wh + d[:, None] * s_wd + cols[None, :] * s_wc,
-                mask=d_mask[:, None] & col_mask[None, :], other=0.0)
+    # The weight tile and its scales depend on no earlier kernel: in flight before the wait.
+    w = head_tile(w_ptr + head * s_wh, ws_ptr + head * s_sh, d, cols, 0, col0, d_mask, col_mask, s_wd, s_wc,
+                  s_sd, s_sc, qn_ptr.dtype.element_ty, W_FP8, SCALE_D, SCALE_C, ONE_D_BLOCK, ONE_C_BLOCK)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -68,15 +75,16 @@ def _absorb_kernel(
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
-    absorb_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), qn_ptr, qpe_ptr, w_ptr, out_ptr,
-                num_seqs, s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, s_ob, s_oh, s_oc,
-                NOPE_DIM, KV_LORA_RANK, ROPE_DIM, BLOCK_B, BLOCK_D, BLOCK_C, BLOCK_R, DOT_PRECISION, GDC, True)
+    # A 16-bit W_UK (pairs take `fp8_heads.fp8_absorb_query`): no scales.
+    absorb_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), qn_ptr, qpe_ptr, w_ptr, w_ptr, out_ptr,
+                num_seqs, s_nb, s_nh, s_nd, s_pb, s_ph, s_pr, s_wh, s_wd, s_wc, 0, 0, 0, s_ob, s_oh, s_oc,
+                NOPE_DIM, KV_LORA_RANK, ROPE_DIM, BLOCK_B, BLOCK_D, BLOCK_C, BLOCK_R, DOT_PRECISION, GDC, True,
+                False, 1, 1, True, True)
 
 
 def absorb_block_b(num_seqs: int) -> int:
     """Sequences per program: up to 64 share a W_UK tile; tl.dot needs at least 16 rows."""
     return min(64, max(16, next_pow2(num_seqs)))
-
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: Weight) -> torch.Tensor:

@@ -3,14 +3,15 @@
 Stage 1 (here) gives every (sequence, head group, split) program one contiguous
 slice of the sequence's keys and writes a normalised partial output and its LSE;
 stage 2 (`decode_merge`) merges the splits by LSE. Given the value up-projection
-W_UV, small batches merge and project in one stage-2 kernel; larger ones project
-with one batched GEMM. The number of splits is a function of static shapes
-and the device only (`mla_decode_num_splits`), and each sequence divides its
-*actual* length among them on the device, so a captured graph stays valid for
-any lengths and no step waits on the host. An FP8 latent cache is read through the
-same kernel, its tiles dequantized as they are loaded (`latent_parts.latent_tile`).
-On a GPU, one query a row over a plain cache takes a twin of the split kernel whose
-latent columns come in four chunks (`_chunked_split_kernel`, `latent_chunks`).
+W_UV (a 16-bit weight or a stacked FP8 pair), small batches merge and project in
+one stage-2 kernel; larger ones project after it (`decode_merge.project_values`).
+The number of splits is a function of static shapes and the device only
+(`mla_decode_num_splits`), and each sequence divides its *actual* length among
+them on the device, so a captured graph stays valid for any lengths and no step
+waits on the host. An FP8 latent cache is read through the same kernel, its tiles
+dequantized as they are loaded (`latent_parts.latent_tile`). On a GPU, one query a
+row over a plain cache takes a twin of the split kernel whose latent columns come
+in four chunks (`_chunked_split_kernel`, `latent_chunks`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache
+from ..quantized import BlockFP8Weight
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
-from .decode_merge import merge_splits, merge_splits_value, split_partials
+from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
+from .fp8_heads import check_head_weight
 from .latent_chunks import attend_tile, chunked_queries, store_split
 from .latent_parts import LatentParts, check_latent_cache, latent_parts, latent_tile
 
@@ -351,15 +354,15 @@ def _chunked_split_kernel(
 
 
 def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,
-                                kv_lora_rank: int, w_uv: torch.Tensor | None, *, num_seqs: int,
+                                kv_lora_rank: int, w_uv: torch.Tensor | BlockFP8Weight | None, *, num_seqs: int,
                                 seq_lens: torch.Tensor | None = None, **per_row: torch.Tensor) -> LatentParts:
     """The argument checks every absorbed attention over the paged latent cache shares; returns the
     cache's leaves as the kernels take them (`latent_parts`).
 
     q [rows, H, C + R] float; kv_cache [num_blocks, bs, C + R] in q's dtype (or an `FP8LatentCache`
     whose RoPE values are); block_table [num_seqs, W] int32; seq_lens [num_seqs] int32 if given;
-    per_row: more int32 tensors of num_seqs rows (e.g. indices); w_uv [H, Dv, C] in q's dtype or
-    None; 0 < kv_lora_rank < C + R.
+    per_row: more int32 tensors of num_seqs rows (e.g. indices); w_uv [H, Dv, C] in q's dtype, a
+    stacked FP8 pair of that shape, or None; 0 < kv_lora_rank < C + R.
     """
     dim = q.shape[2]
     check_shape("kv_cache", kv_cache, (None, None, dim))
@@ -376,9 +379,7 @@ def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_ta
         check_dtype(name, t, (torch.int32,))
     check_same_device(q=q, kv_cache=parts.rope, block_table=block_table, **tensors)
     if w_uv is not None:
-        check_shape("w_uv", w_uv, (q.shape[1], None, kv_lora_rank))
-        check_dtype("w_uv", w_uv, (q.dtype,))
-        check_same_device(q=q, w_uv=w_uv)
+        check_head_weight("w_uv", w_uv, q, (q.shape[1], None, kv_lora_rank))
     return parts
 
 
@@ -393,7 +394,7 @@ def mla_decode(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
-    w_uv: torch.Tensor | None = None,
+    w_uv: torch.Tensor | BlockFP8Weight | None = None,
     q_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: `q_len` query tokens per sequence attend causally over its latent cache.
@@ -412,7 +413,8 @@ def mla_decode(
                  outputs; None allocates it here. Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
     config:      overrides the tile sizes (benchmark sweeps); `chunks=4` takes the chunked kernel.
-    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
+    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), a stacked FP8 pair
+                 (read dequantized into q's dtype), or None
     returns      out [B * q_len, H, C] in q's dtype, or with w_uv out [B * q_len, H, Dv] =
                  (out rounded to q's dtype) @ w_uv[h]^T; lse [B * q_len, H] float32 (natural
                  log); the rows of a padded sequence give out 0, lse -inf.
@@ -440,7 +442,7 @@ def mla_decode(
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_seqs == 0:
-        return (out if w_uv is None else torch.einsum("bhc,hvc->bhv", out, w_uv)), lse
+        return (out if w_uv is None else project_values(out, w_uv)), lse
     # One split is already the whole answer: stage 1 writes the outputs and stage 2 is skipped.
     partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1 and not fused_value,
                                               workspace=workspace)
@@ -482,7 +484,7 @@ def mla_decode(
     if splits > 1:
         merge_splits(partial_out, partial_lse, out, lse, use_pdl)
     if w_uv is not None:
-        out = torch.einsum("bhc,hvc->bhv", out, w_uv)
+        out = project_values(out, w_uv)
     return out, lse
 
 

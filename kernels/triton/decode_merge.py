@@ -3,7 +3,9 @@
 Every split program of stage 1 (`decode`) wrote a normalised partial output and
 its LSE, empty splits out 0 and lse -inf. A row's splits merge into out and lse;
 with the value up-projection W_UV the merged latent goes through it in the same
-kernel (small batches, where that is the cheapest read of W_UV).
+kernel (small batches, where that is the cheapest read of W_UV), W_UV a 16-bit
+weight or an FP8 pair dequantized as its tile is loaded (`fp8_heads.head_tile`).
+Larger batches merge, then project (`project_values`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..quantized import BlockFP8Weight
 from ._common import next_pow2
+from .fp8_heads import fp8_value_projection, head_tile, head_tiles
 
 # W_UV's output columns per program, and warps: a (row, head) of 128 value columns in one
 # program reads its split partials once, where 32-column programs read them four times;
@@ -71,25 +75,28 @@ def _reduce_kernel(
 # The split count follows the batch size (see _reduce_kernel).
 @triton.jit(do_not_specialize=["num_splits", "s_plh"])
 def _reduce_value_kernel(
-    po_ptr, pl_ptr, w_ptr, out_ptr, lse_ptr,
+    po_ptr, pl_ptr, w_ptr, ws_ptr, out_ptr, lse_ptr,
     num_heads, num_splits, value_dim,
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
-    s_wh, s_wv, s_wc,
+    s_wh, s_wv, s_wc, s_sh, s_sv, s_sc,
     s_ob, s_oh, s_ov, s_lb, s_lh,
     KV_LORA_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, W_FP8: tl.constexpr, SCALE_D: tl.constexpr, SCALE_C: tl.constexpr,
+    ONE_D_BLOCK: tl.constexpr, ONE_C_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // num_heads).to(tl.int64)
     h = pid % num_heads
     offs_c = tl.arange(0, BLOCK_C)
     c_mask = offs_c < KV_LORA_RANK
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v0 = tl.program_id(1) * BLOCK_V
+    vs = v0 + tl.arange(0, BLOCK_V)
     v_mask = vs < value_dim
-    # W_UV depends on no earlier kernel: its slice is in flight before the wait.
-    w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + offs_c[None, :] * s_wc,
-                mask=v_mask[:, None] & c_mask[None, :], other=0.0)
+    # W_UV (and a pair's scales) depend on no earlier kernel: its slice is in flight before the wait. A pair's
+    # tile comes dequantized and rounded to the output dtype, as the reference's dequantized W_UV.
+    w = head_tile(w_ptr + h * s_wh, ws_ptr + h * s_sh, vs, offs_c, v0, 0, v_mask, c_mask, s_wv, s_wc, s_sv, s_sc,
+                  out_ptr.dtype.element_ty, W_FP8, SCALE_D, SCALE_C, ONE_D_BLOCK, ONE_C_BLOCK)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -167,23 +174,39 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     )
 
 
-def merge_splits_value(partial_out: torch.Tensor, partial_lse: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, use_pdl: bool) -> None:
+def merge_splits_value(partial_out: torch.Tensor, partial_lse: torch.Tensor, w_uv: torch.Tensor | BlockFP8Weight,
+                       out: torch.Tensor, lse: torch.Tensor, use_pdl: bool) -> None:
     """partial_out [N, H, S, C], partial_lse [N, H, S], w_uv [H, Dv, C] -> out [N, H, Dv], lse [N, H] (written).
 
-    out = (the merged latent rounded to out's dtype) @ w_uv[h]^T.
+    out = (the merged latent rounded to out's dtype) @ w_uv[h]^T, products in float32; w_uv a tensor in
+    out's dtype or a stacked FP8 pair, dequantized and rounded to out's dtype (checked by the caller).
     """
     num_rows, num_heads, splits, kv_lora_rank = partial_out.shape
-    value_dim = w_uv.shape[1]
+    w = head_tiles(w_uv)
+    value_dim = w.values.shape[1]
     wide = num_rows * num_heads >= _VALUE_WIDE_MIN_PROGRAMS
     block_v, num_warps = _VALUE_WIDE if wide else _VALUE_NARROW
     block_v = min(block_v, max(16, next_pow2(value_dim)))
+    block_c = next_pow2(kv_lora_rank)
     _reduce_value_kernel[(num_rows * num_heads, triton.cdiv(value_dim, block_v))](
-        partial_out, partial_lse, w_uv, out, lse,
+        partial_out, partial_lse, w.values, w.scales, out, lse,
         num_heads, splits, value_dim,
-        *partial_out.stride(), *partial_lse.stride(), *w_uv.stride(),
+        *partial_out.stride(), *partial_lse.stride(), *w.values.stride(), *w.scales.stride(),
         *out.stride(), *lse.stride(),
-        KV_LORA_RANK=kv_lora_rank, BLOCK_C=next_pow2(kv_lora_rank),
+        KV_LORA_RANK=kv_lora_rank, BLOCK_C=block_c,
         BLOCK_S=min(_MERGE_SPLITS, next_pow2(splits)), BLOCK_V=block_v, GDC=use_pdl,
-        num_warps=num_warps, launch_pdl=use_pdl,
+        **w.constants(block_v, block_c), num_warps=num_warps, launch_pdl=use_pdl,
     )
+
+
+def project_values(latent: torch.Tensor, w_uv: torch.Tensor | BlockFP8Weight) -> torch.Tensor:
+    """latent [T, H, C] -> [T, H, Dv] = latent[:, h] @ w_uv[h]^T in latent's dtype: the unfused value
+    projection of a merged latent. A tensor w_uv [H, Dv, C] takes one batched GEMM over the heads, which
+    writes its [H, T, Dv] product straight into a [T, H, Dv] tensor (a row stride of H * Dv), so the output
+    projection flattens it without the copy an einsum's head-major result would need; a stacked FP8 pair
+    takes `fp8_heads.fp8_value_projection`."""
+    if isinstance(w_uv, BlockFP8Weight):
+        return fp8_value_projection(latent, w_uv)
+    out = torch.empty((latent.shape[0], latent.shape[1], w_uv.shape[1]), dtype=latent.dtype, device=latent.device)
+    torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out

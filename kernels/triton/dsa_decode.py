@@ -9,7 +9,8 @@ BLOCK_N indices, it gathers the whole 576-wide latent rows
 softmax with the scores and the value product on tensor cores (below 64 heads a
 program, the latent's columns in four chunks, each with a query slice, a score
 product and an accumulator of its own); stage 2 merges the splits by LSE
-(`decode_merge`, the kernels of dense decode, W_UV included at up to 2 rows).
+(`decode_merge`, the kernels of dense decode, W_UV included at up to 2 rows, a 16-bit
+weight or a stacked FP8 pair alike).
 
 An FP8 latent cache is read by the same kernel, each chunk of latent values
 dequantized as it is loaded (`latent_parts.latent_values`); the RoPE values are
@@ -31,9 +32,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..latent_cache import LatentCache
+from ..quantized import BlockFP8Weight
 from ._common import LOG2E, dot_precision, next_pow2, pdl
 from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
-from .decode_merge import merge_splits, merge_splits_value, split_partials
+from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
@@ -191,7 +193,7 @@ def sparse_mla_decode(
     *,
     softmax_scale: float,
     kv_lora_rank: int,
-    w_uv: torch.Tensor | None = None,
+    w_uv: torch.Tensor | BlockFP8Weight | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
@@ -204,7 +206,8 @@ def sparse_mla_decode(
     block_table: [T, W] int32, one table per row
     indices:     [T, k] int32 positions into the row's table; -1 = none (and so is
                  any position outside [0, W * bs))
-    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), or None
+    w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), a stacked FP8 pair
+                 (read dequantized into q's dtype), or None
     workspace:   (partial_out [T, H, S, C] fp32, partial_lse [T, H, S] fp32) from
                  `sparse_mla_decode_workspace`, so a captured graph allocates only its
                  outputs; None allocates it here. Unused when S == 1.
@@ -229,7 +232,7 @@ def sparse_mla_decode(
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
-        return (out if w_uv is None else _times_w_uv(out, w_uv)), lse
+        return (out if w_uv is None else project_values(out, w_uv)), lse
     # One split is the whole answer: stage 1 writes the outputs and stage 2 is skipped.
     partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1 and not fused_value,
                                               workspace=workspace)
@@ -257,20 +260,8 @@ def sparse_mla_decode(
     if splits > 1:
         merge_splits(partial_out, partial_lse, out, lse, use_pdl)
     if w_uv is not None:
-        out = _times_w_uv(out, w_uv)
+        out = project_values(out, w_uv)
     return out, lse
-
-
-def _times_w_uv(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """latent [T, H, C] -> [T, H, Dv] = latent[:, h] @ w_uv[h]^T, by one batched GEMM over h.
-
-    The GEMM writes its [H, T, Dv] product straight into a [T, H, Dv] tensor (a row
-    stride of H * Dv), so the output projection can flatten it without the copy an
-    einsum's head-major result would need.
-    """
-    out = torch.empty((latent.shape[0], latent.shape[1], w_uv.shape[1]), dtype=latent.dtype, device=latent.device)
-    torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-    return out
 
 
 def sparse_decode_bytes(num_rows: int, num_heads: int, top_k: int, dim: int, kv_lora_rank: int,

@@ -1,18 +1,22 @@
-"""MLA's per-head up-projections read from FP8: the absorbed query and the value projection on stacked pairs.
+"""MLA's per-head up-projections read from FP8: one head's weight tile dequantized in a kernel, and the
+products that take it.
 
 A model loaded from an FP8 checkpoint holds kv_b_proj as two stacked `BlockFP8Weight`s, W_UK
-[H, Dn, C] and W_UV [H, Dv, C] (`quantized.split_heads`), one byte a value. Their products are one
-kernel, `_head_product_kernel`: per head h, y[t, h] = x[t, h] @ B_h, with B_h = W_UK[h] (the absorbed
-query, q_nope @ W_UK: the reduction runs over the weight's rows) or W_UV[h]^T (the value projection
-of the attended latent: over its columns). Each program takes one head, a tile of output columns and
-a tile of rows; every weight tile is read as FP8, multiplied by its blocks' scales in float32 and
-rounded to the activations' dtype (the reference's dequantized weight exactly), then fed to the
-tensor cores with float32 accumulation.
+[H, Dn, C] and W_UV [H, Dv, C] (`quantized.split_heads`), one byte a value. A kernel reads one head's
+[D, C] tile of either through `head_tile`: the FP8 values times their blocks' scales in float32,
+rounded to the activations' dtype (the reference's dequantized weight exactly), then fed to the same
+products as a 16-bit weight's tile; a `W_FP8` constexpr keeps the 16-bit path as it was. Where the
+tile lies in one scale block along a side (DeepSeek's 128 x 128 blocks, Dn = Dv = 128, tiles whose
+width divides 128), that side takes one scale instead of a gathered one per element.
 
-The Triton table's MLA ops that take an up-projection send a pair here (`Fp8Heads*`): the absorbed
-query after the latent write (two launches where a tensor has one fused), the value projection after
-the decode or sparse decode (the split merge no longer applies W_UV itself), and prefill's keys and
-values decompressed by `fp8_linear` over the heads' rows (`head_rows`).
+The fused decode kernels take a pair that way: the latent write's absorbed query
+(`latent.write_latent_absorb`) and the split merge's value projection (`decode_merge.merge_splits_value`,
+small batches of `decode.mla_decode` and `dsa_decode.sparse_mla_decode`). The rest goes through
+`_head_product_kernel`: per head h, y[t, h] = x[t, h] @ B_h, with B_h = W_UK[h] (the absorbed query of
+`absorb.absorb_query`, q_nope @ W_UK: the reduction runs over the weight's rows) or W_UV[h]^T (the
+value projection of large batches' attended latent: over its columns), each program one head, a
+tile of output columns and a tile of rows. Prefill's keys and values are decompressed by `fp8_linear`
+over the heads' rows (`head_rows`).
 """
 
 from __future__ import annotations
@@ -40,14 +44,88 @@ _BLOCK_N = 64
 _BLOCK_K = 64
 
 
+@triton.jit
+def head_tile(
+    w_ptr, s_ptr, rows, cols, row0, col0, row_mask, col_mask, s_wd, s_wc, s_sd, s_sc,
+    DTYPE: tl.constexpr, W_FP8: tl.constexpr, SCALE_D: tl.constexpr, SCALE_C: tl.constexpr,
+    ONE_D_BLOCK: tl.constexpr, ONE_C_BLOCK: tl.constexpr,
+):
+    """One head's weight tile w[rows, cols] ([len(rows), len(cols)], 0 outside the masks), w_ptr and s_ptr at
+    the head; row0, col0 the tile's first row and column. A 16-bit weight's tile as stored; an FP8 pair's
+    values times scale[d // SCALE_D, c // SCALE_C] in float32, rounded to DTYPE. ONE_D_BLOCK / ONE_C_BLOCK:
+    every row / column of the tile lies in the block of row0 / col0, so that side loads one scale."""
+    w = tl.load(w_ptr + rows[:, None] * s_wd + cols[None, :] * s_wc,
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    if W_FP8:
+        if ONE_D_BLOCK and ONE_C_BLOCK:
+            scales = tl.load(s_ptr + (row0 // SCALE_D) * s_sd + (col0 // SCALE_C) * s_sc)
+        elif ONE_D_BLOCK:
+            scales = tl.load(s_ptr + (row0 // SCALE_D) * s_sd + (cols // SCALE_C)[None, :] * s_sc,
+                             mask=col_mask[None, :], other=0.0)
+        elif ONE_C_BLOCK:
+            scales = tl.load(s_ptr + (rows // SCALE_D)[:, None] * s_sd + (col0 // SCALE_C) * s_sc,
+                             mask=row_mask[:, None], other=0.0)
+        else:
+            scales = tl.load(s_ptr + (rows // SCALE_D)[:, None] * s_sd + (cols // SCALE_C)[None, :] * s_sc,
+                             mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        w = (w.to(tl.float32) * scales).to(DTYPE)
+    return w
+
+
+def within_block(length: int, tile: int, block: int) -> bool:
+    """Whether every tile of `tile` along a side of `length`, the tiles starting at multiples of `tile`,
+    lies in one block of `block` along it."""
+    return length <= block or block % tile == 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTiles:
+    """A stacked up-projection as `head_tile` reads it: values [H, D, C] (the weight itself, or a pair's FP8
+    values), scales [H, ceil(D / bn), ceil(C / bk)] float32 (a tensor's: its values, never read), block
+    (bn, bk) ((1, 1) for a tensor)."""
+
+    values: Tensor
+    scales: Tensor
+    block: tuple[int, int]
+    fp8: bool
+
+    def constants(self, tile_d: int, tile_c: int) -> dict[str, bool | int]:
+        """`head_tile`'s constexprs for tiles of tile_d x tile_c that start at multiples of their sides."""
+        bn, bk = self.block
+        _, dim, kv_lora_rank = self.values.shape
+        return dict(W_FP8=self.fp8, SCALE_D=bn, SCALE_C=bk,
+                    ONE_D_BLOCK=not self.fp8 or within_block(dim, tile_d, bn),
+                    ONE_C_BLOCK=not self.fp8 or within_block(kv_lora_rank, tile_c, bk))
+
+
+def head_tiles(w: Tensor | BlockFP8Weight) -> HeadTiles:
+    """w [H, D, C] (a tensor or a stacked FP8 pair, checked by the caller) as `head_tile` reads it."""
+    if isinstance(w, BlockFP8Weight):
+        return HeadTiles(w.values, w.scale_inv, w.block, True)
+    return HeadTiles(w, w, (1, 1), False)
+
+
+def check_head_weight(name: str, w: Weight, x: Tensor, shape: tuple[int | None, ...]) -> None:
+    """ValueError naming `name` unless w is a tensor of `shape` in x's dtype or a stacked FP8 pair of `shape`,
+    on x's device."""
+    if isinstance(w, BlockFP8Weight):
+        _check_pair(name, w, x, shape)
+        return
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor or a block-scaled FP8 pair, got {type(w).__name__}")
+    check_shape(name, w, shape)
+    check_dtype(name, w, (x.dtype,))
+    check_same_device(x=x, **{name: w})
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _head_product_kernel(
     x_ptr, w_ptr, ws_ptr, pe_ptr, out_ptr,
     num_rows, k_dim, n_dim,
     s_xt, s_xh, s_xk, s_wh, s_wk, s_wn, s_sh, s_sk, s_sn, s_pt, s_ph, s_pr, s_ot, s_oh, s_on,
-    SCALE_K: tl.constexpr, SCALE_N: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GDC: tl.constexpr, COPY_PE: tl.constexpr,
+    SCALE_K: tl.constexpr, SCALE_N: tl.constexpr, ONE_K_BLOCK: tl.constexpr, ONE_N_BLOCK: tl.constexpr,
+    ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, COPY_PE: tl.constexpr,
 ):
     head = tl.program_id(0)
     col_block = tl.program_id(1)
@@ -65,12 +143,8 @@ def _head_product_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_dim
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        values = tl.load(w_head + ks[:, None] * s_wk + cols[None, :] * s_wn, mask=w_mask, other=0.0)
-        scales = tl.load(s_head + (ks // SCALE_K)[:, None] * s_sk + (cols // SCALE_N)[None, :] * s_sn,
-                         mask=w_mask, other=0.0)
-        # The dequantized weight, as the reference rounds it to the activations' dtype.
-        w = (values.to(tl.float32) * scales).to(x_ptr.dtype.element_ty)
+        w = head_tile(w_head, s_head, ks, cols, k0, col_block * BLOCK_N, k_mask, col_mask, s_wk, s_wn, s_sk, s_sn,
+                      x_ptr.dtype.element_ty, True, SCALE_K, SCALE_N, ONE_K_BLOCK, ONE_N_BLOCK)
         x = tl.load(x_rows + ks[None, :] * s_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if GDC:
@@ -112,7 +186,8 @@ def _launch(x: Tensor, w: BlockFP8Weight, out: Tensor, *, transpose: bool, pe: T
         x, values, scales, rope, out,
         num_rows, k_dim, n_dim,
         *x.stride(), *strides, *rope.stride(), *out.stride(),
-        SCALE_K=scale_k, SCALE_N=scale_n, ROPE_DIM=rope_dim, BLOCK_R=max(16, next_pow2(rope_dim)),
+        SCALE_K=scale_k, SCALE_N=scale_n, ONE_K_BLOCK=within_block(k_dim, block_k, scale_k),
+        ONE_N_BLOCK=within_block(n_dim, _BLOCK_N, scale_n), ROPE_DIM=rope_dim, BLOCK_R=max(16, next_pow2(rope_dim)),
         BLOCK_B=block_b, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype), GDC=use_pdl,
         COPY_PE=pe is not None, num_warps=4, launch_pdl=use_pdl,
     )
@@ -181,35 +256,33 @@ def check_up_projections(dtype: torch.dtype, device: torch.device, **weights: We
             raise ValueError(f"{name}: on {w.device}, expected {device}")
 
 
+def _kernel_weight(w: Weight, dtype: torch.dtype) -> Tensor | BlockFP8Weight:
+    """What the fused kernels take: a tensor or an FP8 pair as it is, any other weight (FP4) dequantized."""
+    return w if isinstance(w, BlockFP8Weight) else dequantized(w, dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class Fp8HeadsWriteLatentAbsorb:
-    """`contracts.WriteLatentAbsorb`: `fused` (the one-launch kernel) for a tensor W_UK; for a pair, the table's
-    `write_latent`, then `fp8_absorb_query` of the rows from absorb_from on."""
+    """`contracts.WriteLatentAbsorb`: `fused` (the one-launch kernel), which reads W_UK as a tensor or an FP8
+    pair; other weights dequantized first."""
 
     fused: Callable[..., Any]
-    write_latent: Callable[..., Any]
 
     def __call__(self, kv_cache: LatentCache, slot_mapping: Tensor, latent: Tensor, kv_a_norm: Tensor,
                  q_nope: Tensor, q_pe: Tensor, w_uk: Weight, positions: Tensor, cos: Tensor, sin: Tensor, /, *,
                  eps: float, interleaved: bool, absorb_from: int,
                  inplace: bool = True) -> tuple[LatentCache, Tensor, Tensor]:
         """See `contracts.WriteLatentAbsorb`: -> (kv_cache, rotated q_pe [T, H, R], q [T - absorb_from, H, C + R])."""
-        if not isinstance(w_uk, BlockFP8Weight):
-            out: tuple[LatentCache, Tensor, Tensor] = self.fused(
-                kv_cache, slot_mapping, latent, kv_a_norm, q_nope, q_pe, dequantized(w_uk, q_nope.dtype), positions,
-                cos, sin, eps=eps, interleaved=interleaved, absorb_from=absorb_from, inplace=inplace)
-            return out
-        if not 0 <= absorb_from <= q_pe.shape[0]:
-            raise ValueError(f"absorb_from: expected in [0, {q_pe.shape[0]}], got {absorb_from}")
-        kv_cache, rotated = self.write_latent(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin,
-                                              eps=eps, interleaved=interleaved, inplace=inplace)
-        return kv_cache, rotated, fp8_absorb_query(q_nope[absorb_from:], rotated[absorb_from:], w_uk)
+        out: tuple[LatentCache, Tensor, Tensor] = self.fused(
+            kv_cache, slot_mapping, latent, kv_a_norm, q_nope, q_pe, _kernel_weight(w_uk, q_nope.dtype), positions,
+            cos, sin, eps=eps, interleaved=interleaved, absorb_from=absorb_from, inplace=inplace)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8HeadsMlaDecode:
-    """`contracts.MlaDecode`: `dense` (the decode kernel), with a pair W_UV applied after it by
-    `fp8_value_projection` (the decode returns the attended latent, rounded to q's dtype)."""
+    """`contracts.MlaDecode`: `dense` (the decode kernel), which reads W_UV as a tensor or an FP8 pair (in its
+    split merge, or by `fp8_value_projection` for large batches); other weights dequantized first."""
 
     dense: Callable[..., tuple[Tensor, Tensor]]
 
@@ -217,25 +290,19 @@ class Fp8HeadsMlaDecode:
                  softmax_scale: float, kv_lora_rank: int, w_uv: Weight | None = None,
                  q_len: int = 1) -> tuple[Tensor, Tensor]:
         """See `contracts.MlaDecode`: -> out [B * q_len, H, C] (with w_uv [B * q_len, H, Dv]), lse [B * q_len, H]."""
-        fp8 = w_uv if isinstance(w_uv, BlockFP8Weight) else None
-        dense = None if w_uv is None or fp8 is not None else dequantized(w_uv, q.dtype)
-        out, lse = self.dense(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale,
-                              kv_lora_rank=kv_lora_rank, w_uv=dense, q_len=q_len)
-        return (out, lse) if fp8 is None else (fp8_value_projection(out, fp8), lse)
+        return self.dense(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank,
+                          w_uv=None if w_uv is None else _kernel_weight(w_uv, q.dtype), q_len=q_len)
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8HeadsSparseMlaDecode:
-    """`contracts.SparseMlaDecode`: `dense` (the sparse decode kernel), with a pair W_UV applied after it by
-    `fp8_value_projection`."""
+    """`contracts.SparseMlaDecode`: `dense` (the sparse decode kernel), which reads W_UV as a tensor or an FP8
+    pair; other weights dequantized first."""
 
     dense: Callable[..., tuple[Tensor, Tensor]]
 
     def __call__(self, q: Tensor, kv_cache: LatentCache, block_table: Tensor, indices: Tensor, /, *,
                  softmax_scale: float, kv_lora_rank: int, w_uv: Weight | None = None) -> tuple[Tensor, Tensor]:
         """See `contracts.SparseMlaDecode`: -> out [T, H, C] (with w_uv [T, H, Dv]), lse [T, H]."""
-        fp8 = w_uv if isinstance(w_uv, BlockFP8Weight) else None
-        dense = None if w_uv is None or fp8 is not None else dequantized(w_uv, q.dtype)
-        out, lse = self.dense(q, kv_cache, block_table, indices, softmax_scale=softmax_scale,
-                              kv_lora_rank=kv_lora_rank, w_uv=dense)
-        return (out, lse) if fp8 is None else (fp8_value_projection(out, fp8), lse)
+        return self.dense(q, kv_cache, block_table, indices, softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank,
+                          w_uv=None if w_uv is None else _kernel_weight(w_uv, q.dtype))

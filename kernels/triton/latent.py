@@ -5,8 +5,10 @@ concatenation, the cache write) is four launches of a microsecond or two of
 work each; here one program per token does all of it, with the same rounding
 as those ops (statistics and rotation in float32, each result rounded once).
 `write_latent_absorb` adds the absorbed decode query (`absorb_query`) to the
-same launch: its programs after the per-token ones multiply q_nope by W_UK, and
-the per-token programs write the rotated q_pe of decode rows into its tail.
+same launch: its programs after the per-token ones multiply q_nope by W_UK (a
+16-bit weight, or an FP8 pair whose tiles are dequantized as they are loaded,
+`fp8_heads.head_tile`), and the per-token programs write the rotated q_pe of
+decode rows into its tail.
 An FP8 latent cache (`latent_cache.FP8LatentCache`) takes the normalised c_kv
 quantized in the same program (`latent_parts.store_latent_values`), as
 `reference.cache.write_kv` does, bit for bit.
@@ -21,8 +23,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache, cloned
+from ..quantized import BlockFP8Weight
 from ._common import check_float, dot_precision, next_pow2, pdl
 from .absorb import ABSORB_BLOCK_C, absorb_block_b, absorb_tile
+from .fp8_heads import check_head_weight, head_tiles
 from .latent_parts import LatentParts, latent_parts, quant_group, store_latent_values
 from .rope import rope_angles, rotate_heads
 
@@ -116,15 +120,17 @@ def _write_latent_kernel(
 @triton.jit(do_not_specialize=["num_tokens", "absorb_from", "num_seqs"])
 def _write_latent_absorb_kernel(
     v_ptr, sc_ptr, r_ptr, slot_ptr, latent_ptr, norm_ptr, q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-    qn_ptr, wuk_ptr, qa_ptr,
+    qn_ptr, wuk_ptr, wuks_ptr, qa_ptr,
     num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, block_size, eps,
     s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
     s_slot, s_lt, s_ld, s_w, s_qt, s_qh, s_qd, s_qot, s_qoh, s_pos, s_ct, s_st,
-    s_nt, s_nh, s_nd, s_wh, s_wd, s_wc, s_at, s_ah, s_ad,
+    s_nt, s_nh, s_nd, s_wh, s_wd, s_wc, s_sh, s_sd, s_sc, s_at, s_ah, s_ad,
     KV_LORA_RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, QUANT_GROUP: tl.constexpr, FP8: tl.constexpr,
     NOPE_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_AC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GDC: tl.constexpr,
+    W_FP8: tl.constexpr, SCALE_D: tl.constexpr, SCALE_C: tl.constexpr,
+    ONE_D_BLOCK: tl.constexpr, ONE_C_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_tokens:
@@ -144,9 +150,10 @@ def _write_latent_absorb_kernel(
         head = tile % num_heads
         col_block = (tile // num_heads) % num_col_blocks
         seq_block = tile // (num_heads * num_col_blocks)
-        absorb_tile(head, col_block, seq_block, qn_ptr + absorb_from.to(tl.int64) * s_nt, qn_ptr, wuk_ptr, qa_ptr,
-                    num_seqs, s_nt, s_nh, s_nd, 0, 0, 0, s_wh, s_wd, s_wc, s_at, s_ah, s_ad,
-                    NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False)
+        absorb_tile(head, col_block, seq_block, qn_ptr + absorb_from.to(tl.int64) * s_nt, qn_ptr, wuk_ptr, wuks_ptr,
+                    qa_ptr, num_seqs, s_nt, s_nh, s_nd, 0, 0, 0, s_wh, s_wd, s_wc, s_sh, s_sd, s_sc, s_at, s_ah, s_ad,
+                    NOPE_DIM, KV_LORA_RANK, 2 * HALF, BLOCK_B, BLOCK_D, BLOCK_AC, 16, DOT_PRECISION, GDC, False,
+                    W_FP8, SCALE_D, SCALE_C, ONE_D_BLOCK, ONE_C_BLOCK)
 
 
 def _check_latent_args(kv_cache: LatentCache, slot_mapping: torch.Tensor, latent: torch.Tensor,
@@ -231,7 +238,7 @@ def write_latent_absorb(
     kv_a_norm: torch.Tensor,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    w_uk: torch.Tensor,
+    w_uk: torch.Tensor | BlockFP8Weight,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -243,17 +250,18 @@ def write_latent_absorb(
 ) -> tuple[LatentCache, torch.Tensor, torch.Tensor]:
     """Contract of `reference.latent.write_latent_absorb`, in one launch.
 
-    As `write_latent`, plus q_nope [T, H, Dn] and w_uk [H, Dn, C] (any strides):
+    As `write_latent`, plus q_nope [T, H, Dn] and w_uk [H, Dn, C] (any strides) in q's dtype, or a stacked
+    FP8 pair (values [H, Dn, C] float8_e4m3fn, scale_inv [H, ceil(Dn / bn), ceil(C / bk)] float32), each tile
+    dequantized and rounded to q's dtype as the reference's dequantized weight is (`fp8_heads.head_tile`):
     returns (kv_cache, rotated q_pe [T, H, R], absorbed q [T - absorb_from, H, C + R]).
     """
     num_tokens, num_heads, rope_dim = q_pe.shape
     nope_dim = q_nope.shape[2]
     kv_lora_rank = kv_a_norm.shape[0]
     check_shape("q_nope", q_nope, (num_tokens, num_heads, None))
-    check_shape("w_uk", w_uk, (num_heads, nope_dim, kv_lora_rank))
     check_dtype("q_nope", q_nope, (q_pe.dtype,))
-    check_dtype("w_uk", w_uk, (q_pe.dtype,))
-    check_same_device(q_pe=q_pe, q_nope=q_nope, w_uk=w_uk)
+    check_same_device(q_pe=q_pe, q_nope=q_nope)
+    check_head_weight("w_uk", w_uk, q_pe, (num_heads, nope_dim, kv_lora_rank))
     if not 0 <= absorb_from <= num_tokens:
         raise ValueError(f"absorb_from: expected in [0, {num_tokens}], got {absorb_from}")
     _check_latent_args(kv_cache, slot_mapping, latent, kv_a_norm, q_pe, positions, cos, sin)
@@ -267,20 +275,22 @@ def write_latent_absorb(
     if num_tokens == 0:
         return kv_cache, q_out, q_absorbed
     block_b = absorb_block_b(num_seqs)
+    block_d = max(16, next_pow2(nope_dim))
+    w = head_tiles(w_uk)
     num_col_blocks = triton.cdiv(kv_lora_rank, ABSORB_BLOCK_C)
     absorb_programs = num_heads * num_col_blocks * triton.cdiv(num_seqs, block_b)
     use_pdl = pdl(device)
     _write_latent_absorb_kernel[(num_tokens + absorb_programs,)](
         *parts.pointers(), slot_mapping, latent, kv_a_norm, q_pe, q_out, positions, cos, sin,
-        q_nope, w_uk, q_absorbed,
+        q_nope, w.values, w.scales, q_absorbed,
         num_tokens, absorb_from, num_seqs, num_heads, num_col_blocks, kv_cache.shape[1], float(eps),
         *parts.strides(), slot_mapping.stride(0), *latent.stride(), kv_a_norm.stride(0),
         *q_pe.stride(), q_out.stride(0), q_out.stride(1), positions.stride(0), cos.stride(0), sin.stride(0),
-        *q_nope.stride(), *w_uk.stride(), *q_absorbed.stride(),
+        *q_nope.stride(), *w.values.stride(), *w.scales.stride(), *q_absorbed.stride(),
         KV_LORA_RANK=kv_lora_rank, HALF=rope_dim // 2, INTERLEAVED=interleaved,
         ROUND_TO_WEIGHT=kv_a_norm.dtype == latent.dtype, BLOCK_H=next_pow2(num_heads),
-        **_latent_constants(parts, kv_lora_rank), NOPE_DIM=nope_dim, BLOCK_B=block_b, BLOCK_D=max(16, next_pow2(nope_dim)), BLOCK_AC=ABSORB_BLOCK_C,
-        DOT_PRECISION=dot_precision(q_pe.dtype), GDC=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        **_latent_constants(parts, kv_lora_rank), NOPE_DIM=nope_dim, BLOCK_B=block_b, BLOCK_D=block_d,
+        BLOCK_AC=ABSORB_BLOCK_C, DOT_PRECISION=dot_precision(q_pe.dtype), GDC=use_pdl,
+        **w.constants(block_d, ABSORB_BLOCK_C), num_warps=4, launch_pdl=use_pdl,
     )
     return kv_cache, q_out, q_absorbed
