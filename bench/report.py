@@ -113,7 +113,7 @@ BENCHES = {
                    [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                     ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
     "throughput-parallel": ("Engine throughput on several GPUs against one, v2-lite, same random weights and "
-                            "requests (`bench/throughput.py --tensor-parallel 2 --expert-parallel`)", "rows", None,
+                            "requests (`bench/throughput.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]`)", "rows", None,
                             [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                              ("× 1 GPU", "vs_one_rank", "{:.2f}"), ("× TP", "vs_tp", "{:.2f}")]),
     "throughput-compare": ("Engine throughput, a new commit against d1e17d9's, processes alternating on one GPU "

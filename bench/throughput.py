@@ -13,7 +13,8 @@ table and writes JSON under bench/results/.
 
 runs the engine on one rank and on N ranks of this host (one GPU each) in the same run, same requests
 and random weights, and writes `throughput-parallel` results instead (`bench/throughput_parallel.py`;
-neither the batch-invariant mode nor transformers runs then; `--device cpu --preset tiny` runs it on
+neither the batch-invariant mode nor transformers runs then; `--data-parallel-attention` adds N ranks attending
+for their own requests; `--device cpu --preset tiny` runs it on
 the CPU over gloo, for a smoke test).
 """
 
