@@ -233,7 +233,8 @@ def bench_fp8_gemm(num_tokens, n, k, ceilings, w8a8=True, tiles=None):
 
 
 def bench_fp8_decode(num_tokens, n, k, ceilings, w8a8=False, tiles=None):
-    """The weight stream at decode sizes: graph replays over weight copies that do not fit L2 together."""
+    """The decode-size product (one row without w8a8: the one-row kernel; else the weight stream; `tiles` forces
+    the stream): graph replays over weight copies that do not fit L2 together."""
     copies = min(16, max(2, math.ceil(L2_DEFEAT_BYTES / (n * k))))
     weights = _fp8_weights((n, k), copies)
     x = torch.randn(num_tokens, k, device="cuda", dtype=BF16)

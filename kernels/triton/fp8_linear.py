@@ -11,6 +11,9 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   grouped order, so that GROUP_M row tiles reuse a band of weight columns from L2. With w8a8 both
   operands are FP8 (x quantized first by `fp8_quant`); otherwise x stays 16-bit and the weight
   tile is widened to it in registers (FP8 values are exact in bf16 and fp16).
+* `_row_kernel` (one row of 16-bit activations: batch-1 decode): CUDA-core products, each FP8 tile
+  widened to float32 and multiplied by the row, summed over K in registers; K split over programs as
+  the stream splits it. No tensor-core tile is filled with one live row, and no bf16 widening.
 * `_stream_kernel` (up to STREAM_MAX_ROWS rows: decode): a program owns BLOCK_N weight rows and
   streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
   handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
@@ -76,6 +79,25 @@ _STREAM_PROGRAMS_PER_SM = 6
 _STREAM_STAGES = 3
 
 
+@dataclass(frozen=True, slots=True)
+class RowTiles:
+    """The one-row product's [block_n, block_k] weight tile, its K split and warps."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+
+# H100, one bf16 row, graph replays (a sweep of tile width, split and warps,
+# bench/results/step-fp8/h100/logs-archive/fp8-step-profile-h100-2026-11-27.log): [7168, 7168] 23.9 us
+# (64-wide tiles, 8 splits) against the weight stream's best 26.5, [18432, 7168] 52.8 against 56.6;
+# v2-lite's narrow projections ([576 .. 5632, 2048 | 2816]) best at 16- or 32-wide tiles, 4.8-6.6 us
+# against the stream's 5.2-8.3.
+_ROW_WIDE_MIN_N = 7168
+_ROW_MID_MIN_N = 4096
+
+
 def gemm_tiles(w8a8: bool, on_gpu: bool) -> GemmTiles:
     """The block GEMM's tiles (its K step is further capped at the scale block's K)."""
     if not on_gpu:
@@ -96,6 +118,19 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
     split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
     return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
                        num_stages=_STREAM_STAGES if on_gpu else 1)
+
+
+def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowTiles:
+    """The one-row product's tiles for an [n_out, k_in] weight in blocks of block_k columns: wide tiles for
+    wide weights, K split in whole scale blocks as `stream_tiles` splits it."""
+    if device.type != "cuda":
+        block_n = 16
+    else:
+        block_n = 64 if n_out >= _ROW_WIDE_MIN_N else 32 if n_out > _ROW_MID_MIN_N else 16
+    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n_out, block_n))
+    split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
+    return RowTiles(block_n=block_n, block_k=min(128 if device.type == "cuda" else 32, block_k), split_k=split_k,
+                    num_warps=4)
 
 
 @triton.jit
@@ -203,6 +238,39 @@ def _stream_kernel(
              mask=row_mask[None, :] & col_mask[:, None])
 
 
+@triton.jit
+def _row_kernel(
+    x_ptr, w_ptr, ws_ptr, y_ptr,
+    n_out, k_in, k_per_split,
+    s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yn,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_out
+    # Out-of-range columns read row 0 and are never stored: no mask on the weight rows.
+    safe_cols = tl.where(col_mask, cols, 0)
+    # Split s sums K in [s * k_per_split, (s + 1) * k_per_split) into its own slice of y.
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k_in)
+    y_ptr += tl.program_id(1).to(tl.int64) * s_ys
+    w_rows = w_ptr + safe_cols[:, None].to(tl.int64) * s_wn
+    ws_rows = ws_ptr + (safe_cols // SCALE_N) * s_wsn
+    offs_k = tl.arange(0, BLOCK_K)
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_hi
+        w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
+        # A K step lies in one scale block: its partial sum takes one scale a column.
+        part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc += part * tl.load(ws_rows + (k0 // SCALE_K) * s_wsb)
+    tl.store(y_ptr + cols * s_yn, acc.to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
 def check_block_k(block: tuple[int, int]) -> None:
     """Raise ValueError unless the scale block's K (bk) suits the kernels' K steps: a power of two,
     at least 32 (the narrowest FP8 tensor-core step), so that a step never straddles two blocks."""
@@ -212,14 +280,16 @@ def check_block_k(block: tuple[int, int]) -> None:
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *,
                block: tuple[int, int] = DEFAULT_BLOCK, w8a8: bool = False, out_dtype: torch.dtype | None = None,
-               gemm: GemmTiles | None = None, stream: StreamTiles | None = None) -> torch.Tensor:
+               gemm: GemmTiles | None = None, stream: StreamTiles | None = None,
+               row: RowTiles | None = None) -> torch.Tensor:
     """Contract of `reference.fp8.fp8_linear`: y = x @ w^T for a block-scaled FP8 weight.
 
     x [T, K] bf16 / fp16 / fp32 (any strides); values [N, K] float8_e4m3fn; scale_inv
     [ceil(N/bn), ceil(K/bk)] float32 (bk a power of two >= 32) -> y [T, N] in out_dtype (x's
     by default). w8a8 quantizes x per token and group of bk (`fp8_quant`) and multiplies FP8 by
-    FP8; otherwise x's dtype meets the widened weight. Up to STREAM_MAX_ROWS rows take the weight
-    stream, more the block GEMM. `gemm` / `stream` override the tiles (sweeps).
+    FP8; otherwise x's dtype meets the widened weight. One row without w8a8 takes the one-row
+    product, up to STREAM_MAX_ROWS rows the weight stream, more the block GEMM. `gemm` / `stream` /
+    `row` override the tiles (sweeps; `stream` also takes a single row through the stream).
     """
     num_rows, k_in = x.shape
     n_out = values.shape[0]
@@ -233,6 +303,8 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
         raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
     if num_rows == 0 or n_out == 0:
         return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
+    if num_rows == 1 and not w8a8 and stream is None:
+        return _row(x, values, scale_inv, block, out_dtype, row)
     if w8a8:
         a, a_scales = quantize_activations(x, block[1])
     else:
@@ -288,6 +360,31 @@ def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale
         BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x_dtype), GDC=use_pdl,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    if split_k > 1:
+        sum_splits(out, y, use_pdl)
+    return y
+
+
+def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+         out_dtype: torch.dtype, tiles: RowTiles | None) -> torch.Tensor:
+    """The one-row product for x [1, K] (16-bit or float32) -> y [1, N]; K split as `row_tiles` says."""
+    k_in = x.shape[1]
+    n_out = values.shape[0]
+    c = tiles or row_tiles(n_out, k_in, block[1], x.device)
+    block_k = min(c.block_k, block[1])
+    # Each split's share of K is a whole number of scale blocks.
+    k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), block[1]) * block[1]
+    split_k = triton.cdiv(k_in, k_per_split)
+    y = torch.empty((1, n_out), dtype=out_dtype, device=x.device)
+    out = y if split_k == 1 else torch.empty((split_k, 1, n_out), dtype=torch.float32, device=x.device)
+    use_pdl = pdl(x.device)
+    _row_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
+        x, values, scale_inv, out,
+        n_out, k_in, k_per_split,
+        x.stride(1), *values.stride(), *scale_inv.stride(), n_out, y.stride(1),
+        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=block_k, GDC=use_pdl,
+        num_warps=c.num_warps, launch_pdl=use_pdl,
     )
     if split_k > 1:
         sum_splits(out, y, use_pdl)

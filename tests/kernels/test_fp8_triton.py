@@ -46,7 +46,7 @@ def test_quantize_activations_is_the_reference_bit_for_bit(dtype, device):
 
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_tokens", [3, 24])   # the weight stream, the block GEMM
+@pytest.mark.parametrize("num_tokens", [1, 3, 24])   # the one-row product (without w8a8), the weight stream, the GEMM
 def test_fp8_linear(num_tokens, dtype, w8a8, device):
     gen = generator(num_tokens, device)
     x = randn((num_tokens, 200), dtype, device, gen)
@@ -69,6 +69,22 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
     split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split), _expected_linear(x, values, scale_inv, False),
                  torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype, device):
+    # One row, K split in whole scale blocks (three splits of 320 columns in blocks of 128, the last
+    # partial), strided x; the weight stream forced on the same row agrees.
+    gen = generator(31, device)
+    x = strided(randn((1, 320), dtype, device, gen), gen)
+    values, scale_inv = _weight((136, 320), gen, device)
+    expected = _expected_linear(x, values, scale_inv, False)
+    for tiles in (None, fp8_linear.RowTiles(block_n=16, block_k=32, split_k=3, num_warps=4)):
+        y = fp8_linear.fp8_linear(x, values, scale_inv, row=tiles)
+        assert y.dtype == dtype and y.shape == (1, 136)
+        assert_close(y, expected, dtype)
+    stream = fp8_linear.stream_tiles(136, 320, 128, x.device)
+    assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=stream), expected, dtype)
 
 
 def test_fp8_linear_rejects_bad_inputs(device):
