@@ -281,7 +281,7 @@ def check_block_k(block: tuple[int, int]) -> None:
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *,
                block: tuple[int, int] = DEFAULT_BLOCK, w8a8: bool = False, out_dtype: torch.dtype | None = None,
                gemm: GemmTiles | None = None, stream: StreamTiles | None = None,
-               row: RowTiles | None = None) -> torch.Tensor:
+               row: RowTiles | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Contract of `reference.fp8.fp8_linear`: y = x @ w^T for a block-scaled FP8 weight.
 
     x [T, K] bf16 / fp16 / fp32 (any strides); values [N, K] float8_e4m3fn; scale_inv
@@ -290,6 +290,8 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
     FP8; otherwise x's dtype meets the widened weight. One row without w8a8 takes the one-row
     product, up to STREAM_MAX_ROWS rows the weight stream, more the block GEMM. `gemm` / `stream` /
     `row` override the tiles (sweeps; `stream` also takes a single row through the stream).
+    batch_invariant: every row count takes the block GEMM, whose K order is one for every row: a row's
+    bits then do not depend on its batch-mates or their number (slower at decode sizes).
     """
     num_rows, k_in = x.shape
     n_out = values.shape[0]
@@ -303,13 +305,13 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
         raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
     if num_rows == 0 or n_out == 0:
         return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
-    if num_rows == 1 and not w8a8 and stream is None:
+    if num_rows == 1 and not w8a8 and stream is None and not batch_invariant:
         return _row(x, values, scale_inv, block, out_dtype, row)
     if w8a8:
         a, a_scales = quantize_activations(x, block[1])
     else:
         a, a_scales = x, scale_inv
-    if num_rows <= STREAM_MAX_ROWS:
+    if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
         return _stream(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, stream)
     return block_gemm(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, gemm)
 

@@ -4,11 +4,15 @@ What changes against the default table, and why:
 
 * products (`linear`, `rms_norm_linear`, the W_UK absorption, W_UV):
   `invariant_matmul`, one K order for every row count, instead of the few-row
-  GEMV / cuBLAS pair, whose choice (and cuBLAS's split-K) follows the rows;
+  GEMV / cuBLAS pair, whose choice (and cuBLAS's split-K) follows the rows; a
+  block-scaled FP8 weight of `linear` / `rms_norm_linear` takes `fp8_linear`'s block
+  GEMM for every row count, instead of the one-row product and the weight stream;
 * `mla_decode`: `decode_invariant`, splits sized by each row's own length and
   merged in order, instead of a split count that follows the batch size;
 * `fused_moe`: always the tiled path in K steps of 64, instead of the per-pair
   path (float32 atomics) for few tokens and K steps that follow the token count;
+  over FP8 experts the FP8 tiled path in K steps of the scale block's (at most 128),
+  never its per-pair path (`invariant_fp8_moe_config`);
 * `route`: one launch configuration (token tile, split of the router logits over D)
   for every batch size, instead of one chosen by the token count;
 * `sparse_mla_decode` (DeepSeek-V3.2): a split count set by top-k alone and W_UV by
@@ -41,8 +45,7 @@ from typing import overload
 
 import torch
 
-from ..dequantizing import (DequantizingAbsorbQuery, DequantizingClampedExperts, DequantizingFusedMoe,
-                           DequantizingLinear, DequantizingMlaDecode, DequantizingRmsNormLinear,
+from ..dequantizing import (DequantizingAbsorbQuery, DequantizingClampedExperts, DequantizingMlaDecode,
                            DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
 from ..latent_cache import LatentCache
 from ..ops import Ops
@@ -50,6 +53,8 @@ from ..reference.linear import logits_of
 from . import v4_invariant
 from .decode_invariant import mla_decode
 from .dsa_decode import sparse_mla_decode
+from .fp8_moe import Fp8MoeConfig
+from .fp8_ops import Fp8FusedMoe, Fp8Linear, Fp8RmsNormLinear
 from .invariant_matmul import bmm, linear
 from .latent import write_latent
 from .moe import MoeConfig, fused_moe
@@ -63,6 +68,11 @@ from .v4_experts import clamped_experts
 _FEW_PAIRS_MOE = MoeConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=3)
 _MANY_PAIRS_MOE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 _INTERPRETER_MOE = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+# FP8 experts: the tiled path, K steps of 128 (capped at the scale block's K), four warps, tiles by the
+# pairs an expert gets as for 16-bit experts.
+_FEW_PAIRS_FP8_MOE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+_MANY_PAIRS_FP8_MOE = Fp8MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+_INTERPRETER_FP8_MOE = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 # Tokens whose router logits one routing program computes: the route kernel's own
 # logits (split over D, partial sums added in split order) with the split fixed by
 # the model's shapes, for every batch size.
@@ -116,6 +126,14 @@ def _moe_config(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> M
         return _INTERPRETER_MOE
     pairs_per_expert = topk_ids.numel() / w13.shape[0]
     return _FEW_PAIRS_MOE if pairs_per_expert <= 16 else _MANY_PAIRS_MOE
+
+
+def invariant_fp8_moe_config(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> Fp8MoeConfig:
+    """The FP8 fused MoE's configuration for x [T, D], w13 values [E, 2I, D], topk_ids [T, k]: the tiled
+    path with one K step for every token count (its tiles by the pairs an expert gets)."""
+    if x.device.type != "cuda":
+        return _INTERPRETER_FP8_MOE
+    return _FEW_PAIRS_FP8_MOE if topk_ids.numel() / w13.shape[0] <= 16 else _MANY_PAIRS_FP8_MOE
 
 
 def invariant_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -173,13 +191,15 @@ def invariant_ops(base: Ops) -> Ops:
     return dataclasses.replace(
         base,
         batch_invariant=True,
-        dense=dataclasses.replace(base.dense, linear=DequantizingLinear(linear), logits=logits_of(linear),
-                                  rms_norm_linear=DequantizingRmsNormLinear(invariant_rms_norm_linear)),
+        dense=dataclasses.replace(base.dense, linear=Fp8Linear(linear, batch_invariant=True), logits=logits_of(linear),
+                                  rms_norm_linear=Fp8RmsNormLinear(invariant_rms_norm_linear, linear,
+                                                                   batch_invariant=True)),
         mla=dataclasses.replace(base.mla,
                                 write_latent_absorb=DequantizingWriteLatentAbsorb(invariant_write_latent_absorb),
                                 absorb_query=DequantizingAbsorbQuery(invariant_absorb_query),
                                 mla_decode=DequantizingMlaDecode(mla_decode)),
-        moe=dataclasses.replace(base.moe, route=invariant_route, fused_moe=DequantizingFusedMoe(invariant_fused_moe)),
+        moe=dataclasses.replace(base.moe, route=invariant_route,
+                                fused_moe=Fp8FusedMoe(invariant_fused_moe, config=invariant_fp8_moe_config)),
         dsa=dataclasses.replace(base.dsa, index_scores=v4_invariant.invariant_index_scores,
                                 sparse_mla_decode=DequantizingSparseMlaDecode(invariant_sparse_mla_decode)),
         v4=dataclasses.replace(base.v4, window_entry_attention=v4_invariant.invariant_window_entry_attention,

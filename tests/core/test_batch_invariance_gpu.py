@@ -23,13 +23,16 @@ PROBE_TOKENS = 48
 LOGIT_STEPS = 16
 
 
-# v4-mini's rope tables for the engines' max_model_len, not its 1M positions.
-LOAD = {"tiny": {}, "v2-lite": {}, "v4-mini": dict(max_model_len=1024)}
+# Each case's preset and load_model options: v2-lite with block-scaled FP8 weights too (the invariant
+# table's FP8 products); v4-mini's rope tables for the engines' max_model_len, not its 1M positions.
+LOAD = {"tiny": ("tiny", {}), "v2-lite": ("v2-lite", {}), "v2-lite-fp8": ("v2-lite", dict(quantization="fp8")),
+        "v4-mini": ("v4-mini", dict(max_model_len=1024))}
 
 
 @pytest.fixture(scope="module", params=list(LOAD))
 def model(request):
-    model = mf.load_model(request.param, dtype=torch.bfloat16, device="cuda", seed=3, **LOAD[request.param])
+    preset, options = LOAD[request.param]
+    model = mf.load_model(preset, dtype=torch.bfloat16, device="cuda", seed=3, **options)
     yield model
     del model
     torch.cuda.empty_cache()
