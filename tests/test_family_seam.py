@@ -186,7 +186,7 @@ def _toy_to_hf(config):
 
 
 TOY = dataclasses.replace(MLA, name="toy", title="Toy", model_types=("toy_mla",), config_from_hf=_toy_from_hf,
-                          config_to_hf=_toy_to_hf, supports_batch_invariant=False, mtp_layer_kind=None)
+                          config_to_hf=_toy_to_hf, supports_batch_invariant=False, mtp=None)
 
 
 @pytest.fixture(scope="module")

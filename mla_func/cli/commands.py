@@ -333,15 +333,15 @@ def check_drafts(source: ModelSource, speculative_tokens: int) -> None:
     if not speculative_tokens:
         return
     flag = f"--speculative-tokens {speculative_tokens}"
-    if source.config.family.mtp_layer_kind is None:
+    mtp = source.config.family.mtp
+    if mtp is None:
         raise UsageError(f"{flag}: {source.name} is a {source.config.family.title} model, whose multi-token-prediction "
                          "(MTP) layers are not supported yet; run it without --speculative-tokens")
     if source.folder is None:
         return
-    # DeepSeek-V3 stores its MTP layer after the decoder layers. transformers' DeepseekV3Config
-    # says num_nextn_predict_layers 1 even where save_pretrained wrote no such layer, so the
-    # tensors decide.
-    prefix = f"model.layers.{source.config.num_hidden_layers}."
+    # The tensors decide whether a checkpoint holds its MTP layer: transformers' DeepseekV3Config
+    # says num_nextn_predict_layers 1 even where save_pretrained wrote no such layer.
+    prefix = mtp.prefix(source.config)
     names = tensor_names(source.folder)
     if names is not None and not any(name.startswith(prefix) for name in names):
         raise UsageError(f"{flag} needs a checkpoint with a multi-token-prediction (MTP) layer, and "

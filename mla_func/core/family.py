@@ -24,13 +24,41 @@ if TYPE_CHECKING:  # annotations only: the records' functions take and return th
 
     from mla_func.core.config import ModelConfig
     from mla_func.core.layers import LayerKind
-    from mla_func.core.params import Params
-    from mla_func.parallel.config import Sharding
+    from mla_func.core.model import Model
+    from mla_func.core.params import Params, TensorFetch
+    from mla_func.parallel.config import Parallel, Sharding
     from mla_func.checkpoint.safetensors_file import TensorEntry
     from mla_func.checkpoint.quant_layout import QuantLayout
     from mla_func.state.layer_cache import CacheGroup
 
-__all__ = ["Family"]
+__all__ = ["Family", "MTPFamily"]
+
+
+@dataclass(frozen=True, slots=True)
+class MTPFamily:
+    """How a family's multi-token-prediction (MTP) layer is stored, loaded and run as a drafter
+    (`models.mtp`: the drafter is the forward over params whose one layer is the MTP layer).
+
+    layer_kind:      config -> the drafter's one layer kind, whose `enter` reads `Batch.hidden`
+    prefix:          config -> the prefix of every checkpoint name of the first MTP layer (after
+                     `Family.canonical_names`), by which a checkpoint without one is told
+    tensor_shapes:   config -> the first MTP layer's required tensors, by name, with their shapes
+    optional_shapes: config -> the tensors it may hold beside them (copies of the model's), with shapes
+    load:            (config, the model's params, fetch, dtype, device, the tensor names present,
+                     parallel) -> its params pytree, `Model.mtp`
+    drafter_params:  Model -> the drafter's `Params` (its layer, final norm and head)
+    hidden_size:     config -> H, the width of the hidden state [T, H] a drafter step reads
+                     (`Batch.hidden`) and the model's and the drafter's steps return (`ForwardOutput.hidden`)
+    """
+
+    layer_kind: Callable[[ModelConfig], LayerKind]
+    prefix: Callable[[ModelConfig], str]
+    tensor_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    optional_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    load: Callable[[ModelConfig, Params, TensorFetch, torch.dtype, torch.device | str, frozenset[str],
+                    Parallel | None], Any]
+    drafter_params: Callable[[Model], Params]
+    hidden_size: Callable[[ModelConfig], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +89,8 @@ class Family:
     rope_table_pairs: config -> how many float32 (cos, sin) pairs of [positions, R / 2] its params hold
     attends_by_row:  its layers read `LayerContext.rows` in every step, not only batch-invariant ones
     supports_batch_invariant: it has batch-invariant ops for every layer kind
-    mtp_layer_kind:  the decoder layer kind of its multi-token-prediction (MTP) layer, or None where
-                     its MTP layers are not run (speculative decoding is then refused by name)
+    mtp:             how its multi-token-prediction (MTP) layer is loaded and drafts (`MTPFamily`), or None
+                     where its MTP layers are not run (speculative decoding is then refused by name)
     tensor_split:    (config, `parallel.Sharding`) -> a rule (checkpoint tensor name -> the dim a rank
                      reads an even share of, or None for a tensor it reads whole), after checking the
                      config divides (ValueError naming the field); None: the family cannot be
@@ -100,7 +128,7 @@ class Family:
     rope_table_pairs: Callable[[ModelConfig], int]
     attends_by_row: bool
     supports_batch_invariant: bool
-    mtp_layer_kind: LayerKind | None
+    mtp: MTPFamily | None
     tensor_split: Callable[[ModelConfig, Sharding], Callable[[str], int | None]] | None = None
     expert_parallel_params: Callable[..., Params] | None = None
     quant_layout: Callable[[ModelConfig, Mapping[str, Any], str], QuantLayout | None] | None = None

@@ -10,8 +10,9 @@ where prefill rows and decode rows share every projection and differ only in the
 attention path each segment takes (each with its own metadata).
 
 `forward_outputs` is the same function returning a `ForwardOutput` pytree: the
-logits, and the last hidden states (after the final norm, one per logits row)
-when asked for, as a drafter that continues from the model's states needs.
+logits, and the last hidden states (one per logits row: after the final norm, or
+what the last layer hands on in a `layers.FinalResidual`) when asked for, as a
+drafter that continues from the model's states needs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mla_func.core.batch import Batch, check_batch
-from mla_func.core.layers import LayerContext, LayerKind, layer_kinds
+from mla_func.core.layers import FinalResidual, LayerContext, LayerKind, layer_kinds
 from mla_func.core.mode import ForwardMode, SegmentKind
 from mla_func.core.params import Params
 from mla_func.core.rows import row_metadata, rows_needed
@@ -38,8 +39,10 @@ class ForwardOutput:
     """What a forward returns besides the state.
 
     logits: [mode.padded_num_logits, V] at least float32; rows past mode.num_logits are padding
-    hidden: [mode.padded_num_logits, D] the normalised last hidden state of each logits row,
-            or None when not asked for
+    hidden: [mode.padded_num_logits, H] the hidden state a drafter continues from of each logits row:
+            the normalised last hidden state (H = D), or the last layer's `FinalResidual.hidden`
+            (a model with several residual streams: those streams before their final collapse,
+            H = streams * D); None when not asked for
     """
 
     logits: torch.Tensor
@@ -95,20 +98,28 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
                        rows=row_metadata(batch, mode) if rows_needed(config, mode) else None)
     # A vocab-parallel rank holds V / n rows of the embedding and the LM head (`core.vocab`).
     delta = embed_tokens(batch.input_ids, params.embed, config.vocab_size, ops.collectives)   # [T, D]
-    residual: torch.Tensor | None = None
+    residual: torch.Tensor | FinalResidual | None = None
     caches = []
     for kind, p, cache in zip(kinds, params.layers, state.layers):
         entered, residual = kind.enter(p, delta, residual, ctx)
         delta, residual, cache = kind.body(p, entered, residual, cache, ctx)
         caches.append(cache)
+    carried = None
+    if isinstance(residual, FinalResidual):
+        carried = residual.hidden
+        residual = residual.residual
     x, _ = ops.dense.rms_norm(delta, params.norm, config.rms_norm_eps, residual=residual)
     if mode.gather_logits:
         x = x[batch.logits_indices]
+    hidden = None
+    if return_hidden:
+        # A last layer's own hidden state is gathered only here: a step without a drafter copies none of it.
+        hidden = x if carried is None else carried[batch.logits_indices] if mode.gather_logits else carried
     logits = whole_logits(ops.dense.logits(x, params.lm_head), config.vocab_size, ops.collectives)  # [N, V] float32+
     new_state = replace(state, layers=tuple(caches))
     if not copy:
         state.donate(name)
-    return ForwardOutput(logits, x if return_hidden else None), new_state
+    return ForwardOutput(logits, hidden), new_state
 
 
 def forward_outputs(params: Params, state: KVCacheState, batch: Batch, mode: ForwardMode, *, copy: bool = False,

@@ -19,7 +19,9 @@ A layer kind is a value with four functions:
   (delta, residual, new cache). The residual it hands the next layer's `enter` is
   the kind's own value (a tensor [T, D] for the decoder layers; a kind with several
   residual streams hands on those with a pending write-back); the last layer's is a tensor
-  [T, D], which the forward's final norm adds to delta.
+  [T, D], which the forward's final norm adds to delta, or a `FinalResidual` holding that tensor
+  and the hidden state a drafter continues from, where that is not the final norm's output
+  (a kind that collapses several streams itself hands on the streams before the collapse).
 
 The forward runs `enter` then `body` for each layer with that layer's kind, so a
 model made of new kinds needs no change in the forward or the step: its family
@@ -65,6 +67,15 @@ class LayerContext:
     valid: torch.Tensor
     inplace: bool
     rows: RowMetadata | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalResidual:
+    """The last layer's residual when the hidden state a drafter continues from is not the final
+    norm's output (`ForwardOutput.hidden`): `residual` is what the final norm adds to delta."""
+
+    residual: torch.Tensor   # [T, D]
+    hidden: torch.Tensor     # [T, H] the state each row's drafter step continues from
 
 
 class LayerKind(Protocol):

@@ -24,7 +24,7 @@ from mla_func.core.family import Family
 from mla_func.core.model import Model
 from mla_func.core.params import Params, TensorFetch, params_from_hf
 from mla_func.models.memory import require_memory
-from mla_func.models.mtp.params import NO_MTP_LAYER, load_mtp, mtp_layer_index, mtp_optional_shapes, mtp_tensor_shapes
+from mla_func.models.mtp.params import NO_MTP_LAYER, load_mtp, mtp_family, mtp_optional_shapes, mtp_tensor_shapes
 from mla_func.models.presets import PRESETS, SHIPPED_PRESETS, preset_names
 from mla_func.models.quant_layouts import layout_of
 from mla_func.models.random_weights import random_params
@@ -39,8 +39,8 @@ __all__ = ["CheckpointError", "Model", "default_dtype", "load_model"]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # load_model's quantization= values, with the scale block each makes (None: float weights).
 QUANTIZATIONS: dict[str | None, tuple[int, int] | None] = {None: None, "fp8": DEFAULT_BLOCK}
-# Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer, read only
-# with mtp=True), `mtp.` tensors (DeepSeek-V4's multi-token-prediction layers) and rotary
+# Layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer), `mtp.` tensors
+# (DeepSeek-V4's multi-token-prediction layers), both read only with mtp=True, and rotary
 # buffers that old exports saved are not part of the forward.
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)mtp\.")
 
@@ -86,10 +86,10 @@ def load_model(
     device: defaults to "cuda" when available, else "cpu".
     seed:   for shape presets with random weights, the seed of their initialisation
             (done directly on `device`).
-    mtp:    also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.`,
-            see `models.mtp.params`) as `Model.mtp`, the drafter of `Engine(speculative_tokens=)`; a
-            checkpoint without one is refused. A shape preset gets a random one. A DeepSeek-V4
-            model refuses it (its MTP layers are not supported yet).
+    mtp:    also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.` of
+            V2/V3, `mtp.0.` of V4; see `models.mtp.params`) as `Model.mtp`, the drafter of
+            `Engine(speculative_tokens=)`; a checkpoint without one is refused. A shape preset gets a
+            random one. A family without MTP support (`Family.mtp` None) refuses it.
     progress: a progress bar over layers; by default shown for models of over a
             billion parameters.
     max_model_len: positions the RoPE tables cover (`Model.max_positions`); by
@@ -251,7 +251,7 @@ def _stored_dtype(config: ModelConfig, layout: QuantLayout | None, name: str, la
 def _require_mtp_layer(folder: CheckpointFolder, config: ModelConfig, located: Mapping[str, _Located]) -> None:
     """CheckpointError when not one tensor of the MTP layer is there (a checkpoint saved without it); a
     partial layer is left to `_check_tensor_names`, which lists what is missing."""
-    prefix = f"model.layers.{mtp_layer_index(config)}."
+    prefix = mtp_family(config).prefix(config)
     if not any(name.startswith(prefix) for name in located):
         raise CheckpointError(
             f"{folder.root}: {NO_MTP_LAYER} (no tensor named {prefix}*), "

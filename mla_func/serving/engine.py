@@ -43,7 +43,8 @@ from mla_func.core.prepare import init_state
 from mla_func.core.step import StepOutput
 from mla_func.kernels import CollectiveOps, default_backend, ops_for
 from mla_func.kernels.latent_cache import check_kv_cache_dtype
-from mla_func.models.mtp.layer import DrafterFn, drafter_params, init_drafter_state, mtp_layer, target_step_fn
+from mla_func.models.mtp.layer import (DrafterFn, drafter_hidden_size, drafter_params, init_drafter_state, mtp_layer,
+                                       target_step_fn)
 from mla_func.parallel.data_parallel import prepare_rank_step, rank_graph_modes
 from mla_func.serving.draws import DrawRows, draw_tokens, draw_tokens_with_logprobs
 from mla_func.serving.engine_config import EngineConfig, check_flag, check_limit, default_num_blocks
@@ -207,7 +208,7 @@ class Engine:
             modes = list(rank_graph_modes(modes))
         self.step.warmup(self.state, modes, progress=progress)
         drafter = 0 if self._speculative is None else self._speculative.warmup(
-            max_q, self.model.config.hidden_size, progress=progress)
+            max_q, drafter_hidden_size(self.model.config), progress=progress)
         if freeze_gc:
             gc.freeze()
         return len(self.step.captured_keys) - before + drafter

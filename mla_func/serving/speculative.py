@@ -68,7 +68,7 @@ class Draft:
 
     position: int
     token: int
-    hidden: torch.Tensor   # [D] the drafter's normalised hidden state after the draft
+    hidden: torch.Tensor   # [H] the drafter's hidden state after the draft (`drafter_hidden_size`)
 
 
 @dataclass(slots=True)
@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         plan, ids, drafts = verify.scheduled.plan, verify.scheduled.request_ids, verify.drafts
         num_prefill, q = len(plan.prefill), plan.decode_q_len
         decode_ids = ids[num_prefill:]
-        logits, hidden = target.output.logits, target.output.hidden      # [N, V], [N, D]: every real row
+        logits, hidden = target.output.logits, target.output.hidden      # [N, V], [N, H]: every real row
 
         rows, done, offset = DrawRows(), [], 0
         for i, s in enumerate(plan.prefill):
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
             return [(d.token,) for d in firsts]
         device = self.state.device
         token = torch.tensor([d.token for d in firsts], dtype=torch.int64, device=device)   # [B]
-        hidden = torch.stack([d.hidden for d in firsts])                                  # [B, D]
+        hidden = torch.stack([d.hidden for d in firsts])                                  # [B, H]
         chain = []
         for i in range(2, q):  # draft i: the row at c + i - 2 fed draft i - 1, for the token at c + i
             step_plan = StepPlan(decode=tuple(SeqPlan((0,), s.start_pos + i - 2, s.block_table, 1, s.group_block_tables)
@@ -228,7 +228,7 @@ class SpeculativeDecoder:
     def _catch_up(self, plan: StepPlan, ids: Sequence[Hashable], live: Live, tokens: torch.Tensor, hidden: torch.Tensor,
                   accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Hashable, int, int]]]:
         """The drafter over the target step's rows; returns the next first drafts [M], their hidden states
-        [M, D] and, for each, (request id, the position of its next verify row, or for verify row b
+        [M, H] and, for each, (request id, the position of its next verify row, or for verify row b
         (-1, b): the position follows from the drafts it accepts)."""
         q = plan.decode_q_len
         prefill, patch_rows, continuing = [], [], []

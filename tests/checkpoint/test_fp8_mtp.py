@@ -2,8 +2,7 @@
 decoder layer's projections stay FP8 pairs, kv_b_proj's per-head W_UK and W_UV included, and the drafter's
 logits are those of the same checkpoint with the FP8 weights' float values.
 
-(DeepSeek-V4's MTP layers are not run by mla-func at all: its family names no MTP layer kind, and
-`load_model("v4-...", mtp=True)` is refused by name, tests/models/mtp/test_mtp_layer.py.)
+(DeepSeek-V4's released FP8 / FP4 MTP layer: tests/models/v4/test_v4_mtp.py.)
 """
 
 from __future__ import annotations

@@ -106,10 +106,11 @@ def test_help_still_prints_the_usage(command, capsys):
 
 # ---- drafts on a model without a multi-token-prediction layer ----------------------------------------
 
-def test_drafts_on_a_v4_model_name_the_flag_and_why():
-    result = mla_func("generate", "1 2", "--model", "v4-tiny", "--speculative-tokens", "2")
-    assert_one_error(result, "--speculative-tokens 2: v4-tiny is a DeepSeek-V4 model, whose multi-token-prediction "
-                             "(MTP) layers are not supported yet; run it without --speculative-tokens")
+def test_drafts_on_a_v4_model_use_its_random_mtp_layer():
+    result = mla_func("generate", "1 2 3", "--model", "v4-tiny", "--speculative-tokens", "2", "--max-tokens", "4",
+                      "--temperature", "0", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 4 and "acceptance rate" in result.stderr
 
 
 def test_batch_invariance_on_a_v4_model_runs():

@@ -18,7 +18,7 @@ import mla_func as mf
 import mla_func.models.memory as memory
 from support.checkpoint_edits import edit_tensors
 from support.dsa_reference import make_v32
-from mla_func.models.mtp.params import MTP_UNSUPPORTED_V4, NO_MTP_LAYER
+from mla_func.models.mtp.params import NO_MTP_LAYER
 from mla_func.models.presets import PRESETS
 from mla_func.pytree import tree_leaves
 
@@ -63,6 +63,7 @@ def test_the_pure_check_refuses_only_what_does_not_fit():
     ("tiny", {"max_model_len": 100}),
     ("v4-tiny", {}),
     ("v4-tiny", {"dtype": torch.float16}),
+    ("v4-tiny", {"mtp": True}),
 ])
 def test_the_computed_need_is_what_a_preset_holds(name, kwargs):
     model = mf.load_model(name, device="cpu", **kwargs)
@@ -151,13 +152,6 @@ def test_a_checkpoint_without_an_mtp_layer_says_so(v32_folder, tmp_path):
     edit_tensors(partial, lambda t: t.__setitem__("model.layers.2.enorm.weight", torch.ones(32)))
     with pytest.raises(mf.CheckpointError, match=r"missing tensors: \['model\.layers\.2\.eh_proj\.weight'"):
         mf.load_model(partial, device="cpu", mtp=True)
-
-
-def test_a_v4_model_names_what_it_does_not_support():
-    with pytest.raises(mf.CheckpointError) as error:
-        mf.load_model("v4-tiny", device="cpu", mtp=True)
-    assert str(error.value).startswith(MTP_UNSUPPORTED_V4 + ": ")
-    assert MTP_UNSUPPORTED_V4 == "DeepSeek-V4 multi-token prediction is not supported"
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mla_func as mf
-from support.mtp_checkpoints import StepRecorder, check_drafted_run, mtp_checkpoint
+from support.mtp_checkpoints import StepRecorder, check_drafted_run, drafting_engine, drafting_requests, mtp_checkpoint
 
 VOCAB = 8
 
@@ -27,23 +27,11 @@ def model(tmp_path_factory):
 
 
 def _engine(model, k, **kwargs):
-    settings = dict(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
-                    long_prefill_token_threshold=5, speculative_tokens=k)
-    return mf.Engine(model, **{**settings, **kwargs})
+    return drafting_engine(model, k, **kwargs)
 
 
 def _requests(seed):
-    rng = random.Random(seed)
-    shared = [rng.randrange(VOCAB) for _ in range(9)]
-    prompts, params = [], []
-    for i in range(12):
-        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 14))]
-        prompts.append(shared + prompt if i % 3 == 0 else prompt)   # shared full blocks: prefix-cache hits
-        extra = dict(stop_token_ids=(6,), min_tokens=2) if i % 4 == 1 else dict(ignore_eos=True)
-        if i % 5 == 2:
-            extra["repetition_penalty"] = 1.3
-        params.append(mf.SamplingParams(temperature=0, max_tokens=rng.randrange(2, 15), **extra))
-    return prompts, params
+    return drafting_requests(seed, VOCAB)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -8,6 +8,7 @@ under `model.layers.{num_hidden_layers}.` as DeepSeek-V3's checkpoints name them
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 
 import torch
@@ -56,6 +57,29 @@ def mtp_checkpoint(path: Path, *, variant: str = "v3-qlora-noaux", seed: int = 0
     model.save_pretrained(path)
     add_mtp_layer(path, seed + 1000, with_copies=with_copies, echo=echo)
     return model, path
+
+
+def drafting_engine(model: mf.Model, k: int, **kwargs) -> mf.Engine:
+    """An engine with k drafts a step (0: none) in small blocks, chunked prefill and mixed steps."""
+    settings = dict(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
+                    long_prefill_token_threshold=5, speculative_tokens=k)
+    return mf.Engine(model, **{**settings, **kwargs})
+
+
+def drafting_requests(seed: int, vocab: int) -> tuple[list[list[int]], list[mf.SamplingParams]]:
+    """12 greedy requests over a vocabulary of `vocab` (at least 7) tokens: some share a prefix of full
+    blocks (prefix-cache hits), some stop at token 6, some penalise repetition."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(9)]
+    prompts, params = [], []
+    for i in range(12):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+        prompts.append(shared + prompt if i % 3 == 0 else prompt)   # shared full blocks: prefix-cache hits
+        extra = dict(stop_token_ids=(6,), min_tokens=2) if i % 4 == 1 else dict(ignore_eos=True)
+        if i % 5 == 2:
+            extra["repetition_penalty"] = 1.3
+        params.append(mf.SamplingParams(temperature=0, max_tokens=rng.randrange(2, 15), **extra))
+    return prompts, params
 
 
 class StepRecorder:

@@ -39,10 +39,11 @@ E4M3_MAX = 448.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 RELEASED_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "scale_fmt": "ue8m0", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-# transformers' saved names of the weights DeepSeek-V4 stores quantized.
-LINEAR = re.compile(r"^model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
-                    r"\.weight$")
-ROUTED = re.compile(r"^model\.layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+# transformers' saved names of the weights DeepSeek-V4 stores quantized (and of an MTP layer's, `mtp.N.`,
+# named as the decoder layers' are).
+LINEAR = re.compile(r"^(model\.layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                    r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+ROUTED = re.compile(r"^(model\.layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 FLOAT32 = re.compile(r"(attn_sink|\.ape$|gate\.bias$|hc_)")
 
 
@@ -89,14 +90,15 @@ def fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def deepseek_name(saved: str) -> str:
-    """A transformers-saved V4 tensor name as DeepSeek's files name it."""
+    """A transformers-saved V4 tensor name (or an MTP layer's, as `mla_func` names it) as DeepSeek's files name it."""
     tops = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
             "model.hc_head.hc_scale": "hc_head_scale"}
     if saved in tops:
         return tops[saved]
     name = saved.removeprefix("model.")
-    return re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
+    name = re.sub(r"^(mtp\.\d+)\.hc_head\.hc_(fn|base|scale)$", r"\1.hc_head_\2", name)
+    return re.sub(r"^((layers|mtp)\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
 
 
 def stored_plain(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from mla_func.core.family import Family
 from mla_func.core.layers import LayerKind
 from mla_func.models.dsa.attention import DSA_DECODER, DSA_DECODER_FP8
 from mla_func.models.mla.family import MLA, refuse_family_fields
+from mla_func.models.mtp.layer import mla_mtp
 
 __all__ = ["DSA"]
 
@@ -43,5 +44,5 @@ DSA: Family = dataclasses.replace(
     layer_kinds=_layer_kinds,
     fp8_cache_layer_kinds=_fp8_cache_layer_kinds,
     attends_by_row=True,
-    mtp_layer_kind=DSA_DECODER,
+    mtp=mla_mtp(DSA_DECODER),
 )

@@ -21,6 +21,7 @@ from mla_func.models.mla.layer import MLA_DECODER, MLA_DECODER_FP8
 from mla_func.models.mla.params import held_dtype, mla_params_from_hf, mla_with_max_positions
 from mla_func.models.mla.expert_shard import mla_expert_parallel_params
 from mla_func.models.mla.shard import mla_tensor_split
+from mla_func.models.mtp.layer import mla_mtp
 from mla_func.models.mla.tensor_shapes import mla_tensor_count, mla_tensor_shapes
 from mla_func.state.layer_cache import CacheGroup
 
@@ -87,7 +88,7 @@ MLA = Family(
     rope_table_pairs=one_rope_table_pair,
     attends_by_row=False,
     supports_batch_invariant=True,
-    mtp_layer_kind=MLA_DECODER,
+    mtp=mla_mtp(MLA_DECODER),
     tensor_split=mla_tensor_split,
     expert_parallel_params=mla_expert_parallel_params,
     fp8_cache_layer_kinds=_fp8_cache_layer_kinds,

@@ -15,6 +15,10 @@ whose state is a `KVCacheState` of one cache in the target's block geometry
 (`init_drafter_state`): the target's block tables address it unchanged. The drafter's
 output hidden state g is what a further draft continues from (the one MTP layer applied
 k times, each time on its own previous output, as serving engines run DeepSeek's MTP).
+
+That is V2/V3's MTP layer (`mla_mtp` makes its family's `MTPFamily`). `mtp_layer`, `drafter_params`
+and `drafter_hidden_size` serve every family: each asks the model's `Family.mtp`, so a family whose
+MTP layer differs (DeepSeek-V4's, `models.v4.mtp`) brings its own kind, params and hidden width.
 """
 
 from __future__ import annotations
@@ -26,17 +30,20 @@ import torch
 
 from mla_func.core.batch import Batch, BatchError
 from mla_func.core.config import ModelConfig
+from mla_func.core.family import MTPFamily
 from mla_func.core.forward import ForwardOutput, forward_outputs
 from mla_func.core.layers import LayerContext, LayerKind
 from mla_func.core.mode import ForwardMode
 from mla_func.core.model import Model
 from mla_func.core.params import Params
 from mla_func.core.prepare import init_state
-from mla_func.models.mtp.params import MTPParams
+from mla_func.models.mtp.params import (MTPParams, mla_load_mtp, mla_mtp_optional_shapes, mla_mtp_tensor_shapes,
+                                        mtp_family, mtp_layer_index)
 from mla_func.state.kv_cache import KVCacheState
 from mla_func.state.layer_cache import CacheGroup
 
-__all__ = ["MTPLayer", "DrafterFn", "drafter_params", "init_drafter_state", "mtp_layer", "target_step_fn"]
+__all__ = ["MTPLayer", "DrafterFn", "drafter_hidden_size", "drafter_params", "init_drafter_state", "mla_mtp",
+           "mtp_layer", "target_step_fn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,26 +78,55 @@ class MTPLayer:
         return self.base.body(p.layer, entered, residual, cache, ctx)
 
 
-def mtp_layer(config: ModelConfig) -> MTPLayer:
-    """The MTP layer kind of a model: its decoder layer is the kind its family names (`Family.mtp_layer_kind`).
+def mtp_layer(config: ModelConfig) -> LayerKind:
+    """The layer kind of a model's MTP layer as a drafter runs it (`MTPFamily.layer_kind`).
     ValueError for a family whose MTP layers are not run."""
-    base = config.family.mtp_layer_kind
-    if base is None:
+    if config.family.mtp is None:
         raise ValueError(f"mtp_layer: {config.family.title} multi-token-prediction (MTP) layers are not supported")
-    return MTPLayer(base)
+    return config.family.mtp.layer_kind(config)
 
 
 def drafter_params(model: Model) -> Params:
     """The params pytree of the drafter: the model's MTP layer as the one layer, its norm and head as the
-    final norm and head, the model's RoPE tables. Raises ValueError if the model has no MTP layer."""
+    final norm and head (`MTPFamily.drafter_params`). Raises ValueError if the model has no MTP layer."""
     if model.mtp is None:
         raise ValueError("speculative decoding needs the model's MTP layer: load it with load_model(..., mtp=True)")
+    return mtp_family(model.config).drafter_params(model)
+
+
+def drafter_hidden_size(config: ModelConfig) -> int:
+    """H: the width of the hidden states [T, H] the model's steps hand its drafter (`MTPFamily.hidden_size`)."""
+    return mtp_family(config).hidden_size(config)
+
+
+def _mla_drafter_params(model: Model) -> Params:
     mtp = model.mtp
     # Params.layers holds each layer's params of its kind; this kind's are MTPParams.
     layers = cast(tuple[Any, ...], (mtp,))
     # A sharded model's drafter is sharded alike (`load_mtp`): it joins its partial sums over the same ranks.
     return Params(embed=mtp.embed, layers=layers, norm=mtp.norm, lm_head=mtp.head, rope_cos=model.params.rope_cos,
                   rope_sin=model.params.rope_sin, config=model.config, collectives=model.params.collectives)
+
+
+def _mla_prefix(config: ModelConfig) -> str:
+    return f"model.layers.{mtp_layer_index(config)}."
+
+
+def _hidden_size(config: ModelConfig) -> int:
+    return config.hidden_size
+
+
+def mla_mtp(base: LayerKind) -> MTPFamily:
+    """The `MTPFamily` of V2/V3's MTP layer (`model.layers.{L}.`, `models.mtp.params`), whose decoder layer
+    is of kind `base`: it drafts from the target's normalised hidden state [T, D]."""
+    kind = MTPLayer(base)
+
+    def layer_kind(config: ModelConfig) -> MTPLayer:
+        return kind
+
+    return MTPFamily(layer_kind=layer_kind, prefix=_mla_prefix, tensor_shapes=mla_mtp_tensor_shapes,
+                     optional_shapes=mla_mtp_optional_shapes, load=mla_load_mtp, drafter_params=_mla_drafter_params,
+                     hidden_size=_hidden_size)
 
 
 def init_drafter_state(model: Model, target: KVCacheState) -> KVCacheState:
@@ -110,7 +146,7 @@ def init_drafter_state(model: Model, target: KVCacheState) -> KVCacheState:
 class DrafterFn:
     """The drafter as a step function for `make_step`: (ForwardOutput(logits, hidden), state)."""
 
-    kind: MTPLayer
+    kind: LayerKind
 
     def __call__(self, params: Params, state: KVCacheState, batch: Batch,
                  mode: ForwardMode) -> tuple[ForwardOutput, KVCacheState]:

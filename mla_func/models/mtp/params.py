@@ -16,17 +16,23 @@ a copy equal to the model's tensor is replaced by it, so memory holds one.
 A sharded model's MTP layer is cut as its decoder layers are (the family's `tensor_split` names the
 layer's tensors by the same suffixes, and its copies of the embedding and head as vocabulary rows);
 under expert parallelism its MoE block holds the rank's own routed experts (`load_mtp(parallel=)`).
+
+`mtp_tensor_shapes`, `mtp_optional_shapes` and `load_mtp` are every family's entry points: each asks
+the model's family how its MTP layer is stored (`Family.mtp`, a `core.family.MTPFamily`); the V2/V3
+layout above is `mla_mtp_tensor_shapes`, `mla_mtp_optional_shapes` and `mla_load_mtp`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mla_func.checkpoint.files import CheckpointError
 from mla_func.core.config import ModelConfig
+from mla_func.core.family import MTPFamily
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
 from mla_func.models.mla.expert_shard import expert_parallel_layer
 from mla_func.models.mla.params import LayerParams, layer_params
@@ -34,15 +40,14 @@ from mla_func.models.mla.tensor_shapes import layer_tensor_shapes
 from mla_func.parallel.config import Parallel
 from mla_func.pytree import register_dataclass
 
-__all__ = ["MTP_OPTIONAL_TENSORS", "MTP_UNSUPPORTED", "MTP_UNSUPPORTED_V4", "NO_MTP_LAYER", "MTPParams", "load_mtp", "mtp_layer_index",
+__all__ = ["MTP_OPTIONAL_TENSORS", "MTP_UNSUPPORTED", "NO_MTP_LAYER", "MTPParams", "load_mtp", "mla_load_mtp",
+           "mla_mtp_optional_shapes", "mla_mtp_tensor_shapes", "mtp_family", "mtp_layer_index", "mtp_optional_shapes",
            "mtp_params_from_hf", "mtp_tensor_shapes"]
 
 # Fixed phrases of the two errors that refuse mtp=True, for callers (the command line) to recognise:
-# what follows the family's title for a family whose MTP layers are not run (MTP_UNSUPPORTED_V4 is
-# the whole start of a DeepSeek-V4 model's), and what a checkpoint saved without its MTP layer is
-# told (after the folder's name).
+# what follows the family's title for a family whose MTP layers are not run, and what a checkpoint
+# saved without its MTP layer is told (after the folder's name).
 MTP_UNSUPPORTED = "multi-token prediction is not supported"
-MTP_UNSUPPORTED_V4 = "DeepSeek-V4 " + MTP_UNSUPPORTED
 NO_MTP_LAYER = "the checkpoint has no multi-token-prediction (MTP) layer"
 
 # Tensors of an MTP layer that a checkpoint may leave out (the model's own are used then).
@@ -66,18 +71,36 @@ class MTPParams:
     head: torch.Tensor       # [V, D] shared_head.head
 
 
-def mtp_layer_index(config: ModelConfig, depth: int = 0) -> int:
-    """The checkpoint layer index of MTP layer `depth` (0 is the first): it follows the decoder layers.
-    CheckpointError for a family whose MTP layers are not run (`Family.mtp_layer_kind` None)."""
-    if config.family.mtp_layer_kind is None:
+def mtp_family(config: ModelConfig) -> MTPFamily:
+    """How the model's family stores and runs its MTP layer (`Family.mtp`). CheckpointError for a
+    family whose MTP layers are not run."""
+    found = config.family.mtp
+    if found is None:
         raise CheckpointError(f"{config.family.title} {MTP_UNSUPPORTED}: its MTP layers are not loaded or run yet, so "
                               "speculative decoding (load_model(..., mtp=True)) cannot draft with them; load the "
                               "model with mtp=False")
+    return found
+
+
+def mtp_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The required tensors of the model's first MTP layer, by name, with their shapes (its family's layout)."""
+    return mtp_family(config).tensor_shapes(config)
+
+
+def mtp_optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors the model's first MTP layer may hold beside the required ones, with their shapes."""
+    return mtp_family(config).optional_shapes(config)
+
+
+def mtp_layer_index(config: ModelConfig, depth: int = 0) -> int:
+    """The checkpoint layer index of V2/V3 MTP layer `depth` (0 is the first): it follows the decoder layers.
+    CheckpointError for a family whose MTP layers are not run."""
+    mtp_family(config)  # refuses a family without MTP layers before any name is made for one
     return config.num_hidden_layers + depth
 
 
-def mtp_tensor_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
-    """The required tensors of MTP layer `depth`, by name, with their shapes (the optional ones excluded)."""
+def mla_mtp_tensor_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
+    """The required tensors of V2/V3 MTP layer `depth`, by name, with their shapes (the optional ones excluded)."""
     i = mtp_layer_index(config, depth)
     d = config.hidden_size
     p = f"model.layers.{i}."
@@ -85,8 +108,8 @@ def mtp_tensor_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[in
             p + "shared_head.norm.weight": (d,), **layer_tensor_shapes(config, i)}
 
 
-def mtp_optional_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
-    """The optional tensors of MTP layer `depth` (embedding and head copies), with their shapes."""
+def mla_mtp_optional_shapes(config: ModelConfig, depth: int = 0) -> dict[str, tuple[int, ...]]:
+    """The optional tensors of V2/V3 MTP layer `depth` (embedding and head copies), with their shapes."""
     p = f"model.layers.{mtp_layer_index(config, depth)}."
     return {p + name: (config.vocab_size, config.hidden_size) for name in MTP_OPTIONAL_TENSORS}
 
@@ -126,9 +149,17 @@ def mtp_params_from_hf(config: ModelConfig, get: TensorGet, *, dtype: torch.dtyp
 
 
 def load_mtp(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype,
-             device: torch.device | str, present: frozenset[str], *, parallel: Parallel | None = None) -> MTPParams:
-    """The first MTP layer of a checkpoint whose model `params` are loaded; `fetch` as for `params_from_hf`
-    (a rank's shard of each tensor under `parallel`, whose expert parallelism the layer's MoE block follows)."""
+             device: torch.device | str, present: frozenset[str], *, parallel: Parallel | None = None) -> Any:
+    """The first MTP layer of a checkpoint whose model `params` are loaded, as its family loads it; `fetch`
+    as for `params_from_hf` (a rank's shard of each tensor under `parallel`); present: the names of the
+    tensors the checkpoint holds that loading reads."""
+    return mtp_family(config).load(config, params, fetch, dtype, device, present, parallel)
+
+
+def mla_load_mtp(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype,
+                 device: torch.device | str, present: frozenset[str], parallel: Parallel | None) -> MTPParams:
+    """V2/V3's first MTP layer (`MTPFamily.load`): under `parallel`'s expert parallelism its MoE block
+    holds the rank's own routed experts."""
     layer: Callable[[ModelConfig, int, TensorGet, torch.dtype], LayerParams] = layer_params
     if parallel is not None and parallel.expert_parallel and parallel.tensor_parallel > 1:
         layer = expert_parallel_layer(config, parallel.rank, parallel.tensor_parallel)

@@ -4,9 +4,9 @@ Sliding-window, CSA and HCA layers with hyper-connections (`layers`), whose
 compressed entries live in cache groups past the token group; V4's own config
 fields (`config`, `config_hf`, and `config_released` for DeepSeek's config.json
 spellings), params and checkpoint names (`params`, `params_load`), its released
-FP8 / FP4 layout (`quant_layout`), all in this folder. Its batch-invariant ops are the
-invariant tables' (`kernels.reference.v4_invariant`, `kernels.triton.v4_invariant`); its MTP
-layers are not run yet, and are refused by name.
+FP8 / FP4 layout (`quant_layout`) and its multi-token-prediction layer (`mtp`), all in this
+folder. Its batch-invariant ops are the invariant tables' (`kernels.reference.v4_invariant`,
+`kernels.triton.v4_invariant`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mla_func.core.family import Family
 from mla_func.models.v4.config import SLIDING, v4_fields, validate_v4_config, validate_v4_routing
 from mla_func.models.v4.config_hf import v4_config_from_hf_dict, v4_config_to_hf_dict
 from mla_func.models.v4.layers import v4_cache_groups, v4_layer_kinds
+from mla_func.models.v4.mtp import V4_MTP
 from mla_func.models.v4.params import canonical_names, checkpoint_dtype, v4_held_dtype, v4_tensor_count, v4_tensor_shapes
 from mla_func.models.v4.params_load import v4_params_from_hf, v4_with_max_positions
 from mla_func.models.v4.quant_layout import v4_quant_layout
@@ -56,7 +57,7 @@ V4 = Family(
     rope_table_pairs=_rope_table_pairs,
     attends_by_row=True,
     supports_batch_invariant=True,
-    mtp_layer_kind=None,
+    mtp=V4_MTP,
     quant_layout=v4_quant_layout,
     tensor_split=v4_tensor_split,
     expert_parallel_params=v4_expert_parallel_params,

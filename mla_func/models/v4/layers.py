@@ -12,7 +12,9 @@ and its pending write-back.
 The last layer applies its write-back, collapses the streams with the model's
 hyper head (its params hold it) and hands the forward that one hidden state as
 delta with a zero residual, so the forward's final add-and-norm is the model's
-final norm.
+final norm; the residual is a `FinalResidual` that also carries the streams before
+the collapse, flattened [T, N * D]: the hidden state the MTP drafter continues from
+(`models.v4.mtp`), whose own layer starts from streams (`enter_streams`).
 
 Each kind's cache (`state.v4_cache.V4LayerCache`) holds the leaves that kind
 needs; the compressed kinds' entries live in their own cache group
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_func.core.config import ModelConfig
-from mla_func.core.layers import LayerContext
+from mla_func.core.layers import FinalResidual, LayerContext
 from mla_func.models.v4.attention import v4_attention
 from mla_func.models.v4.config import CSA, HCA, SLIDING, V4Config, v4_fields
 from mla_func.models.v4.expert_shard import v4_feed_forward
@@ -128,13 +130,19 @@ class V4DecoderLayer:
         which `residual` writes back -> (entered, streams [T, N, D])."""
         if residual is None:
             streams = delta.unsqueeze(1).expand(-1, v4_fields(ctx.config).hc_mult, -1).contiguous()
-            return self._site(p.attn_hc, p.attn_norm, streams, ctx), streams
+            return self.enter_streams(p, streams, ctx)
         return self._write_back_site(residual, delta, residual.streams, p.attn_hc, p.attn_norm, ctx)
 
+    def enter_streams(self, p: V4LayerParams, streams: torch.Tensor, ctx: LayerContext
+                      ) -> tuple[V4Entered, torch.Tensor]:
+        """The start of a first layer whose streams [T, N, D] are given (not N copies of one embedding)
+        -> (entered, streams)."""
+        return self._site(p.attn_hc, p.attn_norm, streams, ctx), streams
+
     def body(self, p: V4LayerParams, entered: V4Entered, residual: torch.Tensor, cache: V4LayerCache,
-             ctx: LayerContext) -> tuple[torch.Tensor, HyperResidual | torch.Tensor, V4LayerCache]:
+             ctx: LayerContext) -> tuple[torch.Tensor, HyperResidual | FinalResidual, V4LayerCache]:
         """residual: the streams [T, N, D] -> (the MoE output [T, D], its pending write-back, cache); the last
-        layer: (the hyper head's output [T, D], zeros [T, D], cache)."""
+        layer: (the hyper head's output [T, D], FinalResidual(zeros [T, D], the streams [T, N * D]), cache)."""
         out, cache = v4_attention(p.attn, entered.x, cache, ctx.batch, ctx.mode, self.attention, ctx.config, ctx.ops,
                                   inplace=ctx.inplace, rows=ctx.rows)
         ffn, streams = self._write_back_site(entered, out, residual, p.ffn_hc, p.ffn_norm, ctx)
@@ -149,7 +157,7 @@ class V4DecoderLayer:
         head = p.hc_head
         final = ctx.ops.v4.hc_head(streams, head.fn, head.base, head.scale, hc_eps=v.hc_eps,
                                    norm_eps=ctx.config.rms_norm_eps)
-        return final, torch.zeros_like(final), cache
+        return final, FinalResidual(torch.zeros_like(final), streams.flatten(1)), cache
 
 
 def v4_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:

@@ -167,9 +167,7 @@ def _compressor_shapes(prefix: str, d: int, width: int, rate: int, overlap: bool
 def v4_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DeepSeek-V4 checkpoint of `config`, by name, with its shape."""
     c, v = config, v4_fields(config)
-    d, h, n, q = c.hidden_size, c.num_attention_heads, v.hc_mult, c.q_lora_rank or 0
-    e, inter = c.n_routed_experts or 0, c.moe_intermediate_size
-    hc = (2 + n) * n
+    d, n = c.hidden_size, v.hc_mult
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,),
         "model.hc_head.hc_fn": (n, n * d), "model.hc_head.hc_base": (n,), "model.hc_head.hc_scale": (1,),
@@ -177,31 +175,40 @@ def v4_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["head.weight"] = (c.vocab_size, d)
     for i, (kind, mlp) in enumerate(zip(v.layer_types, v.mlp_layer_types)):
-        p = f"model.layers.{i}."
-        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
-        for site in ("attn", "ffn"):
-            shapes.update({f"{p}hc_{site}_fn": (hc, n * d), f"{p}hc_{site}_base": (hc,), f"{p}hc_{site}_scale": (3,)})
-        a = p + "attn."
-        shapes.update({
-            a + "wq_a.weight": (q, d), a + "q_norm.weight": (q,), a + "wq_b.weight": (h * v.head_dim, q),
-            a + "wkv.weight": (v.head_dim, d), a + "norm.weight": (v.head_dim,),
-            a + "wo_a.weight": (v.o_groups * v.o_lora_rank, h * v.head_dim // v.o_groups),
-            a + "wo_b.weight": (d, v.o_groups * v.o_lora_rank), a + "attn_sink": (h,),
-        })
-        if kind != SLIDING:
-            shapes.update(_compressor_shapes(a + "compressor.", d, v.head_dim, v.rate(kind), kind == CSA))
-        if kind == CSA:
-            di, hi = v.index_head_dim, v.index_n_heads
-            shapes.update(_compressor_shapes(a + "indexer.compressor.", d, di, v.csa_rate, True))
-            shapes.update({a + "indexer.wq_b.weight": (hi * di, q), a + "indexer.weights_proj.weight": (hi, d)})
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (e, d)
-        shapes[f + ("gate.tid2eid" if mlp == "hash_moe" else "gate.bias")] = (
-            (c.vocab_size, c.num_experts_per_tok) if mlp == "hash_moe" else (e,))
-        for j in range(e):
-            shapes.update(_expert_shapes(f"{f}experts.{j}.", d, inter))
-        if c.n_shared_experts:
-            shapes.update(_expert_shapes(f + "shared_experts.", d, inter * c.n_shared_experts))
+        shapes.update(v4_layer_shapes(config, f"model.layers.{i}.", kind, mlp))
+    return shapes
+
+
+def v4_layer_shapes(config: ModelConfig, p: str, kind: str, mlp: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one V4 layer of attention type `kind` and MoE type `mlp`, named under prefix `p`."""
+    c, v = config, v4_fields(config)
+    d, h, n, q = c.hidden_size, c.num_attention_heads, v.hc_mult, c.q_lora_rank or 0
+    e, inter = c.n_routed_experts or 0, c.moe_intermediate_size
+    hc = (2 + n) * n
+    shapes: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)}
+    for site in ("attn", "ffn"):
+        shapes.update({f"{p}hc_{site}_fn": (hc, n * d), f"{p}hc_{site}_base": (hc,), f"{p}hc_{site}_scale": (3,)})
+    a = p + "attn."
+    shapes.update({
+        a + "wq_a.weight": (q, d), a + "q_norm.weight": (q,), a + "wq_b.weight": (h * v.head_dim, q),
+        a + "wkv.weight": (v.head_dim, d), a + "norm.weight": (v.head_dim,),
+        a + "wo_a.weight": (v.o_groups * v.o_lora_rank, h * v.head_dim // v.o_groups),
+        a + "wo_b.weight": (d, v.o_groups * v.o_lora_rank), a + "attn_sink": (h,),
+    })
+    if kind != SLIDING:
+        shapes.update(_compressor_shapes(a + "compressor.", d, v.head_dim, v.rate(kind), kind == CSA))
+    if kind == CSA:
+        di, hi = v.index_head_dim, v.index_n_heads
+        shapes.update(_compressor_shapes(a + "indexer.compressor.", d, di, v.csa_rate, True))
+        shapes.update({a + "indexer.wq_b.weight": (hi * di, q), a + "indexer.weights_proj.weight": (hi, d)})
+    f = p + "ffn."
+    shapes[f + "gate.weight"] = (e, d)
+    shapes[f + ("gate.tid2eid" if mlp == "hash_moe" else "gate.bias")] = (
+        (c.vocab_size, c.num_experts_per_tok) if mlp == "hash_moe" else (e,))
+    for j in range(e):
+        shapes.update(_expert_shapes(f"{f}experts.{j}.", d, inter))
+    if c.n_shared_experts:
+        shapes.update(_expert_shapes(f + "shared_experts.", d, inter * c.n_shared_experts))
     return shapes
 
 
@@ -257,13 +264,17 @@ def checkpoint_dtype(name: str, label: str, entry: TensorEntry, model_dtype: tor
 _DEEPSEEK_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
                  "hc_head_scale": "model.hc_head.hc_scale"}
-_KV_NORM = re.compile(r"^(model\.layers\.\d+)\.attn\.kv_norm\.weight$")
+_KV_NORM = re.compile(r"^((model\.layers|mtp)\.\d+)\.attn\.kv_norm\.weight$")
+# DeepSeek's names of an MTP layer's own hyper head (`mtp.N.hc_head_fn`), as the model's is named.
+_MTP_HEAD = re.compile(r"^(mtp\.\d+)\.hc_head_(fn|base|scale)$")
 _T = TypeVar("_T")
 
 
 def canonical_names(config: ModelConfig, located: dict[str, _T], where: object) -> dict[str, _T]:
     """A V4 checkpoint's tensors under the names save_pretrained writes, whether written so or with
     DeepSeek's own names (`embed.weight`, `layers.N.`, `hc_head_fn`, `attn.kv_norm`); other models' unchanged.
+    An MTP layer keeps DeepSeek's prefix `mtp.N.` (transformers saves none), its layer's tensors named as
+    a decoder layer's and its hyper head as the model's (`mtp.N.hc_head.hc_fn`).
     CheckpointError when one tensor is there under both names."""
     if not isinstance(config.family_fields, V4Config):
         return located
@@ -272,6 +283,7 @@ def canonical_names(config: ModelConfig, located: dict[str, _T], where: object) 
         canonical = _DEEPSEEK_TOP.get(name) or ("model." + name if name.startswith("layers.") else name)
         # DeepSeek's files name the attention's key norm `attn.kv_norm`, save_pretrained `attn.norm`.
         canonical = _KV_NORM.sub(r"\1.attn.norm.weight", canonical)
+        canonical = _MTP_HEAD.sub(r"\1.hc_head.hc_\2", canonical)
         if canonical in out:
             raise CheckpointError(f"{where}: tensor {canonical!r} is in the checkpoint under two names")
         out[canonical] = value

@@ -34,7 +34,7 @@ from mla_func.models.v4.quantization_config import v4_quantization
 _LINEAR = re.compile(r"^(model\.layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                      r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 _ROUTED = re.compile(r"^(model\.layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.attn\.(wq_a|wkv|wo_a)\.weight$")
+_LAYER = re.compile(r"^(model\.layers|mtp)\.(\d+)\.attn\.(wq_a|wkv|wo_a)\.weight$")
 
 
 def v4_quant_layout(config: ModelConfig, raw: Mapping[str, Any], label: str) -> QuantLayout | None:
@@ -57,8 +57,10 @@ def v4_quant_layout(config: ModelConfig, raw: Mapping[str, Any], label: str) -> 
         found = _LAYER.match(name)
         if found is None:
             return False
-        index, module = int(found.group(1)), found.group(2)
-        return module == "wo_a" or (index < len(layer_types) and layer_types[index] != SLIDING)
+        where, index, module = found.group(1), int(found.group(2)), found.group(3)
+        # The MTP layer is a sliding-window layer (`mtp`): its wq_a and wkv stay pairs.
+        compressed = where == "model.layers" and index < len(layer_types) and layer_types[index] != SLIDING
+        return module == "wo_a" or compressed
 
     return QuantLayout(block=block, format_of=format_of, scale_suffix=".scale", weight_suffix=".weight",
                        held_dense=held_dense)

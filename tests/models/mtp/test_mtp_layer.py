@@ -99,8 +99,3 @@ def test_a_drafter_step_needs_hidden_states():
     with pytest.raises(mf.BatchError, match=r"hidden: expected shape \(2, D\)"):
         mf.forward_outputs(drafter_params(model), dstate, replace(batch, hidden=torch.zeros(3, 64)), mode,
                            layers=(mtp_layer(model.config),))
-
-
-def test_a_v4_model_refuses_mtp():
-    with pytest.raises(mf.CheckpointError, match="DeepSeek-V4"):
-        mf.load_model("v4-tiny", device="cpu", mtp=True)
