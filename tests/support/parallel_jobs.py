@@ -28,6 +28,8 @@ from mla_func.parallel.data_parallel import plan_rank_step
 from mla_func.serving.rank_scheduler import RanksStep
 from support.graph_checks import LADDER
 from support.parallel_gpu_runs import DTYPES
+from support.hand_plans import Seq, prefill_plan
+from support.mtp_checkpoints import drafting_engine, drafting_requests
 from support.parallel_runs import BLOCK_SIZE, WORLD, RankTask, held, rank_steps, scenarios, spawn_group
 
 SPECULATIVE = 2   # drafts a verify step checks
@@ -97,6 +99,68 @@ def job_quantized(task: RankTask, parallel: Parallel) -> dict[Any, Any]:
         results[(path, expert_parallel, mtp)] = {**scenarios(model), **(drafts(model) if mtp else {}),
                                                  "held": held(model), "quantized": quantized_held(model)}
     return results
+
+
+# DeepSeek-V4's drafter: a prefill of DRAFT_PROMPT rows, then DRAFT_DECODES decode steps of one row each.
+DRAFT_PROMPT = 11
+DRAFT_DECODES = 3
+DRAFT_BLOCKS = 8   # of group 0 a sequence: room for DRAFT_PROMPT + DRAFT_DECODES + 1 tokens
+
+
+def v4_drafter_steps(model: mf.Model) -> dict[str, torch.Tensor]:
+    """The MTP drafter's logits of a DeepSeek-V4 model (loaded with mtp=True) over the target's streams:
+    {"draft_prefill": [DRAFT_PROMPT, V] of one prefill step, "draft_decode": [DRAFT_DECODES, V] of the
+    decode steps after it}; row i reads the token at i + 1 and the target's streams at i."""
+    tokens = _tokens(DRAFT_PROMPT + DRAFT_DECODES + 1, model.config.vocab_size, seed=9)
+    n = len(tokens) - 1
+    state = mf.init_state(model, num_blocks=2 * DRAFT_BLOCKS, block_size=BLOCK_SIZE)
+    # The compressed layers' cache groups need tables of their own (`CacheGroup.blocks_for`).
+    seq = Seq(tuple(range(1, 1 + DRAFT_BLOCKS)), group_tables=tuple(
+        tuple(range(1, 1 + group.blocks_for(DRAFT_BLOCKS * BLOCK_SIZE))) for group in state.groups[1:]))
+    target, state = target_step_fn(model.params, state, *mf.plan_step(
+        model.config, state, mf.StepPlan(prefill=(prefill_plan(seq, tokens[:n]),))))
+    dstate, params, layers = init_drafter_state(model, state), drafter_params(model), (mtp_layer(model.config),)
+    rows = []
+    for start, end in [(0, DRAFT_PROMPT), *((i, i + 1) for i in range(DRAFT_PROMPT, n))]:
+        part = mf.SeqPlan(tuple(tokens[start + 1:end + 1]), start, seq.block_table, end - start,
+                          group_block_tables=seq.group_tables)
+        plan = mf.StepPlan(prefill=(part,)) if start == 0 else mf.StepPlan(decode=(part,))
+        batch, mode = mf.plan_step(model.config, dstate, plan)
+        out, dstate = mf.forward_outputs(params, dstate, dataclasses.replace(batch, hidden=target.hidden[start:end]),
+                                         mode, layers=layers)
+        rows.append(out.logits[:mode.num_logits])
+    return {"draft_prefill": rows[0], "draft_decode": torch.cat(rows[1:])}
+
+
+def job_v4_mtp(task: RankTask, parallel: Parallel) -> dict[Any, Any]:
+    """task.args: (DeepSeek-V4 checkpoint folder with an MTP layer, expert_parallel) pairs, each loaded with
+    mtp=True; {pair: `v4_drafter_steps`, the greedy tokens and (drafted, accepted) of an engine drafting
+    SPECULATIVE tokens a step (`mtp_checkpoints.drafting_engine`), and what the MTP layer holds}."""
+    results = {}
+    for path, expert_parallel in task.args:
+        model = mf.load_model(path, dtype=torch.float32, device="cpu", mtp=True,
+                              parallel=dataclasses.replace(parallel, expert_parallel=expert_parallel))
+        results[(path, expert_parallel)] = {**v4_drafter_steps(model), **v4_speculative(model),
+                                            "mtp_held": v4_mtp_held(model)}
+    return results
+
+
+def v4_speculative(model: mf.Model) -> dict[str, Any]:
+    """The greedy tokens of `mtp_checkpoints.drafting_requests` through an engine drafting SPECULATIVE tokens a
+    step, and its (drafted, accepted) draft counts."""
+    engine = drafting_engine(model, SPECULATIVE)
+    completions = engine.generate(*drafting_requests(SPECULATIVE, model.config.vocab_size))
+    stats = engine.speculative_stats
+    return {"speculative": [list(c.token_ids) for c in completions], "accepted": (stats.drafted, stats.accepted)}
+
+
+def v4_mtp_held(model: mf.Model) -> dict[str, Any]:
+    """What a V4 model's MTP layer holds: its heads, the experts of its stacked expert weights, the shape
+    of its e_proj, and its layer's quantized pairs as `quantized_held` gives them."""
+    layer = model.mtp.layer
+    return {"heads": layer.attn.sinks.shape[0], "experts": layer.mlp.w2.shape[0],
+            "e_proj": tuple(model.mtp.e_proj.shape),
+            "pairs": {name: shapes for name, shapes in quantized_held(model).items() if name.startswith("mtp.")}}
 
 
 # The engine's prompts: more than the ranks, an odd count, of other lengths and lengths to generate, so

@@ -24,7 +24,7 @@ from mla_func.kernels import Ops
 from mla_func.models.expert_parallel import expert_range, held_expert_ids
 from mla_func.models.v4.config import v4_fields
 from mla_func.models.v4.hash_moe import route, shared_apart, v4_moe
-from mla_func.models.v4.params import V4ExpertShardParams, V4MoEParams
+from mla_func.models.v4.params import V4ExpertShardParams, V4LayerParams, V4MoEParams
 from mla_func.models.v4.params_load import v4_params_from_hf
 
 
@@ -68,9 +68,12 @@ def v4_expert_parallel_params(config: ModelConfig, fetch: TensorFetch, *, rank: 
     held = expert_range(config, rank, ranks)
     params = v4_params_from_hf(config, fetch, dtype=dtype, device=device, progress=progress,
                                max_model_len=max_model_len, routed=held)
-    layers = []
-    for layer in params.layers:
-        if not isinstance(layer.mlp, V4MoEParams):
-            raise ValueError(f"v4_params_from_hf gave a MoE block of {type(layer.mlp).__name__}")
-        layers.append(dataclasses.replace(layer, mlp=_expert_shard(layer.mlp, held)))
-    return dataclasses.replace(params, layers=tuple(layers))
+    return dataclasses.replace(params, layers=tuple(v4_expert_shard_layer(layer, held) for layer in params.layers))
+
+
+def v4_expert_shard_layer(layer: V4LayerParams, held: range) -> V4LayerParams:
+    """A layer read with `V4Reader.layer(routed=held)` (its routed experts `held` only, the shared ones
+    apart) -> the same layer holding an expert-parallel rank's share of its MoE block."""
+    if not isinstance(layer.mlp, V4MoEParams):
+        raise ValueError(f"v4_expert_shard_layer: expected a V4MoEParams block, got {type(layer.mlp).__name__}")
+    return dataclasses.replace(layer, mlp=_expert_shard(layer.mlp, held))

@@ -27,6 +27,17 @@ Its layer is a sliding-window layer with a learned-routing MoE: the released con
 give the MTP layer 0 (no compression), and their hash-routed layers are the first few only (the MTP
 layer's index, num_hidden_layers, is past them). The config read keeps no entry for it
 (`config_released`), so a checkpoint whose MTP layer compresses would be read as a sliding one.
+
+Across ranks its V4 layer is cut as a decoder layer is (`shard`: the family's split rule names tensors
+by suffix, so `mtp.0.attn.wq_b.weight` is cut as `model.layers.0.attn.wq_b.weight`, FP8 and FP4 pairs
+with their scales): query heads and output groups split, its MoE by columns or, expert-parallel, by
+whole routed experts (`expert_shard`); its attention output and MoE block meet in the decoder layers'
+all-reduces. `e_proj`, `h_proj`, the norms and the hyper head are whole on every rank. The two
+projections are [D, D] maps of the residual streams, which every rank holds whole: a cut would need a
+gather (rows) or an all-reduce (columns) of D values a stream per token, to save 2 D^2 values a rank
+(34 M at D = 4096, a small part of the layer), and whole they give every rank the same bits, so
+the layer's mHC weights and router agree across ranks without a collective, as the decoder layers' do.
+The embedding and head are the model's, split by vocabulary rows as its own.
 """
 
 from __future__ import annotations
@@ -44,7 +55,9 @@ from mla_func.core.layers import FinalResidual, LayerContext
 from mla_func.core.model import Model
 from mla_func.core.params import Params, TensorFetch
 from mla_func.kernels.quantized import Weight
+from mla_func.models.expert_parallel import expert_range
 from mla_func.models.v4.config import SLIDING, v4_fields
+from mla_func.models.v4.expert_shard import v4_expert_shard_layer
 from mla_func.models.v4.hyper_connections import HyperResidual
 from mla_func.models.v4.layers import V4DecoderLayer, V4Entered
 from mla_func.models.v4.params import V4LayerParams, v4_layer_shapes
@@ -134,13 +147,17 @@ def _no_optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _load(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype, device: torch.device | str,
           present: frozenset[str], parallel: Parallel | None) -> V4MTPParams:
-    """The first MTP layer (`MTPFamily.load`); its layer rotates with the model's main RoPE tables."""
-    if parallel is not None and parallel.tensor_parallel > 1:
-        raise ValueError(f"load_model(mtp=True): DeepSeek-V4's MTP layer is not cut across ranks yet "
-                         f"(tensor_parallel={parallel.tensor_parallel}); load it on one process")
+    """The first MTP layer (`MTPFamily.load`); its layer rotates with the model's main RoPE tables. `fetch`
+    reads a rank's shard under `parallel` (cut as the module docstring says); with expert parallelism the
+    layer's MoE block holds the rank's own routed experts, as a decoder layer's does."""
     read = V4Reader(config, fetch, dtype, device)
     head = read.hyper_head(PREFIX + "hc_head.")
-    layer = read.layer(PREFIX, SLIDING, MLP_TYPE, (params.rope_cos, params.rope_sin), head=head)
+    rope = (params.rope_cos, params.rope_sin)
+    if parallel is not None and parallel.expert_parallel and parallel.tensor_parallel > 1:
+        held = expert_range(config, parallel.rank, parallel.tensor_parallel)
+        layer = v4_expert_shard_layer(read.layer(PREFIX, SLIDING, MLP_TYPE, rope, routed=held, head=head), held)
+    else:
+        layer = read.layer(PREFIX, SLIDING, MLP_TYPE, rope, head=head)
     return V4MTPParams(enorm=read.get(PREFIX + "enorm.weight"), hnorm=read.get(PREFIX + "hnorm.weight"),
                        e_proj=read.weight(PREFIX + "e_proj.weight"), h_proj=read.weight(PREFIX + "h_proj.weight"),
                        layer=layer, norm=read.get(PREFIX + "norm.weight"))

@@ -32,6 +32,9 @@ every rank, as MLA's latent is: a CSA layer caches 512 (window key) + 2048 (comp
 512 + 1024 and 4, a sliding layer 512, none of it shrinking with n. One head would not split: K = V
 is one head for all, so it is cached once and read by every rank's heads.
 
+The MTP layer (`mtp.0.`) is cut by the same suffixes as a decoder layer; its `e_proj` and `h_proj`
+are whole on every rank (`mtp` says why).
+
 With data-parallel attention the attention and the embedding and LM head are whole on every
 rank (each attends for its own requests over a cache of its own requests); the MoE blocks are
 cut as above and take every rank's rows, their token ids with them (hash routing reads them).
