@@ -484,7 +484,8 @@ def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:
         check_bench_lengths(args, source.config)
 
     def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[bench] {msg}\n")  # one write a line (see `server.engine_process._say`)
+        sys.stderr.flush()
 
     model = load(args, device, say, parallel=parallel)
     result = run_throughput(
@@ -524,7 +525,8 @@ def serve_main(args: argparse.Namespace) -> int:
                          f"{source.config.max_position_embeddings} ({args.model}'s max_position_embeddings)")
 
     def say(msg: str) -> None:
-        print(f"[serve] {msg}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[serve] {msg}\n")  # one write a line (see `server.engine_process._say`)
+        sys.stderr.flush()
 
     # prepare() set the thread policy in this process; the engine's process applies the same.
     recipe = EngineRecipe(

@@ -171,7 +171,10 @@ def _decode(wire: _Wire) -> Pass[int]:
 
 
 def _say(message: str) -> None:
-    print(f"[engine] {message}", file=sys.stderr, flush=True)
+    # One write a line: the server and the engine process share stderr, and a message written apart from
+    # its newline can have the other process's line land between them.
+    sys.stderr.write(f"[engine] {message}\n")
+    sys.stderr.flush()
 
 
 def _engine_main(recipe: EngineRecipe, conn: Connection) -> None:

@@ -7,6 +7,7 @@ the pipe comes back as it was sent."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -45,7 +46,9 @@ def serving():
 
 def engine_pid(server) -> int:
     """The engine process's id, as the server's log gives it; checked to be the server's child."""
-    pid = int(server.log.read_text().split("engine ready in process ", 1)[1].split()[0])
+    found = re.search(r"engine ready in process (\d+)", server.log.read_text())
+    assert found is not None, server.log.read_text()
+    pid = int(found.group(1))
     assert _stat(pid)[1] == server.process.pid
     return pid
 
