@@ -23,8 +23,9 @@ in `mla_func.serving.speculative`).
 Under data-parallel attention (a model loaded with `Parallel(data_parallel_attention=True)`) every
 rank runs this engine with the same calls: it schedules every rank's requests alike
 (`mla_func.serving.rank_scheduler`), runs its own rank's step (an idle one when it has no request in
-it; a CUDA graph only where every rank's step replays one of the same key), draws its own rows' tokens,
-and gathers every rank's, so every rank returns every completion.
+it; a CUDA graph only where every rank's step replays one of the same key), draws its own rows' tokens
+(with their logprobs when a request of the step asks for them), and gathers every rank's, so every rank
+returns every completion.
 """
 
 from __future__ import annotations
@@ -68,6 +69,31 @@ def _fewest(count: int, ranks: CollectiveOps, device: torch.device) -> int:
     return int(ranks.all_gather(torch.tensor([count], dtype=torch.int64, device=device), dim=0).min())
 
 
+def _most_logprobs(entries: list[LiveRequest]) -> int | None:
+    """The most `SamplingParams.logprobs` any of the records asks for; None when none asks."""
+    return max((n for e in entries if (n := e.request.params.logprobs) is not None), default=None)
+
+
+def _record_logprobs(packed: torch.Tensor, entries: list[LiveRequest], top: int) -> list[int]:
+    """The tokens of `packed` ([M, 1 + top + 1 + top] int64 on the host, `Engine._packed_draw`'s, a row
+    of each record of `entries`), appending each logprobs request's `TokenLogprob` to its record."""
+    ids = packed[:, : top + 1].tolist()
+    values = packed[:, top + 1 :].to(torch.int32).view(torch.float32).tolist()
+    for entry, row_ids, row_values in zip(entries, ids, values):
+        if entry.logprobs is not None and (n := entry.request.params.logprobs) is not None:
+            alternatives = dict(zip(row_ids[1 : n + 1], row_values[1 : n + 1]))
+            entry.logprobs.append(TokenLogprob(row_values[0], alternatives))
+    return [row[0] for row in ids]
+
+
+def _spread(drawn: Sequence[int], rows: Sequence[SeqPlan]) -> list[Drawn]:
+    """A token of `drawn` for each row that gives logits, in order, None for the others."""
+    if len(drawn) == len(rows):
+        return list(drawn)
+    tokens = iter(drawn)
+    return [next(tokens) if row.num_logits else None for row in rows]
+
+
 class Engine:
     """Scheduler + sampler + state around one model.
 
@@ -98,7 +124,8 @@ class Engine:
     would take). A step replays a CUDA graph only when every rank's can: the ranks agree on one padded
     static key from every rank's plan (`parallel.data_parallel.rank_modes`), since a rank that captures
     a graph runs its step's collectives once more than a rank that replays one; a step any rank cannot
-    graph runs eagerly on all. Speculative decoding and logprobs are not supported there yet.
+    graph runs eagerly on all. A step with a logprobs request gathers each row's logprobs with its token
+    (`RanksStep.every_logits_row`). Speculative decoding is not supported there yet.
     """
 
     def __init__(
@@ -252,8 +279,7 @@ class Engine:
         return Limits(self.model.config.vocab_size, tuple(self.model.config.eos_token_ids), c.max_model_len,
                       c.block_size, self.scheduler.allocator.num_usable_blocks, self.model.tokenizer,
                       speculative_tokens=c.speculative_tokens, chat_template=self.model.chat_template,
-                      max_sequence_tokens=self.scheduler.blocks.num_usable_tokens(),
-                      data_parallel=self._ranks is not None)
+                      max_sequence_tokens=self.scheduler.blocks.num_usable_tokens())
 
     # ---- generation ---------------------------------------------------------------
 
@@ -496,52 +522,58 @@ class Engine:
 
     def _draw_ranks(self, scheduled: RanksStep, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
         """Run this rank's step of a data-parallel one (an idle step when it has none), draw its own rows'
-        tokens and gather every rank's; returns a token (or None) per row of every rank."""
+        tokens and gather every rank's; returns a token (or None) per row of every rank. When a request of
+        any rank's rows asks for logprobs (known alike on every rank: every rank queued every request), each
+        row's logprobs travel with its token, and every rank records every row's."""
         ranks, own = self._ranks, scheduled.own
         if ranks is None:
             raise ValueError("Engine: a step of every rank, but the model is not loaded with data-parallel attention")
         out = self._target_step(StepPlan() if own is None else own.plan, every_rank=scheduled.plans)
-        drawn = [] if own is None else self._draw(own, out, live)
-        tokens: list[Drawn] = [*scheduled.every_token(drawn, ranks, self.model.device)]
-        return tokens
+        entries = [live[rid] for row, rid in zip(scheduled.rows, scheduled.request_ids) if row.num_logits]
+        top = _most_logprobs(entries)
+        if top is None:
+            drawn = [] if own is None else self._draw(own, out, live)
+            tokens: list[Drawn] = [*scheduled.every_token(drawn, ranks, self.model.device)]
+            return tokens
+        drawing = None if own is None else self._draw_rows(own, live)
+        mine = (torch.zeros((0, 2 + 2 * top), dtype=torch.int64, device=self.model.device) if drawing is None
+                else self._packed_draw(out.logits, drawing[1], top))
+        return _spread(_record_logprobs(scheduled.every_logits_row(mine, ranks), entries, top), scheduled.rows)
 
     def _run(self, scheduled: ScheduledStep, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
         """Run one scheduled step and draw its logits rows' tokens; returns a token (or None) per row."""
         return self._draw(scheduled, self._target_step(scheduled.plan), live)
 
-    def _draw(self, scheduled: ScheduledStep, out: StepOutput, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
-        """The tokens of the logits rows of `scheduled`, whose step gave `out`: a token (or None) per row."""
+    @staticmethod
+    def _draw_rows(scheduled: ScheduledStep,
+                   live: dict[Hashable, LiveRequest]) -> tuple[list[LiveRequest], DrawRows] | None:
+        """The records of the logits rows of `scheduled` and what drawing them reads; None without any."""
         rows, request_ids = scheduled.rows, scheduled.request_ids
         drawn_rows = [i for i, row in enumerate(rows) if row.num_logits]
         if not drawn_rows:
-            return [None] * len(rows)
+            return None
         entries = [live[request_ids[i]] for i in drawn_rows]
-        draws = DrawRows.of(entries, [rows[i].seq_len for i in drawn_rows])
-        top = None if draws.plain else max(
-            (e.request.params.logprobs for e in entries if e.request.params.logprobs is not None), default=None)
+        return entries, DrawRows.of(entries, [rows[i].seq_len for i in drawn_rows])
+
+    def _draw(self, scheduled: ScheduledStep, out: StepOutput, live: dict[Hashable, LiveRequest]) -> list[Drawn]:
+        """The tokens of the logits rows of `scheduled`, whose step gave `out`: a token (or None) per row."""
+        drawing = self._draw_rows(scheduled, live)
+        if drawing is None:
+            return [None] * len(scheduled.rows)
+        entries, draws = drawing
+        top = None if draws.plain else _most_logprobs(entries)
         if top is None:
             drawn = draw_tokens(out.logits, draws, penalties=True, ops=self._ops).tolist()
         else:
-            drawn = self._draw_with_logprobs(out.logits, draws, entries, top)
-        if len(drawn) == len(rows):
-            return drawn
-        tokens = iter(drawn)
-        return [next(tokens) if row.num_logits else None for row in rows]
+            drawn = _record_logprobs(self._packed_draw(out.logits, draws, top).cpu(), entries, top)
+        return _spread(drawn, scheduled.rows)
 
-    def _draw_with_logprobs(self, logits: torch.Tensor, draws: DrawRows, entries: list[LiveRequest],
-                            top: int) -> list[int]:
-        """The rows' tokens, appending each logprobs request's `TokenLogprob` to its record. Tokens,
-        logprobs and top ids reach the host in one transfer: the float32 logprobs travel bit-cast
-        to int64 beside the ids ([M, 1 + top + 1 + top])."""
+    def _packed_draw(self, logits: torch.Tensor, draws: DrawRows, top: int) -> torch.Tensor:
+        """[M, 1 + top + 1 + top] int64 on the device: each row's token, its `top` likeliest ids, then the
+        token's logprob and theirs, the float32 logprobs bit-cast to int64, so all of them reach the host
+        (or the other ranks) in one transfer."""
         tokens, logprobs, top_ids = draw_tokens_with_logprobs(logits, draws, penalties=True, ops=self._ops, top=top)
-        packed = torch.cat([tokens[:, None], top_ids, logprobs.view(torch.int32).long()], dim=1).cpu()
-        ids = packed[:, : top + 1].tolist()
-        values = packed[:, top + 1 :].to(torch.int32).view(torch.float32).tolist()
-        for entry, row_ids, row_values in zip(entries, ids, values):
-            if entry.logprobs is not None and (n := entry.request.params.logprobs) is not None:
-                alternatives = dict(zip(row_ids[1 : n + 1], row_values[1 : n + 1]))
-                entry.logprobs.append(TokenLogprob(row_values[0], alternatives))
-        return [row[0] for row in ids]
+        return torch.cat([tokens[:, None], top_ids, logprobs.view(torch.int32).long()], dim=1)
 
     def _completion(self, entry: LiveRequest, finished: FinishedRequest | None) -> Completion:
         """The completion of a finished request; `finished` None for one whose text reached a stop string

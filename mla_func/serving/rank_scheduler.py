@@ -6,8 +6,9 @@ need every rank's plan of the step (`parallel.data_parallel.plan_rank_step`). So
 same schedulers, one a rank, each over that rank's cache blocks, and makes the same calls on them in
 the same order (requests added and aborted, and every row's tokens): then every rank knows every
 rank's plan of a step without asking. The one exchange a step adds is the tokens each rank drew for
-its own rows (`RanksStep.every_token`, a gather of at most one token a row): every rank updates
-every rank's scheduler with the same tokens, and so every rank returns every completion.
+its own rows (`RanksStep.every_token`, a gather of at most one token a row; with their logprobs when a
+request of the step asks for them, `RanksStep.every_logits_row`): every rank updates every rank's
+scheduler with the same tokens, and so every rank returns every completion.
 
 A request goes to the rank with the fewest unfinished requests when it is added, the lowest rank
 on a tie: a rule of what every rank has seen alike, so every rank assigns it to the same rank
@@ -79,22 +80,40 @@ class RanksStep:
         """Every rank's token of each of its rows (None where a row gives no logits), rank by rank, from
         `drawn`, this rank's tokens of its own rows: one all-gather of [most logits rows of any rank]
         int64 a rank (none when no row of any rank gives logits). Every rank enters it alike."""
-        counts = [0 if s is None else sum(1 for row in s.rows if row.num_logits) for s in self.steps]
-        most = max(counts)
+        counts = self._logits_counts()
         own = [t for t in drawn if isinstance(t, int)]
         if len(own) != counts[self.rank] or any(isinstance(t, tuple) for t in drawn):
             raise ValueError(f"RanksStep.every_token: rank {self.rank} drew {drawn} for {counts[self.rank]} logits "
                              "rows (one token a row: a verify row's tokens are not exchanged)")
-        gathered: list[int] = []
-        if most:
-            mine = torch.full((most,), _NO_TOKEN, dtype=torch.int64)
-            mine[:len(own)] = torch.tensor(own, dtype=torch.int64)
-            gathered = collectives.all_gather(mine.to(device), dim=0).tolist()
-        out: list[int | None] = []
-        for r, step in enumerate(self.steps):
-            tokens = iter(gathered[r * most:(r + 1) * most])
-            out += [] if step is None else [next(tokens) if row.num_logits else None for row in step.rows]
-        return out
+        # Padded on the host, so the step's one transfer to the device is the gather's input.
+        mine = torch.full((max(counts), 1), _NO_TOKEN, dtype=torch.int64)
+        mine[:len(own), 0] = torch.tensor(own, dtype=torch.int64)
+        tokens = iter(self._gather(mine.to(device), counts, collectives)[:, 0].tolist())
+        return [next(tokens) if row.num_logits else None for row in self.rows]
+
+    def every_logits_row(self, own: torch.Tensor, collectives: CollectiveOps) -> torch.Tensor:
+        """[logits rows of every rank, W] int64 on the host, rank by rank, from `own` ([this rank's logits
+        rows, W] int64, on the model's device): one all-gather of [most logits rows of any rank, W] a rank,
+        padded (none when no row of any rank gives logits). Every rank enters it alike, with the same W."""
+        counts = self._logits_counts()
+        if own.dim() != 2 or own.shape[0] != counts[self.rank] or own.dtype != torch.int64:
+            raise ValueError(f"RanksStep.every_logits_row: rank {self.rank} has {counts[self.rank]} logits rows, "
+                             f"got {own.dtype} {tuple(own.shape)} (expected int64 [{counts[self.rank]}, W])")
+        mine = own.new_full((max(counts), own.shape[1]), _NO_TOKEN)
+        mine[:len(own)] = own
+        return self._gather(mine, counts, collectives)
+
+    def _gather(self, mine: torch.Tensor, counts: list[int], collectives: CollectiveOps) -> torch.Tensor:
+        """[sum(counts), W] on the host: each rank's first counts[r] rows of its `mine` ([max(counts), W])."""
+        most = mine.shape[0]
+        if not most:
+            return torch.zeros((0, mine.shape[1]), dtype=mine.dtype)
+        gathered = collectives.all_gather(mine, dim=0).cpu()  # [ranks * most, W]
+        return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(counts)])
+
+    def _logits_counts(self) -> list[int]:
+        """Each rank's rows that give logits (0 for an idle rank)."""
+        return [0 if s is None else sum(1 for row in s.rows if row.num_logits) for s in self.steps]
 
 
 class RankSchedulers:

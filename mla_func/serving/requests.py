@@ -189,8 +189,6 @@ class Limits:
     # The most tokens one sequence can hold in the cache (`GroupedAllocator.num_usable_tokens`: the scarcest
     # cache group decides, and a group with a lookback may not limit it at all); None: the usable blocks'.
     max_sequence_tokens: int | None = None
-    # The engine's ranks attend for their own requests (`serving.rank_scheduler`): only tokens cross ranks.
-    data_parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,10 +376,6 @@ def check_request(index: int, prompt: object, params: object, limits: Limits) ->
         raise RequestError(index, f"SamplingParams.logprobs {checked.logprobs} is not supported with speculative "
                                   f"decoding (Engine speculative_tokens={limits.speculative_tokens}); use an "
                                   "engine without drafts")
-    if checked.logprobs is not None and limits.data_parallel:
-        # Each rank draws its own rows; the ranks exchange the tokens, not their logprobs.
-        raise RequestError(index, f"SamplingParams.logprobs {checked.logprobs} is not supported under data-parallel "
-                                  "attention yet (Parallel(data_parallel_attention=True))")
     stop = checked.stop_token_ids if checked.ignore_eos else checked.stop_token_ids + limits.eos_token_ids
     if checked.min_tokens and len(set(stop)) >= vocab:
         raise RequestError(index, f"min_tokens {checked.min_tokens} with every token of the vocabulary a stop token "

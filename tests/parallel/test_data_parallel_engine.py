@@ -4,7 +4,8 @@ Each rank loads the model with `Parallel(data_parallel_attention=True)` (with an
 parallelism; tiny V3 and V4) and runs the same `Engine` calls: five prompts of different lengths and
 lengths to generate (an odd count, so the ranks' loads differ; chunked prefills and mixed steps;
 one rank runs out of requests while the other has some), then one prompt alone (the other rank idle
-every step), a prompt scored on every rank, and a request for logprobs, which is refused.
+every step), a prompt scored on every rank, and requests for logprobs (greedy and seeded sampling, one
+with prompt_logprobs, one without logprobs; rank 1 idles at their end), whose logprobs every rank returns.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from mla_func.serving.scheduler import Request
 from mla_func.serving.scheduler_types import SchedulerConfig
 from mla_func.state.layer_cache import CacheGroup
 from support.mla_reference import make_reference, rel_err, save_reference
-from support.parallel_jobs import MAX_TOKENS, engine_run, job_engine, runs_of_every_rank
+from support.parallel_jobs import LOGPROBS_REQUESTS, MAX_TOKENS, engine_run, job_engine, runs_of_every_rank
 from support.parallel_runs import TOL, WORLD
 from support.v4_reference import save_reference as save_v4
 
 # name -> (checkpoint, expert_parallel)
 RUNS = {"v3-dp": ("v3", False), "v3-dp-ep": ("v3", True), "v4-dp": ("v4", False)}
+# fp32 logprobs (a few units in magnitude) against one process's, relative: the logits differ in their last bits
+# (the ranks' partial sums add up in another order, `TOL`), which moves a logprob by up to about ten units in its
+# last place (2.4e-6 absolute, 8.8e-7 relative at most on these runs), so they are not exactly one process's;
+# the bound is the logits' own (`TOL`), with room for other CPUs' orders.
+LOGPROB_TOL = TOL
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +73,34 @@ def test_a_prompt_scored_on_every_rank_equals_one_process(sharded, whole, run):
         assert got.shape == want.shape and rel_err(got, want) <= TOL, f"rank {rank}"
 
 
-def test_logprobs_are_refused_by_name(sharded, whole):
-    assert whole["v3"]["logprobs_error"] is None
-    for rank in range(WORLD):
-        error = sharded["v3-dp"][rank]["logprobs_error"]
-        assert error is not None and "SamplingParams.logprobs 1 is not supported under data-parallel attention" in error
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_rank_returns_one_process_logprobs(sharded, whole, run):
+    want = whole[RUNS[run][0]]["logprobs"]
+    assert [w["error"] for w in want] == [None] * len(LOGPROBS_REQUESTS)
+    assert [len(w["logprobs"] or ()) for w in want] == [kw["max_tokens"] if "logprobs" in kw else 0
+                                                        for _, kw in LOGPROBS_REQUESTS]
+    ranks = [sharded[run][rank]["logprobs"] for rank in range(WORLD)]
+    # Each row's logprobs are gathered with its token and recorded alike on every rank: equal bit for bit.
+    # (Prompt logprobs are scored on every rank, each within LOGPROB_TOL of one process's.)
+    assert all([g["logprobs"] for g in got] == [g["logprobs"] for g in ranks[0]] for got in ranks[1:])
+    for rank, got in enumerate(ranks):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g["error"] is None and g["tokens"] == w["tokens"], f"rank {rank} request {i}"
+            for name in ("logprobs", "prompt_logprobs"):
+                assert (g[name] is None) == (w[name] is None), f"rank {rank} request {i} {name}"
+                for position, (a, b) in enumerate(zip(g[name] or (), w[name] or (), strict=True)):
+                    _assert_close(a, b, f"rank {rank} request {i} {name}[{position}]")
+
+
+def _assert_close(got, want, where):
+    """One token's (logprob, ((top id, logprob), ...)), or None, against one process's: the same ids, each
+    logprob within LOGPROB_TOL of it relatively."""
+    if got is None or want is None:
+        assert got is None and want is None, where
+        return
+    assert [t for t, _ in got[1]] == [t for t, _ in want[1]], where
+    for x, y in zip([got[0], *(v for _, v in got[1])], [want[0], *(v for _, v in want[1])], strict=True):
+        assert abs(x - y) <= LOGPROB_TOL * abs(y), f"{where}: {x} against {y}"
 
 
 def test_requests_go_to_the_least_loaded_rank_alike_on_every_rank():

@@ -189,10 +189,33 @@ def engine_run(model: mf.Model) -> dict[str, Any]:
     params = [mf.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     many = engine.generate(prompts, params)
     one = engine.generate([prompts[2]], [params[2]])
-    logprobs = engine.generate([prompts[0]], mf.SamplingParams(max_tokens=2, logprobs=1))[0]
     return {"many": [list(c.token_ids) for c in many], "one": [list(c.token_ids) for c in one],
             "steps": len(idle), "idle_steps": sum(idle), "score": engine.score(prompts[1]),
-            "logprobs_error": None if logprobs.error is None else str(logprobs.error)}
+            "logprobs": logprobs_run(engine, prompts)}
+
+
+# The logprobs requests of `logprobs_run`: (prompt of `engine_run`'s, SamplingParams keywords). Added together
+# they go round robin (ranks 0, 1, 0, 1): rank 1's end first, so rank 0 runs on alone with rank 1 idle.
+LOGPROBS_REQUESTS = (
+    (0, {"max_tokens": 6, "temperature": 0.0, "logprobs": 3}),
+    (1, {"max_tokens": 2, "temperature": 0.0}),                       # a row that asks for no logprobs
+    (2, {"max_tokens": 5, "temperature": 0.8, "seed": 5, "logprobs": 3}),
+    (3, {"max_tokens": 3, "temperature": 1.0, "seed": 7, "logprobs": 1, "prompt_logprobs": 2}),
+)
+
+
+def logprobs_run(engine: mf.Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """`LOGPROBS_REQUESTS`' completions as plain values: {"tokens", "logprobs": per token (its logprob,
+    ((top id, logprob), ...)), "prompt_logprobs": per prompt token the same or None}."""
+    def plain(entry: Any) -> Any:
+        return None if entry is None else (entry.logprob, tuple(entry.top.items()))
+
+    completions = engine.generate([prompts[i] for i, _ in LOGPROBS_REQUESTS],
+                                  [mf.SamplingParams(ignore_eos=True, **kw) for _, kw in LOGPROBS_REQUESTS])
+    return [{"tokens": list(c.token_ids), "error": None if c.error is None else str(c.error),
+             "logprobs": None if c.logprobs is None else [plain(t) for t in c.logprobs],
+             "prompt_logprobs": None if c.prompt_logprobs is None else [plain(t) for t in c.prompt_logprobs]}
+            for c in completions]
 
 
 def job_engine(task: RankTask, parallel: Parallel) -> dict[Any, Any]:
