@@ -2,6 +2,7 @@
 
     python bench/dsa_kernels.py [--commit SHA] [--out bench/results]
     python bench/dsa_kernels.py --sweep      # time tile-size candidates instead (no result file)
+    python bench/dsa_kernels.py --wgmma      # only the 128-head sparse decode, warpgroup MMA beside its twin
 
 Prints a table and writes bench/results/dsa-kernels/<gpu>/<date>-<commit>.json. The
 ceiling is device-to-device copy bandwidth (bytes read plus written), measured
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
-from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
+from mla_func.kernels.triton.decode import DecodeConfig, decode_flops  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 DIM = KV_LORA_RANK + ROPE_DIM
@@ -70,6 +71,8 @@ def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num
     tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
     indices = _selected(num_rows, context)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
+    config = config or dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False,
+                                                       BF16)
     splits = num_splits or dsa_decode.sparse_mla_decode_num_splits(num_rows, num_heads, TOP_K, q.device, config)
     workspace = (torch.empty(num_rows, num_heads, splits, KV_LORA_RANK, device="cuda"),
                  torch.empty(num_rows, num_heads, splits, device="cuda"))
@@ -81,8 +84,10 @@ def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num
 
     ms = common.time_graph([lambda t=t: call(t) for t in tables])
     num_bytes = dsa_decode.sparse_decode_bytes(num_rows, num_heads, TOP_K, DIM, KV_LORA_RANK, 2)
+    flops = decode_flops(num_heads, num_rows * TOP_K, KV_LORA_RANK, DIM - KV_LORA_RANK)
     row = _row("sparse_mla_decode", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=num_heads,
-               top_k=TOP_K, splits=splits, bytes_counted="selected latent rows + queries + outputs")
+               top_k=TOP_K, splits=splits, bytes_counted="selected latent rows + queries + outputs",
+               kernel="wgmma" if config.wgmma else "tl.dot", flops=flops, tflop_s=flops / ms / 1e9)
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
     return row
@@ -215,8 +220,25 @@ def sweep(ceilings):
     return rows
 
 
+def wgmma_rows(ceilings):
+    """128 heads, top-2048: the warpgroup-MMA sparse decode beside its `tl.dot` twin, B64 and B128 x 32K."""
+    rows = []
+    for num_rows in (64, 128):
+        twin = dsa_decode.sparse_launch_config(128, KV_LORA_RANK, DIM - KV_LORA_RANK, torch.device("cuda"), False,
+                                               BF16, wgmma=False)
+        pair = [bench_sparse_decode(num_rows, 32 * 1024, 128, ceilings, config=config, eager=False)
+                for config in (None, twin)]
+        pair[0]["speedup_vs_twin"] = pair[1]["ms"] / pair[0]["ms"]
+        rows += pair
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> None:
-    args = common.kernel_bench_parser(__doc__).parse_args(argv)
+    parser = common.kernel_bench_parser(__doc__)
+    parser.add_argument("--wgmma", action="store_true",
+                        help="only the 128-head sparse decode: the warpgroup-MMA kernel beside its tl.dot twin")
+    args = parser.parse_args(argv)
     result, ceilings = common.kernel_bench_run(
         "bench/dsa_kernels.py", args.commit,
         timing=common.GRAPH_REPLAY_TIMING,
@@ -224,11 +246,15 @@ def main(argv=None) -> None:
     if args.sweep:
         sweep(ceilings)
         return
+    if args.wgmma:
+        result["rows"] += wgmma_rows(ceilings)
+        _report(result, args.out)
+        return
 
     for context in (32 * 1024, 128 * 1024):
         result["rows"].append(bench_sparse_decode(64, context, 16, ceilings))
         torch.cuda.empty_cache()
-    result["rows"].append(bench_sparse_decode(64, 32 * 1024, 128, ceilings))
+    result["rows"] += wgmma_rows(ceilings)
     for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
         result["rows"].append(bench_index_topk(num_rows, context, ceilings))
         torch.cuda.empty_cache()
@@ -237,7 +263,11 @@ def main(argv=None) -> None:
         result["rows"].append(bench_dsa_decode(num_rows, context, 16, ceilings, ragged=ragged))
         torch.cuda.empty_cache()
 
-    path = common.write_json(result, args.out, "dsa-kernels")
+    _report(result, args.out)
+
+
+def _report(result, out):
+    path = common.write_json(result, out, "dsa-kernels")
     rows = []
     for c in result["rows"]:
         heads = f" H{c['heads']}" if "heads" in c else f" Hi{c['index_heads']}x{c['index_dim']}"
@@ -247,7 +277,8 @@ def main(argv=None) -> None:
           f"-> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("gb_s", "GB/s"),
-                              ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("score_ms", "score ms"),
+                              ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("kernel", "kernel"),
+                              ("tflop_s", "TFLOP/s"), ("speedup_vs_twin", "x twin"), ("score_ms", "score ms"),
                               ("topk_us", "topk us"), ("topk_path", "top-k"), ("indexer_grid", "indexer")])
 
 

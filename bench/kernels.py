@@ -5,6 +5,7 @@
     python bench/kernels.py --fp8        # only the block-scaled FP8 rows (with --sweep: their tiles)
     python bench/kernels.py --fp8-cache  # only the decode kernel over a bf16 and an FP8 latent cache, B64 x 32K
     python bench/kernels.py --fp4        # only V4's FP4 experts read packed (with --sweep: their tiles)
+    python bench/kernels.py --wgmma      # only the 128-head decode: the warpgroup-MMA kernel beside its twin
 
 Prints a table and writes bench/results/kernels/<gpu>/<date>-<commit>.json. Both ceilings
 (device-to-device copy bandwidth, counting bytes read and written, and a bf16
@@ -56,7 +57,7 @@ def _fp8_cache(dense):
     return triton_cache.write_kv(cache, slots, dense.view(-1, DIM))
 
 
-def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype="auto"):
+def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype="auto", q_len=1):
     width = context // block_size
     num_blocks = copies * num_seqs * width + 1
     kv_cache = torch.randn(num_blocks, block_size, DIM, device="cuda", dtype=BF16)
@@ -64,49 +65,59 @@ def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype=
         kv_cache = _fp8_cache(kv_cache)
     pages = (torch.randperm(num_blocks - 1, device="cuda") + 1).to(torch.int32)
     tables = list(pages.view(copies, num_seqs, width))
-    q = torch.randn(num_seqs, num_heads, DIM, device="cuda", dtype=BF16)
+    q = torch.randn(num_seqs * q_len, num_heads, DIM, device="cuda", dtype=BF16)
     lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
     return kv_cache, tables, q, lens
 
 
+def _decode_kernel(config):
+    """The kernel a decode config takes, as the result rows name it."""
+    return "wgmma" if config.wgmma else ("chunks" if config.chunks == 4 else "rows")
+
+
 def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=None, num_splits=None,
-                 reference=False, eager=True, cache_dtype="auto", check_seqs=0):
-    """One decode row; `check_seqs` > 0 compares that many sequences' outputs with the reference over the
-    same cache (max_err_vs_ref, without the reference's timing, which `reference` adds for every sequence)."""
+                 reference=False, eager=True, cache_dtype="auto", check_seqs=0, q_len=1):
+    """One decode row (`q_len` queries a sequence: verify rows); `check_seqs` > 0 compares that many
+    sequences' outputs with the reference over the same cache (max_err_vs_ref, without the reference's
+    timing, which `reference` adds for every sequence). Flops count every query over the whole context."""
     kv_bytes = num_seqs * context * TOKEN_BYTES[cache_dtype]
     copies = min(16, max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
-    kv_cache, tables, q, lens = _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype)
+    kv_cache, tables, q, lens = _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype, q_len)
     scale = DIM ** -0.5
+    config = config or decode.launch_config(num_heads, q_len, KV_LORA_RANK, ROPE_DIM, q.device,
+                                             cache_dtype == "fp8", BF16)
     splits = num_splits or decode.mla_decode_num_splits(num_seqs, num_heads, tables[0].shape[1], block_size,
-                                                        q.device, config)
-    workspace = (torch.empty(num_seqs, num_heads, splits, KV_LORA_RANK, device="cuda"),
-                 torch.empty(num_seqs, num_heads, splits, device="cuda"))
+                                                        q.device, config, q_len=q_len)
+    rows = num_seqs * q_len
+    workspace = (torch.empty(rows, num_heads, splits, KV_LORA_RANK, device="cuda"),
+                 torch.empty(rows, num_heads, splits, device="cuda"))
 
     def call(table):
         return decode.mla_decode(q, kv_cache, table, lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK,
-                                 workspace=workspace, num_splits=splits, config=config)
+                                 workspace=workspace, num_splits=splits, config=config, q_len=q_len)
 
     ms = common.time_graph([lambda t=t: call(t) for t in tables])
-    num_bytes = kv_bytes + q.numel() * 2 + num_seqs * num_heads * KV_LORA_RANK * 2
-    flops = decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
+    num_bytes = kv_bytes + q.numel() * 2 + rows * num_heads * KV_LORA_RANK * 2
+    flops = q_len * decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
     row = dict(op="mla_decode", batch=num_seqs, context=context, heads=num_heads, block_size=block_size,
-               cache=cache_dtype, splits=splits, ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+               cache=cache_dtype, splits=splits, q_len=q_len, kernel=_decode_kernel(config), ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops)
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
     if check_seqs:
         out, _ = call(tables[0])
-        ref_out, _ = ref_attention.mla_decode(q[:check_seqs], kv_cache, tables[0][:check_seqs], lens[:check_seqs],
-                                              softmax_scale=scale, kv_lora_rank=KV_LORA_RANK)
-        row["max_err_vs_ref"] = (out[:check_seqs].float() - ref_out.float()).abs().max().item()
+        ref_out, _ = ref_attention.mla_decode(q[:check_seqs * q_len], kv_cache, tables[0][:check_seqs],
+                                              lens[:check_seqs], softmax_scale=scale, kv_lora_rank=KV_LORA_RANK,
+                                              q_len=q_len)
+        row["max_err_vs_ref"] = (out[:check_seqs * q_len].float() - ref_out.float()).abs().max().item()
     if reference:
         out, lse = call(tables[0])
         ref_out, ref_lse = ref_attention.mla_decode(q, kv_cache, tables[0], lens, softmax_scale=scale,
-                                                    kv_lora_rank=KV_LORA_RANK)
+                                                    kv_lora_rank=KV_LORA_RANK, q_len=q_len)
         row["max_err_vs_ref"] = (out.float() - ref_out.float()).abs().max().item()
         row["ref_ms"] = common.time_eager(lambda: ref_attention.mla_decode(
-            q, kv_cache, tables[0], lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK), rep_ms=50)
+            q, kv_cache, tables[0], lens, softmax_scale=scale, kv_lora_rank=KV_LORA_RANK, q_len=q_len), rep_ms=50)
     return row
 
 
@@ -125,6 +136,24 @@ def fp8_cache_rows(ceilings, num_seqs=64, context=32768):
 
 
 # --- fused MoE ----------------------------------------------------------------------------
+
+def wgmma_rows(ceilings):
+    """128 heads: the warpgroup-MMA decode and its twin in one run (one query a row, B64/B128 x 4K-32K; verify
+    rows of 2-4 queries at B64 x 4K), each row checked against the reference on two sequences."""
+    rows = []
+    cases = [(b, ctx, 1) for b in (64, 128) for ctx in (4096, 16384, 32768)] + [(64, 4096, n) for n in (2, 3, 4)]
+    for num_seqs, context, q_len in cases:
+        pair = []
+        twin = decode.launch_config(128, q_len, KV_LORA_RANK, ROPE_DIM, torch.device("cuda"), False, BF16, wgmma=False)
+        for config in (None, twin):
+            pair.append(bench_decode(num_seqs, context, 128, ceilings, config=config, eager=False, check_seqs=2,
+                                     q_len=q_len))
+        pair[0]["speedup_vs_twin"] = pair[1]["ms"] / pair[0]["ms"]
+        rows += pair
+        print(f"B{num_seqs} ctx{context} H128 q_len {q_len}: {pair[0]['kernel']} {pair[0]['tflop_s']:.0f} TFLOP/s, "
+              f"{pair[1]['kernel']} {pair[1]['tflop_s']:.0f}: {pair[0]['speedup_vs_twin']:.2f}x", flush=True)
+    return rows
+
 
 def bench_moe(num_tokens, ceilings, num_experts=64, top_k=6, hidden=2048, inter=1408, config=None,
               reference=False, eager=True, routing_sets=8):
@@ -429,6 +458,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="only the block-scaled FP8 rows (or, with --sweep, tiles)")
     parser.add_argument("--fp4", action="store_true",
                         help="only V4's FP4 experts read packed (or, with --sweep, their tiles)")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="only the 128-head decode: the warpgroup-MMA kernel beside its tl.dot twin")
     parser.add_argument("--fp8-cache", action="store_true",
                         help="only the decode kernel over a bf16 and an FP8 latent cache (B64 x 32K), and their ratio")
     args = parser.parse_args()
@@ -447,6 +478,10 @@ def main() -> None:
         return
     if args.fp8:
         result["rows"] += fp8_rows(ceilings)
+        _report(result, args.out)
+        return
+    if args.wgmma:
+        result["rows"] += wgmma_rows(ceilings)
         _report(result, args.out)
         return
     if args.fp8_cache:
@@ -479,6 +514,8 @@ def _report(result, out):
     rows = []
     for c in result["rows"]:
         shape = {"mla_decode": lambda c: f"B{c['batch']} ctx{c['context']} H{c['heads']} s{c['splits']}"
+                               + (f" q{c['q_len']}" if c.get("q_len", 1) > 1 else "")
+                               + (f" {c['kernel']}" if "kernel" in c else "")
                                + (" fp8 cache" if c.get("cache") == "fp8" else ""),
                  "fused_moe": lambda c: f"T{c['tokens']} E{c['experts']} k{c['top_k']}",
                  "prefill_attention": lambda c: f"T{c['tokens']} H{c['heads']}",
@@ -494,7 +531,7 @@ def _report(result, out):
                               ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("tflop_s", "TFLOP/s"),
                               ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
                               ("gemm_tflop_s", "GEMM TFLOP/s"),
-                              ("copy_time_ratio", "t/t_copy"), ("bf16_over_fp8", "bf16/fp8"), ("ref_ms", "ref ms"),
+                              ("copy_time_ratio", "t/t_copy"), ("speedup_vs_twin", "x twin"), ("bf16_over_fp8", "bf16/fp8"), ("ref_ms", "ref ms"),
                               ("max_err_vs_ref", "err")])
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..gluon import mla_decode as gluon_decode
 from ..checks import check_dtype, check_same_device, check_shape
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
@@ -45,6 +46,11 @@ class DecodeConfig:
     # 4: one query a row takes the latent's columns in four chunks (`latent_chunks`; C a power of two of at
     # least 64); 1: the whole row in one product chain.
     chunks: int = 1
+    # The Gluon kernel on Hopper's warpgroup MMA (`gluon.mla_decode`; its tiles are its own: 64 rows,
+    # 64-key tiles, 8 warps, two stages), where `gluon.mla_decode.applies`.
+    wgmma: bool = False
+    # Programs that run on a multiprocessor at once: splits fill one wave of them (`mla_decode_num_splits`).
+    programs_per_sm: int = 2
 
 
 # Chosen on an H100 by `bench/kernels.py --sweep` (bf16, C=512, R=64). At 16 heads
@@ -78,6 +84,13 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
     16: DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, chunks=4),
 })
+# 16-bit queries over a plain cache of C = 512, R = 64 with at least 64 rows (heads x queries) a sequence
+# take the warpgroup-MMA kernel on Hopper (`gluon.mla_decode`), 64 rows a program as the chunked kernel at
+# 128 heads.
+# Its shared memory (216 KiB) leaves room for one program a multiprocessor, so its splits fill one wave of
+# one program each: at B64 x 4K, 128 heads, one split (128 programs) and no merge pass, where two programs a
+# multiprocessor's count would give two splits and their float32 partials.
+_WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True, programs_per_sm=1)
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -100,13 +113,17 @@ def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> De
     return (_GPU_FP8_CONFIGS if fp8 else _GPU_CONFIGS)[min(64, max(16, next_pow2(num_heads)))]
 
 
-def _launch_config(num_heads: int, q_len: int, kv_lora_rank: int, device: torch.device, fp8: bool,
-                   dtype: torch.dtype) -> DecodeConfig:
-    """`mla_decode`'s tiles: the chunked kernel's where it was measured faster (one query a row in 16 bits over
+def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
+                  dtype: torch.dtype, *, wgmma: bool = True) -> DecodeConfig:
+    """`mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (Hopper, `_WGMMA_CONFIG`) unless
+    `wgmma` is False (its `tl.dot` twin, which tests and benchmarks set beside it); else the chunked kernel's
+    where it was measured faster (one query a row in 16 bits over
     a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
     else `decode_config`'s. Both take the same heads a program, so the split count (and a workspace) is the
     same for either."""
     key = min(64, max(16, next_pow2(num_heads)))
+    if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, fp8, device):
+        return _WGMMA_CONFIG
     chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
                  and next_pow2(kv_lora_rank) == kv_lora_rank)
     if device.type == "cuda" and chunkable and key in _GPU_CHUNKED_CONFIGS:
@@ -145,7 +162,7 @@ def mla_decode_num_splits(
     _, heads_per_program = _tiling(num_heads, q_len, config)
     programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
     return fill_splits(programs, block_table_width * block_size, device, min_keys=_MIN_KEYS_PER_SPLIT,
-                       max_splits=_MAX_SPLITS)
+                       max_splits=_MAX_SPLITS, programs_per_sm=config.programs_per_sm)
 
 
 def fill_splits(programs: int, keys: int, device: torch.device, *, min_keys: int, max_splits: int,
@@ -167,13 +184,16 @@ def mla_decode_workspace(
     device: torch.device | str,
     *,
     q_len: int = 1,
+    config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `mla_decode(..., workspace=...)`, to allocate once per static shape.
 
+    config: the tiles `mla_decode` will take (`launch_config` when it is given none); None: `decode_config`'s
     returns (partial_out [B * q_len, H, S, C] float32, partial_lse [B * q_len, H, S] float32),
-    S = mla_decode_num_splits(B, H, W, bs, device, q_len=q_len).
+    S = mla_decode_num_splits(B, H, W, bs, device, config, q_len=q_len).
     """
-    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device, q_len=q_len)
+    splits = mla_decode_num_splits(num_seqs, num_heads, block_table_width, block_size, device, config,
+                                   q_len=q_len)
     rows = num_seqs * q_len
     return (
         torch.empty((rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
@@ -383,6 +403,21 @@ def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_ta
     return parts
 
 
+def check_wgmma_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
+    """Refuses, naming what does not fit, a decode a config sends to the warpgroup-MMA kernel that it cannot
+    take (`gluon.mla_decode.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    kv_lora_rank = parts.values.shape[2]
+    if not (gluon_decode.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, parts.fp8, q.device)
+            and gluon_decode.copyable(parts.values, parts.rope)):
+        raise ValueError(f"config: the warpgroup-MMA kernel takes bf16/fp16 queries over a plain cache with "
+                         f"kv_lora_rank={gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM}, rows of 16-byte "
+                         f"aligned contiguous columns and at least {gluon_decode.BLOCK_M} rows a sequence on a "
+                         f"Hopper GPU, got {q.dtype}, fp8 cache={parts.fp8}, kv_lora_rank={kv_lora_rank}, "
+                         f"rope {dim - kv_lora_rank}, cache strides {tuple(parts.values.stride())}, {num_heads} "
+                         f"heads x q_len={q_len} on {q.device}")
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: LatentCache,
@@ -432,7 +467,8 @@ def mla_decode(
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_SEQS
     width = block_table.shape[1]
     device = q.device
-    config = config or _launch_config(num_heads, q_len, kv_lora_rank, device, parts.fp8, q.dtype)
+    config = config or launch_config(num_heads, q_len, kv_lora_rank, rope_dim, device, parts.fp8, q.dtype,
+                                     wgmma=gluon_decode.copyable(parts.values, parts.rope))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
@@ -449,7 +485,11 @@ def mla_decode(
 
     grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
-    if config.chunks == 4:
+    if config.wgmma:
+        check_wgmma_takes(q, parts, q_len)
+        gluon_decode.wgmma_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out,
+                                        partial_lse, softmax_scale_log2=softmax_scale * LOG2E, q_len=q_len)
+    elif config.chunks == 4:
         if q_len != 1 or kv_lora_rank < 64 or next_pow2(kv_lora_rank) != kv_lora_rank:
             raise ValueError(f"config: four chunks take one query a row and a power-of-two kv_lora_rank of at least "
                              f"64, got q_len={q_len}, kv_lora_rank={kv_lora_rank}")

@@ -34,7 +34,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
 from ._common import LOG2E, dot_precision, next_pow2, pdl
-from .decode import DecodeConfig, check_latent_attention_args, decode_config, fill_splits
+from ..gluon import mla_decode as gluon_decode
+from .decode import (DecodeConfig, check_latent_attention_args, check_wgmma_takes, decode_config, fill_splits,
+                     launch_config)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
 
@@ -74,7 +76,18 @@ _FUSED_VALUE_MAX_ROWS = 2
 _LOCATE_TILES = 8
 
 
+def sparse_launch_config(num_heads: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
+                         dtype: torch.dtype, *, wgmma: bool = True) -> DecodeConfig:
+    """`sparse_mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (`gluon.mla_decode.applies`,
+    at 64 heads a row and more: the dense decode's `decode._WGMMA_CONFIG`) unless `wgmma` is False (its
+    `tl.dot` twin, which tests and benchmarks set beside it); else `sparse_decode_config`'s."""
+    if wgmma and gluon_decode.applies(num_heads, 1, kv_lora_rank, rope_dim, dtype, fp8, device):
+        return launch_config(num_heads, 1, kv_lora_rank, rope_dim, device, fp8, dtype)
+    return sparse_decode_config(num_heads, device)
+
+
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
+    """The `tl.dot` kernel's tiles for `num_heads` heads a row on `device`."""
     if device.type == "cuda":
         tuned = _GPU_CONFIGS.get(min(64, next_pow2(num_heads)))
         if tuned is not None:
@@ -89,17 +102,20 @@ def sparse_mla_decode_num_splits(num_rows: int, num_heads: int, top_k: int, devi
     config = config or sparse_decode_config(num_heads, device)
     programs = max(1, num_rows) * triton.cdiv(num_heads, config.block_h)
     return fill_splits(programs, top_k, device, min_keys=_MIN_KEYS_PER_SPLIT, max_splits=_MAX_SPLITS,
-                       interpreter_min_keys=config.block_n)
+                       interpreter_min_keys=config.block_n, programs_per_sm=config.programs_per_sm)
 
 
 def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int, top_k: int,
-                                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+                                device: torch.device | str, config: DecodeConfig | None = None,
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `sparse_mla_decode(..., workspace=...)`, to allocate once per static shape.
 
+    config: the tiles `sparse_mla_decode` will take (`sparse_launch_config` when it is given none); None:
+    `sparse_decode_config`'s
     returns (partial_out [T, H, S, C] float32, partial_lse [T, H, S] float32),
-    S = sparse_mla_decode_num_splits(T, H, k, device).
+    S = sparse_mla_decode_num_splits(T, H, k, device, config).
     """
-    splits = sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device)
+    splits = sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device, config)
     return (torch.empty((num_rows, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=device),
             torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=device))
 
@@ -225,7 +241,8 @@ def sparse_mla_decode(
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     top_k = indices.shape[1]
     device = q.device
-    config = config or sparse_decode_config(num_heads, device)
+    config = config or sparse_launch_config(num_heads, kv_lora_rank, dim - kv_lora_rank, device, parts.fp8,
+                                            q.dtype, wgmma=gluon_decode.copyable(parts.values, parts.rope))
     splits = num_splits or sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device, config)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_ROWS
 
@@ -240,19 +257,24 @@ def sparse_mla_decode(
     use_pdl = pdl(device)
     chunks = 1 if config.block_h >= _WHOLE_ROW_MIN_BLOCK_H else _LATENT_CHUNKS
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
-    _sparse_split_kernel[grid](
-        q, *parts.pointers(), block_table, indices, partial_out, partial_lse,
-        num_heads, splits, top_k, block_table.shape[1] * block_size, softmax_scale * LOG2E,
-        *q.stride(), *parts.strides(), *block_table.stride(), *indices.stride(),
-        *partial_out.stride(), *partial_lse.stride(),
-        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
-        # Chunks of at least 16 columns, the smallest tensor-core product.
-        CHUNK=max(16, next_pow2(kv_lora_rank) // chunks), CHUNKS=chunks,
-        BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
-        DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES, FP8=parts.fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
-    )
+    if config.wgmma:
+        check_wgmma_takes(q, parts, 1)
+        gluon_decode.wgmma_sparse_split_decode(q, parts.values, parts.rope, block_table, indices, partial_out,
+                                               partial_lse, softmax_scale_log2=softmax_scale * LOG2E)
+    else:
+        _sparse_split_kernel[grid](
+            q, *parts.pointers(), block_table, indices, partial_out, partial_lse,
+            num_heads, splits, top_k, block_table.shape[1] * block_size, softmax_scale * LOG2E,
+            *q.stride(), *parts.strides(), *block_table.stride(), *indices.stride(),
+            *partial_out.stride(), *partial_lse.stride(),
+            KV_LORA_RANK=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank,
+            # Chunks of at least 16 columns, the smallest tensor-core product.
+            CHUNK=max(16, next_pow2(kv_lora_rank) // chunks), CHUNKS=chunks,
+            BLOCK_R=max(16, next_pow2(dim - kv_lora_rank)),
+            BLOCK_H=config.block_h, BLOCK_N=config.block_n, PAGE_SIZE=block_size,
+            DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES, FP8=parts.fp8,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+        )
     if fused_value and w_uv is not None:
         out = torch.empty((num_rows, num_heads, w_uv.shape[1]), dtype=q.dtype, device=device)
         merge_splits_value(partial_out, partial_lse, w_uv, out, lse, use_pdl)

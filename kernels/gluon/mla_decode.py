@@ -1,0 +1,281 @@
+"""Absorbed MLA decode on Hopper's warpgroup MMA: 64 query rows a program, keys in shared memory.
+
+At 128 heads (every DeepSeek model under data-parallel attention) the decode is compute-bound:
+2 H (2C + R) flops a key against (C + R) x 2 bytes, 242 flops a byte at H = 128, C = 512, R = 64.
+The `tl.dot` twin (`triton.decode._chunked_split_kernel`) multiplies tiles it holds in registers;
+here the queries and two stages of key tiles stay in shared memory, `wgmma` reads them from there,
+and `cp.async` gathers the next tile's rows through the block table while the current one is
+multiplied. One program: 64 rows (heads, or head-major (head, query) pairs when a sequence has
+q_len > 1 queries, as the twin's rows) of one sequence over one split of its keys, eight warps as
+two warpgroups. For each 64-key tile:
+
+    S [64, 64]  = Q_nope K_nope^T + Q_pe K_pe^T   both from shared memory; a warpgroup takes 32 keys
+    online softmax over S in registers (base 2, -inf past the split or a query's causal end)
+    O [64, C]  += P K_nope                         P from registers; a warpgroup takes C / 2 columns
+
+Shared memory holds Q (64 x 576) and two key stages (64 x 576 each), bf16: 216 KiB of the 227 KiB
+a Hopper block may take, so one program runs on a multiprocessor at a time. Its output is the
+twin's split partials (normalised output and natural-log LSE), merged by `decode_merge`.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+# Rows a program, keys a tile, and the column slab one copy or one shared-memory slice covers (the
+# 128-byte swizzle of 16-bit values).
+BLOCK_M = 64
+BLOCK_N = 64
+_SLAB = 64
+NUM_WARPS = 8
+# The shapes the kernel's tiles are laid out for: DeepSeek's latent and RoPE widths.
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+
+
+def available(device: torch.device) -> bool:
+    """Whether `device` has Hopper's warpgroup MMA (compute capability 9.x; Blackwell dropped it)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8_cache: bool,
+            device: torch.device) -> bool:
+    """Whether the kernel takes a decode: 16-bit queries over a plain cache of DeepSeek's widths
+    (C = 512, R = 64) on a Hopper GPU, with at least BLOCK_M rows (heads x queries) a sequence to fill
+    a program (at 16 heads and one query the twin's narrower programs stream the cache faster)."""
+    return (dtype in (torch.bfloat16, torch.float16) and not fp8_cache and kv_lora_rank == KV_LORA_RANK
+            and rope_dim == ROPE_DIM and num_heads * q_len >= BLOCK_M and available(device))
+
+
+def copyable(*caches: torch.Tensor) -> bool:
+    """Whether `cp.async` can gather the rows of these cache views [nb, bs, cols]: contiguous columns and
+    16-byte aligned rows (its copies are 4, 8 or 16 bytes; the kernel's, 16)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in caches)
+
+
+@gluon.jit
+def _locate(slot, end, idx_row, num_positions, s_ik, SPARSE: gl.constexpr):
+    # (cache position, valid) of key slots `slot`: the slots themselves over a sequence's keys [.., end),
+    # or, SPARSE, the positions a row's index list holds at them (-1, or past the table: not a key).
+    if SPARSE:
+        pos = gl.load(idx_row + slot * s_ik, mask=slot < end, other=-1)
+        valid = (pos >= 0) & (pos < num_positions)
+    else:
+        pos = slot
+        valid = slot < end
+    return gl.where(valid, pos, 0), valid
+
+
+@gluon.jit
+def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, bt_row, pos, valid, s_btw, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+               KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr, SLAB: gl.constexpr,
+               layout: gl.constexpr):
+    # Starts copying the latent rows at cache positions `pos` [BLOCK_N] (SliceLayout(1, layout)) into one
+    # stage; rows not `valid` are zero-filled, so a product over them is 0, never NaN.
+    page = gl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=valid, other=0).to(gl.int64)
+    offset = (pos % PAGE_SIZE).to(gl.int64)
+    v_rows = gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1)
+    r_rows = gl.expand_dims(r_ptr + page * s_rn + offset * s_rb, 1)
+    mask = gl.expand_dims(valid, 1)
+    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(KV_LORA_RANK // SLAB):
+        async_copy.async_copy_global_to_shared(nope_buf.slice(c * SLAB, SLAB, dim=1),
+                                               v_rows + gl.expand_dims((c * SLAB + cols) * s_vd, 0), mask)
+    async_copy.async_copy_global_to_shared(pe_buf, r_rows + gl.expand_dims(cols * s_rd, 0), mask)
+
+
+@gluon.jit
+def _program_rows(b, head_group, num_heads, Q_LEN: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    # (q row, head, row is real, query index) of the program's BLOCK_M rows, in `layout` [BLOCK_M].
+    r = gl.arange(0, BLOCK_M, layout=layout)
+    query = r % Q_LEN
+    heads = head_group * HEADS_PER_PROGRAM + r // Q_LEN
+    real = (r < HEADS_PER_PROGRAM * Q_LEN) & (heads < num_heads)
+    return b.to(gl.int64) * Q_LEN + query, heads, real, query
+
+
+# The split count follows the batch size, and top_k and the table's width the model: as specialised ints
+# they would compile a kernel per value.
+@gluon.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
+def _wgmma_split_kernel(
+    q_ptr, v_ptr, r_ptr, bt_ptr, seq_lens_ptr, idx_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, top_k, num_positions, scale_log2, s_sl,
+    s_qb, s_qh, s_qd,
+    s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+    s_btb, s_btw, s_it, s_ik,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    Q_LEN: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, SPARSE: gl.constexpr,
+):
+    # Dense: program (head group, sequence b, split) over the split's share of b's keys. SPARSE: program
+    # (head group, row b, split) over the split's share of the top_k slots of b's index list (Q_LEN 1).
+    BLOCK_M: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    SLAB: gl.constexpr = 64
+    LN2: gl.constexpr = 0.6931471805599453
+    # The two row groups of one sequence are neighbours in the grid, so they read its keys while the
+    # other's copy is still in L2.
+    head_group = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    # Scores: the two warpgroups take 32 keys each; output: C / 2 columns each (wgmma's N).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, KV_LORA_RANK // 2, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA_RANK], smem_layout)
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE_DIM], smem_layout)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
+
+    if SPARSE:
+        slots = top_k
+        seq_len = num_positions         # no causal bound past the index list's own
+    else:
+        seq_len = gl.load(seq_lens_ptr + b * s_sl)
+        slots = seq_len
+    # Whole tiles a split, so only a split's last tile is ragged.
+    slots_per_split = gl.cdiv(gl.cdiv(slots, num_splits), BLOCK_N) * BLOCK_N
+    start = split * slots_per_split
+    end = gl.minimum(start + slots_per_split, slots)
+    bt_row = bt_ptr + b.to(gl.int64) * s_btb
+    idx_row = idx_ptr + b.to(gl.int64) * s_it
+    offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    # The first tile's copy runs while the queries are stored.
+    first_pos, first_valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
+    _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, bt_row, first_pos, first_valid, s_btw,
+               s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, PAGE_SIZE, SLAB, copy_layout)
+    async_copy.commit_group()
+
+    rows, heads, real, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+                                         gl.SliceLayout(1, copy_layout))
+    q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
+    q_mask = gl.expand_dims(real, 1)
+    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
+    for c in gl.static_range(KV_LORA_RANK // SLAB):
+        q_nope.slice(c * SLAB, SLAB, dim=1).store(
+            gl.load(q_rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), mask=q_mask, other=0.0))
+    q_pe.store(gl.load(q_rows + gl.expand_dims((KV_LORA_RANK + cols) * s_qd, 0), mask=q_mask, other=0.0))
+
+    # Query j of a sequence stands at seq_len - Q_LEN + j and sees the keys before seq_len - Q_LEN + j + 1
+    # (SPARSE: one query, and every valid position is below seq_len).
+    _, _, _, query_s = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+                                     gl.SliceLayout(1, s_layout))
+    key_end = gl.expand_dims(seq_len - (Q_LEN - 1 - query_s), 1)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, KV_LORA_RANK], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for t in range(num_tiles):
+        stage = t % 2
+        n0 = start + t * BLOCK_N
+        # Every warp is past its products over the stage the next copy overwrites (tile t - 1's).
+        gl.thread_barrier()
+        next_pos, next_valid = _locate(n0 + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
+        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, bt_row, next_pos, next_valid,
+                   s_btw, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, PAGE_SIZE, SLAB, copy_layout)
+        async_copy.commit_group()
+        # Tile t's copies (and, the first time, the queries' stores) are done in this thread, made
+        # visible to the tensor cores' proxy, then done in every thread.
+        async_copy.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        keys = k_nope.index(stage)
+        s = warpgroup_mma(q_nope, keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe, k_pe.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+        pos, valid = _locate(n0 + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
+        visible = gl.expand_dims(valid, 0) & (gl.expand_dims(pos, 0) < key_end)
+        scores = gl.where(visible, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        # A query may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - shift)
+        p = gl.exp2(scores - gl.expand_dims(shift, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), keys, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    rows_s, heads_s, real_s, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+                                               gl.SliceLayout(1, s_layout))
+    gl.store(pl_ptr + rows_s * s_plb + heads_s * s_plh + split * s_pls, lse, mask=real_s)
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows_o, heads_o, real_o, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+                                               gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
+    po_rows = gl.expand_dims(po_ptr + rows_o * s_pob + heads_o * s_poh + split * s_pos, 1)
+    gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
+             mask=gl.expand_dims(real_o, 1))
+
+
+def wgmma_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
+                       softmax_scale_log2: float, q_len: int) -> None:
+    """Stage 1 of the split decode (`triton.decode.mla_decode`) on the warpgroup MMA.
+
+    q [B * q_len, H, C + R] bf16/fp16; values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two
+    views, in q's dtype); block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
+    and partial_lse [B * q_len, H, S] (float32 partials, or the outputs viewed as one split) are written:
+    split s of sequence b covers its keys [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S
+    rounded up to whole 64-key tiles. Shapes are the caller's to check (`applies`, `copyable`, `mla_decode`).
+    """
+    num_seqs = q.shape[0] // q_len
+    _launch(q, values, rope, block_table, seq_lens, seq_lens.stride(0), block_table, (0, 0), 0,
+            partial_out, partial_lse, num_seqs, softmax_scale_log2, q_len, sparse=False)
+
+
+def wgmma_sparse_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
+                              indices: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
+                              softmax_scale_log2: float) -> None:
+    """Stage 1 of the sparse decode (`triton.dsa_decode.sparse_mla_decode`) on the warpgroup MMA.
+
+    q [T, H, C + R] bf16/fp16; values / rope as `wgmma_split_decode`'s; block_table [T, W] int32; indices
+    [T, k] int32 positions into row t's table (-1, or any outside [0, W * bs): none); partial_out [T, H, S,
+    C] and partial_lse [T, H, S] are written: split s of row t covers its index slots [s * j, min((s + 1) *
+    j, k)), j = k / S rounded up to whole 64-slot tiles.
+    """
+    _launch(q, values, rope, block_table, block_table, 0, indices, tuple(indices.stride()), indices.shape[1],
+            partial_out, partial_lse, q.shape[0], softmax_scale_log2, 1, sparse=True)
+
+
+def _launch(q, values, rope, block_table, seq_lens, s_sl, indices, s_idx, top_k, partial_out, partial_lse,
+            num_seqs, softmax_scale_log2, q_len, *, sparse):
+    num_heads = q.shape[1]
+    splits = partial_out.shape[2]
+    heads_per_program = BLOCK_M // q_len
+    grid = (-(-num_heads // heads_per_program), num_seqs, splits)
+    _wgmma_split_kernel[grid](
+        q, values, rope, block_table, seq_lens, indices, partial_out, partial_lse,
+        num_heads, splits, top_k, block_table.shape[1] * values.shape[1], softmax_scale_log2, s_sl,
+        *q.stride(), *values.stride(), *rope.stride(), *block_table.stride(), *s_idx,
+        *partial_out.stride(), *partial_lse.stride(),
+        KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1],
+        Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program, SPARSE=sparse, num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,198 @@
+"""The warpgroup-MMA decode (`kernels/gluon/mla_decode.py`, Hopper only), dense and sparse, against the
+float64 reference and against its `tl.dot` twin, at the benchmark's shapes, with several queries a sequence,
+in graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn, strided
+from mla_func.kernels.gluon import mla_decode as gluon_decode
+from mla_func.kernels.reference import attention as ref
+from mla_func.kernels.reference import dsa as ref_dsa
+from mla_func.kernels.triton import decode as tri
+from mla_func.kernels.triton import dsa_decode as tri_dsa
+from test_dsa_decode import random_indices
+
+pytestmark = pytest.mark.gpu
+
+C, R = 512, 64
+SCALE = (C + R) ** -0.5
+
+
+def _hopper() -> torch.device:
+    device = torch.device("cuda")
+    if not gluon_decode.available(device):
+        pytest.skip("the warpgroup-MMA decode needs a Hopper GPU")
+    return device
+
+
+def _twin(num_heads: int, q_len: int, device: torch.device) -> tri.DecodeConfig:
+    """The `tl.dot` kernel the GPU would take without the warpgroup MMA."""
+    return tri.launch_config(num_heads, q_len, C, R, device, False, torch.bfloat16, wgmma=False)
+
+
+def _case(seq_lens, num_heads, q_len, block_size, dtype, seed, non_contiguous=False):
+    device = _hopper()
+    gen = generator(seed, device)
+    kv_cache, table = paged_cache(seq_lens, block_size, C + R, dtype, device, gen)
+    q = randn((len(seq_lens) * q_len, num_heads, C + R), dtype, device, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    if non_contiguous:
+        q, kv_cache, table, lens = strided(q, gen), strided(kv_cache, gen), strided(table, gen), strided(lens, gen)
+    return q, kv_cache, table, lens
+
+
+def _run(q, kv_cache, table, lens, q_len, config=None, **kw):
+    return tri.mla_decode(q, kv_cache, table, lens, softmax_scale=SCALE, kv_lora_rank=C, q_len=q_len,
+                          config=config, **kw)
+
+
+@pytest.mark.parametrize("num_heads,q_len", [(128, 1), (64, 1), (100, 1), (128, 2), (128, 3), (128, 4), (16, 4)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_equals_reference_and_twin(num_heads, q_len, block_size, num_splits):
+    lens = [q_len, 63, 64, 65, 1000, 4096, 0, 3000, 129]
+    q, kv_cache, table, seq_lens = _case(lens, num_heads, q_len, block_size, torch.bfloat16,
+                                         seed=num_heads + 10 * q_len + block_size)
+    config = tri.launch_config(num_heads, q_len, C, R, q.device, False, q.dtype)
+    assert config.wgmma, "the Hopper default for this decode is the warpgroup-MMA kernel"
+    out = torch.full((len(lens) * q_len, num_heads, C), float("nan"), dtype=q.dtype, device=q.device)
+    got, got_lse = _run(q, kv_cache, table, seq_lens, q_len, num_splits=num_splits)
+    out.copy_(got)
+    twin, twin_lse = _run(q, kv_cache, table, seq_lens, q_len, config=_twin(num_heads, q_len, q.device),
+                          num_splits=num_splits)
+    want, want_lse = ref.mla_decode(q.double(), kv_cache.double(), table, seq_lens, softmax_scale=SCALE,
+                                    kv_lora_rank=C, q_len=q_len)
+    assert not out.isnan().any()
+    assert_close(out, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(out, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+    padded = (seq_lens == 0).repeat_interleave(q_len)
+    assert torch.all(out[padded] == 0) and torch.all(got_lse[padded] == float("-inf"))
+
+
+def test_fp16_strided_queries_and_value_projection():
+    lens = [5, 700, 64, 2048]
+    q, kv_cache, table, seq_lens = _case(lens, 128, 1, 64, torch.float16, seed=3)
+    q, table, seq_lens = (strided(t, generator(6, q.device)) for t in (q, table, seq_lens))
+    w_uv = randn((128, 128, C), torch.float16, q.device, generator(4, q.device), scale=C ** -0.5)
+    got, got_lse = _run(q, kv_cache, table, seq_lens, 1, w_uv=w_uv)
+    want, want_lse = ref.mla_decode(q.double(), kv_cache.double(), table, seq_lens, softmax_scale=SCALE,
+                                    kv_lora_rank=C)
+    want = torch.einsum("bhc,hvc->bhv", want.to(torch.float16).double(), w_uv.double())
+    assert_close(got, want, torch.float16)
+    assert_close(got_lse, want_lse, torch.float16, LSE_TOLERANCE)
+
+
+def test_graph_replay_with_new_lengths_equals_eager():
+    lens0 = [2048] * 8
+    q, kv_cache, table, lens = _case(lens0, 128, 1, 64, torch.bfloat16, seed=21)
+    config = tri.launch_config(128, 1, C, R, q.device, False, q.dtype)
+    workspace = tri.mla_decode_workspace(8, 128, C, table.shape[1], 64, q.device, config=config)
+
+    def step():
+        return _run(q, kv_cache, table, lens, 1, workspace=workspace)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for new_lens in ([1, 2048, 0, 700, 64, 65, 1999, 3], lens0):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        eager_out, eager_lse = step()
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+        torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+        want, _ = ref.mla_decode(q.double(), kv_cache.double(), table, lens, softmax_scale=SCALE, kv_lora_rank=C)
+        assert_close(out, want, torch.bfloat16)
+
+
+def test_refuses_what_it_cannot_take():
+    q, kv_cache, table, lens = _case([70, 5], 16, 1, 64, torch.bfloat16, seed=5)
+    wgmma = tri.DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
+    with pytest.raises(ValueError, match="warpgroup-MMA"):
+        _run(q, kv_cache, table, lens, 1, config=wgmma)          # 16 rows a sequence: the twin's case
+    assert not tri.launch_config(16, 1, C, R, q.device, False, q.dtype).wgmma
+    assert not tri.launch_config(128, 1, C, R, q.device, True, q.dtype).wgmma          # FP8 cache
+    assert not tri.launch_config(128, 1, C, R, q.device, False, torch.float32).wgmma
+
+
+def test_a_cache_cp_async_cannot_gather_takes_the_twin():
+    """A cache whose columns are strided is read by the `tl.dot` twin, to the same answer."""
+    lens = [5, 700, 64]
+    q, kv_cache, table, seq_lens = _case(lens, 128, 1, 64, torch.bfloat16, seed=7, non_contiguous=True)
+    assert not gluon_decode.copyable(kv_cache)
+    got, got_lse = _run(q, kv_cache, table, seq_lens, 1)
+    want, want_lse = ref.mla_decode(q.double(), kv_cache.double(), table, seq_lens, softmax_scale=SCALE,
+                                    kv_lora_rank=C)
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    wgmma = tri.launch_config(128, 1, C, R, q.device, False, q.dtype)
+    with pytest.raises(ValueError, match="aligned contiguous"):
+        _run(q, kv_cache, table, seq_lens, 1, config=wgmma)
+
+
+# --- sparse (V3.2's top-k attention): the same kernel over the positions an index list selects ---------------
+
+def _sparse_case(key_lens, top_k, num_heads, block_size, seed):
+    device = _hopper()
+    gen = generator(seed, device)
+    kv_cache, table = paged_cache(key_lens, block_size, C + R, torch.bfloat16, device, gen)
+    q = randn((len(key_lens), num_heads, C + R), torch.bfloat16, device, gen)
+    indices = random_indices(key_lens, top_k, device, gen)
+    indices[0, :3] = torch.tensor([-1, table.shape[1] * block_size, 5], dtype=torch.int32)   # none, past the table
+    return q, kv_cache, table, indices
+
+
+@pytest.mark.parametrize("num_heads", [128, 64, 100])
+@pytest.mark.parametrize("top_k,block_size", [(2048, 64), (100, 16)])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_sparse_equals_reference_and_twin(num_heads, top_k, block_size, num_splits):
+    key_lens = [3000, 50, 4096, 0, 2100, 64]
+    q, kv_cache, table, indices = _sparse_case(key_lens, top_k, num_heads, block_size, seed=num_heads + top_k)
+    config = tri_dsa.sparse_launch_config(num_heads, C, R, q.device, False, q.dtype)
+    assert config.wgmma
+    kw = dict(softmax_scale=SCALE, kv_lora_rank=C, num_splits=num_splits)
+    got, got_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, **kw)
+    twin_config = tri_dsa.sparse_launch_config(num_heads, C, R, q.device, False, q.dtype, wgmma=False)
+    twin, twin_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, config=twin_config, **kw)
+    want, want_lse = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), table, indices, softmax_scale=SCALE,
+                                               kv_lora_rank=C)
+    assert not got.isnan().any()
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+    empty = (indices < 0).all(dim=1)
+    assert torch.all(got[empty] == 0) and torch.all(got_lse[empty] == float("-inf"))
+
+
+def test_sparse_graph_replay_with_new_indices_equals_eager():
+    key_lens = [4096] * 8
+    q, kv_cache, table, indices = _sparse_case(key_lens, 2048, 128, 64, seed=31)
+    config = tri_dsa.sparse_launch_config(128, C, R, q.device, False, q.dtype)
+    workspace = tri_dsa.sparse_mla_decode_workspace(8, 128, C, 2048, q.device, config)
+
+    def step():
+        return tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=SCALE, kv_lora_rank=C,
+                                         workspace=workspace)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    gen = generator(32, q.device)
+    for new_lens in ([100, 4096, 0, 700, 64, 65, 1999, 3], key_lens):
+        indices.copy_(random_indices(new_lens, 2048, q.device, gen))
+        graph.replay()
+        eager_out, eager_lse = step()
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+        torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+        want, _ = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), table, indices, softmax_scale=SCALE,
+                                            kv_lora_rank=C)
+        assert_close(out, want, torch.bfloat16)
