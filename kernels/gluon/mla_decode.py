@@ -5,9 +5,9 @@ At 128 heads (every DeepSeek model under data-parallel attention) the decode is 
 The `tl.dot` twin (`triton.decode._chunked_split_kernel`) multiplies tiles it holds in registers;
 here the queries and two stages of key tiles stay in shared memory, `wgmma` reads them from there,
 and `cp.async` gathers the next tile's rows through the block table while the current one is
-multiplied. One program: 64 rows (heads, or head-major (head, query) pairs when a sequence has
-q_len > 1 queries, as the twin's rows) of one sequence over one split of its keys, eight warps as
-two warpgroups. For each 64-key tile:
+multiplied. One program: 64 rows (heads, or 64 consecutive head-major (head, query) pairs when a sequence
+has q_len > 1 queries: 128 heads x 3 queries fill six programs, where the twin's whole heads a program
+take seven) of one sequence over one split of its keys, eight warps as two warpgroups. For each 64-key tile:
 
     S [64, 64]  = Q_nope K_nope^T + Q_pe K_pe^T   both from shared memory; a warpgroup takes 32 keys
     online softmax over S in registers (base 2, -inf past the split or a query's causal end)
@@ -51,6 +51,11 @@ def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype:
             and rope_dim == ROPE_DIM and num_heads * q_len >= BLOCK_M and available(device))
 
 
+def row_groups(num_heads: int, q_len: int) -> int:
+    """Programs a sequence (and split): its num_heads x q_len (head, query) rows, BLOCK_M a program."""
+    return -(-num_heads * q_len // BLOCK_M)
+
+
 def copyable(*caches: torch.Tensor) -> bool:
     """Whether `cp.async` can gather the rows of these cache views [nb, bs, cols]: contiguous columns and
     16-byte aligned rows (its copies are 4, 8 or 16 bytes; the kernel's, 16)."""
@@ -72,13 +77,17 @@ def _locate(slot, end, idx_row, num_positions, s_ik, SPARSE: gl.constexpr):
 
 
 @gluon.jit
-def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, bt_row, pos, valid, s_btw, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
-               KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr, SLAB: gl.constexpr,
-               layout: gl.constexpr):
-    # Starts copying the latent rows at cache positions `pos` [BLOCK_N] (SliceLayout(1, layout)) into one
-    # stage; rows not `valid` are zero-filled, so a product over them is 0, never NaN.
+def _pages(pos, valid, bt_row, s_btw, PAGE_SIZE: gl.constexpr):
+    # (page, in-page offset) of cache positions `pos`: the block-table read a later copy waits on.
     page = gl.load(bt_row + (pos // PAGE_SIZE) * s_btw, mask=valid, other=0).to(gl.int64)
-    offset = (pos % PAGE_SIZE).to(gl.int64)
+    return page, (pos % PAGE_SIZE).to(gl.int64)
+
+
+@gluon.jit
+def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+               KV_LORA_RANK: gl.constexpr, SLAB: gl.constexpr, layout: gl.constexpr):
+    # Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, layout)) into one stage;
+    # rows not `valid` are zero-filled, so a product over them is 0, never NaN.
     v_rows = gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1)
     r_rows = gl.expand_dims(r_ptr + page * s_rn + offset * s_rb, 1)
     mask = gl.expand_dims(valid, 1)
@@ -90,14 +99,14 @@ def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, bt_row, pos, valid, s_btw, s_vn, 
 
 
 @gluon.jit
-def _program_rows(b, head_group, num_heads, Q_LEN: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    # (q row, head, row is real, query index) of the program's BLOCK_M rows, in `layout` [BLOCK_M].
-    r = gl.arange(0, BLOCK_M, layout=layout)
+def _program_rows(b, row_group, num_heads, Q_LEN: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    # (q row, head, row is real, query index) of the program's BLOCK_M rows, in `layout` [BLOCK_M]: rows
+    # [row_group * BLOCK_M, ..) of sequence b's head-major (head, query) pairs, so that every program but
+    # the last is full whatever Q_LEN (a head's queries may fall in two programs: each row is its own).
+    r = row_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     query = r % Q_LEN
-    heads = head_group * HEADS_PER_PROGRAM + r // Q_LEN
-    real = (r < HEADS_PER_PROGRAM * Q_LEN) & (heads < num_heads)
-    return b.to(gl.int64) * Q_LEN + query, heads, real, query
+    heads = r // Q_LEN
+    return b.to(gl.int64) * Q_LEN + query, heads, heads < num_heads, query
 
 
 # The split count follows the batch size, and top_k and the table's width the model: as specialised ints
@@ -112,17 +121,17 @@ def _wgmma_split_kernel(
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
     KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    Q_LEN: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, SPARSE: gl.constexpr,
+    Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
 ):
-    # Dense: program (head group, sequence b, split) over the split's share of b's keys. SPARSE: program
-    # (head group, row b, split) over the split's share of the top_k slots of b's index list (Q_LEN 1).
+    # Dense: program (row group, sequence b, split) over the split's share of b's keys. SPARSE: program
+    # (row group, row b, split) over the split's share of the top_k slots of b's index list (Q_LEN 1).
     BLOCK_M: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     SLAB: gl.constexpr = 64
     LN2: gl.constexpr = 0.6931471805599453
-    # The two row groups of one sequence are neighbours in the grid, so they read its keys while the
-    # other's copy is still in L2.
-    head_group = gl.program_id(0)
+    # The row groups of one sequence are neighbours in the grid, so they read its keys while the others'
+    # copy is still in L2.
+    row_group = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -155,13 +164,20 @@ def _wgmma_split_kernel(
     bt_row = bt_ptr + b.to(gl.int64) * s_btb
     idx_row = idx_ptr + b.to(gl.int64) * s_it
     offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    # A tile's rows are located two tiles ahead (index list, then block table, a loop iteration apart), so
+    # no copy waits on a load: the loads for tile t + 2 and t + 3 are in flight while tile t is multiplied.
+    pos, valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     # The first tile's copy runs while the queries are stored.
-    first_pos, first_valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
-    _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, bt_row, first_pos, first_valid, s_btw,
-               s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, PAGE_SIZE, SLAB, copy_layout)
+    _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
+               s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
+    pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    copy_valid = valid
+    pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
 
-    rows, heads, real, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+    rows, heads, real, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                          gl.SliceLayout(1, copy_layout))
     q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
     q_mask = gl.expand_dims(real, 1)
@@ -173,10 +189,12 @@ def _wgmma_split_kernel(
 
     # Query j of a sequence stands at seq_len - Q_LEN + j and sees the keys before seq_len - Q_LEN + j + 1
     # (SPARSE: one query, and every valid position is below seq_len).
-    _, _, _, query_s = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+    _, _, _, query_s = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                      gl.SliceLayout(1, s_layout))
     key_end = gl.expand_dims(seq_len - (Q_LEN - 1 - query_s), 1)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Tile t's positions as the scores lay them out, read a tile ahead too.
+    pos_s, valid_s = _locate(start + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, KV_LORA_RANK], gl.float32, layout=o_layout)
@@ -188,10 +206,13 @@ def _wgmma_split_kernel(
         n0 = start + t * BLOCK_N
         # Every warp is past its products over the stage the next copy overwrites (tile t - 1's).
         gl.thread_barrier()
-        next_pos, next_valid = _locate(n0 + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
-        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, bt_row, next_pos, next_valid,
-                   s_btw, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, PAGE_SIZE, SLAB, copy_layout)
+        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
         async_copy.commit_group()
+        page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+        copy_valid = valid
+        pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
+        next_pos_s, next_valid_s = _locate(n0 + BLOCK_N + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
         # Tile t's copies (and, the first time, the queries' stores) are done in this thread, made
         # visible to the tensor cores' proxy, then done in every thread.
         async_copy.wait_group(1)
@@ -203,8 +224,9 @@ def _wgmma_split_kernel(
         s = warpgroup_mma(q_pe, k_pe.index(stage).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-        pos, valid = _locate(n0 + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
-        visible = gl.expand_dims(valid, 0) & (gl.expand_dims(pos, 0) < key_end)
+        visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
+        pos_s = next_pos_s
+        valid_s = next_valid_s
         scores = gl.where(visible, s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=1))
         # A query may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
@@ -222,12 +244,12 @@ def _wgmma_split_kernel(
     has_keys = l_i > 0.0
     l_safe = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    rows_s, heads_s, real_s, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+    rows_s, heads_s, real_s, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                                gl.SliceLayout(1, s_layout))
     gl.store(pl_ptr + rows_s * s_plb + heads_s * s_plh + split * s_pls, lse, mask=real_s)
 
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows_o, heads_o, real_o, _ = _program_rows(b, head_group, num_heads, Q_LEN, HEADS_PER_PROGRAM, BLOCK_M,
+    rows_o, heads_o, real_o, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                                gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
     po_rows = gl.expand_dims(po_ptr + rows_o * s_pob + heads_o * s_poh + split * s_pos, 1)
@@ -265,17 +287,20 @@ def wgmma_sparse_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch
             partial_out, partial_lse, q.shape[0], softmax_scale_log2, 1, sparse=True)
 
 
-def _launch(q, values, rope, block_table, seq_lens, s_sl, indices, s_idx, top_k, partial_out, partial_lse,
-            num_seqs, softmax_scale_log2, q_len, *, sparse):
+def _launch(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, s_sl: int, indices: torch.Tensor, s_idx: tuple[int, ...], top_k: int,
+            partial_out: torch.Tensor, partial_lse: torch.Tensor, num_seqs: int, softmax_scale_log2: float,
+            q_len: int, *, sparse: bool) -> None:
+    # The dense decode passes its block table as `indices` (never read) and the sparse one its table as
+    # `seq_lens` (never read): one kernel, SPARSE choosing what a program's key slots are.
     num_heads = q.shape[1]
     splits = partial_out.shape[2]
-    heads_per_program = BLOCK_M // q_len
-    grid = (-(-num_heads // heads_per_program), num_seqs, splits)
+    grid = (row_groups(num_heads, q_len), num_seqs, splits)
     _wgmma_split_kernel[grid](
         q, values, rope, block_table, seq_lens, indices, partial_out, partial_lse,
         num_heads, splits, top_k, block_table.shape[1] * values.shape[1], softmax_scale_log2, s_sl,
         *q.stride(), *values.stride(), *rope.stride(), *block_table.stride(), *s_idx,
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1],
-        Q_LEN=q_len, HEADS_PER_PROGRAM=heads_per_program, SPARSE=sparse, num_warps=NUM_WARPS,
+        Q_LEN=q_len, SPARSE=sparse, num_warps=NUM_WARPS,
     )

@@ -159,7 +159,7 @@ def sparse_mla_decode(
 
     q [T, H, C + R]; kv_cache [num_blocks, bs, C + R] (or an `FP8LatentCache`, its selected rows read
     dequantized); block_table [T, W] int32;
-    indices [T, k] int32 key positions (-1 = none); w_uv [H, Dv, C] (a tensor, or a stacked FP8 pair:
+    indices [T, k] int32 key positions (-1, or any outside [0, W * bs): none); w_uv [H, Dv, C] (a tensor, or a stacked FP8 pair:
     dequantized into q's dtype) or None
     -> out [T, H, C] in q's dtype, or [T, H, Dv] with w_uv (out rounded to q's dtype, then
        @ w_uv[h]^T); lse [T, H] float32; a row with no valid index gives out 0, lse -inf.
@@ -171,9 +171,10 @@ def sparse_mla_decode(
     block_size = kv_cache.shape[1]
     width = block_table.shape[1]
     acc = _acc_dtype(q.dtype)
-    valid = indices >= 0                                                    # [T, k]
+    # -1, and any position past the row's table, is no key (the kernels' contract).
+    valid = (indices >= 0) & (indices < width * block_size)                 # [T, k]
     pos = indices.long().clamp(min=0)
-    # A position past the table cannot be a key of the row: clamped for the read, masked anyway.
+    # A position past the table is clamped for the read, and masked.
     block = block_table.long().gather(1, (pos // block_size).clamp(max=width - 1))
     kv = as_dtype(latent_rows(kv_cache, block, pos % block_size), acc)      # [T, k, C+R]
     scores = torch.bmm(as_dtype(q, acc), kv.transpose(1, 2)) * softmax_scale   # thd,tkd->thk

@@ -159,8 +159,11 @@ def mla_decode_num_splits(
     """Splits per sequence: depends only on static shapes and the device's multiprocessor count."""
     device = torch.device(device)
     config = config or decode_config(num_heads * q_len, device)
-    _, heads_per_program = _tiling(num_heads, q_len, config)
-    programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
+    if config.wgmma:
+        programs = max(1, num_seqs) * gluon_decode.row_groups(num_heads, q_len)
+    else:
+        _, heads_per_program = _tiling(num_heads, q_len, config)
+        programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
     return fill_splits(programs, block_table_width * block_size, device, min_keys=_MIN_KEYS_PER_SPLIT,
                        max_splits=_MAX_SPLITS, programs_per_sm=config.programs_per_sm)
 

@@ -45,6 +45,8 @@ def test_sparse_decode_and_key_write_match_the_reference():
     indices = torch.randint(0, 40, (rows, 12), device=DEV, dtype=torch.int32)
     indices[1, 5:] = -1
     indices[3] = -1
+    indices[0, :2] = torch.tensor([40, 1000])            # past the table (10 blocks of 4): no key either
+    indices[4, :] = 40 + torch.arange(12)                 # a row of nothing but positions past it
     w_uv = torch.randn(heads, 8, 32, device=DEV)
     args = dict(softmax_scale=0.25, kv_lora_rank=32)
     for w in (None, w_uv):
@@ -52,6 +54,8 @@ def test_sparse_decode_and_key_write_match_the_reference():
                                           for ops in (TRITON, REF))
         torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    out, lse = REF.sparse_mla_decode(q, cache, table, indices, **args)
+    assert torch.all(out[4] == 0) and torch.all(lse[4] == float("-inf"))
     slots = torch.tensor([5, -1, 17], device=DEV)
     keys = torch.randn(3, 32, device=DEV)
     base = paged()

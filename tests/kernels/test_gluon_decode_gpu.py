@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn, strided
+from support.kernel_cases import LSE_TOLERANCE, assert_close, captured, generator, paged_cache, randn, strided
 from mla_func.kernels.gluon import mla_decode as gluon_decode
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.reference import dsa as ref_dsa
@@ -96,11 +96,7 @@ def test_graph_replay_with_new_lengths_equals_eager():
     def step():
         return _run(q, kv_cache, table, lens, 1, workspace=workspace)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = captured(step)
     for new_lens in ([1, 2048, 0, 700, 64, 65, 1999, 3], lens0):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         graph.replay()
@@ -181,11 +177,7 @@ def test_sparse_graph_replay_with_new_indices_equals_eager():
         return tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=SCALE, kv_lora_rank=C,
                                          workspace=workspace)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = captured(step)
     gen = generator(32, q.device)
     for new_lens in ([100, 4096, 0, 700, 64, 65, 1999, 3], key_lens):
         indices.copy_(random_indices(new_lens, 2048, q.device, gen))

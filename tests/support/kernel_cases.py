@@ -56,3 +56,14 @@ def paged_cache(seq_lens: list[int], block_size: int, dim: int, dtype, device, g
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype, table=TOLERANCE) -> None:
     torch.testing.assert_close(actual.double(), expected.double(), **table[dtype])
+
+
+def captured(step):
+    """`step()` run once eagerly (compiling its kernels), then captured: (the CUDA graph, the outputs its
+    replays write)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -99,8 +99,15 @@ class Seq:
 
 
 def new_state(model: mf.Model, *, num_seqs: int = 4, block_size: int = 4, max_tokens: int = 64):
+    """A state with room in every cache group for `num_seqs` sequences' `Seq` tables of `max_tokens` tokens."""
     per_seq = -(-max_tokens // block_size) + 1
-    return mf.init_state(model, num_blocks=1 + num_seqs * per_seq, block_size=block_size)
+    num_blocks = 1 + num_seqs * per_seq
+    while True:
+        state = mf.init_state(model, num_blocks=num_blocks, block_size=block_size)
+        # Each compressed group's block count follows num_blocks by its own rule: grow until Seq's fit.
+        if all(g.num_blocks >= 1 + num_seqs * (g.blocks_for(max_tokens) + 1) for g in state.groups):
+            return state
+        num_blocks += per_seq
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
