@@ -99,6 +99,20 @@ BENCHES = {
     "kernels:fp4": ("V4's FP4 routed experts read packed in the kernel, V4-Flash's shapes (`bench/kernels.py --fp4`)",
                     "rows", [dict(op="fp4_experts", tokens=t) for t in (1, 16)],
                     [("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.1f}")]),
+    "kernels:wgmma": ("MLA decode at 128 heads on Hopper's warpgroup MMA (Gluon) beside its `tl.dot` twin, same run "
+                      "(`bench/kernels.py --wgmma`)", "rows",
+                      [dict(op="mla_decode", heads=128, batch=b, context=c, q_len=1, kernel=k)
+                       for b, c in ((64, 4096), (64, 32768), (128, 32768)) for k in ("wgmma", "chunks")]
+                      + [dict(op="mla_decode", heads=128, batch=64, context=4096, q_len=n, kernel=k)
+                         for n in (2, 3, 4) for k in ("wgmma", "rows")],
+                      [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% bf16 mm", "pct_matmul", "{:.1f}"),
+                       ("× twin", "speedup_vs_twin", "{:.2f}")]),
+    "dsa-kernels:wgmma": ("V3.2's sparse MLA decode at 128 heads, top-2048, on Hopper's warpgroup MMA beside its `tl.dot` "
+                          "twin, same run (`bench/dsa_kernels.py --wgmma`)", "rows",
+                          [dict(op="sparse_mla_decode", heads=128, batch=b, kernel=k)
+                           for b in (64, 128) for k in ("wgmma", "tl.dot")],
+                          [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("t / t_copy", "copy_time_ratio", "{:.2f}"),
+                           ("× twin", "speedup_vs_twin", "{:.2f}")]),
     "kernels:fp8-cache": ("MLA decode over the FP8 latent cache against the bf16 cache, same run "
                           "(`bench/kernels.py --fp8-cache`)", "rows",
                           [dict(op="mla_decode", batch=64, context=32768, heads=h, cache="fp8") for h in (16, 128)],
@@ -182,6 +196,15 @@ TARGETS = [
     ("kernels:fp8", dict(op="fp8_moe", tokens=1, w8a8=False), "pct_copy", ">=", 80, "FP8 checkpoints"),
     ("kernels:fp8", dict(op="fp8_moe", tokens=16, w8a8=False), "pct_copy", ">=", 80, "FP8 checkpoints"),
     ("serve", dict(run="server inf req/s"), "vs_offline", ">=", 0.9, "OpenAI server"),
+    ("kernels", dict(op="mla_decode", batch=128, context=4096, heads=16), "pct_copy", ">=", 92, "Hopper kernels"),
+    ("kernels:wgmma", dict(op="mla_decode", heads=128, batch=64, context=4096, q_len=1, kernel="wgmma"), "tflop_s",
+     ">=", 350, "Hopper kernels"),
+    ("kernels:wgmma", dict(op="mla_decode", heads=128, batch=128, context=32768, q_len=1, kernel="wgmma"), "tflop_s",
+     ">=", 350, "Hopper kernels"),
+    ("kernels:wgmma", dict(op="mla_decode", heads=128, batch=64, context=4096, q_len=3, kernel="wgmma"), "tflop_s",
+     ">=", 350, "Hopper kernels"),
+    ("dsa-kernels:wgmma", dict(op="sparse_mla_decode", heads=128, batch=64, kernel="wgmma"), "tflop_s", ">=", 350,
+     "Hopper kernels"),
     ("cpu", dict(threads=1), "stream_busy_tok_s", ">=", 200, "CPU"),
     ("cpu", dict(threads=1), "score_tiny_2048_s", "<", 1, "CPU"),
 ]
@@ -258,9 +281,10 @@ def current_rows(results: list[dict], rows_key: str, shown: list[dict] | None) -
 
 def label(row: dict) -> str:
     """A row's case in a few words: 'mla_decode B128 ctx 4K H16'."""
-    parts = [str(row[k]) for k in ("op", "model", "run", "step", "engine", "what", "mode", "acceptance") if k in row]
+    parts = [str(row[k]) for k in ("op", "kernel", "model", "run", "step", "engine", "what", "mode", "acceptance")
+             if k in row]
     for key, fmt in (("n", "n={}"), ("k", "k={}"), ("w8a8", "w8a8={}"), ("batch", "B{}"), ("tokens", "T{}"),
-                     ("context", "ctx {}"), ("heads", "H{}"),
+                     ("context", "ctx {}"), ("heads", "H{}"), ("q_len", "q_len {}"),
                      ("keys_per_row", "{} keys"), ("threads", "{} thread(s)")):
         if key in row:
             value = row[key]
