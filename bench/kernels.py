@@ -100,7 +100,8 @@ def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=N
     num_bytes = kv_bytes + q.numel() * 2 + rows * num_heads * KV_LORA_RANK * 2
     flops = q_len * decode.decode_flops(num_heads, num_seqs * context, KV_LORA_RANK, ROPE_DIM)
     row = dict(op="mla_decode", batch=num_seqs, context=context, heads=num_heads, block_size=block_size,
-               cache=cache_dtype, splits=splits, q_len=q_len, kernel=_decode_kernel(config), ms=ms, gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
+               cache=cache_dtype, splits=splits, q_len=q_len, kernel=_decode_kernel(config), ms=ms,
+               gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"],
                pct_matmul=100 * flops / (ms * 1e-3) / ceilings["matmul"], bytes=num_bytes, flops=flops)
     if eager:
@@ -531,7 +532,8 @@ def _report(result, out):
                               ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("tflop_s", "TFLOP/s"),
                               ("pct_matmul", "%mm"), ("kernel_pct_matmul", "kern %mm"),
                               ("gemm_tflop_s", "GEMM TFLOP/s"),
-                              ("copy_time_ratio", "t/t_copy"), ("speedup_vs_twin", "x twin"), ("bf16_over_fp8", "bf16/fp8"), ("ref_ms", "ref ms"),
+                              ("copy_time_ratio", "t/t_copy"), ("speedup_vs_twin", "x twin"),
+                              ("bf16_over_fp8", "bf16/fp8"), ("ref_ms", "ref ms"),
                               ("max_err_vs_ref", "err")])
 
 

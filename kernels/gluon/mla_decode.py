@@ -56,11 +56,11 @@ def row_groups(num_heads: int, q_len: int) -> int:
     return -(-num_heads * q_len // BLOCK_M)
 
 
-def copyable(*caches: torch.Tensor) -> bool:
-    """Whether `cp.async` can gather the rows of these cache views [nb, bs, cols]: contiguous columns and
-    16-byte aligned rows (its copies are 4, 8 or 16 bytes; the kernel's, 16)."""
+def copyable(*tensors: torch.Tensor) -> bool:
+    """Whether `cp.async` can gather the rows of these tensors (cache views [nb, bs, cols], queries [rows, H,
+    C + R]): contiguous columns and 16-byte aligned rows (its copies are 4, 8 or 16 bytes; the kernel's, 16)."""
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in caches)
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 @gluon.jit
@@ -168,7 +168,15 @@ def _wgmma_split_kernel(
     # no copy waits on a load: the loads for tile t + 2 and t + 3 are in flight while tile t is multiplied.
     pos, valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    # The first tile's copy runs while the queries are stored.
+    # The queries and the first tile come in one copy group, every copy in flight at once.
+    rows, heads, real, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M, gl.SliceLayout(1, copy_layout))
+    q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
+    q_mask = gl.expand_dims(real, 1)
+    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
+    for c in gl.static_range(KV_LORA_RANK // SLAB):
+        async_copy.async_copy_global_to_shared(q_nope.slice(c * SLAB, SLAB, dim=1),
+                                               q_rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), q_mask)
+    async_copy.async_copy_global_to_shared(q_pe, q_rows + gl.expand_dims((KV_LORA_RANK + cols) * s_qd, 0), q_mask)
     _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
                s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
@@ -176,16 +184,6 @@ def _wgmma_split_kernel(
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     copy_valid = valid
     pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
-
-    rows, heads, real, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
-                                         gl.SliceLayout(1, copy_layout))
-    q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
-    q_mask = gl.expand_dims(real, 1)
-    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
-    for c in gl.static_range(KV_LORA_RANK // SLAB):
-        q_nope.slice(c * SLAB, SLAB, dim=1).store(
-            gl.load(q_rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), mask=q_mask, other=0.0))
-    q_pe.store(gl.load(q_rows + gl.expand_dims((KV_LORA_RANK + cols) * s_qd, 0), mask=q_mask, other=0.0))
 
     # Query j of a sequence stands at seq_len - Q_LEN + j and sees the keys before seq_len - Q_LEN + j + 1
     # (SPARSE: one query, and every valid position is below seq_len).
@@ -213,8 +211,8 @@ def _wgmma_split_kernel(
         copy_valid = valid
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
         next_pos_s, next_valid_s = _locate(n0 + BLOCK_N + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
-        # Tile t's copies (and, the first time, the queries' stores) are done in this thread, made
-        # visible to the tensor cores' proxy, then done in every thread.
+        # Tile t's copies (and, the first time, the queries') are done in this thread, made visible to the
+        # tensor cores' proxy, then done in every thread.
         async_copy.wait_group(1)
         fence_async_shared()
         gl.thread_barrier()
@@ -262,7 +260,7 @@ def wgmma_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor
                        softmax_scale_log2: float, q_len: int) -> None:
     """Stage 1 of the split decode (`triton.decode.mla_decode`) on the warpgroup MMA.
 
-    q [B * q_len, H, C + R] bf16/fp16; values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two
+    q [B * q_len, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two
     views, in q's dtype); block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
     and partial_lse [B * q_len, H, S] (float32 partials, or the outputs viewed as one split) are written:
     split s of sequence b covers its keys [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S
@@ -295,6 +293,8 @@ def _launch(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_tab
     # `seq_lens` (never read): one kernel, SPARSE choosing what a program's key slots are.
     num_heads = q.shape[1]
     splits = partial_out.shape[2]
+    # The queries come by cp.async too: rows it cannot copy are copied whole first (a small tensor).
+    q = q if copyable(q) else q.contiguous()
     grid = (row_groups(num_heads, q_len), num_seqs, splits)
     _wgmma_split_kernel[grid](
         q, values, rope, block_table, seq_lens, indices, partial_out, partial_lse,
