@@ -68,10 +68,12 @@ from .v4_experts import clamped_experts
 _FEW_PAIRS_MOE = MoeConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=3)
 _MANY_PAIRS_MOE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 _INTERPRETER_MOE = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
-# FP8 experts: the tiled path, K steps of 128 (capped at the scale block's K), four warps, tiles by the
-# pairs an expert gets as for 16-bit experts.
-_FEW_PAIRS_FP8_MOE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-_MANY_PAIRS_FP8_MOE = Fp8MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+# FP8 experts: the tiled path, K steps of 128 (capped at the scale block's K), four warps, 16-row tiles for
+# every token count. Tiles by the pairs an expert gets (64 rows past 16 pairs an expert, as 16-bit experts
+# take) gave a row other bits among many tokens than alone on an H100 (the v2-lite-fp8 probes of
+# `test_batch_invariance_gpu.py`, at their prefill): each K step's product is scaled before it is added,
+# and the two tile shapes' products round apart.
+_FP8_MOE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _INTERPRETER_FP8_MOE = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 # Tokens whose router logits one routing program computes: the route kernel's own
 # logits (split over D, partial sums added in split order) with the split fixed by
@@ -130,10 +132,8 @@ def _moe_config(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> M
 
 def invariant_fp8_moe_config(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> Fp8MoeConfig:
     """The FP8 fused MoE's configuration for x [T, D], w13 values [E, 2I, D], topk_ids [T, k]: the tiled
-    path with one K step for every token count (its tiles by the pairs an expert gets)."""
-    if x.device.type != "cuda":
-        return _INTERPRETER_FP8_MOE
-    return _FEW_PAIRS_FP8_MOE if topk_ids.numel() / w13.shape[0] <= 16 else _MANY_PAIRS_FP8_MOE
+    path with one tile shape and K step for every token count."""
+    return _FP8_MOE if x.device.type == "cuda" else _INTERPRETER_FP8_MOE
 
 
 def invariant_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -26,6 +26,15 @@ def _weight(shape, gen, device):
             torch.stack([s for _, s in pairs]).view(*shape[:-2], *pairs[0][1].shape))
 
 
+def _tolerance(dtype, w8a8, device):
+    """The tolerance of a linear's output: TOLERANCE's, but for w8a8 into float32 on a GPU, whose FP8 x FP8
+    tensor-core products accumulate a scale block with fewer mantissa bits than float32 (Hopper's FP8
+    MMA: an H100 was 1.1e-3 off at most, outputs near 1); the interpreter computes them exactly."""
+    if w8a8 and dtype == torch.float32 and device.type == "cuda":
+        return {torch.float32: dict(atol=2e-3, rtol=2e-3)}
+    return TOLERANCE
+
+
 def _expected_linear(x, values, scale_inv, w8a8):
     # x.double() quantizes to the same FP8 values as x, so the float64 oracle takes every path.
     return ref.fp8_linear(x.double(), values, scale_inv, w8a8=w8a8)
@@ -53,7 +62,7 @@ def test_fp8_linear(num_tokens, dtype, w8a8, device):
     values, scale_inv = _weight((136, 200), gen, device)
     y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8)
     assert y.dtype == dtype and y.shape == (num_tokens, 136)
-    assert_close(y, _expected_linear(x, values, scale_inv, w8a8), dtype)
+    assert_close(y, _expected_linear(x, values, scale_inv, w8a8), dtype, _tolerance(dtype, w8a8, x.device))
 
 
 @pytest.mark.parametrize("num_tokens", [2, 20])
@@ -64,7 +73,8 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
     expected = _expected_linear(x, values, scale_inv, True)
     y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=True, out_dtype=torch.float32)
     assert y.dtype == torch.float32
-    assert_close(y, expected, torch.float32, table={torch.float32: dict(atol=1e-4, rtol=1e-4)})
+    cpu = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
+    assert_close(y, expected, torch.float32, table=_tolerance(torch.float32, True, x.device) if x.is_cuda else cpu)
     # Splits of K (whole scale blocks) summed in split order: the stream's product, differently added.
     split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split), _expected_linear(x, values, scale_inv, False),
