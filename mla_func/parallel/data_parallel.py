@@ -19,6 +19,9 @@ largest sizes any of them needs, exchanging that mode's rows: one static key on 
 each finds memoized, or captures, at the same step. A step any rank cannot graph runs eagerly on
 all, and so does every prefill and mixed step: their logits rows follow each rank's own prompts
 (so their keys seldom agree), and an idle rank beside them would need an all-padding prefill graph.
+A verify step of speculative decoding is a decode step like any other here (its query length is in
+the key); the drafter's steps around it run eagerly under data-parallel attention (the engine builds
+its drafter without graphs), so none of their keys has to be agreed on.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Under data-parallel attention (a model loaded with `Parallel(data_parallel_atten
 rank runs this engine with the same calls: it schedules every rank's requests alike
 (`mla_func.serving.rank_scheduler`), runs its own rank's step (an idle one when it has no request in
 it; a CUDA graph only where every rank's step replays one of the same key), draws its own rows' tokens
-(with their logprobs when a request of the step asks for them), and gathers every rank's, so every rank
+(with their logprobs when a request of the step asks for them; with speculative decoding, drafts and
+verifies its own rows in drafter steps every rank runs alike), and gathers every rank's, so every rank
 returns every completion.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import gc
 import random
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -125,7 +127,10 @@ class Engine:
     static key from every rank's plan (`parallel.data_parallel.rank_modes`), since a rank that captures
     a graph runs its step's collectives once more than a rank that replays one; a step any rank cannot
     graph runs eagerly on all. A step with a logprobs request gathers each row's logprobs with its token
-    (`RanksStep.every_logits_row`). Speculative decoding is not supported there yet.
+    (`RanksStep.every_logits_row`). With speculative_tokens every rank drafts and verifies its own rows,
+    the drafter's steps exchanging rows as the target's do (`mla_func.serving.speculative`), and gathers
+    each verify row's tokens (`RanksStep.every_verify_token`); `speculative_stats` counts the drafts of the
+    rank's own rows, and the drafter's steps run eagerly there.
     """
 
     def __init__(
@@ -161,9 +166,6 @@ class Engine:
             raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
         # The ranks of a data-parallel group (None: this engine's steps are every rank's steps).
         ranks = model.params.collectives if model.params.collectives.tokens_split else None
-        if ranks is not None and speculative_tokens:
-            raise ValueError(f"Engine: speculative_tokens={speculative_tokens} is not supported under data-parallel "
-                             "attention yet (the drafter's steps do not exchange rows)")
         if max_model_len is None:
             max_model_len = model.max_positions
         check_limit("max_model_len", max_model_len, 1, model.config.max_position_embeddings,
@@ -205,9 +207,14 @@ class Engine:
             else RankSchedulers(c.scheduler_config(self.state.groups), ranks.size, ranks.rank))
         # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
         self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
+        # Under data-parallel attention the drafter's steps run eagerly: a graph step there must be one key
+        # on every rank, captured by all at once (`parallel.data_parallel.rank_modes`), and the drafter's
+        # warm-up captures one process's keys (no exchanged rows); eager steps need no such agreement. The
+        # target's verify steps keep the rule of any decode step.
+        drafting = c if ranks is None else replace(c, graphs=False)
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
-            c.build_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model)),
-            init_drafter_state(model, self.state), self._ops)
+            drafting.build_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model)),
+            init_drafter_state(model, self.state), self._ops, hidden_size=drafter_hidden_size(model.config))
         self._rng = random.Random(seed)
         self._next_id = 0
         # Request id -> its record, for exactly the requests the scheduler holds: one leaves as it finishes
@@ -524,10 +531,16 @@ class Engine:
         """Run this rank's step of a data-parallel one (an idle step when it has none), draw its own rows'
         tokens and gather every rank's; returns a token (or None) per row of every rank. When a request of
         any rank's rows asks for logprobs (known alike on every rank: every rank queued every request), each
-        row's logprobs travel with its token, and every rank records every row's."""
+        row's logprobs travel with its token, and every rank records every row's. With drafts, every rank
+        runs the iteration's drafter steps and its verify step alike (`SpeculativeDecoder.draft`), and each
+        verify row's tokens travel together (a tuple a row)."""
         ranks, own = self._ranks, scheduled.own
         if ranks is None:
             raise ValueError("Engine: a step of every rank, but the model is not loaded with data-parallel attention")
+        if (spec := self._speculative) is not None:
+            verify = spec.draft(scheduled, live)
+            drawn = spec.accept(verify, self._target_step(verify.plan, every_rank=verify.every_rank), live)
+            return [*scheduled.every_verify_token(drawn, ranks, self.model.device)]
         out = self._target_step(StepPlan() if own is None else own.plan, every_rank=scheduled.plans)
         entries = [live[rid] for row, rid in zip(scheduled.rows, scheduled.request_ids) if row.num_logits]
         top = _most_logprobs(entries)

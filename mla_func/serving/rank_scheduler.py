@@ -7,8 +7,9 @@ same schedulers, one a rank, each over that rank's cache blocks, and makes the s
 the same order (requests added and aborted, and every row's tokens): then every rank knows every
 rank's plan of a step without asking. The one exchange a step adds is the tokens each rank drew for
 its own rows (`RanksStep.every_token`, a gather of at most one token a row; with their logprobs when a
-request of the step asks for them, `RanksStep.every_logits_row`): every rank updates every rank's
-scheduler with the same tokens, and so every rank returns every completion.
+request of the step asks for them, `RanksStep.every_logits_row`; with speculative decoding, a verify
+row's tokens, `RanksStep.every_verify_token`): every rank updates every rank's scheduler with the same
+tokens, and so every rank returns every completion.
 
 A request goes to the rank with the fewest unfinished requests when it is added, the lowest rank
 on a tie: a rule of what every rank has seen alike, so every rank assigns it to the same rank
@@ -84,12 +85,44 @@ class RanksStep:
         own = [t for t in drawn if isinstance(t, int)]
         if len(own) != counts[self.rank] or any(isinstance(t, tuple) for t in drawn):
             raise ValueError(f"RanksStep.every_token: rank {self.rank} drew {drawn} for {counts[self.rank]} logits "
-                             "rows (one token a row: a verify row's tokens are not exchanged)")
+                             "rows (one token a row: a verify row's tokens go through every_verify_token)")
         # Padded on the host, so the step's one transfer to the device is the gather's input.
         mine = torch.full((max(counts), 1), _NO_TOKEN, dtype=torch.int64)
         mine[:len(own), 0] = torch.tensor(own, dtype=torch.int64)
         tokens = iter(self._gather(mine.to(device), counts, collectives)[:, 0].tolist())
         return [next(tokens) if row.num_logits else None for row in self.rows]
+
+    def every_verify_token(self, drawn: Sequence[int | tuple[int, ...] | None], collectives: CollectiveOps,
+                           device: torch.device) -> list[int | tuple[int, ...] | None]:
+        """`every_token` of a speculative step: every rank's tokens of each of its rows, rank by rank, from
+        `drawn`, this rank's (`SpeculativeDecoder.accept`'s: an int for a prefill row that completes its
+        prompt, a tuple of 1 to decode_q_len tokens for a verify row, None for a row without logits). One
+        all-gather of [most logits rows of any rank, W] int64 a rank, W the longest decode_q_len of any
+        rank's plan (known alike on every rank), each row's tokens padded; every rank enters it alike."""
+        counts = self._logits_counts()
+        own = [t for t in drawn if t is not None]
+        width = max(s.plan.decode_q_len for s in self.steps if s is not None)
+        if len(own) != counts[self.rank] or any(not isinstance(t, int) and len(t) > width for t in own):
+            raise ValueError(f"RanksStep.every_verify_token: rank {self.rank} drew {drawn} for {counts[self.rank]} "
+                             f"logits rows (at most {width} tokens a row)")
+        mine = torch.full((max(counts), width), _NO_TOKEN, dtype=torch.int64)
+        for i, tokens in enumerate(own):
+            kept = (tokens,) if isinstance(tokens, int) else tokens
+            mine[i, :len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        gathered = iter(self._gather(mine.to(device), counts, collectives).tolist())
+        every: list[int | tuple[int, ...] | None] = []
+        for s in self.steps:
+            if s is None:
+                continue
+            num_prefill = len(s.plan.prefill)
+            for i, row in enumerate(s.rows):
+                if not row.num_logits:
+                    every.append(None)
+                    continue
+                values = next(gathered)
+                # A prefill row gives its one token; a verify row the tokens it keeps, before the padding.
+                every.append(values[0] if i < num_prefill else tuple(t for t in values if t != _NO_TOKEN))
+        return every
 
     def every_logits_row(self, own: torch.Tensor, collectives: CollectiveOps) -> torch.Tensor:
         """[logits rows of every rank, W] int64 on the host, rank by rank, from `own` ([this rank's logits
