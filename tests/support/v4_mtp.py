@@ -1,8 +1,9 @@
 """Small random DeepSeek-V4 checkpoints with a multi-token-prediction layer, and the MTP block's equations.
 
 transformers' deepseek_v4 neither builds nor saves MTP layers (it skips `mtp.*` tensors), so the
-layer is made here: its V4 layer is the last layer of a transformers model of one more layer (a
-sliding-window layer with learned routing, as DeepSeek-V4's MTP layer is), saved by transformers and
+layer is made here: its V4 layer is the last layer of a transformers model of one more layer (with
+learned routing, as DeepSeek-V4's MTP layer has; a sliding-window layer, as released, or of the attention
+type asked for, whose rate config.json's `mtp_compress_ratio` then gives), saved by transformers and
 renamed from `model.layers.{L}.` to `mtp.0.`; its own tensors (e_proj, h_proj, enorm, hnorm, norm,
 the hyper head) are drawn independently. The oracle (`v4_mtp_reference`) runs that transformers
 layer inside DeepSeek-V4's MTPBlock equations:
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM
 from transformers.masking_utils import create_sliding_window_causal_mask
 
+from support.checkpoint_edits import edit_config
 from support.v4_reference import make_reference, save_reference
 
 PREFIX = "mtp.0."
@@ -35,20 +37,22 @@ def _draw(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
 
 
 def v4_mtp_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, echo: bool = False,
-                      **overrides) -> tuple[DeepseekV4ForCausalLM, torch.nn.Module, dict[str, torch.Tensor]]:
+                      mtp_layer_type: str = "sliding_attention", **overrides
+                      ) -> tuple[DeepseekV4ForCausalLM, torch.nn.Module, dict[str, torch.Tensor]]:
     """A transformers V4 model saved at `path` with an MTP layer `mtp.0.*` added to its file.
 
     Returns (the model, the MTP layer's transformers decoder layer, the MTP tensors by name).
     echo: a drafter that guesses well on repetitive text: h_proj passes the streams through, e_proj
     is zero, the layer's output projections are small, its mHC sites keep each stream apart and its
     hyper head, norms and head are the model's, so its logits are near the target's one position back.
+    mtp_layer_type: the MTP layer's attention type (config.json says it by its rate, `mtp_compress_ratio`).
     """
     model = save_reference(path, dtype, seed, **overrides)
     config = model.config
     layers = config.num_hidden_layers
     longer = make_reference(dtype, seed + 1000, **{
         **overrides, "num_hidden_layers": layers + 1,
-        "layer_types": [*config.layer_types, "sliding_attention"],
+        "layer_types": [*config.layer_types, mtp_layer_type],
         "mlp_layer_types": [*config.mlp_layer_types, "moe"]})
     with tempfile.TemporaryDirectory() as folder:
         longer.save_pretrained(folder)
@@ -68,6 +72,8 @@ def v4_mtp_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.f
     tensors = {name: value.to(dtype) for name, value in tensors.items()}
     weights = load_file(path / "model.safetensors")
     save_file({**weights, **tensors}, path / "model.safetensors", metadata={"format": "pt"})
+    if mtp_layer_type != "sliding_attention":
+        edit_config(path, mtp_compress_ratio=config.compress_rates[mtp_layer_type])
     return model, longer.model.layers[layers], tensors
 
 

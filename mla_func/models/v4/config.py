@@ -17,7 +17,8 @@ from typing import Any
 
 from mla_func.core.config import V4_SCORING_FUNCS, ConfigError, FamilyFields, ModelConfig, RopeConfig, is_number, refuse
 from mla_func.checkpoint.files import CheckpointError
-from mla_func.core.config_fields import as_float, at_most, check_choice, check_entries, check_int, check_positive
+from mla_func.core.config_fields import (as_float, at_most, check_choice, check_entries, check_int, check_positive,
+                                          is_int)
 from mla_func.models.v4.quantization_config import v4_quantization
 
 __all__ = ["ATTENTION_TYPES", "CSA", "HCA", "MAX_SINKHORN_ITERS", "MLP_TYPES", "SLIDING", "V4Config",
@@ -48,6 +49,10 @@ class V4Config(FamilyFields):
     mlp_layer_types: per layer, "hash_moe" (experts from the token id, `tid2eid`) or "moe"
     csa_rate, hca_rate: tokens pooled into one compressed entry (compress_rates)
     compress_rope:   the rope of CSA/HCA layers, their compressors and the indexer
+    mtp_compress_ratio: tokens pooled into one compressed entry by the first multi-token-prediction
+                     (MTP) layer: 0 (the default, for configs that give none) a sliding-window layer,
+                     csa_rate a CSA layer, hca_rate an HCA layer (`mtp_layer_type`). DeepSeek's released
+                     configs give it as compress_ratios[num_hidden_layers] (`config_released`).
     """
 
     head_dim: int
@@ -67,6 +72,7 @@ class V4Config(FamilyFields):
     index_topk: int
     num_nextn_predict_layers: int = 0
     compress_rope: RopeConfig = field(default_factory=RopeConfig)
+    mtp_compress_ratio: int = 0
 
     def rate(self, layer_type: str) -> int:
         """Tokens per compressed entry of a CSA or HCA layer."""
@@ -75,6 +81,26 @@ class V4Config(FamilyFields):
         if layer_type == HCA:
             return self.hca_rate
         raise ValueError(f"rate: {layer_type!r} layers have no compressor")
+
+    @property
+    def mtp_layer_type(self) -> str:
+        """The attention type of the first MTP layer, one of ATTENTION_TYPES, from `mtp_compress_ratio`
+        (ValueError for a ratio that is neither 0 nor a rate: `validate_v4` refuses it by name)."""
+        if self.mtp_compress_ratio == 0:
+            return SLIDING
+        kinds = [kind for kind in (CSA, HCA) if self.rate(kind) == self.mtp_compress_ratio]
+        if len(kinds) != 1:
+            raise ValueError(f"mtp_layer_type: mtp_compress_ratio {self.mtp_compress_ratio} names no one layer type "
+                             f"(csa_rate {self.csa_rate}, hca_rate {self.hca_rate})")
+        return kinds[0]
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """The attention types of the layers a model of these fields can run: the decoder layers', then the
+        first MTP layer's (a drafter's caches live in the target's state geometry). A config that names a
+        compressing MTP layer is taken at its word even where num_nextn_predict_layers says 0, since
+        `load_model(..., mtp=True)` reads the layer whatever that count says."""
+        return (*self.layer_types, self.mtp_layer_type)
 
 
 def v4_fields(config: ModelConfig) -> V4Config:
@@ -134,6 +160,7 @@ def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int, 
     check_int("sliding_window", v.sliding_window, 1, max_positions, why="max_position_embeddings")
     check_int("hc_sinkhorn_iters", v.hc_sinkhorn_iters, 1, MAX_SINKHORN_ITERS)
     check_int("num_nextn_predict_layers", v.num_nextn_predict_layers, 0)
+    _check_mtp_compress_ratio(v)
     check_positive("hc_eps", v.hc_eps)
     check_positive("swiglu_limit", v.swiglu_limit)
     if num_heads % v.o_groups:
@@ -141,8 +168,20 @@ def validate_v4(v: V4Config, *, num_layers: int, num_heads: int, rope_dim: int, 
     if not rope_dim < v.head_dim:
         raise refuse("partial_rotary_factor", rope_dim / v.head_dim,
                      f"must leave a non-rotated part of head_dim={v.head_dim} (rotated: {rope_dim})")
-    if CSA in v.layer_types and v.index_head_dim < rope_dim:
+    if CSA in v.attention_types and v.index_head_dim < rope_dim:
         raise refuse("index_head_dim", v.index_head_dim, f"the indexer rotates {rope_dim} channels: must be >= that")
+
+
+def _check_mtp_compress_ratio(v: V4Config) -> None:
+    """mtp_compress_ratio is 0 or exactly one of the two rates: it says the MTP layer's type by its rate."""
+    ratio = v.mtp_compress_ratio
+    allowed = sorted({0, v.csa_rate, v.hca_rate})
+    if not is_int(ratio) or ratio not in allowed:
+        raise refuse("mtp_compress_ratio", ratio, f"expected one of {allowed} (0: sliding window only, "
+                     f"compress_rates.{CSA}={v.csa_rate}: CSA, compress_rates.{HCA}={v.hca_rate}: HCA)")
+    if ratio and v.csa_rate == v.hca_rate:
+        raise refuse("mtp_compress_ratio", ratio, f"names no one layer type: compress_rates.{CSA} and "
+                     f"compress_rates.{HCA} are both {ratio}")
 
 
 def rope_block(name: str, raw: Any, theta_default: float) -> tuple[RopeConfig, Any]:
@@ -256,6 +295,7 @@ def v4_from_hf(raw: Mapping[str, Any], max_positions: Any) -> tuple[V4Config, Ro
         index_topk=raw.get("index_topk", 512),
         num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0),
         compress_rope=compress,
+        mtp_compress_ratio=raw.get("mtp_compress_ratio", 0),
     )
     return v4, main, int(rope_dim)
 
@@ -282,6 +322,7 @@ def v4_to_hf(v: V4Config, main: RopeConfig, rope_dim: int) -> dict[str, Any]:
         "hc_mult": v.hc_mult, "hc_sinkhorn_iters": v.hc_sinkhorn_iters, "hc_eps": v.hc_eps,
         "swiglu_limit": v.swiglu_limit, "o_groups": v.o_groups, "o_lora_rank": v.o_lora_rank,
         "index_n_heads": v.index_n_heads, "index_head_dim": v.index_head_dim, "index_topk": v.index_topk,
-        "num_nextn_predict_layers": v.num_nextn_predict_layers, "num_key_value_heads": 1,
+        "num_nextn_predict_layers": v.num_nextn_predict_layers, "mtp_compress_ratio": v.mtp_compress_ratio,
+        "num_key_value_heads": 1,
         "rope_parameters": {"main": _rope_to_hf(main, partial), "compress": _rope_to_hf(v.compress_rope, partial)},
     }

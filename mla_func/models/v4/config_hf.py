@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mla_func.core.config import ModelConfig, refuse
 from mla_func.core.config_fields import as_float
 from mla_func.models.v4.config import V4_IGNORED, V4Config, refuse_unsupported_v4, v4_from_hf, v4_to_hf
-from mla_func.models.v4.config_released import RELEASED_FIELDS, transformers_form
+from mla_func.models.v4.config_released import MTP_RATIO_FIELD, RELEASED_FIELDS, transformers_form
 
 if TYPE_CHECKING:
     from mla_func.core.family import Family
@@ -27,7 +27,7 @@ _READ = frozenset({
     "hc_mult", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads",
     "index_head_dim", "index_topk", "num_nextn_predict_layers", "n_shared_experts", "scoring_func",
     "routed_scaling_factor", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id",
-    "quantization_config", "expert_dtype", "topk_method", *RELEASED_FIELDS,
+    "quantization_config", "expert_dtype", "topk_method", MTP_RATIO_FIELD, *RELEASED_FIELDS,
 })
 
 

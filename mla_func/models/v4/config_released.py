@@ -5,8 +5,10 @@ transformers' `DeepseekV4Config` folds each released field into one of its own (
 
 * `compress_ratios` ([0, 0, 4, 128, 4, 128, ..., 4, 0]: one entry a layer, then one a
   multi-token-prediction layer, 44 for 43 layers) -> `layer_types`, entry by entry: 0 ->
-  sliding_attention, 4 -> compressed_sparse_attention, 128 -> heavily_compressed_attention; entries
-  past num_hidden_layers are dropped;
+  sliding_attention, 4 -> compressed_sparse_attention, 128 -> heavily_compressed_attention; the entry
+  of the first MTP layer (index num_hidden_layers) -> `mtp_compress_ratio` (mla-func's own field: transformers
+  builds no MTP layer and drops it; absent, the MTP layer is a sliding one, 0), checked against the rate of
+  its type as the layers' entries are; entries past it are dropped, as mla-func runs only the first MTP layer;
 * `compress_rate_csa`, `compress_rate_hca` (older configs) -> `compress_rates[type]`;
 * `num_hash_layers` (3) -> `mlp_layer_types`: that many "hash_moe" (at most num_hidden_layers), then "moe";
 * `rope_theta` (10000) -> `rope_parameters.main`, a default rope;
@@ -35,7 +37,7 @@ from mla_func.core.config import ConfigError, RopeConfig, refuse
 from mla_func.core.config_fields import check_int, is_int, is_number
 from mla_func.models.v4.config import CSA, HCA, SLIDING, rope_block
 
-__all__ = ["DEFAULT_RATES", "RATIO_LAYER_TYPES", "RELEASED_FIELDS", "transformers_form"]
+__all__ = ["DEFAULT_RATES", "MTP_RATIO_FIELD", "RATIO_LAYER_TYPES", "RELEASED_FIELDS", "transformers_form"]
 
 # compress_ratios' values: tokens pooled into one compressed entry (0: none) -> the layer's type.
 RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
@@ -43,6 +45,8 @@ RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 RELEASED_FIELDS = frozenset({"compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers",
                              "rope_scaling"})
 _RATE_FIELDS = {CSA: "compress_rate_csa", HCA: "compress_rate_hca"}
+# The field `compress_ratios`' entry of the first MTP layer folds into (`V4Config.mtp_compress_ratio`).
+MTP_RATIO_FIELD = "mtp_compress_ratio"
 DEFAULT_RATES = {CSA: 4, HCA: 128}
 
 
@@ -59,7 +63,8 @@ def _num_layers(raw: Mapping[str, Any], reading: str) -> int:
 
 
 def _layer_types(raw: Mapping[str, Any], out: dict[str, Any]) -> list[int] | None:
-    """compress_ratios -> layer_types (set in `out`); returns the ratios of the num_hidden_layers layers."""
+    """compress_ratios -> layer_types and, where it has an entry past the layers, mtp_compress_ratio (set in
+    `out`); returns the ratios of the num_hidden_layers layers and of the first MTP layer, where given."""
     ratios = raw.get("compress_ratios")
     if ratios is None:
         return None
@@ -76,12 +81,19 @@ def _layer_types(raw: Mapping[str, Any], out: dict[str, Any]) -> list[int] | Non
     if given is not None and given != derived:
         raise _disagree("layer_types", given, "compress_ratios", ratios)
     out["layer_types"] = derived
-    return list(ratios[:n])
+    if len(ratios) == n:
+        return list(ratios)
+    given_mtp = raw.get(MTP_RATIO_FIELD)
+    if given_mtp is not None and given_mtp != ratios[n]:
+        raise _disagree(MTP_RATIO_FIELD, given_mtp, f"compress_ratios[{n}] (the first MTP layer's)", ratios[n])
+    out[MTP_RATIO_FIELD] = ratios[n]
+    return list(ratios[:n + 1])
 
 
 def _compress_rates(raw: Mapping[str, Any], used_ratios: list[int] | None, out: dict[str, Any]) -> None:
     """compress_rate_csa / compress_rate_hca -> compress_rates (set in `out`), each type's rate checked
-    against its other spellings (compress_rates, and the 4 or 128 of its layers in compress_ratios)."""
+    against its other spellings (compress_rates, and the 4 or 128 of its layers, the first MTP
+    layer's included, in compress_ratios)."""
     rates = raw.get("compress_rates")
     # type -> [(field, the rate it gives, its value as shown in an error)]
     spelled: dict[str, list[tuple[str, Any, Any]]] = {CSA: [], HCA: []}
@@ -196,7 +208,8 @@ def transformers_form(raw: Mapping[str, Any]) -> dict[str, Any]:
 
     ConfigError names the field for a released value mla-func cannot read (a compress_ratios shorter than
     num_hidden_layers or with a ratio other than 0, 4, 128; a negative num_hash_layers; a rope_scaling that
-    is not an object) and names both fields where two spellings of one fact disagree.
+    is not an object) and names both fields where two spellings of one fact disagree (the MTP layer's
+    compress_ratios entry and mtp_compress_ratio among them).
     """
     out = {name: value for name, value in raw.items() if name not in RELEASED_FIELDS}
     used_ratios = _layer_types(raw, out)

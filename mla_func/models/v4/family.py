@@ -32,8 +32,9 @@ def _cache_groups(config: ModelConfig, tokens: CacheGroup) -> tuple[CacheGroup, 
 
 
 def _rope_table_pairs(config: ModelConfig) -> int:
-    # CSA and HCA layers (and their compressors and indexer) share a second pair: their own rope.
-    return 1 if all(kind == SLIDING for kind in v4_fields(config).layer_types) else 2
+    # CSA and HCA layers (and their compressors and indexer), the MTP layer's too, share a second pair:
+    # their own rope.
+    return 1 if all(kind == SLIDING for kind in v4_fields(config).attention_types) else 2
 
 
 V4 = Family(

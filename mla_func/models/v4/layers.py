@@ -18,7 +18,8 @@ the collapse, flattened [T, N * D]: the hidden state the MTP drafter continues f
 
 Each kind's cache (`state.v4_cache.V4LayerCache`) holds the leaves that kind
 needs; the compressed kinds' entries live in their own cache group
-(`v4_cache_groups`): group 1.. in the order CSA, HCA, for the kinds the model has.
+(`v4_cache_groups`): group 1.. in the order CSA, HCA, for the kinds the model has (its MTP
+layer's kind included, which may be one no decoder layer has).
 Group 0 is read only near a sequence's end; each kind's `lookback` says how far.
 """
 
@@ -40,8 +41,10 @@ from mla_func.state.v4_cache import V4LayerCache, compressed_group, zeroed_v4_ca
 
 
 def compressed_types(v: V4Config) -> tuple[str, ...]:
-    """The compressed layer types the model has, in cache-group order (group 1, 2, ...)."""
-    return tuple(t for t in (CSA, HCA) if t in v.layer_types)
+    """The compressed layer types the model has, its MTP layer's included (`V4Config.attention_types`: the
+    drafter's cache is addressed by the target's tables, so the target's state has its group), in
+    cache-group order (group 1, 2, ...)."""
+    return tuple(t for t in (CSA, HCA) if t in v.attention_types)
 
 
 def v4_cache_groups(v: V4Config, tokens: CacheGroup) -> tuple[CacheGroup, ...]:

@@ -23,10 +23,20 @@ tensors), with `e_proj`, `h_proj` (FP8 linears in the released files), `enorm`, 
 names `params.canonical_names` gives them (`mtp.0.attn.norm.weight`, `mtp.0.hc_head.hc_fn`), its
 quantized weights as the decoder layers' (`quant_layout`).
 
-Its layer is a sliding-window layer with a learned-routing MoE: the released configs' `compress_ratios`
-give the MTP layer 0 (no compression), and their hash-routed layers are the first few only (the MTP
-layer's index, num_hidden_layers, is past them). The config read keeps no entry for it
-(`config_released`), so a checkpoint whose MTP layer compresses would be read as a sliding one.
+Its layer is of the attention type its compress ratio says (`V4Config.mtp_compress_ratio`, read from the
+released configs' `compress_ratios`, whose entry num_hidden_layers is the MTP layer's, as DeepSeek's
+inference code builds its MTP block as the layer of that index; `config_released`): 0 (the released
+configs', and the default where a config gives none) a sliding-window layer, the CSA rate (4 as
+released) a CSA layer with its compressor and indexer, the HCA rate (128) an HCA layer. It is built,
+loaded and run as a decoder layer of that type is (`V4DecoderLayer`): the same tensors, a compressed one
+rotating with the compress rope, the same cache leaves in its own state, its entries in the cache group
+of that type, which the target's state holds even where no decoder layer is of that type
+(`layers.compressed_types`), so the target's tables address the drafter's cache. Its window and
+compressor inputs are read back in cache group 0 as far as a decoder layer of its type reads
+(`lookback`), which the target's layers must reach too (`init_drafter_state` refuses a state they do
+not; with the released window of 128 tokens, every type's reach is within it). Its MoE routes by the
+learned router: the released configs' hash-routed layers are the first few only (the MTP layer's index,
+num_hidden_layers, is past them).
 
 Across ranks its V4 layer is cut as a decoder layer is (`shard`: the family's split rule names tensors
 by suffix, so `mtp.0.attn.wq_b.weight` is cut as `model.layers.0.attn.wq_b.weight`, FP8 and FP4 pairs
@@ -61,13 +71,13 @@ from mla_func.models.v4.expert_shard import v4_expert_shard_layer
 from mla_func.models.v4.hyper_connections import HyperResidual
 from mla_func.models.v4.layers import V4DecoderLayer, V4Entered
 from mla_func.models.v4.params import V4LayerParams, v4_layer_shapes
-from mla_func.models.v4.params_load import V4Reader
+from mla_func.models.v4.params_load import V4Reader, v4_rope_tables
 from mla_func.parallel.config import Parallel
 from mla_func.pytree import register_dataclass
 from mla_func.state.layer_cache import CacheGroup
 from mla_func.state.v4_cache import V4LayerCache
 
-__all__ = ["V4_MTP", "V4MTPLayer", "V4MTPParams", "v4_mtp_tensor_shapes"]
+__all__ = ["V4_MTP", "V4MTPLayer", "V4MTPParams", "v4_mtp_layer", "v4_mtp_tensor_shapes"]
 
 # The first MTP layer's checkpoint prefix (DeepSeek's, kept by `params.canonical_names`).
 PREFIX = "mtp.0."
@@ -84,16 +94,16 @@ class V4MTPParams:
     hnorm: torch.Tensor    # [D]
     e_proj: Weight         # [D, D] (a tensor or an FP8 pair)
     h_proj: Weight         # [D, D]
-    layer: V4LayerParams   # a sliding-window layer, its hc_head the MTP's own hyper head
+    layer: V4LayerParams   # a layer of the MTP's attention type, its hc_head the MTP's own hyper head
     norm: torch.Tensor     # [D] the norm after that hyper head
 
 
 @dataclass(frozen=True, slots=True)
 class V4MTPLayer:
-    """The layer kind of V4's MTP layer: the streams from embedding and hidden state, then a V4 layer
-    that ends with its own hyper head (`base`)."""
+    """The layer kind of V4's MTP layer: the streams from embedding and hidden state, then a V4 layer of
+    the MTP layer's attention type that ends with its own hyper head (`base`, `v4_mtp_layer`)."""
 
-    base: V4DecoderLayer = V4DecoderLayer(SLIDING, head=True)
+    base: V4DecoderLayer
     name: str = "v4 mtp"
 
     def init_cache(self, config: ModelConfig, groups: tuple[CacheGroup, ...], *, dtype: torch.dtype,
@@ -128,7 +138,9 @@ class V4MTPLayer:
         return self.base.body(p.layer, entered, residual, cache, ctx)
 
 
-MTP_LAYER = V4MTPLayer()
+def v4_mtp_layer(config: ModelConfig) -> V4MTPLayer:
+    """The kind of the first MTP layer of `config`: its V4 layer of type `V4Config.mtp_layer_type`."""
+    return V4MTPLayer(V4DecoderLayer(v4_fields(config).mtp_layer_type, head=True))
 
 
 def v4_mtp_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -137,7 +149,7 @@ def v4_mtp_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     own = {"enorm.weight": (d,), "hnorm.weight": (d,), "norm.weight": (d,), "e_proj.weight": (d, d),
            "h_proj.weight": (d, d), "hc_head.hc_fn": (n, n * d), "hc_head.hc_base": (n,), "hc_head.hc_scale": (1,)}
     return {**{PREFIX + name: shape for name, shape in own.items()},
-            **v4_layer_shapes(config, PREFIX, SLIDING, MLP_TYPE)}
+            **v4_layer_shapes(config, PREFIX, v4_fields(config).mtp_layer_type, MLP_TYPE)}
 
 
 def _no_optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -145,37 +157,54 @@ def _no_optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {}
 
 
+def _rope(kind: str, params: Params, own: tuple[torch.Tensor, torch.Tensor] | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) tables [P, R / 2] a layer of attention type `kind` rotates with, covering the positions
+    `params`' tables cover now (an engine may have extended them): a sliding layer the model's main tables,
+    a compressed one the compress rope's, as a compressed decoder layer holds them, else `own` (the MTP
+    layer's, when as long), else built afresh."""
+    if kind == SLIDING:
+        return params.rope_cos, params.rope_sin
+    positions = params.rope_cos.shape[0]
+    for layer in params.layers:
+        if layer.attn.compressor is not None:
+            return layer.attn.rope_cos, layer.attn.rope_sin
+    if own is not None and own[0].shape[0] == positions:
+        return own
+    return v4_rope_tables(params.config, params.rope_cos.device, positions)[1]
+
+
 def _load(config: ModelConfig, params: Params, fetch: TensorFetch, dtype: torch.dtype, device: torch.device | str,
           present: frozenset[str], parallel: Parallel | None) -> V4MTPParams:
-    """The first MTP layer (`MTPFamily.load`); its layer rotates with the model's main RoPE tables. `fetch`
-    reads a rank's shard under `parallel` (cut as the module docstring says); with expert parallelism the
-    layer's MoE block holds the rank's own routed experts, as a decoder layer's does."""
+    """The first MTP layer (`MTPFamily.load`), of its attention type (`V4Config.mtp_layer_type`); its layer
+    rotates with the model's RoPE tables of that type (`_rope`). `fetch` reads a rank's shard under
+    `parallel` (cut as the module docstring says); with expert parallelism the layer's MoE block holds the
+    rank's own routed experts, as a decoder layer's does."""
     read = V4Reader(config, fetch, dtype, device)
     head = read.hyper_head(PREFIX + "hc_head.")
-    rope = (params.rope_cos, params.rope_sin)
+    kind = v4_fields(config).mtp_layer_type
+    rope = _rope(kind, params, None)
     if parallel is not None and parallel.expert_parallel and parallel.tensor_parallel > 1:
         held = expert_range(config, parallel.rank, parallel.tensor_parallel)
-        layer = v4_expert_shard_layer(read.layer(PREFIX, SLIDING, MLP_TYPE, rope, routed=held, head=head), held)
+        layer = v4_expert_shard_layer(read.layer(PREFIX, kind, MLP_TYPE, rope, routed=held, head=head), held)
     else:
-        layer = read.layer(PREFIX, SLIDING, MLP_TYPE, rope, head=head)
+        layer = read.layer(PREFIX, kind, MLP_TYPE, rope, head=head)
     return V4MTPParams(enorm=read.get(PREFIX + "enorm.weight"), hnorm=read.get(PREFIX + "hnorm.weight"),
                        e_proj=read.weight(PREFIX + "e_proj.weight"), h_proj=read.weight(PREFIX + "h_proj.weight"),
                        layer=layer, norm=read.get(PREFIX + "norm.weight"))
 
 
 def _drafter_params(model: Model) -> Params:
-    """The drafter's params: the MTP layer, rotating with the model's RoPE tables as they are now (an engine
-    may have extended them), its norm, and the model's embedding and head."""
+    """The drafter's params: the MTP layer, rotating with the model's RoPE tables of its type as they are now
+    (an engine may have extended them, `_rope`), its norm, and the model's embedding and head."""
     mtp: V4MTPParams = model.mtp
     base = model.params
-    attn = dataclasses.replace(mtp.layer.attn, rope_cos=base.rope_cos, rope_sin=base.rope_sin)
+    own = (mtp.layer.attn.rope_cos, mtp.layer.attn.rope_sin)
+    cos, sin = _rope(v4_fields(model.config).mtp_layer_type, base, own)
+    attn = dataclasses.replace(mtp.layer.attn, rope_cos=cos, rope_sin=sin)
     layer = dataclasses.replace(mtp, layer=dataclasses.replace(mtp.layer, attn=attn))
     return Params(embed=base.embed, layers=(layer,), norm=mtp.norm, lm_head=base.lm_head, rope_cos=base.rope_cos,
                   rope_sin=base.rope_sin, config=model.config, collectives=base.collectives)
-
-
-def _layer_kind(config: ModelConfig) -> V4MTPLayer:
-    return MTP_LAYER
 
 
 def _prefix(config: ModelConfig) -> str:
@@ -186,6 +215,6 @@ def _hidden_size(config: ModelConfig) -> int:
     return v4_fields(config).hc_mult * config.hidden_size
 
 
-V4_MTP = MTPFamily(layer_kind=_layer_kind, prefix=_prefix, tensor_shapes=v4_mtp_tensor_shapes,
+V4_MTP = MTPFamily(layer_kind=v4_mtp_layer, prefix=_prefix, tensor_shapes=v4_mtp_tensor_shapes,
                    optional_shapes=_no_optional_shapes, load=_load, drafter_params=_drafter_params,
                    hidden_size=_hidden_size)

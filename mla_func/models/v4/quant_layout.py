@@ -46,7 +46,8 @@ def v4_quant_layout(config: ModelConfig, raw: Mapping[str, Any], label: str) -> 
     block, expert_dtype, scale_dtype = quantization
     linear = fp8_format(block, scale_dtype)
     routed = FP4_FORMAT if expert_dtype == "fp4" else linear
-    layer_types = v4_fields(config).layer_types
+    v = v4_fields(config)
+    layer_types = v.layer_types
 
     def format_of(name: str) -> StoredFormat | None:
         if _ROUTED.match(name):
@@ -58,8 +59,12 @@ def v4_quant_layout(config: ModelConfig, raw: Mapping[str, Any], label: str) -> 
         if found is None:
             return False
         where, index, module = found.group(1), int(found.group(2)), found.group(3)
-        # The MTP layer is a sliding-window layer (`mtp`): its wq_a and wkv stay pairs.
-        compressed = where == "model.layers" and index < len(layer_types) and layer_types[index] != SLIDING
+        # The first MTP layer is of the type its compress ratio says (`mtp`): as a decoder layer of that type,
+        # a sliding one keeps its wq_a and wkv pairs.
+        if where == "mtp":
+            compressed = index == 0 and v.mtp_layer_type != SLIDING
+        else:
+            compressed = index < len(layer_types) and layer_types[index] != SLIDING
         return module == "wo_a" or compressed
 
     return QuantLayout(block=block, format_of=format_of, scale_suffix=".scale", weight_suffix=".weight",

@@ -66,6 +66,24 @@ def test_rope_blocks_are_checked_by_name(folder):
         mf.config_from_hf_dict({**raw, "rope_parameters": whole})
 
 
+def test_the_mtp_layers_compress_ratio_is_read_written_back_and_given_its_cache_group(folder):
+    sliding, csa, hca = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+    raw = {**_raw(folder), "layer_types": [sliding, hca, sliding, hca], "mtp_compress_ratio": 4}
+    config = mf.config_from_hf_dict(raw)
+    assert (config.family_fields.mtp_compress_ratio, config.family_fields.mtp_layer_type) == (4, csa)
+    assert mf.config_from_hf_dict(config.to_hf_dict()) == config
+    # No decoder layer is CSA: the state has a group of 4-token entries for the MTP layer's alone.
+    groups = mf.init_state(config, num_blocks=9, block_size=4).groups
+    without = mf.init_state(mf.config_from_hf_dict({**raw, "mtp_compress_ratio": 0}), num_blocks=9,
+                            block_size=4).groups
+    assert [g.tokens_per_entry for g in groups] == [1, 4, 16]
+    assert [g.tokens_per_entry for g in without] == [1, 16]
+    # Sliding decoder layers only: the MTP layer's compress rope is a second pair of tables to hold.
+    alone = {**raw, "layer_types": [sliding] * 4}
+    pairs = [mf.config_from_hf_dict({**alone, "mtp_compress_ratio": ratio}) for ratio in (4, 16, 0)]
+    assert [c.family.rope_table_pairs(c) for c in pairs] == [2, 2, 1]
+
+
 def test_loaded_params_hold_every_tensor_in_place(folder):
     model = mf.load_model(folder, device="cpu")
     layer = model.params.layers[1]

@@ -146,6 +146,10 @@ def test_the_checkpoint_writer_spells_the_model_as_released():
     ({"mlp_layer_types": ["hash_moe", "moe", "moe", "moe", "moe"]}, ("mlp_layer_types", "num_hash_layers")),
     ({"compress_rates": {CSA: 4, HCA: 16}}, (f"compress_rates.{HCA}", "compress_ratios")),
     ({"compress_rate_csa": 8}, ("compress_rate_csa", "compress_ratios")),
+    ({"mtp_compress_ratio": 4}, ("mtp_compress_ratio", "compress_ratios[5]")),
+    # The MTP layer's 128 spells the HCA rate though no decoder layer is HCA.
+    ({"compress_ratios": [0, 0, 4, 4, 4, 128], "compress_rates": {CSA: 4, HCA: 16}},
+     (f"compress_rates.{HCA}", "compress_ratios")),
     ({"partial_rotary_factor": 0.25}, ("qk_rope_head_dim", "partial_rotary_factor")),
     ({"rope_parameters": TRANSFORMERS["rope_parameters"], "rope_scaling": {**RELEASED["rope_scaling"], "factor": 8}},
      ("rope_scaling", "rope_parameters")),
@@ -219,3 +223,35 @@ def test_entries_past_the_layers_and_hash_layers_past_them_are_read_as_transform
 def test_unknown_fields_are_still_reported():
     with pytest.warns(UserWarning, match=r"\['dspark_block_size'\]"):
         mf.config_from_hf_dict({**RELEASED, "dspark_block_size": 5})
+
+
+# ---- the MTP layer's entry (compress_ratios[num_hidden_layers]) -> mtp_compress_ratio ----------------------
+
+@pytest.mark.parametrize(("entry", "kind"), [(0, "sliding_attention"), (4, CSA), (128, HCA)])
+def test_the_mtp_layers_entry_is_kept_as_its_compress_ratio(entry, kind):
+    config = _read({**RELEASED, "compress_ratios": [*RELEASED["compress_ratios"][:5], entry]})
+    v = config.family_fields
+    assert (v.mtp_compress_ratio, v.mtp_layer_type) == (entry, kind)
+    assert v.layer_types == tuple(TRANSFORMERS["layer_types"])
+    assert _read({**TRANSFORMERS, "mtp_compress_ratio": entry}) == config
+    assert mf.config_from_hf_dict(config.to_hf_dict()) == config
+
+
+def test_a_config_without_the_mtp_layers_entry_has_a_sliding_mtp_layer():
+    for raw in ({**RELEASED, "compress_ratios": RELEASED["compress_ratios"][:5]}, TRANSFORMERS):
+        v = _read(raw).family_fields
+        assert (v.mtp_compress_ratio, v.mtp_layer_type) == (0, "sliding_attention")
+
+
+@pytest.mark.parametrize("value", [8, -1, 2, "4", 4.0, True, None, [4]])
+def test_a_bad_mtp_compress_ratio_is_refused_by_name(value):
+    with pytest.raises(mf.ConfigError, match=r"'mtp_compress_ratio' = .*expected one of \[0, 4, 128\]"):
+        mf.config_from_hf_dict({**TRANSFORMERS, "mtp_compress_ratio": value})
+
+
+def test_an_mtp_ratio_that_names_no_one_layer_type_is_refused_by_name():
+    with pytest.raises(mf.ConfigError, match="'mtp_compress_ratio' = 8: names no one layer type"):
+        mf.config_from_hf_dict({**TRANSFORMERS, "compress_rates": {CSA: 8, HCA: 8}, "mtp_compress_ratio": 8})
+    # Its sliding default is read whatever the rates.
+    v = _read({**TRANSFORMERS, "compress_rates": {CSA: 8, HCA: 8}}).family_fields
+    assert v.mtp_layer_type == "sliding_attention"
