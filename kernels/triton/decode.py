@@ -406,6 +406,15 @@ def check_latent_attention_args(q: torch.Tensor, kv_cache: LatentCache, block_ta
     return parts
 
 
+def workspace_splits(workspace: tuple[torch.Tensor, torch.Tensor] | None) -> int | None:
+    """The split count a caller's workspace (partial_out [rows, H, S, C], partial_lse) was made for, so that
+    a workspace from `*_workspace` fits whichever kernel the launch config takes; None without one (or with
+    one of the wrong rank, which `split_partials` refuses by name)."""
+    if workspace is None or workspace[0].dim() != 4:
+        return None
+    return int(workspace[0].shape[2])
+
+
 def check_wgmma_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
     """Refuses, naming what does not fit, a decode a config sends to the warpgroup-MMA kernel that it cannot
     take (`gluon.mla_decode.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
@@ -448,7 +457,8 @@ def mla_decode(
     seq_lens:    [B] int32 KV length after this step (>= q_len); 0 marks a padded sequence
     workspace:   (partial_out [B * q_len, H, S, C] fp32, partial_lse [B * q_len, H, S] fp32)
                  from `mla_decode_workspace`, so that a captured graph allocates only its
-                 outputs; None allocates it here. Unused when S == 1.
+                 outputs; None allocates it here. Its S is the split count (any S >= 1 gives
+                 the same answer; the kernel a config takes may prefer another). Unused when S == 1.
     num_splits:  overrides `mla_decode_num_splits` (tests); must match the workspace.
     config:      overrides the tile sizes (benchmark sweeps); `chunks=4` takes the chunked kernel.
     w_uv:        [H, Dv, C] value up-projection in q's dtype (any strides), a stacked FP8 pair
@@ -474,8 +484,8 @@ def mla_decode(
                                      wgmma=gluon_decode.copyable(parts.values, parts.rope))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
-    splits = num_splits or mla_decode_num_splits(num_seqs, num_heads, width, block_size, device, config,
-                                                 q_len=q_len)
+    splits = num_splits or workspace_splits(workspace) or mla_decode_num_splits(
+        num_seqs, num_heads, width, block_size, device, config, q_len=q_len)
     block_rows, heads_per_program = _tiling(num_heads, q_len, config)
 
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)

@@ -36,7 +36,7 @@ from ..quantized import BlockFP8Weight
 from ._common import LOG2E, dot_precision, next_pow2, pdl
 from ..gluon import mla_decode as gluon_decode
 from .decode import (DecodeConfig, check_latent_attention_args, check_wgmma_takes, decode_config, fill_splits,
-                     launch_config)
+                     launch_config, workspace_splits)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
 
@@ -226,7 +226,7 @@ def sparse_mla_decode(
                  (read dequantized into q's dtype), or None
     workspace:   (partial_out [T, H, S, C] fp32, partial_lse [T, H, S] fp32) from
                  `sparse_mla_decode_workspace`, so a captured graph allocates only its
-                 outputs; None allocates it here. Unused when S == 1.
+                 outputs; None allocates it here. Its S is the split count. Unused when S == 1.
     num_splits:  overrides `sparse_mla_decode_num_splits` (tests); must match the workspace
     config:      overrides the tile sizes (benchmark sweeps)
     returns      out [T, H, C] in q's dtype, or with w_uv [T, H, Dv] = (out rounded to q's
@@ -243,7 +243,8 @@ def sparse_mla_decode(
     device = q.device
     config = config or sparse_launch_config(num_heads, kv_lora_rank, dim - kv_lora_rank, device, parts.fp8,
                                             q.dtype, wgmma=gluon_decode.copyable(parts.values, parts.rope))
-    splits = num_splits or sparse_mla_decode_num_splits(num_rows, num_heads, top_k, device, config)
+    splits = num_splits or workspace_splits(workspace) or sparse_mla_decode_num_splits(num_rows, num_heads, top_k,
+                                                                                    device, config)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_ROWS
 
     out = torch.empty((num_rows, num_heads, kv_lora_rank), dtype=q.dtype, device=device)

@@ -89,6 +89,21 @@ def test_preallocated_workspace(device):
     _check([17, 50], 4, 32, 16, 16, torch.float32, device, seed=13, workspace=True)
 
 
+def test_a_workspace_sets_the_split_count(device):
+    """A caller's workspace of S splits is used with S splits (whichever kernel the launch config takes)."""
+    gen = generator(15, device)
+    kv_cache, table = paged_cache([40, 70], 16, 48, torch.float32, device, gen)
+    q = randn((2, 4, 48), torch.float32, device, gen)
+    lens = torch.tensor([40, 70], dtype=torch.int32, device=device)
+    workspace = (torch.full((2, 4, 3, 32), float("nan"), device=device),
+                 torch.full((2, 4, 3), float("nan"), device=device))
+    out, lse = tri.mla_decode(q, kv_cache, table, lens, softmax_scale=0.2, kv_lora_rank=32, workspace=workspace)
+    want, want_lse = ref.mla_decode(q.double(), kv_cache.double(), table, lens, softmax_scale=0.2, kv_lora_rank=32)
+    assert not workspace[1].isnan().any()          # every one of the 3 splits wrote its LSE
+    assert_close(out, want, torch.float32)
+    assert_close(lse, want_lse, torch.float32, LSE_TOLERANCE)
+
+
 def test_all_rows_padded(device):
     _check([0, 0], 4, 32, 16, 16, torch.float32, device, seed=14, num_splits=3)
 
