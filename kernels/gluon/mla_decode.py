@@ -84,18 +84,24 @@ def _pages(pos, valid, bt_row, s_btw, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
-               KV_LORA_RANK: gl.constexpr, SLAB: gl.constexpr, layout: gl.constexpr):
-    # Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, layout)) into one stage;
-    # rows not `valid` are zero-filled, so a product over them is 0, never NaN.
-    v_rows = gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1)
-    r_rows = gl.expand_dims(r_ptr + page * s_rn + offset * s_rb, 1)
-    mask = gl.expand_dims(valid, 1)
+def _copy_rows(nope_buf, pe_buf, nope_rows, pe_rows, mask, s_nope, s_pe, KV_LORA_RANK: gl.constexpr,
+               SLAB: gl.constexpr, layout: gl.constexpr):
+    # Starts copying rows [N] (pointers [N, 1] in `layout`) into a [N, C] and a [N, R] buffer, a slab of
+    # SLAB columns a copy; rows not in `mask` [N, 1] are zero-filled, so a product over them is 0, never NaN.
     cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(KV_LORA_RANK // SLAB):
         async_copy.async_copy_global_to_shared(nope_buf.slice(c * SLAB, SLAB, dim=1),
-                                               v_rows + gl.expand_dims((c * SLAB + cols) * s_vd, 0), mask)
-    async_copy.async_copy_global_to_shared(pe_buf, r_rows + gl.expand_dims(cols * s_rd, 0), mask)
+                                               nope_rows + gl.expand_dims((c * SLAB + cols) * s_nope, 0), mask)
+    async_copy.async_copy_global_to_shared(pe_buf, pe_rows + gl.expand_dims(cols * s_pe, 0), mask)
+
+
+@gluon.jit
+def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+               KV_LORA_RANK: gl.constexpr, SLAB: gl.constexpr, layout: gl.constexpr):
+    # Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, layout)) into one stage.
+    _copy_rows(nope_buf, pe_buf, gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1),
+               gl.expand_dims(r_ptr + page * s_rn + offset * s_rb, 1), gl.expand_dims(valid, 1), s_vd, s_rd,
+               KV_LORA_RANK, SLAB, layout)
 
 
 @gluon.jit
@@ -171,12 +177,8 @@ def _wgmma_split_kernel(
     # The queries and the first tile come in one copy group, every copy in flight at once.
     rows, heads, real, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M, gl.SliceLayout(1, copy_layout))
     q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
-    q_mask = gl.expand_dims(real, 1)
-    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
-    for c in gl.static_range(KV_LORA_RANK // SLAB):
-        async_copy.async_copy_global_to_shared(q_nope.slice(c * SLAB, SLAB, dim=1),
-                                               q_rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), q_mask)
-    async_copy.async_copy_global_to_shared(q_pe, q_rows + gl.expand_dims((KV_LORA_RANK + cols) * s_qd, 0), q_mask)
+    _copy_rows(q_nope, q_pe, q_rows, q_rows + KV_LORA_RANK * s_qd, gl.expand_dims(real, 1), s_qd, s_qd,
+               KV_LORA_RANK, SLAB, copy_layout)
     _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
                s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
