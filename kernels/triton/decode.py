@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..gluon import mla_decode as gluon_decode
 from ..checks import check_dtype, check_same_device, check_shape
+from ..gluon import mla_decode as gluon_decode
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
@@ -119,8 +119,9 @@ def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, 
     `wgmma` is False (its `tl.dot` twin, which tests and benchmarks set beside it); else the chunked kernel's
     where it was measured faster (one query a row in 16 bits over
     a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
-    else `decode_config`'s. Both take the same heads a program, so the split count (and a workspace) is the
-    same for either."""
+    else `decode_config`'s. The two `tl.dot` kernels take the same heads a program, so the same split count;
+    the warpgroup-MMA kernel fills one wave of one program a multiprocessor, and so may take fewer (a
+    caller's workspace sets the count either way: `workspace_splits`)."""
     key = min(64, max(16, next_pow2(num_heads)))
     if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, fp8, device):
         return _WGMMA_CONFIG

@@ -31,10 +31,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..gluon import mla_decode as gluon_decode
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
 from ._common import LOG2E, dot_precision, next_pow2, pdl
-from ..gluon import mla_decode as gluon_decode
 from .decode import (DecodeConfig, check_latent_attention_args, check_wgmma_takes, decode_config, fill_splits,
                      launch_config, workspace_splits)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
