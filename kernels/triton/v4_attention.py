@@ -172,11 +172,12 @@ def _v4_split_kernel(
     entry_count = key_len * 0
     n_ent = key_len * 0
     if HAS_ENTRIES:
-        entry_count = key_len // rate
+        # Entries past the table are no key (a pick there is masked, as the reference masks it).
+        entry_count = tl.minimum(key_len // rate, entry_capacity)
         if HAS_INDICES:
             n_ent = tl.minimum(entry_count, entry_k)
         else:
-            n_ent = tl.minimum(entry_count, entry_capacity)
+            n_ent = entry_count
     total = n_win + n_ent
     # Whole tiles per split, so only a split's last tile is ragged.
     per_split = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N

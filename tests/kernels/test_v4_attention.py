@@ -106,6 +106,19 @@ def test_strided_queries_and_a_workspace(device):
     _check((q, *args[1:]), kwargs, torch.float32, workspace=workspace, num_splits=splits)
 
 
+def test_picks_past_a_narrow_entry_table_are_no_key(device):
+    """An entry table narrower than a row's complete entries: picks past its capacity are masked, as the
+    reference masks them, and nothing past the table is read."""
+    args, kwargs = _case([41, 33], 4, 32, torch.float32, device, seed=7, topk=8)
+    kwargs["entry_table"] = kwargs["entry_table"][:, :3].contiguous()          # capacity 6 of 10 and 8 entries
+    kwargs["entry_indices"] = torch.tensor([[0, 2, 5, 6, 7, 9, -1, -1], [1, 4, 6, 7, -1, -1, -1, -1]],
+                                           dtype=torch.int32, device=device)
+    for splits in (1, 2):
+        _check(args, kwargs, torch.float32, num_splits=splits)
+    hca = dict(kwargs, entry_indices=None)
+    _check(args, hca, torch.float32, num_splits=2)
+
+
 def test_garbage_past_a_rows_keys_is_never_read(device):
     """Keys past a row's window and entries past its complete ones hold NaN: the result stays finite."""
     args, kwargs = _case([6, 13], 4, 32, torch.float32, device, seed=6)
