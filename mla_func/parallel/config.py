@@ -39,12 +39,17 @@ class Parallel:
                      cache of its own requests only; the MLPs and experts stay split across the
                      ranks, which bring their rows to them (`mla_func.core.exchange`; each step's
                      plan is `data_parallel.plan_rank_step`'s).
+    symmetric_memory: sum through a symmetric-memory buffer every rank maps (NVLink peers on one
+                     host; `kernels.collectives.symmetric_reduce`) instead of NCCL, up to its size:
+                     a third of NCCL's time at decode sizes. `join` turns it on for an NCCL group
+                     whose ranks share one host.
     """
 
     tensor_parallel: int = 1
     group: dist.ProcessGroup | None = None
     expert_parallel: bool = False
     data_parallel_attention: bool = False
+    symmetric_memory: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) \
@@ -54,7 +59,11 @@ class Parallel:
             raise ValueError(f"Parallel: expert_parallel must be a bool, got {self.expert_parallel!r}")
         if not isinstance(self.data_parallel_attention, bool):
             raise ValueError(f"Parallel: data_parallel_attention must be a bool, got {self.data_parallel_attention!r}")
+        if not isinstance(self.symmetric_memory, bool):
+            raise ValueError(f"Parallel: symmetric_memory must be a bool, got {self.symmetric_memory!r}")
         if self.group is None:
+            if self.symmetric_memory:
+                raise ValueError("Parallel: symmetric_memory needs the process group of the ranks (group=)")
             if self.tensor_parallel != 1:
                 raise ValueError(f"Parallel: tensor_parallel={self.tensor_parallel} needs the process group of its "
                                  "ranks (group=)")
@@ -75,7 +84,9 @@ class Parallel:
 
     @property
     def collectives(self) -> CollectiveOps:
-        """The collective ops over the group (`SINGLE_PROCESS` with one rank)."""
+        """The collective ops over the group (`SINGLE_PROCESS` with one rank). With symmetric_memory each call
+        allocates and rendezvouses a buffer: a collective every rank makes together (a model's load makes it once)."""
         if self.group is None:
             return SINGLE_PROCESS
-        return group_collectives(self.group, tokens_split=self.data_parallel_attention)
+        return group_collectives(self.group, tokens_split=self.data_parallel_attention,
+                                 symmetric_memory=self.symmetric_memory)

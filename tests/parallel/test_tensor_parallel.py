@@ -19,6 +19,7 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.config import Sharding
 from support.dsa_reference import make_v32
 from support.mla_reference import make_reference, rel_err, save_reference
+from support.symmetric_jobs import gloo_symmetric_choice
 from support.parallel_runs import (DP_MODES, MODES, STEP_KINDS, TOL, TP_MODES, WORLD, held, rank_steps, run_steps,
                                    scenarios, spawn_group)
 
@@ -143,3 +144,19 @@ def test_one_rank_is_the_unsharded_model(folders):
     plain = mf.load_model(path, dtype=torch.float32, device="cpu")
     assert one.params.collectives is plain.params.collectives
     assert all(torch.equal(a, b) for a, b in zip(mf.pytree.tree_leaves(one.params), mf.pytree.tree_leaves(plain.params)))
+
+
+def test_gloo_ranks_sum_through_gloo_and_refuse_symmetric_memory(tmp_path):
+    results = spawn_group(gloo_symmetric_choice, WORLD, tmp_path)
+    assert sorted(results) == list(range(WORLD))
+    for rank, result in results.items():
+        assert "raised" not in result, result.get("traceback")
+        assert result["symmetric_memory"] is False and result["kind"] == "_GroupReduce", (rank, result)
+        assert result["refusal"] is not None and "backend 'gloo'" in result["refusal"], (rank, result)
+
+
+def test_symmetric_memory_needs_a_group_and_a_bool():
+    with pytest.raises(ValueError, match="symmetric_memory needs the process group"):
+        Parallel(symmetric_memory=True)
+    with pytest.raises(ValueError, match="symmetric_memory must be a bool, got 1"):
+        Parallel(symmetric_memory=1)

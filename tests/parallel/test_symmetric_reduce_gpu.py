@@ -1,0 +1,66 @@
+"""The symmetric-memory all-reduce on two GPUs of one host: NCCL's bits, a result the next call leaves
+alone, graph replays = eager calls.
+
+Two NCCL ranks started by the library's launcher (`join` turns symmetric memory on: one host) run
+`symmetric_jobs.symmetric_reduce_rank`: rank-seeded tensors summed through the group's all-reduce and
+through NCCL alone, at the one-shot kernel's sizes, the two-shot kernel's, the buffer's last fitting
+size and what falls back to NCCL; then a captured graph of two dependent sums on new inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_func.parallel.workers import run_ranks
+from support.parallel_runs import WORLD
+from support.symmetric_jobs import CASES, symmetric_reduce_rank
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("symmetric-ranks")
+    failure = None
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NCCL_NVLS_ENABLE", "0")
+        try:
+            run_ranks(WORLD, symmetric_reduce_rank, str(out), timeout_s=120.0)
+        except ChildProcessError as e:
+            failure = str(e)
+    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
+             if (out / f"rank{r}.pt").exists()}
+    for rank, result in saved.items():
+        assert "raised" not in result, f"rank {rank}: {result['raised']}\n{result['traceback']}"
+    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
+    return [saved[r] for r in range(WORLD)]
+
+
+def test_join_sums_through_symmetric_memory_on_one_host(ranks):
+    for rank, result in enumerate(ranks):
+        assert result["symmetric_memory"], f"rank {rank}: join left symmetric memory off on one host"
+        assert result["is_symmetric"], f"rank {rank}: the all-reduce is {result['kind']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_sums_are_nccls_bits_on_every_rank(ranks, case):
+    first = ranks[0]["cases"][case][0]
+    for rank, result in enumerate(ranks):
+        ours, nccl = result["cases"][case]
+        assert ours.shape == nccl.shape and ours.dtype == nccl.dtype
+        assert torch.equal(ours, nccl), f"rank {rank} {case}: max |ours - NCCL| {(ours.float() - nccl.float()).abs().max()}"
+        assert torch.equal(ours, first), f"rank {rank} {case}: not rank 0's bits"
+
+
+def test_a_result_outlives_the_next_sums(ranks):
+    assert all(r["kept"] for r in ranks), [r["kept"] for r in ranks]
+
+
+def test_graph_replays_equal_eager_sums(ranks):
+    for rank, result in enumerate(ranks):
+        replayed, eager = result["graph"]
+        assert not torch.equal(replayed[0], replayed[1]), f"rank {rank}: the replays did not see the new inputs"
+        for got, want in zip(replayed, eager):
+            assert torch.equal(got, want), f"rank {rank}: replay differs by {(got.float() - want.float()).abs().max()}"
