@@ -39,10 +39,10 @@ class Parallel:
                      cache of its own requests only; the MLPs and experts stay split across the
                      ranks, which bring their rows to them (`mla_func.core.exchange`; each step's
                      plan is `data_parallel.plan_rank_step`'s).
-    symmetric_memory: sum through a symmetric-memory buffer every rank maps (NVLink peers on one
-                     host; `kernels.collectives.symmetric_reduce`) instead of NCCL, up to its size:
-                     a third of NCCL's time at decode sizes. `join` turns it on for an NCCL group
-                     whose ranks share one host.
+    symmetric_memory: sum through a symmetric-memory buffer every rank maps (NCCL ranks of one host;
+                     `kernels.collectives.symmetric_reduce`) instead of NCCL, up to its size. Off by
+                     default: on two H100s a sum's kernel takes 10 us against NCCL's 15, yet v2-lite's
+                     TP 2 decode step is no faster (bench/notes/parallel.md).
     """
 
     tensor_parallel: int = 1

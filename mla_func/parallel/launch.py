@@ -20,17 +20,13 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def join(*, rank: int | None = None, world_size: int | None = None, init_method: str = "env://",
-         backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-         symmetric_memory: bool | None = None) -> Parallel:
+         backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
     """Join the group of every rank (tensor_parallel = world size) and return this rank's `Parallel`.
 
     rank, world_size: default to torchrun's RANK and WORLD_SIZE; without them (a plain `python`
                run) this process is the only rank, and no group is made.
     backend:   "nccl" when CUDA is available, else "gloo".
     timeout_s: how long a rendezvous or a collective waits for the other ranks before it raises.
-    symmetric_memory: sum through symmetric memory (`Parallel.symmetric_memory`); None: with NCCL when every
-               rank is on this host (torchrun's LOCAL_WORLD_SIZE equals the world size; without
-               torchrun, ranks given explicitly are taken to be this host's, as `run_ranks` starts them).
     """
     if rank is None and world_size is None and "RANK" not in os.environ:
         return Parallel()
@@ -52,10 +48,7 @@ def join(*, rank: int | None = None, world_size: int | None = None, init_method:
     group = dist.group.WORLD
     if group is None:
         raise RuntimeError("join: torch.distributed has no default group after init_process_group")
-    if symmetric_memory is None:
-        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
-        symmetric_memory = dist.get_backend(group) == "nccl" and one_host and world_size > 1
-    return Parallel(tensor_parallel=world_size, group=group, symmetric_memory=symmetric_memory)
+    return Parallel(tensor_parallel=world_size, group=group)
 
 
 def leave(parallel: Parallel) -> None:

@@ -20,55 +20,11 @@ import torch
 
 import mla_func as mf
 from mla_func.parallel import Parallel
-from mla_func.serving.rank_scheduler import RanksStep
+from support.dp_speculative import ALONE, K, MAX_TOKENS, RUNS, VOCAB, drafting_run, own_counts
 from support.mtp_checkpoints import mtp_checkpoint
-from support.parallel_jobs import GraphSteps, runs_of_every_rank
-from support.parallel_runs import BLOCK_SIZE, WORLD, RankTask
+from support.parallel_jobs import runs_of_every_rank
+from support.parallel_runs import WORLD, RankTask
 from support.v4_mtp import v4_mtp_checkpoint
-
-K = 3                          # drafts a verify step checks: chains of up to K - 1 drafter steps
-VOCAB = 16                     # at least 7 (`mtp_checkpoints`), even (V4's tiny configs)
-PATTERNS = (4, 3, 5)           # each prompt: a random pattern of this many tokens, three times over
-MAX_TOKENS = (11, 5, 9)        # rank 0 runs the first and last, rank 1 the second (round robin)
-ALONE = 2                      # the prompt run alone afterwards, on rank 0
-RUNS = ("v3", "v4")
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    return [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(70 + n)).tolist() * 3
-            for n in PATTERNS]
-
-
-def _params(max_tokens: int) -> mf.SamplingParams:
-    return mf.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def drafting_run(model: mf.Model, k: int) -> dict[str, Any]:
-    """The greedy tokens of the three prompts, then of one alone, through an engine drafting k tokens a step
-    (0: none); every step as every rank planned it, with the tokens every rank recorded (one process: a rank
-    of its own); the drafter steps this process ran (0 without drafts) and its (drafted, accepted) counts."""
-    engine = mf.Engine(model, num_blocks=48, block_size=BLOCK_SIZE, max_num_seqs=2, max_num_batched_tokens=8,
-                       long_prefill_token_threshold=6, speculative_tokens=k)
-    steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]] = []
-    update = engine.scheduler.update
-
-    def recorded(step: Any, sampled: Any) -> Any:
-        every = step.steps if isinstance(step, RanksStep) else (step,)
-        plans = tuple(None if s is None else s.plan for s in every)
-        steps.append((plans, list(sampled)))
-        return update(step, sampled)
-
-    engine.scheduler.update = recorded  # type: ignore[method-assign]
-    drafter = None
-    if k:
-        drafter = GraphSteps(engine._speculative.drafter)
-        engine._speculative.drafter = drafter  # type: ignore[assignment]
-    prompts = _prompts(model.config.vocab_size)
-    many = engine.generate(prompts, [_params(m) for m in MAX_TOKENS])
-    one = engine.generate([prompts[ALONE]], [_params(MAX_TOKENS[ALONE])])
-    stats = engine.speculative_stats
-    return {"many": [list(c.token_ids) for c in many], "one": [list(c.token_ids) for c in one], "steps": steps,
-            "drafter_steps": 0 if drafter is None else drafter.steps, "counts": (stats.drafted, stats.accepted)}
 
 
 def job_drafting(task: RankTask, parallel: Parallel) -> dict[Any, Any]:
@@ -105,22 +61,6 @@ def whole(folders):
         model = mf.load_model(folders[name], dtype=torch.float32, device="cpu", mtp=True)
         out[name] = {k: drafting_run(model, k) for k in (0, K)}
     return out
-
-
-def _own_counts(steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]], rank: int) -> tuple[int, int]:
-    """(drafted, accepted) of rank `rank`'s verify rows, from every step's plans and the tokens every rank
-    recorded (rows rank by rank): q - 1 drafts a row, and the tokens a row kept beyond its one are its accepted
-    drafts (no row is cut short: ignore_eos, and q fits max_tokens)."""
-    drafted = accepted = 0
-    for plans, sampled in steps:
-        plan = plans[rank]
-        if plan is None:
-            continue
-        start = sum(len(p.prefill) + len(p.decode) for p in plans[:rank] if p is not None) + len(plan.prefill)
-        rows = sampled[start:start + len(plan.decode)]
-        drafted += (plan.decode_q_len - 1) * len(rows)
-        accepted += sum(len(tokens) - 1 for tokens in rows)
-    return drafted, accepted
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -160,10 +100,10 @@ def test_every_rank_runs_the_longest_chain_and_one_catch_up_a_step(sharded, run)
 
 @pytest.mark.parametrize("run", RUNS)
 def test_each_rank_counts_the_drafts_of_its_own_rows(sharded, whole, run):
-    counts = [_own_counts(sharded[run][rank]["steps"], rank) for rank in range(WORLD)]
+    counts = [own_counts(sharded[run][rank]["steps"], rank) for rank in range(WORLD)]
     assert [sharded[run][rank]["counts"] for rank in range(WORLD)] == counts
     assert all(drafted > 0 for drafted, _ in counts)
     drafted, accepted = (sum(c[i] for c in counts) for i in range(2))
     assert 0 < accepted < drafted
     # One process's counts follow the same rule over its one rank's rows.
-    assert whole[run][K]["counts"] == _own_counts(whole[run][K]["steps"], 0)
+    assert whole[run][K]["counts"] == own_counts(whole[run][K]["steps"], 0)

@@ -1,7 +1,7 @@
 """The symmetric-memory all-reduce on two GPUs of one host: NCCL's bits, a result the next call leaves
 alone, graph replays = eager calls.
 
-Two NCCL ranks started by the library's launcher (`join` turns symmetric memory on: one host) run
+Two NCCL ranks started by the library's launcher ask for symmetric memory (`join` leaves it off) and run
 `symmetric_jobs.symmetric_reduce_rank`: rank-seeded tensors summed through the group's all-reduce and
 through NCCL alone, at the one-shot kernel's sizes, the two-shot kernel's, the buffer's last fitting
 size and what falls back to NCCL; then a captured graph of two dependent sums on new inputs.
@@ -38,10 +38,10 @@ def ranks(tmp_path_factory):
     return [saved[r] for r in range(WORLD)]
 
 
-def test_join_sums_through_symmetric_memory_on_one_host(ranks):
+def test_join_leaves_nccl_and_asking_gives_the_symmetric_sum(ranks):
     for rank, result in enumerate(ranks):
-        assert result["symmetric_memory"], f"rank {rank}: join left symmetric memory off on one host"
-        assert result["is_symmetric"], f"rank {rank}: the all-reduce is {result['kind']}"
+        assert result["symmetric_memory"] is False, f"rank {rank}: join turned symmetric memory on"
+        assert result["is_symmetric"], f"rank {rank}: the asked-for all-reduce is {result['kind']}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")

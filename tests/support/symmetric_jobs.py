@@ -1,20 +1,20 @@
 """What each NCCL rank of the symmetric-memory all-reduce test runs (`run_ranks`' function).
 
-Every case sums a rank-seeded tensor through the group's `SymmetricReduce` (the ranks joined by `join`,
-which picks it on one host) and through NCCL alone, then a CUDA graph of two dependent sums replays on new
+Every case sums a rank-seeded tensor through the group's `SymmetricReduce` (asked for with
+`Parallel(symmetric_memory=True)`; `join` leaves it off) and through NCCL alone, then a CUDA graph of two dependent sums replays on new
 inputs beside the same calls made eagerly. The rank saves what it saw; the test compares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from pathlib import Path
 
 import torch
 
-from mla_func.kernels.collectives import (ONE_SHOT_MAX_BYTES, SYMMETRIC_BUFFER_BYTES, SymmetricReduce,
-                                          group_collectives)
+from mla_func.kernels.collectives import ONE_SHOT_MAX_BYTES, SYMMETRIC_BUFFER_BYTES, SymmetricReduce
 from mla_func.parallel import Parallel
 
 # (rows, columns, dtype name): one-shot sizes, two-shot sizes, the buffer's last fitting size, and what
@@ -34,14 +34,14 @@ def _operand(rows: int, cols: int, dtype: torch.dtype, rank: int, seed: int) -> 
 
 
 def symmetric_reduce_rank(out: str, parallel: Parallel) -> int:
-    """Saves {"symmetric_memory": join's choice, "kind": the all-reduce's type name, "cases": {case: (sum through
+    """Saves {"symmetric_memory": join's choice, "kind": the asked-for all-reduce's type name, "cases": {case: (sum through
     the group's all-reduce, NCCL's sum)}, "kept": whether a first result survived a second call, "graph":
     (replayed results, eager results)} to rank{r}.pt, or the error it raised."""
     file = Path(out) / f"rank{parallel.rank}.pt"
     try:
         torch.cuda.set_device(parallel.rank)
-        ours = parallel.collectives.all_reduce
-        nccl = group_collectives(parallel.group).all_reduce
+        ours = dataclasses.replace(parallel, symmetric_memory=True).collectives.all_reduce
+        nccl = parallel.collectives.all_reduce
         cases = {}
         for i, (rows, cols, name) in enumerate(CASES):
             x = _operand(rows, cols, DTYPES[name], parallel.rank, seed=i)
@@ -84,10 +84,8 @@ def symmetric_reduce_rank(out: str, parallel: Parallel) -> int:
 def gloo_symmetric_choice(task: object, parallel: Parallel) -> dict:
     """One gloo rank (`parallel_runs.spawn_group`'s job): join's choice, and what asking for symmetric memory
     over this group raises."""
-    from mla_func.kernels.collectives import symmetric_reduce
-
     try:
-        symmetric_reduce(parallel.group)
+        dataclasses.replace(parallel, symmetric_memory=True).collectives
         refusal = None
     except ValueError as e:
         refusal = str(e)
