@@ -22,11 +22,14 @@ from support.v4_mtp import v4_mtp_checkpoint
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")]
 
+# V3's head dims at the least the Triton prefill kernel takes (the gloo test's are 8).
+TRITON_DIMS = dict(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp-speculative-gpu")
-    mtp_checkpoint(root / "v3", seed=31, echo=True, vocab_size=VOCAB)
+    mtp_checkpoint(root / "v3", seed=31, echo=True, vocab_size=VOCAB, **TRITON_DIMS)
     v4_mtp_checkpoint(root / "v4", seed=32, vocab_size=VOCAB, echo=True)
     return {name: str(root / name) for name in RUNS}
 
