@@ -107,19 +107,31 @@ def _attend(s, i, workspace, indices=None, config=None, num_splits=None):
 
 
 def bench_attention(num_rows, context, kind, ceilings, config=None, num_splits=None, eager=True):
+    """The op as a model calls it (its own kernel and split choice), or with `config` / `num_splits` (sweeps:
+    the tl.dot kernel at those). Where the op takes the warpgroup-MMA stage 1, the returned rows hold the
+    tl.dot twin at its own splits too (op `{kind}_attention_twin`), timed in the same run."""
     s = _attention_setup(num_rows, context, kind)
     max_keys = v4_attention.max_keys_of(WINDOW, s["entry_cache"], s["entry_tables"][0], s["indices"])
     splits = num_splits or v4_attention.v4_attention_num_splits(num_rows, HEADS, max_keys, "cuda", config)
     workspace = (torch.empty(num_rows, HEADS, splits, HEAD_DIM, device="cuda"),
                  torch.empty(num_rows, HEADS, splits, device="cuda"))
-    ms = common.time_graph([lambda i=i: _attend(s, i, workspace, config=config, num_splits=splits)
-                            for i in range(TABLE_COPIES)])
     num_bytes = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, s["keys"], 2)
-    row = _row(f"{kind}_attention", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=HEADS,
-               keys_per_row=s["keys"], splits=splits, bytes_counted="window + entries read + queries + outputs")
-    if eager:
-        row["eager_ms"] = common.time_eager(lambda: _attend(s, 0, workspace, num_splits=splits))
-    return row
+    wgmma = config is None and num_splits is None and \
+        v4_attention.wgmma_parts(num_rows, HEADS, HEAD_DIM, BF16, torch.device("cuda")) > 0
+    rows = []
+    for twin in ((False, True) if wgmma else (False,)):
+        as_called = wgmma and not twin
+        call_splits = None if as_called else splits
+        ms = common.time_graph([lambda i=i: _attend(s, i, workspace, config=config, num_splits=call_splits)
+                                for i in range(TABLE_COPIES)])
+        row = _row(f"{kind}_attention" + ("_twin" if twin else ""), ms, num_bytes, ceilings, batch=num_rows,
+                   context=context, heads=HEADS, keys_per_row=s["keys"], splits=1 if as_called else splits,
+                   kernel="wgmma" if as_called else "tl.dot",
+                   bytes_counted="window + entries read + queries + outputs")
+        if eager:
+            row["eager_ms"] = common.time_eager(lambda: _attend(s, 0, workspace, num_splits=call_splits))
+        rows.append(row)
+    return rows
 
 
 def bench_csa_decode(num_rows, context, ceilings, eager=True):
@@ -145,8 +157,10 @@ def bench_csa_decode(num_rows, context, ceilings, eager=True):
     ms = common.time_graph([lambda i=i: call(i) for i in range(TABLE_COPIES)])
     key_bytes = num_rows * num_entries * INDEX_DIM * 2
     attention_bytes = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, max_keys, 2)
+    wgmma = v4_attention.wgmma_parts(num_rows, HEADS, HEAD_DIM, BF16, torch.device("cuda")) > 0
     row = _row("csa_decode", ms, key_bytes + attention_bytes, ceilings, batch=num_rows, context=context,
                heads=HEADS, keys_per_row=max_keys, index_key_bytes=key_bytes, attention_bytes=attention_bytes,
+               kernel="wgmma" if wgmma else "tl.dot",
                bytes_counted="indexer keys + window + selected entries + queries + outputs")
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(0))
@@ -199,7 +213,8 @@ def sweep(ceilings):
         for splits in (1, 2, None):
             for kind in ("csa", "hca"):
                 try:
-                    r = bench_attention(64, 64 * 1024, kind, ceilings, config=cfg, num_splits=splits, eager=False)
+                    r, = bench_attention(64, 64 * 1024, kind, ceilings, config=cfg, num_splits=splits,
+                                         eager=False)
                 except Exception as exc:  # a config that does not compile is a sweep result, not a failure
                     r = dict(op=f"{kind}_attention", error=repr(exc)[:120])
                 common.sweep_row(rows, r, config=str(cfg), case=f"{kind} B64 ctx64K H64")
@@ -218,8 +233,8 @@ def main(argv=None) -> None:
 
     for context in CONTEXTS:
         for num_rows in BATCHES:
-            result["rows"].append(bench_attention(num_rows, context, "hca", ceilings))
-            result["rows"].append(bench_attention(num_rows, context, "csa", ceilings))
+            result["rows"] += bench_attention(num_rows, context, "hca", ceilings)
+            result["rows"] += bench_attention(num_rows, context, "csa", ceilings)
             result["rows"].append(bench_csa_decode(num_rows, context, ceilings))
             torch.cuda.empty_cache()
     for num_rows in BATCHES:
@@ -229,7 +244,8 @@ def main(argv=None) -> None:
     rows = [dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K H{c['heads']}") for c in result["rows"]]
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"-> {path}")
-    common.print_table(rows, [("op", "op"), ("shape", "shape"), ("keys_per_row", "keys/row"), ("splits", "splits"),
+    common.print_table(rows, [("op", "op"), ("shape", "shape"), ("kernel", "kernel"), ("keys_per_row", "keys/row"),
+                              ("splits", "splits"),
                               ("us", "us"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
                               ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy")])
 

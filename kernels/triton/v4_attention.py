@@ -18,6 +18,11 @@ Stage 2: one program per (row, head) merges the splits by LSE together with the
 head's sink (a logit with a zero value). With one split, stage 1 folds the sink in
 itself and writes the outputs.
 
+On a Hopper GPU, where one split of 64-head programs makes one wave of work (`wgmma_parts`), stage 1
+is the warpgroup-MMA twin of this file's kernel (`gluon.v4_attention`), two programs a row and head
+group, each half the output columns, the sink folded in; this file's kernel stays the path the CPU
+interpreter checks and the one every other shape and GPU runs.
+
 Empty ranges carry lse -inf and shift by 0 (weights 0, never NaN); a padded row
 (key_len 0) has no key at all and gets out 0 (the sink alone). The split count
 depends on static shapes and the device only (`v4_attention_num_splits`), so a
@@ -32,7 +37,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
-from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl
+from ..gluon import mla_decode as gluon_decode
+from ..gluon import v4_attention as gluon_v4
+from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl, sm_count
 from .decode import DecodeConfig, decode_config, fill_splits
 from .decode_merge import split_partials
 
@@ -60,6 +67,26 @@ _MAX_SPLITS = 32
 # Key tiles whose cache rows a program locates in one round before reading them (see the
 # sparse decode's `_LOCATE_TILES`): then the key loads are asynchronous copies, prefetched.
 _LOCATE_TILES = 16
+
+
+# H100, bf16, 64 heads, 64K context, B = 64 (bench/v4_kernels.py --wgmma): the warpgroup-MMA stage 1 with
+# one split and two programs a row (each the scores and half the output columns) against this file's
+# kernel at its two splits: HCA 36.1 against 46.9 us, CSA 46.6 against 48.3; at B = 128 (two waves of
+# such programs) it lost (HCA 67.3 against 59.4), as did one program a row at B = 64 (one wave half
+# full: HCA 49.4). So it runs where its programs make one wave at least half full.
+_WGMMA_PARTS = 2
+
+
+def wgmma_parts(num_rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Programs a (row, head group) of the warpgroup-MMA stage 1 (`gluon.v4_attention`), or 0 where this
+    file's kernel runs stage 1: static shapes and the device only, so a captured graph keeps its kernel.
+    It runs on Hopper for 16-bit queries, D = 512, >= 64 heads, where its programs (one split, two a row and
+    head group) fill one wave at least half (at 64 heads on an H100's 132 multiprocessors: 34..66 rows)."""
+    if not gluon_v4.applies(num_heads, head_dim, dtype, device):
+        return 0
+    programs = num_rows * triton.cdiv(num_heads, gluon_v4.BLOCK_M) * _WGMMA_PARTS
+    slots = sm_count(device)
+    return _WGMMA_PARTS if slots // 2 < programs <= slots else 0
 
 
 def v4_attention_config(num_heads: int, num_rows: int, device: torch.device) -> DecodeConfig:
@@ -296,7 +323,8 @@ def window_entry_attention(
     workspace:     (partial_out [n, H, S, D] fp32, partial_lse [n, H, S] fp32) from
                    `v4_attention_workspace`, so a captured graph allocates only its outputs; None
                    allocates it here. Unused when S == 1.
-    num_splits:    overrides `v4_attention_num_splits` (tests); config: overrides the tiles (sweeps)
+    num_splits:    overrides `v4_attention_num_splits` (tests); config: overrides the tiles (sweeps); either
+                   keeps this file's stage 1 (`wgmma_parts` picks the other only without them)
     returns        out [n, H, D] in q's dtype, lse [n, H] float32 (scopes and sink); see
                    `reference.v4_paged.window_entry_attention` for the contract.
     """
@@ -334,6 +362,8 @@ def window_entry_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     device = q.device
+    parts = 0 if num_splits is not None or config is not None else \
+        wgmma_parts(num_rows, num_heads, head_dim, q.dtype, device)
     config = config or v4_attention_config(num_heads, num_rows, device)
     max_keys = max_keys_of(sliding_window, entry_cache, entry_table, entry_indices)
     splits = num_splits or v4_attention_num_splits(num_rows, num_heads, max_keys, device, config)
@@ -342,15 +372,22 @@ def window_entry_attention(
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
         return out, lse
-    partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1, workspace=workspace)
-
     # Without entries the entry arguments are never read: the window's tensors stand in for them.
     ents = entry_cache if entry_cache is not None else window_cache
     e_table = entry_table if entry_table is not None and has_entries else block_table
     indices = entry_indices if entry_indices is not None and has_entries else block_table
+    use_pdl = pdl(device)
+    if parts and gluon_decode.copyable(window_cache, ents):
+        gluon_v4.window_entry_split(
+            q, window_cache, block_table, key_lens, ents, e_table, indices, sinks,
+            out.view(num_rows, num_heads, 1, head_dim), lse.view(num_rows, num_heads, 1),
+            softmax_scale_log2=softmax_scale * LOG2E, sliding_window=sliding_window, compress_rate=compress_rate,
+            has_entries=has_entries, has_indices=entry_indices is not None, fold_sink=True, d_split=parts,
+            use_pdl=use_pdl)
+        return out, lse
+    partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1, workspace=workspace)
     entry_k = indices.shape[1]
     entry_capacity = e_table.shape[1] * ents.shape[1]
-    use_pdl = pdl(device)
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
     _v4_split_kernel[grid](
         q, window_cache, block_table, key_lens, ents, e_table, indices, sinks, partial_out, partial_lse,
@@ -365,14 +402,22 @@ def window_entry_attention(
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if splits > 1:
-        _v4_merge_kernel[(num_rows * num_heads,)](
-            partial_out, partial_lse, sinks, out, lse,
-            num_heads, splits, sinks.stride(0),
-            *partial_out.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=min(512, next_pow2(head_dim)), BLOCK_S=next_pow2(splits), GDC=use_pdl,
-            num_warps=4, launch_pdl=use_pdl,
-        )
+        merge_with_sink(partial_out, partial_lse, sinks, out, lse, use_pdl)
     return out, lse
+
+
+def merge_with_sink(partial_out: torch.Tensor, partial_lse: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, use_pdl: bool) -> None:
+    """Stage 2: partial_out [n, H, S, D] (any float dtype), partial_lse [n, H, S] float32, sinks [H] -> out
+    [n, H, D], lse [n, H] (written): the splits merged by LSE with each head's sink."""
+    num_rows, num_heads, splits, head_dim = partial_out.shape
+    _v4_merge_kernel[(num_rows * num_heads,)](
+        partial_out, partial_lse, sinks, out, lse,
+        num_heads, splits, sinks.stride(0),
+        *partial_out.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=min(512, next_pow2(head_dim)), BLOCK_S=next_pow2(splits), GDC=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
+    )
 
 
 def v4_attention_bytes(num_rows: int, num_heads: int, head_dim: int, keys_per_row: int, itemsize: int) -> int:

@@ -1,0 +1,336 @@
+"""DeepSeek-V4's window + compressed-entry attention, stage 1, on Hopper's warpgroup MMA (Gluon).
+
+The twin of `triton/v4_attention.py`'s `_v4_split_kernel`: the same inputs and the same split partials
+(normalised output and natural-log LSE a split; with one split and FOLD_SINK, the outputs themselves,
+sink folded in), so `_v4_merge_kernel` merges them with the sink. `triton.v4_attention.wgmma_parts`
+says where the op takes it.
+
+Each row (one query token) attends over one virtual key list: its window's n_w = min(window, key_len)
+keys (positions [key_len - n_w, key_len) of the window cache, through block_table), then its n_e
+compressed entries (entries 0..n_e-1 for HCA, the first n_e slots of the index list for CSA, each only
+if 0 <= e < key_len // rate and inside the entry table), through entry_table into the entries cache.
+Keys are the values (K = V, D = 512), all heads share them.
+
+One program: BLOCK_M = 64 heads of one row over one split of its list, eight warps as two warpgroups.
+Q [64, 512] and two stages of [64, 512] key tiles live in shared memory (128-byte swizzle; 192 KiB,
+with the compiler's scratch 196 KiB: one program a multiprocessor). For each tile:
+
+    S [64, 64]   = Q K^T      warpgroup MMA, both operands in shared memory; a warpgroup takes 32 keys
+    online softmax over S in registers (base 2, -inf on slots that are no key)
+    O [64, 512] += P K        warpgroup MMA, P from registers; a warpgroup takes 256 columns
+
+A tile's rows are gathered with `cp.async` (16 bytes a thread a copy), each key from the window cache
+or the entries cache; where a tile's keys sit is located ahead of use: the index list (CSA) two tiles
+ahead and the block tables one tile ahead of the copy in flight. Slots that are no key are zero-filled
+by the copy (never read), so P K over them is 0, never NaN; their scores are -inf.
+
+D_SPLIT = 2: two programs a (row, head group, split), neighbours in the grid, each computing the whole
+S but P K for one half of the output columns. Twice the programs without split partials (at batch 64
+one split then fills an H100), for 1.5x the products; the second read of a tile comes from L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .mla_decode import available, copyable
+
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_STAGES = 2
+NUM_WARPS = 8
+HEAD_DIM = 512
+
+
+def applies(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel can take the op: 16-bit queries, D = 512, at least 64 heads (one full program a
+    row), a Hopper GPU. (The caches must also be `copyable`.)"""
+    return (dtype in (torch.bfloat16, torch.float16) and head_dim == HEAD_DIM and num_heads >= BLOCK_M
+            and available(device))
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _locate(j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+            HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr):
+    # (position in its cache, is a window key, is an entry key) of virtual key slots j: slot j < n_win is
+    # window position win_start + j; slot n_win + i is entry i (HCA) or the entry the index list holds at
+    # slot i (CSA: -1, or not below entry_count, the complete entries inside the table, is no key). The
+    # position is 0 where the slot is no key.
+    in_range = j < end
+    is_win = in_range & (j < n_win)
+    pos = win_start + j
+    is_ent = in_range & (j < 0)
+    if HAS_ENTRIES:
+        slot = j - n_win
+        is_ent = in_range & (slot >= 0) & (slot < n_ent)
+        if HAS_INDICES:
+            e = gl.load(idx_row + slot * s_ik, mask=is_ent, other=-1)
+        else:
+            e = slot
+        is_ent = is_ent & (e >= 0) & (e < entry_count)
+        pos = gl.where(is_win, pos, e)
+    pos = gl.where(is_win | is_ent, pos, 0)
+    return pos, is_win, is_ent
+
+
+@gluon.jit
+def _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+          PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr):
+    # (row pointer, is a key) of located slots: the block-table reads a later copy waits on. Page and
+    # offset times their strides, so the pointers keep the strides' 16-byte alignment for cp.async.
+    w_page = gl.load(bt_row + (pos // PAGE) * s_btw, mask=is_win, other=0).to(gl.int64)
+    row = win_ptr + w_page * s_wn + (pos % PAGE).to(gl.int64) * s_wb
+    if HAS_ENTRIES:
+        e_page = gl.load(et_row + (pos // ENTRY_PAGE) * s_etw, mask=is_ent, other=0).to(gl.int64)
+        row = gl.where(is_ent, ent_ptr + e_page * s_en + (pos % ENTRY_PAGE).to(gl.int64) * s_eb, row)
+    return row, is_win | is_ent
+
+
+@gluon.jit
+def _copy_rows(buf, row, ok, s_d, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    # Starts copying the rows `row` [N] (SliceLayout(1, layout)) into a [N, HEAD_DIM] buffer; rows not `ok`
+    # are zero-filled. One copy op over the whole tile: the same 16-byte cp.async a thread as a copy a
+    # 64-column slab, without the barrier Triton puts between copies into slices of one buffer.
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(buf, gl.expand_dims(row, 1) + gl.expand_dims(cols * s_d, 0),
+                                           gl.expand_dims(ok, 1))
+
+
+# The split count and lengths follow the batch (eager steps vary them): as specialised ints they would
+# compile a kernel per value (the twin's list).
+@gluon.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
+def _window_entry_split_kernel(
+    q_ptr, win_ptr, bt_ptr, klen_ptr, ent_ptr, et_ptr, idx_ptr, sink_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2, s_sink,
+    s_qt, s_qh, s_qd,
+    s_wn, s_wb, s_wd,
+    s_btt, s_btw,
+    s_en, s_eb, s_ed,
+    s_ett, s_etw, s_it, s_ik,
+    s_pot, s_poh, s_pos, s_pod,
+    s_plt, s_plh, s_pls,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
+    FOLD_SINK: gl.constexpr, GDC: gl.constexpr, D_SPLIT: gl.constexpr,
+):
+    # Program (row t, head group, output part) along axis 0, the programs of a row neighbours (they read the
+    # same keys while they are in L2); split along axis 1. D_SPLIT = 2: two programs a (row, head group,
+    # split), each computing the whole scores but P K for one half of the output columns (no partials
+    # needed to fill the GPU at batch 64, at the cost of computing S twice).
+    BLOCK_M: gl.constexpr = 64
+    OUT_D: gl.constexpr = HEAD_DIM // D_SPLIT
+    LN2: gl.constexpr = 0.6931471805599453
+    LOG2E: gl.constexpr = 1.4426950408889634
+    head_groups = gl.cdiv(num_heads, BLOCK_M)
+    pid = gl.program_id(0)
+    d_part = pid % D_SPLIT
+    t = pid // D_SPLIT // head_groups
+    head_group = pid // D_SPLIT % head_groups
+    split = gl.program_id(1)
+    t64 = t.to(gl.int64)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    # Scores: the two warpgroups take BLOCK_N / 2 keys each; output: OUT_D / 2 columns each (wgmma's N).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, OUT_D // 2, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+
+    if GDC:
+        _gdc_wait()
+        _gdc_launch_dependents()
+
+    # The row's list: n_win window keys, then n_e entries (the twin's arithmetic, so the splits cover the
+    # same slots). Entries past the table are no key (a pick there is masked, as the reference masks it).
+    key_len = gl.maximum(gl.load(klen_ptr + t64), 0)
+    n_win = gl.minimum(key_len, window)
+    entry_count = key_len * 0
+    n_ent = key_len * 0
+    if HAS_ENTRIES:
+        entry_count = gl.minimum(key_len // rate, entry_capacity)
+        if HAS_INDICES:
+            n_ent = gl.minimum(entry_count, entry_k)
+        else:
+            n_ent = entry_count
+    total = n_win + n_ent
+    # Whole tiles a split, so only a split's last tile is ragged.
+    per_split = gl.cdiv(gl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = gl.minimum(start + per_split, total)
+    win_start = key_len - n_win
+    bt_row = bt_ptr + t64 * s_btt
+    et_row = et_ptr + t64 * s_ett
+    idx_row = idx_ptr + t64 * s_it
+
+    # The queries and the first NUM_STAGES - 1 tiles: the queries join tile 0's copy group.
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    pos, is_win, is_ent = _locate(start + offs_c, end, n_win, win_start, n_ent, entry_count,
+                                  idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
+    row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+                    PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q_rows = q_ptr + t64 * s_qt + heads_c.to(gl.int64) * s_qh
+    _copy_rows(q_smem, q_rows, heads_c < num_heads, s_qd, HEAD_DIM, copy_layout)
+    for i in gl.static_range(NUM_STAGES - 1):
+        _copy_rows(k_smem.index(i), row, ok, s_wd, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+        pos, is_win, is_ent = _locate(start + (i + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
+                                      entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
+        row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
+                        s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    # Now `row` / `ok`: tile NUM_STAGES - 1's; `pos`: tile NUM_STAGES's (its tables are read in the loop).
+    pos, is_win, is_ent = _locate(start + NUM_STAGES * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
+                                  entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
+
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for it in range(num_tiles):
+        stage = it % NUM_STAGES
+        n0 = start + it * BLOCK_N
+        # Every warp is past its products over the stage the next copy overwrites (tile it - 1's).
+        gl.thread_barrier()
+        _copy_rows(k_smem.index((it + NUM_STAGES - 1) % NUM_STAGES), row, ok, s_wd, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+        row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
+                        s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+        pos, is_win, is_ent = _locate(n0 + (NUM_STAGES + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
+                                      entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
+        # Which of tile it's slots are keys, as the scores lay them out: read here, used after the score
+        # product (whose wgmma hides the index list's read, an L1 / L2 hit since the copy's locate).
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count,
+                                  idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
+        # Tile it's copies (and, the first time, the queries') are done in this thread, made visible to the
+        # tensor cores' proxy, then done in every thread.
+        async_copy.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        keys = k_smem.index(stage)
+        s = warpgroup_mma(q_smem, keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+        scores = gl.where(gl.expand_dims(win_s | ent_s, 0), s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - shift)
+        p = gl.exp2(scores - gl.expand_dims(shift, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if D_SPLIT == 1:
+            acc = warpgroup_mma(p_op, keys, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        else:
+            # A shared-memory slice needs a constant start: one product a half, the program's taken.
+            if d_part == 0:
+                acc = warpgroup_mma(p_op, keys.slice(0, OUT_D, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            else:
+                acc = warpgroup_mma(p_op, keys.slice(OUT_D, OUT_D, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+
+    heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    real_s = heads_s < num_heads
+    if FOLD_SINK:
+        # The only split: the sink joins here as one more logit with a zero value.
+        sink = gl.load(sink_ptr + heads_s * s_sink, mask=real_s, other=0.0).to(gl.float32) * LOG2E
+        m_f = gl.maximum(m_i, sink)
+        shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
+        alpha_f = gl.exp2(m_i - shift_f)
+        l_i = l_i * alpha_f + gl.exp2(sink - shift_f)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_f, gl.SliceLayout(1, o_layout)), 1)
+        m_i = shift_f
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    # With D_SPLIT, every part computed the same LSE (the same scores): the first writes it.
+    gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s & (d_part == 0))
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    heads_o = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols_o = d_part * OUT_D + gl.arange(0, OUT_D, layout=gl.SliceLayout(0, o_layout))
+    po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_o.to(gl.int64) * s_poh + split * s_pos, 1)
+    gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
+             mask=gl.expand_dims(heads_o < num_heads, 1))
+
+
+def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
+                       key_lens: torch.Tensor, entry_cache: torch.Tensor, entry_table: torch.Tensor,
+                       entry_indices: torch.Tensor, sinks: torch.Tensor, partial_out: torch.Tensor,
+                       partial_lse: torch.Tensor, *, softmax_scale_log2: float, sliding_window: int,
+                       compress_rate: int, has_entries: bool, has_indices: bool, fold_sink: bool, d_split: int,
+                       use_pdl: bool) -> None:
+    """Stage 1 of `triton.v4_attention.window_entry_attention` on the warpgroup MMA: `_v4_split_kernel`'s tensors.
+
+    q [n, H, D] bf16/fp16 (any strides; copied whole if cp.async cannot gather its rows); window_cache
+    [nb, bs, D] through block_table [n, W] int32; key_lens [n] int32; entry_cache [nbg, bsg, D] through
+    entry_table [n, Wg] int32, entry_indices [n, k] int32 (without entries / indices: the window's tensors
+    stand in, never read); sinks [H]; partial_out [n, H, S, D] and partial_lse [n, H, S] (or, fold_sink with
+    S == 1, the outputs viewed as one split) are written: split s of row t covers its virtual key slots
+    [s * k, min((s + 1) * k, total)), k = total / S rounded up to whole 64-key tiles (the twin's splits).
+    softmax_scale_log2 = softmax_scale * log2(e). d_split 2: two programs a (row, head group, split), each
+    the scores and half the output columns. Raises ValueError for what the kernel cannot take.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    if not applies(num_heads, head_dim, q.dtype, q.device):
+        raise ValueError(f"window_entry_split: {num_heads} heads of {head_dim} in {q.dtype} on {q.device}; the "
+                         f"kernel takes >= {BLOCK_M} heads of {HEAD_DIM} in bf16 / fp16 on a Hopper GPU")
+    if not copyable(window_cache, entry_cache):
+        raise ValueError("window_entry_split: the caches need 16-byte aligned contiguous rows for cp.async")
+    if entry_cache.stride(2) != window_cache.stride(2):
+        raise ValueError(f"window_entry_split: entry_cache's feature stride {entry_cache.stride(2)} differs from "
+                         f"window_cache's {window_cache.stride(2)}")
+    if d_split not in (1, 2):
+        raise ValueError(f"window_entry_split: d_split {d_split}, expected 1 or 2")
+    splits = partial_out.shape[2]
+    if fold_sink and splits != 1:
+        raise ValueError(f"window_entry_split: fold_sink needs one split, got {splits}")
+    if num_rows == 0:
+        return
+    q = q if copyable(q) else q.contiguous()
+    grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * d_split, splits)
+    _window_entry_split_kernel[grid](
+        q, window_cache, block_table, key_lens, entry_cache, entry_table, entry_indices, sinks,
+        partial_out, partial_lse,
+        num_heads, splits, sliding_window, max(1, compress_rate), entry_indices.shape[1],
+        entry_table.shape[1] * entry_cache.shape[1], softmax_scale_log2, sinks.stride(0),
+        *q.stride(), *window_cache.stride(), *block_table.stride(), *entry_cache.stride(), *entry_table.stride(),
+        *entry_indices.stride(), *partial_out.stride(), *partial_lse.stride(),
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+        PAGE=window_cache.shape[1], ENTRY_PAGE=entry_cache.shape[1], HAS_ENTRIES=has_entries,
+        HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, D_SPLIT=d_split,
+        num_warps=NUM_WARPS, launch_pdl=use_pdl,
+    )
