@@ -69,7 +69,8 @@ _MAX_SPLITS = 32
 _LOCATE_TILES = 16
 
 
-# H100, bf16, 64 heads, 64K context, B = 64 (bench/v4_kernels.py --wgmma): the warpgroup-MMA stage 1 with
+# H100, bf16, 64 heads, 64K context, B = 64 (a sweep of the kernel's options beside this file's op,
+# bench/results/v4-kernels/h100/logs-archive/v4-stage1-tiles-h100-2026-11-28.log): the warpgroup-MMA stage 1 with
 # one split and two programs a row (each the scores and half the output columns) against this file's
 # kernel at its two splits: HCA 36.1 against 46.9 us, CSA 46.6 against 48.3; at B = 128 (two waves of
 # such programs) it lost (HCA 67.3 against 59.4), as did one program a row at B = 64 (one wave half

@@ -19,9 +19,9 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.config import Sharding
 from support.dsa_reference import make_v32
 from support.mla_reference import make_reference, rel_err, save_reference
-from support.symmetric_jobs import gloo_symmetric_choice
 from support.parallel_runs import (DP_MODES, MODES, STEP_KINDS, TOL, TP_MODES, WORLD, held, rank_steps, run_steps,
                                    scenarios, spawn_group)
+from support.symmetric_jobs import gloo_symmetric_choice
 
 CHECKPOINTS = {
     # An even vocabulary: the embedding and LM head are split too (97, the others', is held whole).
