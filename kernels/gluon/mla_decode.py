@@ -201,28 +201,32 @@ def _wgmma_split_kernel(
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    # Tile t - 1's value product is still running when iteration t starts: its locating work and the
+    # wait for tile t's copy overlap it, and tile t's score product queues right behind it on the tensor
+    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done.
     for t in range(num_tiles):
         stage = t % 2
         n0 = start + t * BLOCK_N
-        # Every warp is past its products over the stage the next copy overwrites (tile t - 1's).
-        gl.thread_barrier()
-        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
-        async_copy.commit_group()
-        page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-        copy_valid = valid
+        next_page, next_offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+        next_valid = valid
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
         next_pos_s, next_valid_s = _locate(n0 + BLOCK_N + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
         # Tile t's copies (and, the first time, the queries') are done in this thread, made visible to the
         # tensor cores' proxy, then done in every thread.
-        async_copy.wait_group(1)
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
 
         keys = k_nope.index(stage)
         s = warpgroup_mma(q_nope, keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe, k_pe.index(stage).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
+        gl.thread_barrier()
+        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        async_copy.commit_group()
+        page, offset, copy_valid = next_page, next_offset, next_valid
 
         visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
         pos_s = next_pos_s
@@ -238,7 +242,10 @@ def _wgmma_split_kernel(
 
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), keys, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Returns at once (the product stays in flight; the next score product's wait retires it) and keeps
+        # acc one type around the loop.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)
 
     has_keys = l_i > 0.0
