@@ -17,9 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_func.parallel.workers import run_ranks
 from support.mla_reference import make_reference, save_reference
-from support.parallel_gpu_runs import DTYPES
+from support.parallel_gpu_runs import DTYPES, nccl_group_results
 from support.parallel_jobs import MAX_TOKENS, dp_graphs_rank
 from support.parallel_runs import WORLD
 
@@ -35,21 +34,7 @@ def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dp-graphs-v3")
     save_reference(make_reference("v3-qlora-noaux", seed=11, vocab_size=98, **TRITON_DIMS), folder)
     out = tmp_path_factory.mktemp("dp-graphs-ranks")
-    failure = None
-    # NVLink SHARP (NVLS) off: these small collectives gain nothing from it, and its set-up needs multicast
-    # memory a host may not grant.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NCCL_NVLS_ENABLE", "0")
-        try:
-            run_ranks(WORLD, dp_graphs_rank, (str(folder), str(out), tuple(DTYPES)), timeout_s=300.0)
-        except ChildProcessError as e:
-            failure = str(e)
-    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
-             if (out / f"rank{r}.pt").exists()}
-    for rank, result in saved.items():
-        assert "raised" not in result, f"rank {rank}: {result['raised']}\n{result['traceback']}"
-    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
-    return [saved[r] for r in range(WORLD)]
+    return nccl_group_results(dp_graphs_rank, (str(folder), str(out), tuple(DTYPES)), out)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

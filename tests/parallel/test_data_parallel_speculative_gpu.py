@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import mla_func as mf
-from mla_func.parallel.workers import run_ranks
 from support.dp_speculative import ALONE, K, MAX_TOKENS, RUNS, VOCAB, dp_speculative_rank, drafting_run, own_counts
 from support.mtp_checkpoints import mtp_checkpoint
+from support.parallel_gpu_runs import nccl_group_results
 from support.parallel_runs import WORLD
 from support.v4_mtp import v4_mtp_checkpoint
 
@@ -38,18 +38,7 @@ def folders(tmp_path_factory):
 def sharded(folders, tmp_path_factory):
     """{run: [what each rank's engine gave]}."""
     out = tmp_path_factory.mktemp("dp-speculative-ranks")
-    failure = None
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NCCL_NVLS_ENABLE", "0")
-        try:
-            run_ranks(WORLD, dp_speculative_rank, (tuple(folders.values()), str(out)), timeout_s=300.0)
-        except ChildProcessError as e:
-            failure = str(e)
-    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
-             if (out / f"rank{r}.pt").exists()}
-    for rank, result in saved.items():
-        assert "raised" not in result, f"rank {rank}: {result['raised']}\n{result['traceback']}"
-    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
+    saved = nccl_group_results(dp_speculative_rank, (tuple(folders.values()), str(out)), out)
     return {name: [saved[r][folder] for r in range(WORLD)] for name, folder in folders.items()}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_func.parallel.workers import run_ranks
+from support.parallel_gpu_runs import nccl_group_results
 from support.parallel_runs import WORLD
 from support.symmetric_jobs import CASES, symmetric_reduce_rank
 
@@ -23,19 +23,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("symmetric-ranks")
-    failure = None
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NCCL_NVLS_ENABLE", "0")
-        try:
-            run_ranks(WORLD, symmetric_reduce_rank, str(out), timeout_s=120.0)
-        except ChildProcessError as e:
-            failure = str(e)
-    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
-             if (out / f"rank{r}.pt").exists()}
-    for rank, result in saved.items():
-        assert "raised" not in result, f"rank {rank}: {result['raised']}\n{result['traceback']}"
-    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
-    return [saved[r] for r in range(WORLD)]
+    return nccl_group_results(symmetric_reduce_rank, str(out), out, timeout_s=120.0)
 
 
 def test_join_leaves_nccl_and_asking_gives_the_symmetric_sum(ranks):

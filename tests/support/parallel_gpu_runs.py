@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import mla_func as mf
@@ -135,3 +137,24 @@ def run_gpu_group(runs: tuple[Run, ...], out: Path, *, device_type: str = "cuda"
     saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False, map_location="cpu")
              for r in range(WORLD) if (out / f"rank{r}.pt").exists()}
     return saved, failure
+
+
+def nccl_group_results(fn: Callable[[Any, Parallel], int], payload: Any, out: Path, *,
+                       timeout_s: float = 300.0) -> list[Any]:
+    """[what each of WORLD NCCL ranks saved to out/rank{r}.pt], from `run_ranks(WORLD, fn, payload)` with NCCL's
+    NVLink SHARP off (these small collectives gain nothing from it, and its set-up needs multicast memory a
+    host may not grant). Fails naming a rank that saved its error ({"raised", "traceback"}), the launcher's
+    error, or the ranks that saved nothing."""
+    failure = None
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NCCL_NVLS_ENABLE", "0")
+        try:
+            run_ranks(WORLD, fn, payload, timeout_s=timeout_s)
+        except ChildProcessError as e:
+            failure = str(e)
+    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
+             if (out / f"rank{r}.pt").exists()}
+    for rank, result in saved.items():
+        assert "raised" not in result, f"rank {rank}: {result['raised']}\n{result['traceback']}"
+    assert failure is None and sorted(saved) == list(range(WORLD)), f"{failure}; ranks that saved: {sorted(saved)}"
+    return [saved[r] for r in range(WORLD)]
