@@ -6,9 +6,6 @@ each rank's own draft counts read back from them.
 from __future__ import annotations
 
 import dataclasses
-import os
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +13,7 @@ import torch
 import mla_func as mf
 from mla_func.parallel import Parallel
 from mla_func.serving.rank_scheduler import RanksStep
+from support.parallel_gpu_runs import save_rank_result
 from support.parallel_jobs import GraphSteps
 from support.parallel_runs import BLOCK_SIZE
 
@@ -85,19 +83,17 @@ def own_counts(steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]], ra
 def dp_speculative_rank(task: tuple[tuple[str, ...], str], parallel: Parallel) -> int:
     """One NCCL rank (`run_ranks`' function): task (checkpoint folders, output folder); each folder loaded on this
     rank's GPU in float32 with data-parallel attention and its MTP layer. Saves {folder: `drafting_run` with K
-    drafts} to rank{r}.pt, or the error it raised (then exits at once, which stops the other rank)."""
+    drafts} to rank{r}.pt, or the error it raised (`save_rank_result`)."""
     folders, out = task
-    file = Path(out) / f"rank{parallel.rank}.pt"
-    try:
-        results = {}
+
+    def results() -> dict[str, Any]:
+        found = {}
         for folder in folders:
             model = mf.load_model(folder, dtype=torch.float32, device=torch.device("cuda", parallel.rank), mtp=True,
                                   parallel=dataclasses.replace(parallel, data_parallel_attention=True))
-            results[folder] = drafting_run(model, K)
+            found[folder] = drafting_run(model, K)
             del model
             torch.cuda.empty_cache()
-        torch.save(results, file)
-    except Exception as e:  # saved for the test, which names it
-        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
-        os._exit(1)
-    return 0
+        return found
+
+    return save_rank_result(out, parallel, results)

@@ -107,19 +107,25 @@ def _runs(parallel: Parallel, device: torch.device, runs: tuple[Run, ...]) -> di
     return results
 
 
+def save_rank_result(out: str, parallel: Parallel, compute: Callable[[], Any]) -> int:
+    """A rank function's end: what `compute()` returns saved to out/rank{r}.pt, or the error it raised
+    ({"raised", "traceback"}, for the test to name); after an error the process exits at once, past
+    `run_ranks`' leave(), whose barrier would meet the other rank inside a step's collective."""
+    file = Path(out) / f"rank{parallel.rank}.pt"
+    try:
+        torch.save(compute(), file)
+    except Exception as e:  # saved for the test, which names it
+        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
+        os._exit(1)
+    return 0
+
+
 def _rank_main(task: tuple[str, tuple[Run, ...], str], parallel: Parallel) -> int:
     out, runs, device_type = task
-    file = Path(out) / f"rank{parallel.rank}.pt"
     if device_type == "cpu":
         torch.set_num_threads(1)  # the ranks share the host's cores
     device = torch.device("cuda", parallel.rank) if device_type == "cuda" else torch.device("cpu")
-    try:
-        torch.save(_runs(parallel, device, runs), file)
-    except Exception as e:  # saved for the test, which names it
-        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
-        # At once, past `run_ranks`' leave(): its barrier would meet the other rank inside a step's collective.
-        os._exit(1)
-    return 0
+    return save_rank_result(out, parallel, lambda: _runs(parallel, device, runs))
 
 
 def run_gpu_group(runs: tuple[Run, ...], out: Path, *, device_type: str = "cuda",

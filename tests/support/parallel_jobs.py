@@ -10,8 +10,6 @@ of prompts, on any model: whole, tensor-parallel or with data-parallel attention
 from __future__ import annotations
 
 import dataclasses
-import os
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.data_parallel import plan_rank_step
 from mla_func.serving.rank_scheduler import RanksStep
 from support.graph_checks import LADDER
-from support.parallel_gpu_runs import DTYPES
+from support.parallel_gpu_runs import DTYPES, save_rank_result
 from support.hand_plans import Seq, prefill_plan
 from support.mtp_checkpoints import drafting_engine, drafting_requests
 from support.parallel_runs import BLOCK_SIZE, WORLD, RankTask, held, rank_steps, scenarios, spawn_group
@@ -317,21 +315,18 @@ def graph_engine_run(model: mf.Model, *, graphs: bool) -> dict[str, Any]:
 def dp_graphs_rank(task: tuple[str, str, tuple[str, ...]], parallel: Parallel) -> int:
     """One NCCL rank of the data-parallel graph test (`run_ranks`' function): task (checkpoint folder, output
     folder, dtype names of `parallel_gpu_runs.DTYPES`). Saves {dtype: {"graphs": `graph_engine_run` with graphs,
-    "eager": without}} to rank{r}.pt, or the error it raised; after an error it exits at once, which stops
-    the other rank rather than leaving it in a collective."""
+    "eager": without}} to rank{r}.pt, or the error it raised (`save_rank_result`)."""
     path, out, dtypes = task
-    file = Path(out) / f"rank{parallel.rank}.pt"
-    try:
-        results = {}
+
+    def results() -> dict[str, Any]:
+        found = {}
         for dtype in dtypes:
             model = mf.load_model(path, dtype=DTYPES[dtype], device=torch.device("cuda", parallel.rank),
                                   parallel=dataclasses.replace(parallel, data_parallel_attention=True))
-            results[dtype] = {"graphs": graph_engine_run(model, graphs=True),
-                              "eager": graph_engine_run(model, graphs=False)}
+            found[dtype] = {"graphs": graph_engine_run(model, graphs=True),
+                            "eager": graph_engine_run(model, graphs=False)}
             del model
             torch.cuda.empty_cache()
-        torch.save(results, file)
-    except Exception as e:  # saved for the test, which names it
-        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
-        os._exit(1)
-    return 0
+        return found
+
+    return save_rank_result(out, parallel, results)

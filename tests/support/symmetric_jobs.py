@@ -8,14 +8,12 @@ inputs beside the same calls made eagerly. The rank saves what it saw; the test 
 from __future__ import annotations
 
 import dataclasses
-import os
-import traceback
-from pathlib import Path
 
 import torch
 
 from mla_func.kernels.collectives import ONE_SHOT_MAX_BYTES, SYMMETRIC_BUFFER_BYTES, SymmetricReduce
 from mla_func.parallel import Parallel
+from support.parallel_gpu_runs import save_rank_result
 
 # (rows, columns, dtype name): one-shot sizes, two-shot sizes, the buffer's last fitting size, and what
 # the buffer does not take (past its size, a dtype its kernels lack, a size not a multiple of 16 bytes).
@@ -36,9 +34,9 @@ def _operand(rows: int, cols: int, dtype: torch.dtype, rank: int, seed: int) -> 
 def symmetric_reduce_rank(out: str, parallel: Parallel) -> int:
     """Saves {"symmetric_memory": join's choice, "kind": the asked-for all-reduce's type name, "cases": {case: (sum through
     the group's all-reduce, NCCL's sum)}, "kept": whether a first result survived a second call, "graph":
-    (replayed results, eager results)} to rank{r}.pt, or the error it raised."""
-    file = Path(out) / f"rank{parallel.rank}.pt"
-    try:
+    (replayed results, eager results)} to rank{r}.pt, or the error it raised (`save_rank_result`)."""
+
+    def results() -> dict:
         torch.cuda.set_device(parallel.rank)
         ours = dataclasses.replace(parallel, symmetric_memory=True).collectives.all_reduce
         nccl = parallel.collectives.all_reduce
@@ -72,13 +70,11 @@ def symmetric_reduce_rank(out: str, parallel: Parallel) -> int:
             graph.replay()
             replayed.append(captured.cpu())
             eager.append(two_sums(new).cpu())
-        torch.save({"symmetric_memory": parallel.symmetric_memory, "kind": type(ours).__name__,
-                    "is_symmetric": isinstance(ours, SymmetricReduce), "cases": cases, "kept": kept,
-                    "graph": (replayed, eager)}, file)
-    except Exception as e:  # saved for the test, which names it
-        torch.save({"raised": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, file)
-        os._exit(1)
-    return 0
+        return {"symmetric_memory": parallel.symmetric_memory, "kind": type(ours).__name__,
+                "is_symmetric": isinstance(ours, SymmetricReduce), "cases": cases, "kept": kept,
+                "graph": (replayed, eager)}
+
+    return save_rank_result(out, parallel, results)
 
 
 def gloo_symmetric_choice(task: object, parallel: Parallel) -> dict:
