@@ -2,7 +2,8 @@
 
     python bench/dsa_kernels.py [--commit SHA] [--out bench/results]
     python bench/dsa_kernels.py --sweep      # time tile-size candidates instead (no result file)
-    python bench/dsa_kernels.py --wgmma      # only the 128-head sparse decode, warpgroup MMA beside its twin
+    python bench/dsa_kernels.py --wgmma      # only the 128-head sparse decode and prefill, warpgroup MMA beside
+                                             # its twin
 
 Prints a table and writes bench/results/dsa-kernels/<gpu>/<date>-<commit>.json. The
 ceiling is device-to-device copy bandwidth (bytes read plus written), measured
@@ -16,6 +17,8 @@ and batch 8 at 128K as a decode step of a long-context batch would run them):
 * index_topk: indexer scores over every cached position, then top-k; bytes = the
   indexer keys read (the figure the target is stated in), the scores' write and
   reads listed beside it.
+* sparse_mla_prefill: a prefill chunk of one sequence through the same op (absorbed, each row its own
+  top-k), 128 heads; against the bf16 matmul rate measured in the run.
 * dsa_decode: the three kernels of one layer's sparse attention; bytes = the
   selected latent rows + the indexer keys read (+ queries, outputs); also at batch
   64 and 128 with random lengths up to 32K (serving batches: rows of unequal cost).
@@ -91,6 +94,39 @@ def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
     return row
+
+
+def bench_sparse_prefill(num_tokens, context, num_heads, ceilings, config=None):
+    """V3.2's prefill attention as the model runs it (`models.dsa.attention`: absorbed, every row its own
+    top-k): a chunk of `num_tokens` rows at the end of one sequence of `context` positions, each row over
+    top-2048 random positions of its causal prefix. Compute-bound at 128 heads: reported against the bf16
+    matmul rate of the run."""
+    width = context // BLOCK_SIZE
+    num_blocks = width + 1
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, DIM, device="cuda", dtype=BF16)
+    # One sequence: every row reads the same table (each row takes its own view of it by contract).
+    tables = [t.expand(num_tokens, width).contiguous() for t in _tables(1, context, num_blocks, TABLE_COPIES)]
+    positions = context - num_tokens + torch.arange(num_tokens, device="cuda")
+    scores = torch.rand(num_tokens, context, device="cuda")
+    scores[torch.arange(context, device="cuda")[None, :] > positions[:, None]] = -1.0
+    indices = scores.topk(TOP_K, dim=1).indices.sort(dim=1).values.to(torch.int32)
+    q = torch.randn(num_tokens, num_heads, DIM, device="cuda", dtype=BF16)
+    config = config or dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False,
+                                                       BF16)
+    splits = dsa_decode.sparse_mla_decode_num_splits(num_tokens, num_heads, TOP_K, q.device, config)
+    workspace = dsa_decode.sparse_mla_decode_workspace(num_tokens, num_heads, KV_LORA_RANK, TOP_K, q.device, config)
+
+    def call(table):
+        return dsa_decode.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=DIM ** -0.5,
+                                            kv_lora_rank=KV_LORA_RANK, workspace=workspace, config=config)
+
+    ms = common.time_graph([lambda t=t: call(t) for t in tables])
+    flops = decode_flops(num_heads, num_tokens * TOP_K, KV_LORA_RANK, DIM - KV_LORA_RANK)
+    num_bytes = dsa_decode.sparse_decode_bytes(num_tokens, num_heads, TOP_K, DIM, KV_LORA_RANK, 2)
+    return _row("sparse_mla_prefill", ms, num_bytes, ceilings, tokens=num_tokens, context=context, heads=num_heads,
+                top_k=TOP_K, splits=splits, kernel="wgmma" if config.wgmma else "tl.dot", flops=flops,
+                tflop_s=flops / ms / 1e9, pct_matmul=100 * flops / ms * 1e3 / ceilings["matmul"],
+                bytes_counted="selected latent rows + queries + outputs")
 
 
 def _index_setup(num_rows, context):
@@ -221,7 +257,8 @@ def sweep(ceilings):
 
 
 def wgmma_rows(ceilings):
-    """128 heads, top-2048: the warpgroup-MMA sparse decode beside its `tl.dot` twin, B64 and B128 x 32K."""
+    """128 heads, top-2048: the warpgroup-MMA sparse decode beside its `tl.dot` twin, B64 and B128 x 32K, and the
+    prefill of 1024 and 4096 tokens of one 32K sequence (the same op, every row its own top-k)."""
     rows = []
     for num_rows in (64, 128):
         twin = dsa_decode.sparse_launch_config(128, KV_LORA_RANK, DIM - KV_LORA_RANK, torch.device("cuda"), False,
@@ -231,16 +268,24 @@ def wgmma_rows(ceilings):
         pair[0]["speedup_vs_twin"] = pair[1]["ms"] / pair[0]["ms"]
         rows += pair
         torch.cuda.empty_cache()
+    for num_tokens in (1024, 4096):
+        twin = dsa_decode.sparse_launch_config(128, KV_LORA_RANK, DIM - KV_LORA_RANK, torch.device("cuda"), False,
+                                               BF16, wgmma=False)
+        pair = [bench_sparse_prefill(num_tokens, 32 * 1024, 128, ceilings, config=config) for config in (None, twin)]
+        pair[0]["speedup_vs_twin"] = pair[1]["ms"] / pair[0]["ms"]
+        rows += pair
+        torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None) -> None:
     parser = common.kernel_bench_parser(__doc__)
     parser.add_argument("--wgmma", action="store_true",
-                        help="only the 128-head sparse decode: the warpgroup-MMA kernel beside its tl.dot twin")
+                        help="only the 128-head sparse decode and prefill: the warpgroup-MMA kernel beside its "
+                             "tl.dot twin")
     args = parser.parse_args(argv)
     result, ceilings = common.kernel_bench_run(
-        "bench/dsa_kernels.py", args.commit,
+        "bench/dsa_kernels.py", args.commit, matmul=not args.sweep,
         timing=common.GRAPH_REPLAY_TIMING,
         targets="sparse decode (dsa_decode rows): t/t_copy <= 1.3; index_topk: %copy >= 60")
     if args.sweep:
@@ -272,13 +317,14 @@ def _report(result, out):
     for c in result["rows"]:
         heads = f" H{c['heads']}" if "heads" in c else f" Hi{c['index_heads']}x{c['index_dim']}"
         ragged = ", ragged" if c.get("lengths", "context") != "context" else ""
-        rows.append(dict(c, shape=f"B{c['batch']} ctx{c['context'] // 1024}K{heads} k{c['top_k']}{ragged}"))
+        size = f"B{c['batch']}" if "batch" in c else f"T{c['tokens']}"
+        rows.append(dict(c, shape=f"{size} ctx{c['context'] // 1024}K{heads} k{c['top_k']}{ragged}"))
     print(f"\n{result['gpu']}  commit {result['commit'][:12]}  copy {result['copy_bandwidth_gb_s']:.0f} GB/s  "
           f"-> {path}")
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("splits", "splits"), ("us", "us"),
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("gb_s", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("kernel", "kernel"),
-                              ("tflop_s", "TFLOP/s"), ("speedup_vs_twin", "x twin"), ("score_ms", "score ms"),
+                              ("tflop_s", "TFLOP/s"), ("pct_matmul", "%mm"), ("speedup_vs_twin", "x twin"), ("score_ms", "score ms"),
                               ("topk_us", "topk us"), ("topk_path", "top-k"), ("indexer_grid", "indexer")])
 
 

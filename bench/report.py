@@ -107,12 +107,15 @@ BENCHES = {
                          for n in (2, 3, 4) for k in ("wgmma", "rows")],
                       [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% bf16 mm", "pct_matmul", "{:.1f}"),
                        ("× twin", "speedup_vs_twin", "{:.2f}")]),
-    "dsa-kernels:wgmma": ("V3.2's sparse MLA decode at 128 heads, top-2048, on Hopper's warpgroup MMA beside its `tl.dot` "
-                          "twin, same run (`bench/dsa_kernels.py --wgmma`)", "rows",
+    "dsa-kernels:wgmma": ("V3.2's sparse MLA decode and prefill (one 32K sequence's last T tokens) at 128 heads, "
+                          "top-2048, on Hopper's warpgroup MMA beside its `tl.dot` twin, same run "
+                          "(`bench/dsa_kernels.py --wgmma`)", "rows",
                           [dict(op="sparse_mla_decode", heads=128, batch=b, kernel=k)
-                           for b in (64, 128) for k in ("wgmma", "tl.dot")],
-                          [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("t / t_copy", "copy_time_ratio", "{:.2f}"),
-                           ("× twin", "speedup_vs_twin", "{:.2f}")]),
+                           for b in (64, 128) for k in ("wgmma", "tl.dot")]
+                          + [dict(op="sparse_mla_prefill", heads=128, tokens=t, kernel=k)
+                             for t in (1024, 4096) for k in ("wgmma", "tl.dot")],
+                          [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% bf16 mm", "pct_matmul", "{:.1f}"),
+                           ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("× twin", "speedup_vs_twin", "{:.2f}")]),
     "kernels:fp8-cache": ("MLA decode over the FP8 latent cache against the bf16 cache, same run "
                           "(`bench/kernels.py --fp8-cache`)", "rows",
                           [dict(op="mla_decode", batch=64, context=32768, heads=h, cache="fp8") for h in (16, 128)],
@@ -205,6 +208,10 @@ TARGETS = [
      ">=", 350, "Hopper kernels"),
     ("dsa-kernels:wgmma", dict(op="sparse_mla_decode", heads=128, batch=64, kernel="wgmma"), "tflop_s", ">=", 350,
      "Hopper kernels"),
+    ("dsa-kernels:wgmma", dict(op="sparse_mla_decode", heads=128, batch=128, kernel="wgmma"), "tflop_s", ">=", 350,
+     "Hopper kernels"),
+    ("dsa-kernels:wgmma", dict(op="sparse_mla_prefill", heads=128, tokens=4096, kernel="wgmma"), "pct_matmul", ">=",
+     50, "Hopper kernels"),
     ("cpu", dict(threads=1), "stream_busy_tok_s", ">=", 200, "CPU"),
     ("cpu", dict(threads=1), "score_tiny_2048_s", "<", 1, "CPU"),
 ]
