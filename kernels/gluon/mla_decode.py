@@ -203,8 +203,7 @@ def _wgmma_split_kernel(
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # Tile t - 1's value product is still running when iteration t starts: its locating work and the
     # wait for tile t's copy overlap it, and tile t's score product queues right behind it on the tensor
-    # cores. Tile t + 1's copy goes into tile t - 1's stage as soon as that value product is done, so it
-    # is in flight under tile t's score product, its softmax and its value product.
+    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done.
     for t in range(num_tiles):
         stage = t % 2
         n0 = start + t * BLOCK_N
@@ -221,16 +220,13 @@ def _wgmma_split_kernel(
         keys = k_nope.index(stage)
         s = warpgroup_mma(q_nope, keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe, k_pe.index(stage).permute((1, 0)), s, is_async=True)
-        # Tile t - 1's value product is retired (products retire in order; tile t's two score products stay
-        # in flight), and once every warp is past it, tile t + 1's copy may overwrite that stage: the copy
-        # runs under the score product as well as the softmax.
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
         gl.thread_barrier()
         _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
                    s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
         visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
         pos_s = next_pos_s
