@@ -188,3 +188,28 @@ def test_sparse_graph_replay_with_new_indices_equals_eager():
         want, _ = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), table, indices, softmax_scale=SCALE,
                                             kv_lora_rank=C)
         assert_close(out, want, torch.bfloat16)
+
+
+def test_sparse_prefill_rows_of_one_sequence_equal_reference_and_twin():
+    """V3.2's prefill as the model and `bench/dsa_kernels.py --wgmma` run it: a chunk's rows share one
+    sequence's table, each row over top-k positions of its own causal prefix (some with fewer keys than k)."""
+    device = _hopper()
+    gen = generator(41, device)
+    context, chunk, top_k = 3000, 160, 2048
+    kv_cache, table = paged_cache([context], 64, C + R, torch.bfloat16, device, gen)
+    positions = range(context - chunk, context)
+    # The first rows of a prompt see fewer keys than top_k; the chunk's last rows more.
+    key_lens = [p + 1 for p in positions][:chunk - 8] + [1, 7, 100, 2047, 2048, 2049, 1000, 3]
+    indices = random_indices(key_lens, top_k, device, gen)
+    rows_table = table.expand(chunk, table.shape[1]).contiguous()
+    q = randn((chunk, 128, C + R), torch.bfloat16, device, gen)
+    kw = dict(softmax_scale=SCALE, kv_lora_rank=C)
+    got, got_lse = tri_dsa.sparse_mla_decode(q, kv_cache, rows_table, indices, **kw)
+    twin_config = tri_dsa.sparse_launch_config(128, C, R, device, False, q.dtype, wgmma=False)
+    twin, twin_lse = tri_dsa.sparse_mla_decode(q, kv_cache, rows_table, indices, config=twin_config, **kw)
+    want, want_lse = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), rows_table, indices, **kw)
+    assert tri_dsa.sparse_launch_config(128, C, R, device, False, q.dtype).wgmma
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
