@@ -198,7 +198,8 @@ def test_sparse_prefill_rows_of_one_sequence_equal_reference_and_twin():
     context, chunk, top_k = 3000, 160, 2048
     kv_cache, table = paged_cache([context], 64, C + R, torch.bfloat16, device, gen)
     positions = range(context - chunk, context)
-    # The first rows of a prompt see fewer keys than top_k; the chunk's last rows more.
+    # The chunk's rows see more keys than top_k; eight rows stand for a prompt's first positions (fewer
+    # than top_k, exactly top_k, one more).
     key_lens = [p + 1 for p in positions][:chunk - 8] + [1, 7, 100, 2047, 2048, 2049, 1000, 3]
     indices = random_indices(key_lens, top_k, device, gen)
     rows_table = table.expand(chunk, table.shape[1]).contiguous()
