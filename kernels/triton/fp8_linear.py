@@ -12,8 +12,10 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   operands are FP8 (x quantized first by `fp8_quant`); otherwise x stays 16-bit and the weight
   tile is widened to it in registers (FP8 values are exact in bf16 and fp16).
 * `_row_kernel` (one row of 16-bit activations: batch-1 decode): CUDA-core products, each FP8 tile
-  widened to float32 and multiplied by the row, summed over K in registers; K split over programs as
-  the stream splits it. No tensor-core tile is filled with one live row, and no bf16 widening.
+  widened to float32 and multiplied by the row, summed over K in registers, a few weight rows a
+  program over 512-column steps (several scale blocks a step), one launch. Only a narrow weight with
+  a long K splits K over programs, summed as the stream's splits are. No tensor-core tile is filled
+  with one live row, and no bf16 widening.
 * `_stream_kernel` (up to STREAM_MAX_ROWS rows: decode): a program owns BLOCK_N weight rows and
   streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
   handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
@@ -81,7 +83,8 @@ _STREAM_STAGES = 3
 
 @dataclass(frozen=True, slots=True)
 class RowTiles:
-    """The one-row product's [block_n, block_k] weight tile, its K split and warps."""
+    """The one-row product's [block_n, block_k] weight tile (block_k may span several scale blocks), its K
+    split and warps."""
 
     block_n: int
     block_k: int
@@ -89,11 +92,17 @@ class RowTiles:
     num_warps: int
 
 
-# H100, one bf16 row, graph replays (a sweep of tile width, split and warps,
-# bench/results/step-fp8/h100/logs-archive/fp8-step-profile-h100-2026-11-27.log): [7168, 7168] 23.9 us
-# (64-wide tiles, 8 splits) against the weight stream's best 26.5, [18432, 7168] 52.8 against 56.6;
-# v2-lite's narrow projections ([576 .. 5632, 2048 | 2816]) best at 16- or 32-wide tiles, 4.8-6.6 us
-# against the stream's 5.2-8.3.
+# H100, one bf16 row, graph replays (bench/results/kernels/h100/logs-archive/fp8-row-sweep-h100-2026-11-28.log):
+# 4 weight rows a program, 512-column steps, 2 warps, K unsplit, one launch: [7168, 7168] 20.0 us against
+# 21.4 for 64-row tiles with 8 splits and their sum, [18432, 7168] 45.3 against 48.4, [7168, 18432] 47.5
+# against 49.3, v2-lite's projections 2.3-17.4 against 4.7-18.4 (narrower steps, or 1, 8 or 16 rows a
+# program at other warps, were no faster). A narrow weight with a long K leaves too few loads in flight
+# unsplit ([2048, 10944]: 16.6 against 14.0 split): it keeps the split tiles below.
+_ROW_UNSPLIT = RowTiles(block_n=4, block_k=512, split_k=1, num_warps=2)
+_ROW_SPLIT_MAX_K = 4096
+_ROW_SPLIT_PROGRAMS_PER_SM = 4
+# The split tiles (a sweep of tile width, split and warps, bench/results/step-fp8/h100/logs-archive/
+# fp8-step-profile-h100-2026-11-27.log): 16- or 32-wide tiles for v2-lite's narrow projections.
 _ROW_WIDE_MIN_N = 7168
 _ROW_MID_MIN_N = 4096
 
@@ -121,16 +130,19 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
 
 
 def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowTiles:
-    """The one-row product's tiles for an [n_out, k_in] weight in blocks of block_k columns: wide tiles for
-    wide weights, K split in whole scale blocks as `stream_tiles` splits it."""
+    """The one-row product's tiles for an [n_out, k_in] weight in blocks of block_k columns: a few rows a
+    program and K whole, unless the weight is too narrow for _ROW_SPLIT_PROGRAMS_PER_SM programs a
+    multiprocessor and K is long: then wider tiles and K split in whole scale blocks as `stream_tiles`
+    splits it."""
     if device.type != "cuda":
-        block_n = 16
-    else:
-        block_n = 64 if n_out >= _ROW_WIDE_MIN_N else 32 if n_out > _ROW_MID_MIN_N else 16
-    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n_out, block_n))
+        return RowTiles(block_n=16, block_k=min(32, block_k), split_k=1, num_warps=4)
+    sms = sm_count(device)
+    if triton.cdiv(n_out, _ROW_UNSPLIT.block_n) >= _ROW_SPLIT_PROGRAMS_PER_SM * sms or k_in <= _ROW_SPLIT_MAX_K:
+        return _ROW_UNSPLIT
+    block_n = 64 if n_out >= _ROW_WIDE_MIN_N else 32 if n_out > _ROW_MID_MIN_N else 16
+    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sms, triton.cdiv(n_out, block_n))
     split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
-    return RowTiles(block_n=block_n, block_k=min(128 if device.type == "cuda" else 32, block_k), split_k=split_k,
-                    num_warps=4)
+    return RowTiles(block_n=block_n, block_k=min(128, block_k), split_k=split_k, num_warps=4)
 
 
 @triton.jit
@@ -243,7 +255,8 @@ def _row_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr,
     n_out, k_in, k_per_split,
     s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yn,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr, GDC: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
@@ -256,19 +269,25 @@ def _row_kernel(
     w_rows = w_ptr + safe_cols[:, None].to(tl.int64) * s_wn
     ws_rows = ws_ptr + (safe_cols // SCALE_N) * s_wsn
     offs_k = tl.arange(0, BLOCK_K)
+    # A step is GROUPS runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    run_starts = tl.arange(0, GROUPS) * GROUP_K
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_hi
         w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
-        # A K step lies in one scale block: its partial sum takes one scale a column.
-        part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        acc += part * tl.load(ws_rows + (k0 // SCALE_K) * s_wsb)
-    tl.store(y_ptr + cols * s_yn, acc.to(y_ptr.dtype.element_ty), mask=col_mask)
+        # A run's partial sum takes its block's scale, one a weight row; runs past K read no scale.
+        run_k = k0 + run_starts
+        scale = tl.load(ws_rows[:, None] + (run_k // SCALE_K)[None, :] * s_wsb, mask=(run_k < k_hi)[None, :],
+                        other=0.0)
+        part = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, GROUPS, GROUP_K]), axis=2)
+        acc += part * scale
+    tl.store(y_ptr + cols * s_yn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 def check_block_k(block: tuple[int, int]) -> None:
@@ -374,7 +393,11 @@ def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: 
     k_in = x.shape[1]
     n_out = values.shape[0]
     c = tiles or row_tiles(n_out, k_in, block[1], x.device)
-    block_k = min(c.block_k, block[1])
+    # The columns of a step that share one scale: the whole step when it lies inside one block.
+    group_k = min(c.block_k, block[1])
+    if c.block_k % group_k or block[1] % group_k:
+        raise ValueError(f"row tiles: block_k {c.block_k} must divide the scale block's K {block[1]} or be a "
+                         f"multiple of it")
     # Each split's share of K is a whole number of scale blocks.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), block[1]) * block[1]
     split_k = triton.cdiv(k_in, k_per_split)
@@ -385,7 +408,7 @@ def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: 
         x, values, scale_inv, out,
         n_out, k_in, k_per_split,
         x.stride(1), *values.stride(), *scale_inv.stride(), n_out, y.stride(1),
-        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=block_k, GDC=use_pdl,
+        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_K=group_k, GDC=use_pdl,
         num_warps=c.num_warps, launch_pdl=use_pdl,
     )
     if split_k > 1:
