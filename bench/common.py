@@ -7,6 +7,7 @@ import collections
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import re
 import subprocess
@@ -52,11 +53,14 @@ def time_eager(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20, warmup_ms: float = 25) -> float:
     """Milliseconds per call of `calls` captured back to back in one CUDA graph.
 
     The calls should touch different memory (other pages, other experts) so that
-    one call does not find the previous call's data in L2.
+    one call does not find the previous call's data in L2. The graph replays for about
+    warmup_ms before the timed replays, as `time_eager` warms up: the first graph timed
+    in a process ran up to 15% slower than the same graph timed later (H100, one-row
+    FP8 products of 20-25 us, bench/results/kernels/h100/logs-archive/fp8-row-sweep-h100-2026-11-28.log).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -70,9 +74,13 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> floa
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    graph.replay()
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    for _ in range(min(1000, max(1, math.ceil(warmup_ms / max(start.elapsed_time(end), 1e-3))))):
+        graph.replay()
     start.record()
     for _ in range(replays):
         graph.replay()
