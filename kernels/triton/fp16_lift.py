@@ -7,7 +7,7 @@ can be written in fp16 without loss: each line of the tile (a row of activations
 the power of two that puts its largest magnitude in [2^14, 2^15). A bf16 value has 8 significant
 bits, so every value of the line above 2^-31 times its largest is then exact in fp16 (smaller ones
 round on fp16's subnormal grid, below 2^-39 of the line's largest); the power of two is undone on
-the float32 product, exactly. Used by the FP8 weight stream and the per-pair FP8 MoE.
+the float32 product, exactly. Used by the FP8 weight stream (`fp8_linear`).
 """
 
 from __future__ import annotations

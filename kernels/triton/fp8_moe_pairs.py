@@ -2,11 +2,12 @@
 
 `moe_pairs`' scheme with FP8 weight tiles: a program takes one (token, slot) pair and BLOCK_I of its
 expert's intermediate columns, computes their gate/up products and activation, and adds its slice's
-share of the down projection into the token's zeroed float32 row with atomics. Each weight tile is
-read as FP8, widened to x's dtype in registers and multiplied on the tensor cores into a fresh
-float32 tile, which is added to the accumulator times the tile's block scales (`fp8_linear`'s math):
-per gate/up column for w13, per output column for w2, whose K (intermediate) block a program's
-columns lie inside (BLOCK_I, a power of two, at most the scale block's K).
+share of the down projection into the token's zeroed float32 row with atomics. A pair is one row, so
+the products run on CUDA cores as `fp8_linear`'s one-row product does: each FP8 tile widened to
+float32, multiplied by the row (or the activation) and summed in registers, each run of columns
+inside one scale block taking its block's scale (`fp8_linear`'s math): per gate/up column for w13,
+per output column for w2, whose K (intermediate) block a program's columns lie inside (BLOCK_I, a
+power of two, at most the scale block's K). No 16-row tensor-core tile holds one live row.
 
 Against the tiled path (`fp8_moe`: gate/up, down and combine launches over 16-row tiles, one row
 of which is live at decode) it saves two launches and the idle tiles; the float32 atomics make the
@@ -20,16 +21,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import dot_precision, next_pow2, pdl
+from ._common import next_pow2, pdl
 from .fill import zeros
-from .fp16_lift import lift_to_fp16
 from .moe_pairs import PairConfig
 from .swiglu import swiglu_activation
 
-# Chosen on an H100 from 36 settings, graph replays of the whole op (bench/notes/fp8.md): one token
-# of v2-lite's experts (D 2048, I 1408, top-6 + 2 shared) 39.1 us against the tiled path's 44.5, of
-# V3's (D 7168, I 2048, top-8 + 1) 180.5 against 194.8; 64 intermediate columns a program 42-47 us.
-_GPU_FP8_PAIRS = PairConfig(block_i=32, block_k=128, block_d=256, num_warps=4, num_stages=3)
+# Chosen on an H100 from 48 settings, graph replays of the whole op at one token over 8 routings
+# (bench/results/kernels/h100/logs-archive/fp8-moe-row-sweep-h100-2026-11-28.log): 32 experts of V3's
+# shapes (D 7168, I 2048, top-8) 134.6 us against 149.9 for the tensor-core pair kernel in the same
+# run, 64 of v2-lite's (D 2048, I 1408, top-6) 29.9 against 31.8; 32 intermediate columns a program or
+# 4 warps 145-155 us on V3's.
+_GPU_FP8_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=8, num_stages=1)
 # Up to this many pairs the per-pair path runs. It reads an expert's weights once per pair: at four
 # tokens it ties the tiled path on v2-lite's experts (111.5 vs 109.3 us) and loses on V3's (558 vs 351).
 FP8_PAIR_MAX_PAIRS = 16
@@ -58,15 +60,12 @@ def _fp8_pair_kernel(
     s_ids_t, s_ids_k, s_tw_t, s_tw_k, s_ot,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, X_DTYPE: tl.constexpr, CLAMP: tl.constexpr, LIFT: tl.constexpr,
-    GDC: tl.constexpr,
+    GROUP_K: tl.constexpr, X_DTYPE: tl.constexpr, CLAMP: tl.constexpr, GDC: tl.constexpr,
 ):
     """One (token, slot) pair, BLOCK_I of its expert's intermediate columns: gate/up, activation, down.
 
-    The pair's row sits in row 0 of 16-row tiles (rows 1-15 are zero) so that the weight loads feed
-    `tl.dot`, whose loads Triton pipelines; BLOCK_K <= SCALE_K, so a K step lies in one scale block.
-    With LIFT (bf16 activations) the row and the activation meet the FP8 tiles as fp16, lifted exactly
-    (`fp16_lift`): e4m3 widens to fp16 in fewer instructions than to bf16.
+    A gate/up step of BLOCK_K columns is BLOCK_K // GROUP_K runs of GROUP_K columns, each inside one
+    scale block (GROUP_K = min(BLOCK_K, SCALE_K)); its products are summed a run at a time and scaled.
     """
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
@@ -77,56 +76,50 @@ def _fp8_pair_kernel(
     expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
     if expert >= 0:
         router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k)
-        first = tl.arange(0, 16) == 0
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_mask = offs_i < inter
+        # Out-of-range columns read row 0 (their activation is zeroed below): no mask on the weight rows.
         gate_rows = tl.where(i_mask, offs_i, 0)
         up_rows = gate_rows + inter
-        w_gate = w13_ptr + expert * s_ge + gate_rows[None, :] * s_gn
-        w_up = w13_ptr + expert * s_ge + up_rows[None, :] * s_gn
+        w_gate = w13_ptr + expert * s_ge + gate_rows[:, None].to(tl.int64) * s_gn
+        w_up = w13_ptr + expert * s_ge + up_rows[:, None].to(tl.int64) * s_gn
         # Gate and up rows of one column may lie in different row blocks of w13.
         s_gate = s13_ptr + expert * s_gse + (gate_rows // SCALE_N) * s_gsn
         s_up = s13_ptr + expert * s_gse + (up_rows // SCALE_N) * s_gsn
         x_row = x_ptr + token * s_xt
         offs_k = tl.arange(0, BLOCK_K)
-        acc_gate = tl.zeros([16, BLOCK_I], dtype=tl.float32)
-        acc_up = tl.zeros([16, BLOCK_I], dtype=tl.float32)
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+        run_starts = tl.arange(0, GROUPS) * GROUP_K
+        acc_gate = tl.zeros([BLOCK_I, GROUPS], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_I, GROUPS], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < hidden
-            xa = tl.load(x_row + ks[None, :] * s_xd + tl.zeros([16, 1], dtype=tl.int64),
-                         mask=first[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & i_mask[None, :]
-            gate = tl.load(w_gate + ks[:, None] * s_gd, mask=w_mask, other=0.0)
-            up = tl.load(w_up + ks[:, None] * s_gd, mask=w_mask, other=0.0)
-            kb = k0 // SCALE_K
-            gate_scale = tl.load(s_gate + kb * s_gsk)
-            up_scale = tl.load(s_up + kb * s_gsk)
-            if LIFT:
-                x16, unscale = lift_to_fp16(xa, 1)
-                acc_gate += tl.dot(x16, gate.to(tl.float16)) * (unscale[:, None] * gate_scale[None, :])
-                acc_up += tl.dot(x16, up.to(tl.float16)) * (unscale[:, None] * up_scale[None, :])
-            else:
-                acc_gate += tl.dot(xa, gate.to(xa.dtype), input_precision=DOT_PRECISION) * gate_scale[None, :]
-                acc_up += tl.dot(xa, up.to(xa.dtype), input_precision=DOT_PRECISION) * up_scale[None, :]
-        act = swiglu_activation(acc_gate, acc_up, limit, X_DTYPE, CLAMP)
-        if LIFT:
-            act16, act_unscale = lift_to_fp16(act, 1)
-        # The program's columns are one K block of w2 (BLOCK_I divides SCALE_K): one scale a down column.
-        w_down = w2_ptr + expert * s_de + offs_i[:, None] * s_di
+            xk = tl.load(x_row + ks * s_xd, mask=k_mask, other=0.0).to(tl.float32)
+            gate = tl.load(w_gate + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            up = tl.load(w_up + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            # A run's scale: its block's, one a weight row; runs past the hidden size read none.
+            run_k = k0 + run_starts
+            run_blocks = (run_k // SCALE_K)[None, :] * s_gsk
+            run_mask = (run_k < hidden)[None, :]
+            gate_scale = tl.load(s_gate[:, None] + run_blocks, mask=run_mask, other=0.0)
+            up_scale = tl.load(s_up[:, None] + run_blocks, mask=run_mask, other=0.0)
+            acc_gate += tl.sum(tl.reshape(gate * xk[None, :], [BLOCK_I, GROUPS, GROUP_K]), axis=2) * gate_scale
+            acc_up += tl.sum(tl.reshape(up * xk[None, :], [BLOCK_I, GROUPS, GROUP_K]), axis=2) * up_scale
+        act = swiglu_activation(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), limit, X_DTYPE, CLAMP)
+        act = tl.where(i_mask, act.to(tl.float32), 0.0)
+        # The program's columns are one K block of w2 (BLOCK_I divides SCALE_K): one scale an output column.
+        w_down = w2_ptr + expert * s_de + offs_i[None, :] * s_di
         s_down = s2_ptr + expert * s_dse + (tl.program_id(1) * BLOCK_I // SCALE_K) * s_dsk
         offs_d = tl.arange(0, BLOCK_D)
-        out_row = out_ptr + token * s_ot + tl.zeros([16, 1], dtype=tl.int64)
+        out_row = out_ptr + token * s_ot
         for d0 in range(0, hidden, BLOCK_D):
             ds = d0 + offs_d
             d_mask = ds < hidden
-            w = tl.load(w_down + ds[None, :] * s_dd, mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+            w = tl.load(w_down + ds[:, None].to(tl.int64) * s_dd, mask=d_mask[:, None] & i_mask[None, :], other=0.0)
             d_scale = tl.load(s_down + (ds // SCALE_N) * s_dsn, mask=d_mask, other=0.0)
-            if LIFT:
-                part = tl.dot(act16, w.to(tl.float16)) * (act_unscale[:, None] * (d_scale * router)[None, :])
-            else:
-                part = tl.dot(act, w.to(act.dtype), input_precision=DOT_PRECISION) * (d_scale * router)[None, :]
-            tl.atomic_add(out_row + ds[None, :], part, mask=first[:, None] & d_mask[None, :], sem="relaxed")
+            part = tl.sum(w.to(tl.float32) * act[None, :], axis=1) * (d_scale * router)
+            tl.atomic_add(out_row + ds, part, mask=d_mask, sem="relaxed")
 
 
 def fp8_pair_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
@@ -139,16 +132,17 @@ def fp8_pair_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor
     inter = w13.shape[1] // 2
     out = zeros((num_tokens, hidden), torch.float32, x.device)
     use_pdl = pdl(x.device)
+    # Steps of several scale blocks are whole blocks (both are powers of two); a step inside one block
+    # divides it.
+    block_k = min(config.block_k, max(16, next_pow2(hidden)))
     _fp8_pair_kernel[(topk_ids.numel(), triton.cdiv(inter, block_i))](
         x, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, out,
         hidden, inter, 0.0 if limit is None else float(limit),
         *x.stride(), *w13.stride(), *w13_scale_inv.stride(), *w2.stride(), *w2_scale_inv.stride(),
         *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
         SCALE_N=block[0], SCALE_K=block[1], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
-        BLOCK_K=min(config.block_k, block[1], max(16, next_pow2(hidden))),
-        BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))),
-        DOT_PRECISION=dot_precision(x.dtype), X_DTYPE=_TL_DTYPES[x.dtype], CLAMP=limit is not None,
-        LIFT=x.dtype == torch.bfloat16, GDC=use_pdl,
+        BLOCK_K=block_k, BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))),
+        GROUP_K=min(block_k, block[1]), X_DTYPE=_TL_DTYPES[x.dtype], CLAMP=limit is not None, GDC=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -159,6 +159,9 @@ def test_fp8_fused_moe_per_pair_path_equals_the_tiled_path_and_reference(dtype, 
     by_tiles = fp8_moe.fp8_fused_moe(*inputs, limit=limit, config=tiled)
     assert_close(per_pair, by_tiles, dtype)
     assert torch.all(per_pair[-1] == 0)
+    # Gate/up steps of two scale blocks (the second past D = 160 in part).
+    wide_steps = PairConfig(block_i=16, block_k=256, block_d=32, num_warps=4, num_stages=1)
+    assert_close(fp8_moe.fp8_fused_moe(*inputs, limit=limit, config=wide_steps), by_tiles, dtype)
     if limit is None:
         _check_moe(inputs, dtype, False)
     with pytest.raises(ValueError, match="per-pair path"):
