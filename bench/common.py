@@ -59,7 +59,7 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20, warmup_
     The calls should touch different memory (other pages, other experts) so that
     one call does not find the previous call's data in L2. The graph replays for about
     warmup_ms before the timed replays, as `time_eager` warms up: the first graph timed
-    in a process ran up to 15% slower than the same graph timed later (H100, one-row
+    in a process ran 11-13% slower than the same graph timed later (H100, one-row
     FP8 products of 20-25 us, bench/results/kernels/h100/logs-archive/fp8-row-sweep-h100-2026-11-28.log).
     """
     stream = torch.cuda.Stream()

@@ -97,7 +97,7 @@ class RowTiles:
 # H100, one bf16 row, graph replays (bench/results/kernels/h100/logs-archive/fp8-row-sweep-h100-2026-11-28.log):
 # 4 weight rows a program, 512-column steps, 2 warps, K unsplit, one launch: [7168, 7168] 20.0 us against
 # 21.4 for 64-row tiles with 8 splits and their sum, [18432, 7168] 45.3 against 48.4, [7168, 18432] 47.5
-# against 49.3, v2-lite's projections 2.3-17.4 against 4.7-18.4 (narrower steps, or 1, 8 or 16 rows a
+# against 49.3, v2-lite's projections 2.3-17.4 against 4.8-18.4 (narrower steps, or 1, 8 or 16 rows a
 # program at other warps, were no faster). A narrow weight with a long K leaves too few loads in flight
 # unsplit ([2048, 10944]: 16.6 against 14.0 split): it keeps the split tiles below.
 _ROW_UNSPLIT = RowTiles(block_n=4, block_k=512, split_k=1, num_warps=2)
