@@ -33,7 +33,8 @@ from .swiglu import swiglu_activation
 # 4 warps 145-155 us on V3's.
 _GPU_FP8_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=8, num_stages=1)
 # Up to this many pairs the per-pair path runs. It reads an expert's weights once per pair: at four
-# tokens it ties the tiled path on v2-lite's experts (111.5 vs 109.3 us) and loses on V3's (558 vs 351).
+# tokens the tensor-core pair kernel before this one tied the tiled path on v2-lite's experts (111.5 vs
+# 109.3 us) and lost on V3's (558 vs 351); the CUDA-core kernel's crossover is not measured yet.
 FP8_PAIR_MAX_PAIRS = 16
 _INTERPRETER_FP8_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
 
