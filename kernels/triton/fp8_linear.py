@@ -257,6 +257,19 @@ def _stream_kernel(
 
 
 @triton.jit
+def scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCALE_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // GROUP_K] partial sums of one K step of a one-row product: the FP8 tile w
+    [BLOCK_N, BLOCK_K] (columns k0 ..) widened to float32 times the row x [BLOCK_K] (float32), summed in
+    runs of GROUP_K columns, each run inside one scale block and times its block's scale (ws_rows
+    [BLOCK_N]: each weight row's scale-row pointer, blocks s_wsb apart). Runs at or past k_hi read no scale."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    run_k = k0 + tl.arange(0, GROUPS) * GROUP_K
+    scale = tl.load(ws_rows[:, None] + (run_k // SCALE_K)[None, :] * s_wsb, mask=(run_k < k_hi)[None, :], other=0.0)
+    return tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, GROUPS, GROUP_K]), axis=2) * scale
+
+
+@triton.jit
 def _row_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr,
     n_out, k_in, k_per_split,
@@ -275,24 +288,17 @@ def _row_kernel(
     w_rows = w_ptr + safe_cols[:, None].to(tl.int64) * s_wn
     ws_rows = ws_ptr + (safe_cols // SCALE_N) * s_wsn
     offs_k = tl.arange(0, BLOCK_K)
-    # A step is GROUPS runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-    run_starts = tl.arange(0, GROUPS) * GROUP_K
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    # A step is runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
+    acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_hi
         w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
-        # A run's partial sum takes its block's scale, one a weight row; runs past K read no scale.
-        run_k = k0 + run_starts
-        scale = tl.load(ws_rows[:, None] + (run_k // SCALE_K)[None, :] * s_wsb, mask=(run_k < k_hi)[None, :],
-                        other=0.0)
-        part = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, GROUPS, GROUP_K]), axis=2)
-        acc += part * scale
+        acc += scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N, BLOCK_K, SCALE_K, GROUP_K)
     tl.store(y_ptr + cols * s_yn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 

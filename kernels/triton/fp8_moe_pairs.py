@@ -23,6 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, pdl
 from .fill import zeros
+from .fp8_linear import scaled_row_step
 from .moe_pairs import PairConfig
 from .swiglu import swiglu_activation
 
@@ -89,24 +90,16 @@ def _fp8_pair_kernel(
         s_up = s13_ptr + expert * s_gse + (up_rows // SCALE_N) * s_gsn
         x_row = x_ptr + token * s_xt
         offs_k = tl.arange(0, BLOCK_K)
-        GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-        run_starts = tl.arange(0, GROUPS) * GROUP_K
-        acc_gate = tl.zeros([BLOCK_I, GROUPS], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_I, GROUPS], dtype=tl.float32)
+        acc_gate = tl.zeros([BLOCK_I, BLOCK_K // GROUP_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_I, BLOCK_K // GROUP_K], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < hidden
             xk = tl.load(x_row + ks * s_xd, mask=k_mask, other=0.0).to(tl.float32)
-            gate = tl.load(w_gate + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            up = tl.load(w_up + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            # A run's scale: its block's, one a weight row; runs past the hidden size read none.
-            run_k = k0 + run_starts
-            run_blocks = (run_k // SCALE_K)[None, :] * s_gsk
-            run_mask = (run_k < hidden)[None, :]
-            gate_scale = tl.load(s_gate[:, None] + run_blocks, mask=run_mask, other=0.0)
-            up_scale = tl.load(s_up[:, None] + run_blocks, mask=run_mask, other=0.0)
-            acc_gate += tl.sum(tl.reshape(gate * xk[None, :], [BLOCK_I, GROUPS, GROUP_K]), axis=2) * gate_scale
-            acc_up += tl.sum(tl.reshape(up * xk[None, :], [BLOCK_I, GROUPS, GROUP_K]), axis=2) * up_scale
+            gate = tl.load(w_gate + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0)
+            up = tl.load(w_up + ks[None, :] * s_gd, mask=k_mask[None, :], other=0.0)
+            acc_gate += scaled_row_step(gate, xk, s_gate, k0, hidden, s_gsk, BLOCK_I, BLOCK_K, SCALE_K, GROUP_K)
+            acc_up += scaled_row_step(up, xk, s_up, k0, hidden, s_gsk, BLOCK_I, BLOCK_K, SCALE_K, GROUP_K)
         act = swiglu_activation(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), limit, X_DTYPE, CLAMP)
         act = tl.where(i_mask, act.to(tl.float32), 0.0)
         # The program's columns are one K block of w2 (BLOCK_I divides SCALE_K): one scale an output column.
