@@ -20,8 +20,8 @@ each finds memoized, or captures, at the same step. A step any rank cannot graph
 all, and so does every prefill and mixed step: their logits rows follow each rank's own prompts
 (so their keys seldom agree), and an idle rank beside them would need an all-padding prefill graph.
 A verify step of speculative decoding is a decode step like any other here (its query length is in
-the key); the drafter's steps around it run eagerly under data-parallel attention (the engine builds
-its drafter without graphs), so none of their keys has to be agreed on.
+the key), and so are the drafter's chain and catch-up steps around it: every rank runs the same
+drafter steps (an idle rank's all padding), decided by the same rule.
 """
 
 from __future__ import annotations

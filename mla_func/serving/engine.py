@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import random
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -130,7 +129,7 @@ class Engine:
     (`RanksStep.every_logits_row`). With speculative_tokens every rank drafts and verifies its own rows,
     the drafter's steps exchanging rows as the target's do (`mla_func.serving.speculative`), and gathers
     each verify row's tokens (`RanksStep.every_verify_token`); `speculative_stats` counts the drafts of the
-    rank's own rows, and the drafter's steps run eagerly there.
+    rank's own rows. The drafter's steps follow the same graph rule as the target's.
     """
 
     def __init__(
@@ -207,13 +206,11 @@ class Engine:
             else RankSchedulers(c.scheduler_config(self.state.groups), ranks.size, ranks.rank))
         # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
         self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
-        # Under data-parallel attention the drafter's steps run eagerly: a graph step there must be one key
-        # on every rank, captured by all at once (`parallel.data_parallel.rank_modes`), and the drafter's
-        # warm-up captures one process's keys (no exchanged rows); eager steps need no such agreement. The
-        # target's verify steps keep the rule of any decode step.
-        drafting = c if ranks is None else replace(c, graphs=False)
+        # Under data-parallel attention the drafter's steps are decided as the target's are
+        # (`parallel.data_parallel.rank_modes`): every rank runs the same drafter steps, so a graph step is
+        # one key on every rank, captured or replayed by all at once.
         self._speculative = None if not c.speculative_tokens else SpeculativeDecoder(
-            drafting.build_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model)),
+            c.build_step(model, fn=DrafterFn(mtp_layer(model.config)), params=drafter_params(model)),
             init_drafter_state(model, self.state), self._ops, hidden_size=drafter_hidden_size(model.config))
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -242,7 +239,7 @@ class Engine:
             modes = list(rank_graph_modes(modes))
         self.step.warmup(self.state, modes, progress=progress)
         drafter = 0 if self._speculative is None else self._speculative.warmup(
-            max_q, drafter_hidden_size(self.model.config), progress=progress)
+            max_q, drafter_hidden_size(self.model.config), progress=progress, data_parallel=self._ranks is not None)
         if freeze_gc:
             gc.freeze()
         return len(self.step.captured_keys) - before + drafter

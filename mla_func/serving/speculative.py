@@ -58,7 +58,7 @@ from mla_func.core.mode import ForwardMode
 from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.step import Step, StepOutput
 from mla_func.kernels import Ops
-from mla_func.parallel.data_parallel import prepare_rank_step
+from mla_func.parallel.data_parallel import prepare_rank_step, rank_graph_modes
 from mla_func.serving.acceptance import accepted_lengths
 from mla_func.serving.draws import DrawRows, draw_tokens
 from mla_func.serving.rank_scheduler import RanksStep
@@ -220,11 +220,15 @@ class SpeculativeDecoder:
         self.drafts: dict[Hashable, Draft] = {}
         self.stats = SpeculativeStats()
 
-    def warmup(self, max_q_len: int, hidden_size: int, *, progress: bool) -> int:
+    def warmup(self, max_q_len: int, hidden_size: int, *, progress: bool, data_parallel: bool = False) -> int:
         """Capture the drafter's decode graphs for every step length 1..max_q_len (its draft steps
-        have one row a sequence, its catch-up steps one per verified row); returns how many."""
+        have one row a sequence, its catch-up steps one per verified row); returns how many. Under
+        data-parallel attention every rank calls it and captures the keys its steps agree on
+        (`parallel.data_parallel.rank_graph_modes`), in the same order."""
         before = len(self.drafter.captured_keys)
         modes = [m for q in range(1, max_q_len + 1) for m in self.drafter.decode_graph_modes(self.state, decode_q_len=q)]
+        if data_parallel:
+            modes = list(rank_graph_modes(modes))
         self.drafter.warmup(self.state, modes, progress=progress, hidden_size=hidden_size)
         return len(self.drafter.captured_keys) - before
 

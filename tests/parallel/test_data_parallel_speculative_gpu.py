@@ -3,7 +3,8 @@
 Two NCCL ranks started by the library's launcher run `dp_speculative.drafting_run` (the gloo test's runs:
 K drafts a step, the ranks' loads uneven, one rank idle beside the other's draft chain, then one prompt
 alone) on tiny V3 and V4 checkpoints with echoing MTP layers, in float32 on CUDA with the Triton backend and
-the engine's CUDA graphs (the target's steps replay graphs under DP attention; the drafter's run eagerly).
+the engine's CUDA graphs (the target's and the drafter's decode steps replay graphs under DP attention, the
+ranks agreeing on every key).
 One process on one GPU runs the same with and without drafts.
 """
 
@@ -75,5 +76,8 @@ def test_the_ranks_agree_on_every_step_and_count_their_own_drafts(sharded, run):
     assert [sharded[run][rank]["drafter_steps"] for rank in range(WORLD)] == [sum(longest) + len(steps)] * WORLD
     counts = [own_counts(sharded[run][rank]["steps"], rank) for rank in range(WORLD)]
     assert [sharded[run][rank]["counts"] for rank in range(WORLD)] == counts
+    # The drafter's steps replay graphs too, at the same steps on every rank (one agreed key a step).
+    replayed = [sharded[run][rank]["drafter_graph_steps"] for rank in range(WORLD)]
+    assert replayed[0] > 0 and replayed == [replayed[0]] * WORLD
     drafted, accepted = (sum(c[i] for c in counts) for i in range(2))
     assert 0 < accepted < drafted

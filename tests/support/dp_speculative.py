@@ -39,7 +39,8 @@ def params_of(max_tokens: int) -> mf.SamplingParams:
 def drafting_run(model: mf.Model, k: int) -> dict[str, Any]:
     """The greedy tokens of the three prompts, then of one alone, through an engine drafting k tokens a step
     (0: none); every step as every rank planned it, with the tokens every rank recorded (one process: a rank
-    of its own); the drafter steps this process ran (0 without drafts) and its (drafted, accepted) counts."""
+    of its own); the drafter steps this process ran (0 without drafts), how many of them replayed a CUDA graph,
+    and its (drafted, accepted) counts."""
     engine = mf.Engine(model, num_blocks=48, block_size=BLOCK_SIZE, max_num_seqs=2, max_num_batched_tokens=8,
                        long_prefill_token_threshold=6, speculative_tokens=k)
     steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]] = []
@@ -61,7 +62,8 @@ def drafting_run(model: mf.Model, k: int) -> dict[str, Any]:
     one = engine.generate([prompts[ALONE]], [params_of(MAX_TOKENS[ALONE])])
     stats = engine.speculative_stats
     return {"many": [list(c.token_ids) for c in many], "one": [list(c.token_ids) for c in one], "steps": steps,
-            "drafter_steps": 0 if drafter is None else drafter.steps, "counts": (stats.drafted, stats.accepted)}
+            "drafter_steps": 0 if drafter is None else drafter.steps,
+            "drafter_graph_steps": 0 if drafter is None else drafter.graph_steps, "counts": (stats.drafted, stats.accepted)}
 
 
 def own_counts(steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]], rank: int) -> tuple[int, int]:
