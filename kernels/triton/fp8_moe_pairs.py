@@ -33,10 +33,13 @@ from .swiglu import swiglu_activation
 # run, 64 of v2-lite's (D 2048, I 1408, top-6) 29.9 against 31.8; 32 intermediate columns a program or
 # 4 warps 145-155 us on V3's.
 _GPU_FP8_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=8, num_stages=1)
-# Up to this many pairs the per-pair path runs. It reads an expert's weights once per pair: at four
-# tokens the tensor-core pair kernel before this one tied the tiled path on v2-lite's experts (111.5 vs
-# 109.3 us) and lost on V3's (558 vs 351); the CUDA-core kernel's crossover is not measured yet.
-FP8_PAIR_MAX_PAIRS = 16
+# Up to this many pairs the per-pair path runs. It reads an expert's weights once per pair, the tiled path
+# once per expert chosen, so the tiled path wins once pairs share experts often enough. On an H200, graph
+# replays over 8 routings (bench/results/kernels/h200/logs-archive/fp8-moe-pair-limit-h200-2026-11-28.log):
+# 32 experts of V3's shapes (top-8) 344.5 us against the tiled path's 360.1 at 32 pairs, 484.6 against
+# 417.7 at 48; 64 of v2-lite's (top-6) 86.6 against 115.3 at 36. Real models have more experts than these
+# 32 / 64, so fewer pairs share one and the per-pair path gains there.
+FP8_PAIR_MAX_PAIRS = 32
 _INTERPRETER_FP8_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
 
 # x's dtype, which the activation is rounded to, as a kernel argument.

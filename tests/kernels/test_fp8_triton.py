@@ -208,10 +208,10 @@ def test_fp8_fused_moe_gpu(num_tokens, w8a8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("limit", [None, 10.0])
-@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
 def test_fp8_fused_moe_per_pair_path_gpu(num_tokens, limit):
     # V2-Lite's expert shapes (D 2048, I 1408 = 11 blocks), 66 experts, top-8: the per-pair path against
-    # the tiled path and the reference.
+    # the tiled path and the reference, up to its limit (4 tokens: 32 pairs).
     device = torch.device("cuda")
     inputs = _moe_inputs(num_tokens, 2048, 1408, 66, 8, torch.bfloat16, device, seed=num_tokens)
     assert isinstance(fp8_moe.fp8_moe_config(num_tokens * 8, 66, device), PairConfig)
