@@ -20,8 +20,8 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
   handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
   programs and sums the splits in a second launch in split order (`linear_widened.sum_splits`),
-  so the bits do not depend on timing. bf16 rows meet the weight as fp16, lifted exactly by a
-  pass before it (`fp16_lift.lift_rows`), since e4m3 widens to fp16 in fewer instructions than to bf16.
+  so the bits do not depend on timing. bf16 rows meet the weight as fp16, lifted exactly
+  (`fp16_lift`), since e4m3 widens to fp16 in fewer instructions than to bf16.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_same_device, check_shape
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
 from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl, sm_count
-from .fp16_lift import lift_rows
+from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
 from .linear_widened import sum_splits
 
@@ -219,7 +219,7 @@ def _stream_kernel(
     s_xt, s_xk, s_xst, s_xsb, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, LIFTED: tl.constexpr, GDC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LIFT: tl.constexpr, GDC: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_T)
@@ -243,11 +243,13 @@ def _stream_kernel(
         x = tl.load(x_ptr + rows[None, :] * s_xt + ks[:, None] * s_xk, mask=row_mask[None, :] & k_mask[:, None],
                     other=0.0)
         w_scale = tl.load(ws_rows + (k0 // SCALE_K) * s_wsb, mask=col_mask, other=0.0)
-        if W8A8 or LIFTED:
-            # FP8 rows, or bf16 rows lifted to fp16 (`fp16_lift.lift_rows`: the FP8 tile widens to fp16 in
-            # half the instructions), each group of a row with its scale.
+        if W8A8:
             x_scale = tl.load(xs_ptr + rows * s_xst + (k0 // SCALE_K) * s_xsb, mask=row_mask, other=0.0)
-            acc += tl.dot(w if W8A8 else w.to(tl.float16), x) * (w_scale[:, None] * x_scale[None, :])
+            acc += tl.dot(w, x) * (w_scale[:, None] * x_scale[None, :])
+        elif LIFT:
+            # bf16 rows lifted to fp16 (`fp16_lift`): the FP8 tile widens to fp16 in half the instructions.
+            x16, unscale = lift_to_fp16(x, 0)
+            acc += tl.dot(w.to(tl.float16), x16) * (w_scale[:, None] * unscale[None, :])
         else:
             acc += tl.dot(w.to(x.dtype), x, input_precision=DOT_PRECISION) * w_scale[:, None]
     tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, acc.to(y_ptr.dtype.element_ty),
@@ -336,14 +338,11 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
         return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
     if num_rows == 1 and not w8a8 and stream is None and not batch_invariant:
         return _row(x, values, scale_inv, block, out_dtype, row)
-    streamed = num_rows <= STREAM_MAX_ROWS and not batch_invariant
     if w8a8:
         a, a_scales = quantize_activations(x, block[1])
-    elif streamed and x.dtype == torch.bfloat16:
-        a, a_scales = lift_rows(x, block[1])
     else:
         a, a_scales = x, scale_inv
-    if streamed:
+    if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
         return _stream(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, stream)
     return block_gemm(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, gemm)
 
@@ -375,8 +374,7 @@ def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, sc
 def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
             block: tuple[int, int], w8a8: bool, out_dtype: torch.dtype, x_dtype: torch.dtype,
             tiles: StreamTiles | None) -> torch.Tensor:
-    """The weight stream for a [T <= STREAM_MAX_ROWS, K] x -> y [T, N]: a is x itself, or x's rows in FP8
-    (w8a8) or lifted to fp16 (bf16 x, `fp16_lift.lift_rows`) with their scales a_scales [T, kb]."""
+    """The weight stream for a [T <= STREAM_MAX_ROWS, K] x (FP8 with scales under w8a8) -> y [T, N]."""
     num_rows, k_in = a.shape
     n_out = values.shape[0]
     c = tiles or stream_tiles(n_out, k_in, block[1], a.device)
@@ -393,7 +391,7 @@ def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale
         *a.stride(), *a_scales.stride(), *values.stride(), *scale_inv.stride(), num_rows * n_out, *y.stride(),
         SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8,
         BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x_dtype), LIFTED=not w8a8 and x_dtype == torch.bfloat16, GDC=use_pdl,
+        DOT_PRECISION=dot_precision(x_dtype), LIFT=not w8a8 and a.dtype == torch.bfloat16, GDC=use_pdl,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if split_k > 1:

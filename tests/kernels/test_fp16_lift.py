@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from support.kernel_cases import generator
-from mla_func.kernels.triton.fp16_lift import lift_rows, lift_to_fp16
+from mla_func.kernels.triton.fp16_lift import lift_to_fp16
 
 
 @triton.jit
@@ -65,31 +65,3 @@ def test_lift_passes_infinities_and_nan_through(device):
     x16, _ = _lift(x, 1)
     assert bool(torch.isinf(x16[2, 3])) and bool(torch.isnan(x16[4, 1]))
     assert bool(torch.isfinite(x16[0]).all())
-
-
-def test_lift_rows_lifts_each_group_of_a_row_on_its_own(device):
-    # Rows of 3 groups of 32 and a ragged fourth (K = 112): groups of very different magnitudes, one of zeros.
-    gen = generator(11, device)
-    x = torch.randn(5, 112, generator=gen, device=device)
-    x *= torch.exp2(torch.randint(-40, 40, (5, 4), generator=gen, device=device).float()).repeat_interleave(32, 1)[:, :112]
-    x[2, 32:64] = 0.0
-    x = x.to(torch.bfloat16)
-    strided = torch.empty(5, 224, dtype=torch.bfloat16, device=device)[:, ::2]
-    strided.copy_(x)
-    x16, unscale = lift_rows(strided, 32)
-    assert x16.dtype == torch.float16 and x16.is_contiguous() and unscale.shape == (5, 4)
-    back = x16.float() * unscale.repeat_interleave(32, 1)[:, :112]
-    assert torch.equal(back, x.float())
-    largest = x16.float().abs().reshape(5, -1).split(32, dim=1)
-    for g, block in enumerate(largest):
-        busy = x.float()[:, 32 * g:32 * (g + 1)].abs().amax(dim=1) > 0
-        top = block.amax(dim=1)
-        assert bool(((top[busy] >= 2.0 ** 14) & (top[busy] < 2.0 ** 15)).all())
-        assert bool((unscale[~busy, g] == 1.0).all())
-
-
-def test_lift_rows_refuses_other_dtypes_and_groups(device):
-    with pytest.raises(ValueError, match="bfloat16"):
-        lift_rows(torch.ones(2, 64, device=device), 32)
-    with pytest.raises(ValueError, match="power of two"):
-        lift_rows(torch.ones(2, 64, dtype=torch.bfloat16, device=device), 48)
