@@ -127,7 +127,7 @@ def _wgmma_split_kernel(
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
     KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
+    Q_LEN: gl.constexpr, SPARSE: gl.constexpr, STAGED_OUT: gl.constexpr,
 ):
     # Dense: program (row group, sequence b, split) over the split's share of b's keys. SPARSE: program
     # (row group, row b, split) over the split's share of the top_k slots of b's index list (Q_LEN 1).
@@ -182,8 +182,12 @@ def _wgmma_split_kernel(
     _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
                s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
+    # Both stages are free before the first product: tile 1 comes in a second group behind them.
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    _copy_keys(k_nope.index(1), k_pe.index(1), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
+               s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    async_copy.commit_group()
     copy_valid = valid
     pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
 
@@ -203,7 +207,8 @@ def _wgmma_split_kernel(
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # Tile t - 1's value product is still running when iteration t starts: its locating work and the
     # wait for tile t's copy overlap it, and tile t's score product queues right behind it on the tensor
-    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done.
+    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done (from the
+    # second iteration on: tile 1 came with the first), unless there is no tile t + 1.
     for t in range(num_tiles):
         stage = t % 2
         n0 = start + t * BLOCK_N
@@ -212,8 +217,11 @@ def _wgmma_split_kernel(
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
         next_pos_s, next_valid_s = _locate(n0 + BLOCK_N + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
         # Tile t's copies (and, the first time, the queries') are done in this thread, made visible to the
-        # tensor cores' proxy, then done in every thread.
-        async_copy.wait_group(0)
+        # tensor cores' proxy, then done in every thread. The first time, tile 1's group may stay in flight.
+        if t == 0:
+            async_copy.wait_group(1)
+        else:
+            async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -223,9 +231,10 @@ def _wgmma_split_kernel(
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
         gl.thread_barrier()
-        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
-        async_copy.commit_group()
+        if (t > 0) & (t + 1 < num_tiles):
+            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+            async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
 
         visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
@@ -256,12 +265,28 @@ def _wgmma_split_kernel(
     gl.store(pl_ptr + rows_s * s_plb + heads_s * s_plh + split * s_pls, lse, mask=real_s)
 
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows_o, heads_o, real_o, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
-                                               gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
-    po_rows = gl.expand_dims(po_ptr + rows_o * s_pob + heads_o * s_poh + split * s_pos, 1)
-    gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
-             mask=gl.expand_dims(real_o, 1))
+    if STAGED_OUT:
+        # Outputs in q's dtype go through a key stage (both are free now) and leave in 16-byte runs a thread,
+        # whole sectors a store, where the product's layout holds 4-byte pairs: 2-3% of the kernel at 32
+        # tiles a program (bench/notes/kernels.md).
+        gl.thread_barrier()
+        staged = k_nope.index(0)
+        staged.store(out.to(dtype))
+        gl.thread_barrier()
+        rows_c, heads_c, real_c, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
+                                                   gl.SliceLayout(1, copy_layout))
+        po_rows_c = gl.expand_dims(po_ptr + rows_c * s_pob + heads_c * s_poh + split * s_pos, 1)
+        cols_c = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
+        for c in gl.static_range(KV_LORA_RANK // SLAB):
+            gl.store(po_rows_c + gl.expand_dims((c * SLAB + cols_c) * s_pod, 0),
+                     staged.slice(c * SLAB, SLAB, dim=1).load(copy_layout), mask=gl.expand_dims(real_c, 1))
+    else:
+        rows_o, heads_o, real_o, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
+                                                   gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
+        po_rows = gl.expand_dims(po_ptr + rows_o * s_pob + heads_o * s_poh + split * s_pos, 1)
+        gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(real_o, 1))
 
 
 def wgmma_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
@@ -311,5 +336,5 @@ def _launch(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_tab
         *q.stride(), *values.stride(), *rope.stride(), *block_table.stride(), *s_idx,
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1],
-        Q_LEN=q_len, SPARSE=sparse, num_warps=NUM_WARPS,
+        Q_LEN=q_len, SPARSE=sparse, STAGED_OUT=partial_out.dtype == q.dtype, num_warps=NUM_WARPS,
     )
