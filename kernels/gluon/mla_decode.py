@@ -182,12 +182,8 @@ def _wgmma_split_kernel(
     _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
                s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
-    # Both stages are free before the first product: tile 1 comes in a second group behind them.
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    _copy_keys(k_nope.index(1), k_pe.index(1), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
-               s_rd, KV_LORA_RANK, SLAB, copy_layout)
-    async_copy.commit_group()
     copy_valid = valid
     pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
 
@@ -207,8 +203,7 @@ def _wgmma_split_kernel(
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # Tile t - 1's value product is still running when iteration t starts: its locating work and the
     # wait for tile t's copy overlap it, and tile t's score product queues right behind it on the tensor
-    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done (from the
-    # second iteration on: tile 1 came with the first), unless there is no tile t + 1.
+    # cores. Tile t + 1's copy then goes into tile t - 1's stage once both products are done.
     for t in range(num_tiles):
         stage = t % 2
         n0 = start + t * BLOCK_N
@@ -217,11 +212,8 @@ def _wgmma_split_kernel(
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
         next_pos_s, next_valid_s = _locate(n0 + BLOCK_N + offs_n, end, idx_row, num_positions, s_ik, SPARSE)
         # Tile t's copies (and, the first time, the queries') are done in this thread, made visible to the
-        # tensor cores' proxy, then done in every thread. The first time, tile 1's group may stay in flight.
-        if t == 0:
-            async_copy.wait_group(1)
-        else:
-            async_copy.wait_group(0)
+        # tensor cores' proxy, then done in every thread.
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -231,10 +223,9 @@ def _wgmma_split_kernel(
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
         gl.thread_barrier()
-        if (t > 0) & (t + 1 < num_tiles):
-            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
-            async_copy.commit_group()
+        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
 
         visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
