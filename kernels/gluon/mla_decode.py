@@ -228,7 +228,13 @@ def _wgmma_split_kernel(
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
 
-        visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
+        if SPARSE:
+            # Every valid position is below the table's end already (`_locate`): no causal bound to apply.
+            # Leaving the positions out frees their registers: 1.5-2% of the sparse kernel. (The mask is
+            # broadcast to the tile's rows by an always-true row term: as a [1, N] mask it spilled.)
+            visible = gl.expand_dims(valid_s, 0) & (key_end >= 0)
+        else:
+            visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
         pos_s = next_pos_s
         valid_s = next_valid_s
         scores = gl.where(visible, s * scale_log2, float("-inf"))
