@@ -128,7 +128,7 @@ def _window_entry_split_kernel(
     s_plt, s_plh, s_pls,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
-    FOLD_SINK: gl.constexpr, GDC: gl.constexpr, D_SPLIT: gl.constexpr,
+    FOLD_SINK: gl.constexpr, GDC: gl.constexpr, D_SPLIT: gl.constexpr, STAGED_OUT: gl.constexpr,
 ):
     # Program (row t, head group, output part) along axis 0, the programs of a row neighbours (they read the
     # same keys while they are in L2); split along axis 1. D_SPLIT = 2: two programs a (row, head group,
@@ -280,11 +280,25 @@ def _window_entry_split_kernel(
     gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s & (d_part == 0))
 
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    heads_o = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols_o = d_part * OUT_D + gl.arange(0, OUT_D, layout=gl.SliceLayout(0, o_layout))
-    po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_o.to(gl.int64) * s_poh + split * s_pos, 1)
-    gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
-             mask=gl.expand_dims(heads_o < num_heads, 1))
+    if STAGED_OUT:
+        # Outputs in q's dtype go through a key stage (both are free now) and leave in 16-byte runs a thread,
+        # whole sectors a store, where the product's layout holds 4-byte pairs (as `mla_decode` does).
+        gl.thread_barrier()
+        staged = k_smem.index(0).slice(0, OUT_D, dim=1)
+        staged.store(out.to(dtype))
+        gl.thread_barrier()
+        heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+        po_rows_c = gl.expand_dims(po_ptr + t64 * s_pot + heads_c.to(gl.int64) * s_poh + split * s_pos, 1)
+        cols_c = gl.arange(0, 64, layout=gl.SliceLayout(0, copy_layout))
+        for c in gl.static_range(OUT_D // 64):
+            gl.store(po_rows_c + gl.expand_dims((d_part * OUT_D + c * 64 + cols_c) * s_pod, 0),
+                     staged.slice(c * 64, 64, dim=1).load(copy_layout), mask=gl.expand_dims(heads_c < num_heads, 1))
+    else:
+        heads_o = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols_o = d_part * OUT_D + gl.arange(0, OUT_D, layout=gl.SliceLayout(0, o_layout))
+        po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_o.to(gl.int64) * s_poh + split * s_pos, 1)
+        gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(heads_o < num_heads, 1))
 
 
 def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
@@ -332,5 +346,5 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
         HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
         PAGE=window_cache.shape[1], ENTRY_PAGE=entry_cache.shape[1], HAS_ENTRIES=has_entries,
         HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, D_SPLIT=d_split,
-        num_warps=NUM_WARPS, launch_pdl=use_pdl,
+        STAGED_OUT=partial_out.dtype == q.dtype, num_warps=NUM_WARPS, launch_pdl=use_pdl,
     )
