@@ -105,6 +105,23 @@ def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, 
 
 
 @gluon.jit
+def store_through_stage(stage, out, row_ptrs, row_mask, col0, s_col, COLS: gl.constexpr, layout: gl.constexpr):
+    """Stores out [M, COLS] (in the product's layout, already in the output's dtype) at row_ptrs [M, 1] +
+    (col0 + j) * s_col, j < COLS, rows where row_mask [M, 1] (both in `layout`), through `stage`: a shared
+    buffer [M, >= COLS] of that dtype that no product reads any more. From there a thread stores 16-byte runs
+    (`layout`'s), whole sectors a store, where the product's layout holds 4-byte pairs."""
+    SLAB: gl.constexpr = 64   # a slice of the 128-byte swizzle: 64 16-bit values
+    gl.thread_barrier()
+    staged = stage.slice(0, COLS, dim=1)
+    staged.store(out)
+    gl.thread_barrier()
+    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(COLS // SLAB):
+        gl.store(row_ptrs + gl.expand_dims((col0 + c * SLAB + cols) * s_col, 0),
+                 staged.slice(c * SLAB, SLAB, dim=1).load(layout), mask=row_mask)
+
+
+@gluon.jit
 def _program_rows(b, row_group, num_heads, Q_LEN: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     # (q row, head, row is real, query index) of the program's BLOCK_M rows, in `layout` [BLOCK_M]: rows
     # [row_group * BLOCK_M, ..) of sequence b's head-major (head, query) pairs, so that every program but
@@ -263,20 +280,13 @@ def _wgmma_split_kernel(
 
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
     if STAGED_OUT:
-        # Outputs in q's dtype go through a key stage (both are free now) and leave in 16-byte runs a thread,
-        # whole sectors a store, where the product's layout holds 4-byte pairs: 2-3% of the kernel at 32
-        # tiles a program (bench/notes/kernels.md).
-        gl.thread_barrier()
-        staged = k_nope.index(0)
-        staged.store(out.to(dtype))
-        gl.thread_barrier()
+        # Outputs in q's dtype go through a key stage (both are free now): 2-3% of the kernel at 32 tiles a
+        # program (bench/notes/kernels.md).
         rows_c, heads_c, real_c, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                                    gl.SliceLayout(1, copy_layout))
-        po_rows_c = gl.expand_dims(po_ptr + rows_c * s_pob + heads_c * s_poh + split * s_pos, 1)
-        cols_c = gl.arange(0, SLAB, layout=gl.SliceLayout(0, copy_layout))
-        for c in gl.static_range(KV_LORA_RANK // SLAB):
-            gl.store(po_rows_c + gl.expand_dims((c * SLAB + cols_c) * s_pod, 0),
-                     staged.slice(c * SLAB, SLAB, dim=1).load(copy_layout), mask=gl.expand_dims(real_c, 1))
+        store_through_stage(k_nope.index(0), out.to(dtype),
+                            gl.expand_dims(po_ptr + rows_c * s_pob + heads_c * s_poh + split * s_pos, 1),
+                            gl.expand_dims(real_c, 1), 0, s_pod, KV_LORA_RANK, copy_layout)
     else:
         rows_o, heads_o, real_o, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                                    gl.SliceLayout(1, o_layout))

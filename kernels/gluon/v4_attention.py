@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import available, copyable
+from .mla_decode import available, copyable, store_through_stage
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -281,18 +281,12 @@ def _window_entry_split_kernel(
 
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
     if STAGED_OUT:
-        # Outputs in q's dtype go through a key stage (both are free now) and leave in 16-byte runs a thread,
-        # whole sectors a store, where the product's layout holds 4-byte pairs (as `mla_decode` does).
-        gl.thread_barrier()
-        staged = k_smem.index(0).slice(0, OUT_D, dim=1)
-        staged.store(out.to(dtype))
-        gl.thread_barrier()
+        # Outputs in q's dtype go through a key stage (both are free now): at B64, 8-18% of HCA's kernel
+        # (bench/notes/v4.md).
         heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-        po_rows_c = gl.expand_dims(po_ptr + t64 * s_pot + heads_c.to(gl.int64) * s_poh + split * s_pos, 1)
-        cols_c = gl.arange(0, 64, layout=gl.SliceLayout(0, copy_layout))
-        for c in gl.static_range(OUT_D // 64):
-            gl.store(po_rows_c + gl.expand_dims((d_part * OUT_D + c * 64 + cols_c) * s_pod, 0),
-                     staged.slice(c * 64, 64, dim=1).load(copy_layout), mask=gl.expand_dims(heads_c < num_heads, 1))
+        store_through_stage(k_smem.index(0), out.to(dtype),
+                            gl.expand_dims(po_ptr + t64 * s_pot + heads_c.to(gl.int64) * s_poh + split * s_pos, 1),
+                            gl.expand_dims(heads_c < num_heads, 1), d_part * OUT_D, s_pod, OUT_D, copy_layout)
     else:
         heads_o = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         cols_o = d_part * OUT_D + gl.arange(0, OUT_D, layout=gl.SliceLayout(0, o_layout))
