@@ -63,7 +63,8 @@ def drafting_run(model: mf.Model, k: int) -> dict[str, Any]:
     stats = engine.speculative_stats
     return {"many": [list(c.token_ids) for c in many], "one": [list(c.token_ids) for c in one], "steps": steps,
             "drafter_steps": 0 if drafter is None else drafter.steps,
-            "drafter_graph_steps": 0 if drafter is None else drafter.graph_steps, "counts": (stats.drafted, stats.accepted)}
+            "drafter_graph_steps": 0 if drafter is None else drafter.graph_steps,
+            "counts": (stats.drafted, stats.accepted)}
 
 
 def own_counts(steps: list[tuple[tuple[mf.StepPlan | None, ...], list[Any]]], rank: int) -> tuple[int, int]:
