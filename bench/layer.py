@@ -2,7 +2,7 @@
 against data-parallel attention with expert parallelism.
 
     python bench/layer.py [--tensor-parallel 2] [--layers 2] [--batches 1 64 256] [--contexts 4096 32768]
-                          [--modes tp dp-ep] [--iters 10] [--commit SHA]
+                          [--modes tp dp-ep] [--fp8] [--kv-cache-dtype auto|fp8] [--iters 10] [--commit SHA]
 
 Random bf16 weights (not a checkpoint's: the time of a step does not depend on their values, only on
 their shapes and on how routing spreads tokens, which random routers spread near evenly) of DeepSeek-V3's
@@ -20,6 +20,12 @@ one decode step of `batch` sequences of `context` tokens, graphs on, as `bench/s
 --tensor-parallel` does (`step_parallel.decode_rows`). `layer_ms` is the step's time over the layer
 count. Prints a table and writes JSON under bench/results/layer/. `--device cpu --shape tiny` runs
 the same on the CPU over gloo at the tiny preset's shapes, for a smoke test.
+
+`--fp8`: the weights DeepSeek's FP8 checkpoints store quantized as block-scaled FP8 pairs (128 x 128
+blocks, drawn whole, quantized, then cut with their blocks' scales: `ranks.random_shard(block=)`), the
+rest in bf16, as V3 ships: about half the bf16 layer's 23 GB. `--kv-cache-dtype fp8`: the latent cache
+in FP8 (656 bytes a token and layer against 1,152). Results under bench/results/layer-fp8/ when either
+is given, each row's `run` naming its weights and cache.
 """
 
 from __future__ import annotations
@@ -38,6 +44,15 @@ import step_parallel  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.parallel import Parallel  # noqa: E402
+
+
+FP8_BLOCK = (128, 128)  # DeepSeek's FP8 checkpoints' weight_block_size
+
+
+def fp8_block(shape: str) -> tuple[int, int]:
+    """The FP8 pairs' block: DeepSeek's for "v3"; 16 x 16 for "tiny", whose widths split across ranks
+    are not multiples of 128 (a rank reads whole blocks)."""
+    return FP8_BLOCK if shape == "v3" else (16, 16)
 
 
 def v3_layers(layers: int) -> mf.ModelConfig:
@@ -66,14 +81,18 @@ def layer_rank(args: argparse.Namespace, mode: ranks.Mode, parallel: Parallel, d
     cuda = device.type == "cuda"
     model = ranks.random_shard(layer_config(args.shape, args.layers), parallel,
                                dtype=torch.bfloat16 if cuda else torch.float32, device=device,
-                               max_model_len=max(args.contexts) + 1 + step_parallel.BLOCK_SIZE)
+                               max_model_len=max(args.contexts) + 1 + step_parallel.BLOCK_SIZE,
+                               block=fp8_block(args.shape) if args.fp8 else None)
     if cuda:
         # Building left the experts' separate tensors cached: the cache needs that memory whole.
         torch.cuda.empty_cache()
     rows = step_parallel.decode_rows(model, mode, parallel, device, batches=args.batches, contexts=args.contexts,
-                                     iters=args.iters, backend=args.backend)
+                                     iters=args.iters, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
     for row in rows:
         row.update(layers=args.layers, layer_ms=row["graph_ms"] / args.layers)
+        if args.fp8 or args.kv_cache_dtype == "fp8":
+            cache = "FP8" if args.kv_cache_dtype == "fp8" else "bf16"
+            row.update(run=f"{'fp8' if args.fp8 else 'bf16'} weights, {cache} cache")
     return step_parallel.rank_result(rows, parallel, device)
 
 
@@ -89,6 +108,10 @@ def main() -> None:
     parser.add_argument("--shape", default="v3", choices=["v3", "tiny"],
                         help="v3: DeepSeek-V3's layer; tiny: the tiny preset's (a smoke test)")
     parser.add_argument("--backend", default=None, help="default triton on cuda, torch on cpu")
+    parser.add_argument("--fp8", action="store_true",
+                        help="weights as block-scaled FP8 pairs, as DeepSeek's checkpoints ship (default: bf16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the latent cache: auto (the activation dtype) or fp8")
     ranks.add_arguments(parser)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -101,10 +124,13 @@ def main() -> None:
     if args.layers < 1 or args.iters < 1:
         parser.error(f"--layers and --iters: expected >= 1, got {args.layers} and {args.iters}")
     rows, facts = step_parallel.run_modes(args, layer_rank, args.modes)
-    bench = "layer" if args.shape == "v3" else f"layer-{args.shape}"
+    quantized = args.fp8 or args.kv_cache_dtype == "fp8"
+    bench = ("layer-fp8" if quantized else "layer") + ("" if args.shape == "v3" else f"-{args.shape}")
     result = dict(shape=args.shape, layers=args.layers, dtype="bfloat16" if args.device == "cuda" else "float32",
                   backend=args.backend, block_size=step_parallel.BLOCK_SIZE, commit=common.git_commit(args.commit),
-                  tensor_parallel=args.tensor_parallel, weights="random", iters=args.iters, **facts, rows=rows)
+                  tensor_parallel=args.tensor_parallel, weights="random", iters=args.iters,
+                  weight_format="fp8 {}x{} blocks".format(*fp8_block(args.shape)) if args.fp8 else "bf16",
+                  kv_cache_dtype=args.kv_cache_dtype, **facts, rows=rows)
     path = common.write_json(result, args.out, bench)
     print(f"\n{result['gpu']}, {args.layers} layers of {args.shape}, peak GB a rank {facts['peak_gb']} -> {path}")
     step_parallel.print_rows(rows, extra=(("layer_ms", "ms / layer"),))

@@ -32,10 +32,12 @@ import torch
 import torch.distributed as dist
 
 import mla_func as mf
+from mla_func.checkpoint.fp8 import QUANTIZATION_CONFIG, block_quantize, is_quantized_name
 from mla_func.core.params import Params, params_from_hf
+from mla_func.kernels.quantized import BlockFP8Weight, Weight
 from mla_func.models.tensor_shapes import hf_tensor_shapes
 from mla_func.parallel import Parallel
-from mla_func.parallel.shard import Shard
+from mla_func.parallel.shard import Shard, cut_weight
 from mla_func.parallel.workers import run_ranks
 
 # `--modes` codes -> (expert_parallel, data_parallel_attention, symmetric_sums)
@@ -112,11 +114,15 @@ def _random_tensor(config: mf.ModelConfig, name: str, shape: tuple[int, ...], de
 
 
 def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0, max_model_len: int | None = None) -> mf.Model:
+                 seed: int = 0, max_model_len: int | None = None,
+                 block: tuple[int, int] | None = None) -> mf.Model:
     """This rank's shard of a model of `config`'s shapes with random weights (the whole model with one rank).
 
     Cut as `load_model(folder, parallel=parallel)` cuts a checkpoint; ValueError (or ConfigError) when
     the family cannot be cut that way or the ranks do not divide a width, naming it.
+    block: every tensor an FP8 checkpoint stores quantized is drawn whole, quantized in blocks of `block`
+           (rows, columns) as DeepSeek's FP8 checkpoints store it, then cut with its blocks' scales (ValueError
+           where a cut falls inside a block): the params hold FP8 pairs, as a sharded FP8 folder loads.
     """
     shapes = hf_tensor_shapes(config)
     ranks, rank = parallel.tensor_parallel, parallel.rank
@@ -126,14 +132,20 @@ def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dty
         if split is None:
             raise ValueError(f"random_shard: {config.family.title} models cannot be sharded")
         rule = split(config, parallel.sharding)
+    quantized = {"quantization_config": QUANTIZATION_CONFIG}
 
-    def fetch(name: str) -> torch.Tensor:
-        whole = _random_tensor(config, name, shapes[name], device, seed)
+    def fetch(name: str) -> Weight:
+        whole: Weight = _random_tensor(config, name, shapes[name], device, seed)
+        if block is not None and is_quantized_name(name, quantized):
+            whole = BlockFP8Weight(*block_quantize(whole, block), block)
         dim = None if rule is None else rule(name)
         if dim is None:
             return whole
-        start, stop = Shard(dim, rank, ranks).bounds(whole.shape[dim])
-        return whole.narrow(dim, start, stop - start).contiguous()
+        if isinstance(whole, torch.Tensor):
+            start, stop = Shard(dim, rank, ranks).bounds(whole.shape[dim])
+            return whole.narrow(dim, start, stop - start).contiguous()
+        # A pair is cut with its blocks' scales; the rule names the dim of [N, K] (0: rows, 1: columns).
+        return cut_weight(whole, Shard(dim - 2, rank, ranks), f"random_shard: {name!r}")
 
     params: Params
     if ranks > 1 and parallel.expert_parallel:
@@ -146,6 +158,18 @@ def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dty
         params = params_from_hf(config, fetch, dtype=dtype, device=device, progress=False,
                                 max_model_len=max_model_len)
     return mf.Model(config=config, params=dataclasses.replace(params, collectives=parallel.collectives))
+
+
+def fill_random_cache(state: mf.KVCacheState, kv_cache_dtype: str = "auto") -> None:
+    """Random latents in every cache leaf of `state` (in place): normal values, FP8 values drawn in float32
+    then cast, and an FP8 cache's float32 scales positive (`kv_cache_dtype` "fp8")."""
+    for cache in state.leaves():
+        if cache.dtype.itemsize == 1:
+            cache.copy_(torch.randn(cache.shape, device=cache.device).to(cache.dtype))
+        else:
+            cache.normal_(0.0, 1.0)
+            if kv_cache_dtype == "fp8" and cache.dtype == torch.float32:
+                cache.abs_()
 
 
 def rank_device(device_type: str, parallel: Parallel) -> torch.device:

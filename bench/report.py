@@ -70,6 +70,11 @@ BENCHES = {
               "(`bench/layer.py`)", "rows", None,
               [("ms / layer", "layer_ms", "{:.3f}"), ("tok/s", "graph_tok_s", "{:.0f}"),
                ("time × 1 GPU", "time_vs_one_rank", "{:.2f}"), ("tok/s × TP", "vs_tp", "{:.2f}")]),
+    "layer-fp8": ("DeepSeek-V3's layer at its real size, random weights as block-scaled FP8 pairs (DeepSeek's released "
+                  "layout) with the bf16 or the FP8 latent cache, on one GPU and on several (`bench/layer.py --fp8 "
+                  "[--kv-cache-dtype fp8]`)", "rows", None,
+                  [("ms / layer", "layer_ms", "{:.3f}"), ("tok/s", "graph_tok_s", "{:.0f}"),
+                   ("time × 1 GPU", "time_vs_one_rank", "{:.2f}"), ("tok/s × TP", "vs_tp", "{:.2f}")]),
     "step-v32-lite": ("Decode step, v32-lite (`bench/step.py --preset v32-lite`)", "rows", None,
                       [("graph ms", "graph_ms", "{:.2f}"), ("% roofline", "pct_roofline", "{:.1f}"),
                        ("tok/s", "graph_tok_s", "{:.0f}")]),

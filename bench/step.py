@@ -54,13 +54,7 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step, kv_ca
     blocks_per_seq = math.ceil((context + 1) / BLOCK_SIZE)
     state = mf.init_state(model.config, num_blocks=1 + batch * blocks_per_seq, block_size=BLOCK_SIZE,
                           dtype=model.dtype, device="cuda", kv_cache_dtype=kv_cache_dtype)
-    for cache in state.leaves():
-        if cache.dtype.itemsize == 1:                       # FP8 latent values: drawn in float32, then cast
-            cache.copy_(torch.randn(cache.shape, device=cache.device).to(cache.dtype))
-        else:
-            cache.normal_(0.0, 1.0)
-            if kv_cache_dtype == "fp8" and cache.dtype == torch.float32:
-                cache.abs_()                                # an FP8 cache's scales are positive
+    ranks.fill_random_cache(state, kv_cache_dtype)
     plan = mf.StepPlan(decode=tuple(
         mf.SeqPlan(((17 * i) % model.config.vocab_size,), context,
                    tuple(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))

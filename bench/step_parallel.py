@@ -63,9 +63,11 @@ def _time(step: mf.Step, state: mf.KVCacheState, batch: mf.Batch, mode: mf.Forwa
 
 
 def decode_rows(model: mf.Model, mode: ranks.Mode, parallel: Parallel, device: torch.device, *,
-                batches: list[int], contexts: list[int], iters: int, backend: str) -> list[dict]:
-    """One rank's part of a mode: a cache of random latents for its sequences, every (context, batch)
-    row timed (the rows every rank returns alike: each holds the slowest rank's time)."""
+                batches: list[int], contexts: list[int], iters: int, backend: str,
+                kv_cache_dtype: str = "auto") -> list[dict]:
+    """One rank's part of a mode: a cache of random latents for its sequences (`kv_cache_dtype` as
+    `init_state` takes it), every (context, batch) row timed (the rows every rank returns alike: each
+    holds the slowest rank's time)."""
     config = model.config
     ranks.slowest(0.0, parallel, device)  # the group's first collective, before any graph is captured
     count, rank = mode.ranks, parallel.rank
@@ -74,9 +76,9 @@ def decode_rows(model: mf.Model, mode: ranks.Mode, parallel: Parallel, device: t
     own = [b // count if split else b for b in batches]  # sequences a rank runs, a batch
     most_seqs = max(own)
     blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
-    state = mf.init_state(model, num_blocks=1 + most_seqs * blocks_per_seq, block_size=BLOCK_SIZE)
-    for cache in state.leaves():
-        cache.normal_(0.0, 1.0)
+    state = mf.init_state(model, num_blocks=1 + most_seqs * blocks_per_seq, block_size=BLOCK_SIZE,
+                          kv_cache_dtype=kv_cache_dtype)
+    ranks.fill_random_cache(state, kv_cache_dtype)
     step = mf.make_step(model, backend=backend, max_num_seqs=max(batches), max_model_len=max_len,
                         block_size=BLOCK_SIZE)
     rows = []
