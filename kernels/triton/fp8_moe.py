@@ -7,8 +7,10 @@ to the accumulator times the weight block's scale per output column (and with w8
 activation group's scale per row), as in `fp8_linear`. With w8a8, x is quantized once per token
 before gate/up (`fp8_quant`), and the gate/up programs quantize the activation they write, one
 group of bk columns a program, for the down product; otherwise x and the activation stay 16-bit
-and each weight tile is widened to them in registers. Few pairs of 16-bit activations (decode) take the
-per-pair path instead (`fp8_moe_pairs`, one launch).
+and each weight tile is widened to them in registers (with `Fp8MoeConfig.lift`, bf16 rows meet the
+tile as fp16, lifted exactly by a power of two a row and K step: `fp16_lift`, as the FP8 weight stream
+does, since e4m3 widens to fp16 in fewer instructions than to bf16). Few pairs of 16-bit activations
+(decode) take the per-pair path instead (`fp8_moe_pairs`, one launch).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..checks import check_dtype, check_same_device
 from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe
 from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl
+from .fp16_lift import lift_to_fp16
 from .fp8_linear import check_block_k, scaled_dot
 from .fp8_moe_pairs import FP8_PAIR_MAX_PAIRS, fp8_pair_config, fp8_pair_moe, pair_block_i
 from .fp8_quant import quantize_activations, quantize_tile
@@ -39,15 +42,16 @@ class Fp8MoeConfig:
     block_k: int   # reduction step, at most the scale block's K
     num_warps: int
     num_stages: int
+    lift: bool = False  # bf16 rows lifted to fp16 against the FP8 tiles (16-bit activations only)
 
 
 # Decode: a row or two per expert, so the GEMMs stream the chosen experts' weights; 64-wide
 # column tiles give every multiprocessor programs, and 8 warps share the widening of each FP8
 # tile (H100, V3's experts, 32 experts top-8, graph replays: 1 token 146 us, 80% of the copy rate,
 # against 188 us with 4 warps; 16 tokens 86% either way). Prefill: 64-row tiles, as the bf16 MoE's.
-_GPU_DECODE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4)
+_GPU_DECODE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4, lift=True)
 _GPU_PREFILL = Fp8MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-_INTERPRETER = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+_INTERPRETER = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, lift=True)
 # x's dtype, which the activation is rounded to before its quantization, as a kernel argument.
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # Up to this many (token, slot) pairs the gate/up programs sort them themselves.
@@ -107,6 +111,13 @@ def store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, 
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def lifted_dot(a16, unscale, w, acc, w_scale):
+    """acc + (a @ w) * w_scale[None, :] for a == a16 * unscale[:, None] (`lift_to_fp16` along its rows):
+    a16 [M, K] fp16, w [K, N] FP8 widened to fp16, the row's power of two undone on the float32 product."""
+    return acc + tl.dot(a16, w.to(tl.float16)) * (unscale[:, None] * w_scale[None, :])
+
+
 def sorted_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int
                 ) -> tuple[int, bool, torch.Tensor, torch.Tensor]:
     """The pairs of topk_ids [T, k] sorted by expert in runs of block_m rows: (the blocks of rows, whether the
@@ -129,7 +140,7 @@ def _gate_up_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, X_DTYPE: tl.constexpr,
-    GDC: tl.constexpr, CLAMP: tl.constexpr,
+    GDC: tl.constexpr, CLAMP: tl.constexpr, LIFT: tl.constexpr,
 ):
     if GDC:
         gdc_wait()
@@ -153,11 +164,16 @@ def _gate_up_kernel(
             kb = k0 // SCALE_K
             gate_scale = tl.load(s_expert + (gate_rows // SCALE_N) * s_wsn + kb * s_wsb)
             up_scale = tl.load(s_expert + (up_rows // SCALE_N) * s_wsn + kb * s_wsb)
-            a_scale = gate_scale
-            if W8A8:
-                a_scale = tl.load(as_ptr + tokens * s_ast + kb * s_asb)
-            acc_gate = scaled_dot(a, gate, acc_gate, a_scale, gate_scale, W8A8, DOT_PRECISION)
-            acc_up = scaled_dot(a, up, acc_up, a_scale, up_scale, W8A8, DOT_PRECISION)
+            if LIFT:
+                a16, unscale = lift_to_fp16(a, 1)
+                acc_gate = lifted_dot(a16, unscale, gate, acc_gate, gate_scale)
+                acc_up = lifted_dot(a16, unscale, up, acc_up, up_scale)
+            else:
+                a_scale = gate_scale
+                if W8A8:
+                    a_scale = tl.load(as_ptr + tokens * s_ast + kb * s_asb)
+                acc_gate = scaled_dot(a, gate, acc_gate, a_scale, gate_scale, W8A8, DOT_PRECISION)
+                acc_up = scaled_dot(a, up, acc_up, a_scale, up_scale, W8A8, DOT_PRECISION)
         if GDC:
             gdc_launch_dependents()
         act = swiglu_activation(acc_gate, acc_up, limit, X_DTYPE, CLAMP)
@@ -179,7 +195,7 @@ def _down_kernel(
     s_ar, s_ai, s_asr, s_asb, s_we, s_wn, s_wk, s_wse, s_wsn, s_wsb, s_tw_t, s_tw_k, s_pr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, LIFT: tl.constexpr,
 ):
     block = tl.program_id(0)
     if GDC:
@@ -199,10 +215,14 @@ def _down_kernel(
             w = tl.load(w_cols + ks[:, None] * s_wk, mask=k_mask[:, None], other=0.0)
             kb = k0 // SCALE_K
             w_scale = tl.load(s_cols + kb * s_wsb)
-            a_scale = w_scale
-            if W8A8:
-                a_scale = tl.load(as_ptr + rows * s_asr + kb * s_asb, mask=row_mask, other=0.0)
-            acc = scaled_dot(a, w, acc, a_scale, w_scale, W8A8, DOT_PRECISION)
+            if LIFT:
+                a16, unscale = lift_to_fp16(a, 1)
+                acc = lifted_dot(a16, unscale, w, acc, w_scale)
+            else:
+                a_scale = w_scale
+                if W8A8:
+                    a_scale = tl.load(as_ptr + rows * s_asr + kb * s_asb, mask=row_mask, other=0.0)
+                acc = scaled_dot(a, w, acc, a_scale, w_scale, W8A8, DOT_PRECISION)
         if GDC:
             gdc_launch_dependents()
         store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
@@ -272,6 +292,7 @@ def fp8_fused_moe(
 
     a, a_scales = quantize_activations(x, block[1]) if w8a8 else (x, w13_scale_inv[0])
     precision = dot_precision(x.dtype)
+    lift = c.lift and not w8a8 and x.dtype == torch.bfloat16
     use_pdl = pdl(device)
     # With w8a8 the gate/up programs quantize the activation for the down product themselves,
     # one group of bk columns a program.
@@ -290,7 +311,7 @@ def fp8_fused_moe(
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
         BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, X_DTYPE=_TL_DTYPES[x.dtype], GDC=use_pdl,
-        CLAMP=limit is not None, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        CLAMP=limit is not None, LIFT=lift, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     d_scales = act_scales if w8a8 else w2_scale_inv[0]
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
@@ -300,7 +321,7 @@ def fp8_fused_moe(
         *act.stride(), *d_scales.stride(), *w2.stride(), *w2_scale_inv.stride(), *topk_weights.stride(),
         pair_out.stride(0),
         SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8, TOP_K=top_k,
-        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=block_k, DOT_PRECISION=precision, GDC=use_pdl,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=block_k, DOT_PRECISION=precision, GDC=use_pdl, LIFT=lift,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=device)

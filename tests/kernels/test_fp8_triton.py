@@ -168,6 +168,26 @@ def test_fp8_fused_moe_per_pair_path_equals_the_tiled_path_and_reference(dtype, 
         fp8_moe.fp8_fused_moe(*inputs, w8a8=True, config=chosen)
 
 
+def test_fp8_fused_moe_lifted_rows_equal_the_widened_rows(device):
+    # bf16 rows lifted to fp16 (`Fp8MoeConfig.lift`) against the FP8 tiles: rows of very different
+    # magnitudes (each its own power of two, 2^-24 .. 2^34: out of fp16's range unlifted) against the
+    # reference, and rows of order one against the tiles widened to bf16. (The interpreter's bf16
+    # products lose such magnitudes themselves, so the widened path is compared at order one only.)
+    x, *rest = _moe_inputs(30, 160, 96, 6, 3, torch.bfloat16, device, seed=17)
+    widened = dataclasses.replace(fp8_moe.fp8_moe_config(90, 6, device), lift=False)
+    lifted = dataclasses.replace(widened, lift=True)
+    magnitude = torch.tensor([2.0 ** e for e in range(-24, 36, 2)], device=device)
+    scaled = (x.float() * magnitude[:, None]).bfloat16()
+    got = fp8_moe.fp8_fused_moe(scaled, *rest, config=lifted).double()
+    expected = ref.fp8_fused_moe(scaled.double(), *rest)
+    # Each row to its own scale (the SwiGLU is not homogeneous: entries that cancel are small in their row).
+    row_err = (got - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-300)
+    assert torch.all(row_err[:-1] < 1e-2), row_err
+    assert torch.all(got[-1] == 0)
+    out = _check_moe((x, *rest), torch.bfloat16, False, lifted)
+    assert_close(out, fp8_moe.fp8_fused_moe(x, *rest, config=widened), torch.bfloat16)
+
+
 def test_fp8_fused_moe_larger_tiles(device):
     # The prefill tiles' shape (one 64-row tile an expert) on the same function.
     inputs = _moe_inputs(9, 160, 96, 4, 2, torch.bfloat16, device, seed=5)
