@@ -309,7 +309,7 @@ def fp8_rows(ceilings):
         for n, k in ((7168, 7168), (18432, 7168), (7168, 18432)):
             for w8a8 in (False, True):
                 rows.append(bench_fp8_decode(num_tokens, n, k, ceilings, w8a8=w8a8))
-    for num_tokens in (1, 16):
+    for num_tokens in (1, 16, 1024):
         for w8a8 in (False, True):
             rows.append(bench_fp8_moe(num_tokens, ceilings, w8a8=w8a8))
     return rows

@@ -99,7 +99,7 @@ BENCHES = {
     "kernels:fp8": ("Block-scaled FP8 linear and MoE kernels, DeepSeek-V3's shapes (`bench/kernels.py --fp8`)", "rows",
                     [dict(op="fp8_gemm", tokens=t, n=n, k=7168) for t in (1024, 4096) for n in (7168, 18432)]
                     + [dict(op="fp8_linear", tokens=t, n=7168, k=7168, w8a8=w) for t in (1, 16) for w in (False, True)]
-                    + [dict(op="fp8_moe", tokens=t, w8a8=w) for t in (1, 16) for w in (False, True)],
+                    + [dict(op="fp8_moe", tokens=t, w8a8=w) for t in (1, 16, 1024) for w in (False, True)],
                     [("µs", "us", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% copy", "pct_copy", "{:.1f}")]),
     "kernels:fp4": ("V4's FP4 routed experts read packed in the kernel, V4-Flash's shapes (`bench/kernels.py --fp4`)",
                     "rows", [dict(op="fp4_experts", tokens=t) for t in (1, 16)],

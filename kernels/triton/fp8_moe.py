@@ -48,9 +48,14 @@ class Fp8MoeConfig:
 # Decode: a row or two per expert, so the GEMMs stream the chosen experts' weights; 64-wide
 # column tiles give every multiprocessor programs, and 8 warps share the widening of each FP8
 # tile (H100, V3's experts, 32 experts top-8, graph replays: 1 token 146 us, 80% of the copy rate,
-# against 188 us with 4 warps; 16 tokens 86% either way). Prefill: 64-row tiles, as the bf16 MoE's.
+# against 188 us with 4 warps; 16 tokens 86% either way). Lifting the rows to fp16 gained 2-8
+# points of the copy rate where an expert has 4-16 rows, nothing at 1-2 rows (ef8e76f).
+# Prefill: still few rows an expert (1024 tokens of V3 are 32 rows an expert), so the widening of
+# each FP8 tile, not the products, sets the pace: 32-row tiles with 8 warps and the fp16 lift ran
+# 1.3-2.3x faster than 64-row tiles with 4 warps at 512-4096 tokens of V3's and v2-lite's experts
+# (H100, bench/notes/fp8.md).
 _GPU_DECODE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4, lift=True)
-_GPU_PREFILL = Fp8MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+_GPU_PREFILL = Fp8MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3, lift=True)
 _INTERPRETER = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, lift=True)
 # x's dtype, which the activation is rounded to before its quantization, as a kernel argument.
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
