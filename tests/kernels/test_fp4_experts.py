@@ -136,14 +136,14 @@ def test_fp8_experts_are_clamped_in_the_fp8_kernel(device, dtype, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_released_fp4_checkpoint_runs_its_experts_packed_on_triton(tmp_path, monkeypatch):
+def test_a_released_fp4_checkpoint_runs_its_experts_packed_on_triton(tmp_path, monkeypatch, device):
     """A tiny V4 checkpoint in DeepSeek's released layout (FP4 routed experts, FP8 linears) in bf16 on the
     Triton table: every layer's routed experts go through the packed FP4 kernel, and the prompt logits are
     those of the same table with the experts dequantized first. (Against a float32 run the two are equally
     far, 2-10% on this random toy, whose routing flips with bf16 rounding.)"""
     save_reference(tmp_path / "float", seed=random.randrange(1000), hidden_size=128, moe_intermediate_size=64)
     write_v4_official(tmp_path / "float", tmp_path / "official", tmp_path / "dequantized", "fp4")
-    model = mf.load_model(tmp_path / "official", dtype=torch.bfloat16, device="cpu")
+    model = mf.load_model(tmp_path / "official", dtype=torch.bfloat16, device=device)
     prompt = [random.randrange(2, 97) for _ in range(17)]
     calls = []
 
