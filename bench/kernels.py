@@ -32,7 +32,7 @@ from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
 from mla_func.kernels.triton import cache as triton_cache  # noqa: E402
 from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight  # noqa: E402
-from mla_func.kernels.triton import decode, fp4_experts, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
+from mla_func.kernels.triton import decode, fp4_experts, fp4_pairs, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
 from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -357,8 +357,9 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     the output written), as `bench_fp8_moe` counts them."""
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
     w13, w2 = _fp4_weight((num_experts, 2 * inter, hidden)), _fp4_weight((num_experts, hidden, inter))
-    config = config or dataclasses.replace(fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device),
-                                           scales_on_acc=scales_on_acc)
+    config = config or fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device)
+    if isinstance(config, fp4_experts.Fp4MoeConfig):
+        config = dataclasses.replace(config, scales_on_acc=scales_on_acc)
     routes = []
     for _ in range(routing_sets):
         weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)
@@ -372,18 +373,27 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     distinct = sum(r[1].unique().numel() for r in routes) / routing_sets
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * 3 * inter * hidden
-    return dict(op="fp4_experts", run="scales on products" if config.scales_on_acc else "scales on tiles",
-                tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden, inter=inter,
-                scales_on_acc=config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
+    tiled = isinstance(config, fp4_experts.Fp4MoeConfig)
+    run = ("scales on products" if config.scales_on_acc else "scales on tiles") if tiled else "per pair"
+    return dict(op="fp4_experts", run=run, tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden,
+                inter=inter, scales_on_acc=tiled and config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
                 gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
                 pct_copy=100 * num_bytes / (ms * 1e-3) / ceilings["copy"], bytes=num_bytes, flops=flops,
                 copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
 
 
 def fp4_rows(ceilings):
-    """The default tiles, with the scales applied to the weight tiles (the default) and to the products."""
-    return [bench_fp4_experts(num_tokens, ceilings, scales_on_acc=on_acc) for num_tokens in (1, 16)
-            for on_acc in (False, True)]
+    """The default path at 1, 4 and 16 tokens (per pair up to `FP4_PAIR_MAX_PAIRS` pairs), and the tiled path
+    beside it at every count, its scales applied to the weight tiles (its default) and to the products."""
+    tiled = fp4_experts.fp4_moe_config(fp4_pairs.FP4_PAIR_MAX_PAIRS + 1, 256, torch.device("cuda"))
+    rows = []
+    for num_tokens in (1, 4, 16):
+        default = bench_fp4_experts(num_tokens, ceilings)
+        rows.append(default)
+        if default["run"] == "per pair":
+            rows.append(bench_fp4_experts(num_tokens, ceilings, config=tiled))
+        rows.append(bench_fp4_experts(num_tokens, ceilings, config=dataclasses.replace(tiled, scales_on_acc=True)))
+    return rows
 
 
 def sweep_fp4(ceilings):

@@ -19,7 +19,9 @@ from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton import fp4_experts
-from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts
+from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts, fp4_moe_config
+from mla_func.kernels.triton.fp4_pairs import FP4_PAIR_MAX_PAIRS
+from mla_func.kernels.triton.moe_pairs import PairConfig
 from support.kernel_cases import assert_close, generator, randn
 from support.v4_official import write_v4_official
 from support.v4_reference import save_reference
@@ -65,7 +67,12 @@ def test_fp4_experts_equal_the_reference(device, tokens, top_k, monkeypatch):
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert bool((got[0] == 0).all())
     assert_close(got, want, torch.bfloat16)
-    assert torch.equal(table, got)
+    if tokens * top_k > FP4_PAIR_MAX_PAIRS:
+        assert torch.equal(table, got)
+    else:
+        # The per-pair path sums a token's k terms with float32 atomics, in an order that may vary.
+        assert isinstance(fp4_moe_config(tokens * top_k, experts, device), PairConfig)
+        assert_close(table, got, torch.bfloat16)
 
 
 @pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1),
@@ -81,6 +88,24 @@ def test_wider_k_steps_read_several_scales_a_step(config, device):
     weights, ids = _routing(9, experts, 2, gen, device)
     got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [PairConfig(16, 64, 32, 4, 1), PairConfig(64, 32, 16, 4, 1),
+                                    PairConfig(8, 128, 64, 4, 1)])
+def test_the_per_pair_path_equals_the_reference_and_the_tiled_path(config, device):
+    """The per-pair path on CUDA cores: columns of a program inside one scale group of w2 (8, 16) and across
+    two (64), K steps of one to four groups, the last partial (D 96, I 160: the last program's columns
+    partly past I); against the reference and the tiled path."""
+    gen = generator(config.block_i, device)
+    experts, hidden, inter = 5, 96, 160
+    x = randn((7, hidden), torch.bfloat16, device, gen)
+    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
+    weights, ids = _routing(7, experts, 3, gen, device)
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
+    assert bool((got[0] == 0).all())
+    assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
+    tiled = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=Fp4MoeConfig(16, 32, 64, 4, 1))
+    assert_close(got, tiled, torch.bfloat16)
 
 
 def test_other_activation_dtypes_take_the_dequantized_weights(device):

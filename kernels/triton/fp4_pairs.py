@@ -1,0 +1,177 @@
+"""The per-pair path of DeepSeek-V4's routed experts held as FP4: one launch for decode's few pairs.
+
+`fp8_moe_pairs`' scheme over `BlockFP4Weight` experts (packed e2m1, two values a byte along K, the even
+column in the low nibble; one e8m0 scale per 32 values of a row): a program takes one (token, slot) pair
+and BLOCK_I of its expert's intermediate columns, computes their gate/up products and the clamped
+SwiGLU, and adds its slice's share of the down projection into the token's zeroed float32 row with
+atomics. A pair is one row, so the products run on CUDA cores: each byte's two nibbles are widened to
+float (an e2m1 code's sign and magnitude bits, placed in an fp16's sign, exponent and mantissa, are the
+value times 2^-14, subnormal 0.5 included), multiplied by the row's even and odd columns, summed a
+group of 32 values at a time, and each group's sum times its scale (2^(byte - 127)) and 2^14. The
+reference's math (`BlockFP4Weight.dequantize`: value * scale, exact) summed in another order.
+
+The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1 tile to bf16 in
+registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a quarter of
+the copy bandwidth at one token; here a value costs a few integer operations and one multiply-add.
+The float32 atomics make the order of the k-way sum, and so its last bits, vary from run to run, as in
+the other per-pair paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..fp4_weight import BlockFP4Weight
+from ._common import next_pow2, pdl
+from .fill import zeros
+from .moe_pairs import PairConfig
+from .swiglu import swiglu_activation
+
+# Values one e8m0 scale covers along K (the only K block the kernel reads).
+GROUP = 32
+# Measured on an H100 (bench/notes/fp8.md, "FP4 experts on CUDA cores").
+_GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=8, num_stages=1)
+_INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
+# Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
+# once per expert chosen (bench/notes/fp8.md).
+FP4_PAIR_MAX_PAIRS = 32
+
+
+def fp4_pair_config(device: torch.device) -> PairConfig:
+    """The FP4 per-pair path's launch configuration on `device`."""
+    return _GPU_FP4_PAIRS if device.type == "cuda" else _INTERPRETER_FP4_PAIRS
+
+
+@triton.jit
+def _e2m1_times_2e14(nibble):
+    """e2m1 codes [...] (int32 in 0..15: sign bit 3, magnitude bits 2..0) -> their values * 2^-14, float32.
+    The magnitude bits at an fp16's exponent / mantissa boundary (bits 11..9) give 2^-14 * (0, 0.5, 1,
+    1.5, 2, 3, 4, 6), the subnormal code 1 included; the sign goes to bit 15."""
+    bits = ((nibble & 8) << 12) | ((nibble & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _group_scales(scale_bytes):
+    """e8m0 scale bytes [...] (uint8) -> 2^(byte - 127) * 2^14 as float32 (byte 0 reads 0: no trained scale
+    is 2^-127)."""
+    return (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _row_step(packed, x_even, x_odd, scales, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """sum over K of w * x for a packed tile [ROWS, BYTES] (two values a byte) against the row's even and odd
+    columns [BYTES] (float32), each group of 32 values times its scale [ROWS, BYTES // 16] -> [ROWS]."""
+    codes = packed.to(tl.int32)
+    prod = _e2m1_times_2e14(codes & 15) * x_even[None, :] + _e2m1_times_2e14(codes >> 4) * x_odd[None, :]
+    groups = tl.sum(tl.reshape(prod, [ROWS, BYTES // 16, 16]), axis=2)
+    return tl.sum(groups * _group_scales(scales), axis=1)
+
+
+@triton.jit
+def _fp4_pair_kernel(
+    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, out_ptr,
+    hidden, inter, limit,
+    s_xt, s_xd, s_ge, s_gn, s_gk, s_gse, s_gsn, s_gsk, s_de, s_dd, s_di, s_dse, s_dsn, s_dsk,
+    s_ids_t, s_ids_k, s_tw_t, s_tw_k, s_ot,
+    SCALE_N13: tl.constexpr, SCALE_N2: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr,
+):
+    """One (token, slot) pair, BLOCK_I of its expert's intermediate columns: gate/up, clamped SwiGLU, down.
+    BLOCK_K (a multiple of 32) values of the hidden dimension a gate/up step; BLOCK_I columns lie in whole
+    scale groups of w2 (a multiple of 32) or inside one (a divisor of 32)."""
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    slot = pair % TOP_K
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
+    if expert >= 0:
+        router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k).to(tl.float32)
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_mask = offs_i < inter
+        # Out-of-range columns read row 0 (their activation is zeroed below): no mask on the weight rows.
+        gate_rows = tl.where(i_mask, offs_i, 0)
+        up_rows = gate_rows + inter
+        w_gate = w13_ptr + expert * s_ge + gate_rows[:, None].to(tl.int64) * s_gn
+        w_up = w13_ptr + expert * s_ge + up_rows[:, None].to(tl.int64) * s_gn
+        s_gate = s13_ptr + expert * s_gse + (gate_rows // SCALE_N13)[:, None] * s_gsn
+        s_up = s13_ptr + expert * s_gse + (up_rows // SCALE_N13)[:, None] * s_gsn
+        x_row = x_ptr + token * s_xt
+        BYTES: tl.constexpr = BLOCK_K // 2
+        offs_b = tl.arange(0, BYTES)
+        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            bs = k0 // 2 + offs_b
+            b_mask = bs < hidden // 2
+            x_even = tl.load(x_row + (2 * bs) * s_xd, mask=b_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + (2 * bs + 1) * s_xd, mask=b_mask, other=0.0).to(tl.float32)
+            gs = k0 // GROUP + offs_g
+            g_mask = (gs < hidden // GROUP)[None, :]
+            gate = tl.load(w_gate + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
+            up = tl.load(w_up + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
+            acc_gate += _row_step(gate, x_even, x_odd, tl.load(s_gate + gs[None, :] * s_gsk, mask=g_mask, other=0),
+                                  BLOCK_I, BYTES)
+            acc_up += _row_step(up, x_even, x_odd, tl.load(s_up + gs[None, :] * s_gsk, mask=g_mask, other=0),
+                                BLOCK_I, BYTES)
+        act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
+        act = tl.where(i_mask, act.to(tl.float32), 0.0)
+        # The down product over this program's columns: their bytes, and the activation's even and odd ones.
+        HALF_I: tl.constexpr = BLOCK_I // 2
+        offs_h = tl.arange(0, HALF_I)
+        pair_cols = tl.program_id(1) * HALF_I + offs_h
+        h_mask = pair_cols < inter // 2
+        act_pairs = tl.reshape(act, [HALF_I, 2])
+        act_even, act_odd = tl.split(act_pairs)
+        offs_d = tl.arange(0, BLOCK_D)
+        out_row = out_ptr + token * s_ot
+        w_down = w2_ptr + expert * s_de + pair_cols[None, :] * s_di
+        # The scale groups of w2 the columns lie in: BLOCK_I // 32 whole ones, or the one holding them all.
+        GROUPS: tl.constexpr = (BLOCK_I + GROUP - 1) // GROUP
+        group_cols = (tl.program_id(1) * BLOCK_I) // GROUP + tl.arange(0, GROUPS)
+        for d0 in range(0, hidden, BLOCK_D):
+            ds = d0 + offs_d
+            d_mask = ds < hidden
+            w = tl.load(w_down + ds[:, None].to(tl.int64) * s_dd, mask=d_mask[:, None] & h_mask[None, :], other=0)
+            s_rows = s2_ptr + expert * s_dse + (ds // SCALE_N2)[:, None] * s_dsn
+            scales = tl.load(s_rows + group_cols[None, :] * s_dsk, mask=d_mask[:, None], other=0)
+            if BLOCK_I >= GROUP:
+                part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I)
+            else:
+                codes = w.to(tl.int32)
+                prod = _e2m1_times_2e14(codes & 15) * act_even[None, :] + _e2m1_times_2e14(codes >> 4) * act_odd[None, :]
+                part = tl.sum(prod, axis=1) * tl.sum(_group_scales(scales), axis=1)
+            tl.atomic_add(out_row + ds, part * router, mask=d_mask, sem="relaxed")
+
+
+def fp4_pair_moe(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, *, limit: float, config: PairConfig) -> torch.Tensor:
+    """The per-pair path on inputs `fp4_experts.fp4_clamped_experts` checked: x [T, D] bf16, w13 [E, 2I, D]
+    and w2 [E, D, I] FP4 with K blocks of 32, topk_weights / topk_ids [T, k] -> a float32 [T, D] (a zeroed
+    row summed into)."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    block_i = min(config.block_i, max(2, next_pow2(inter)))
+    if block_i % GROUP and GROUP % block_i:
+        raise ValueError(f"config.block_i: expected a multiple or a divisor of {GROUP}, got {config.block_i}")
+    if config.block_k % GROUP:
+        raise ValueError(f"config.block_k: expected a multiple of {GROUP}, got {config.block_k}")
+    out = zeros((num_tokens, hidden), torch.float32, x.device)
+    s13, s2 = w13.scale.view(torch.uint8), w2.scale.view(torch.uint8)
+    use_pdl = pdl(x.device)
+    _fp4_pair_kernel[(topk_ids.numel(), triton.cdiv(inter, block_i))](
+        x, w13.packed, s13, w2.packed, s2, topk_ids, topk_weights, out,
+        hidden, inter, float(limit),
+        *x.stride(), *w13.packed.stride(), *s13.stride(), *w2.packed.stride(), *s2.stride(),
+        *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
+        SCALE_N13=w13.block[0], SCALE_N2=w2.block[0], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
+        BLOCK_K=config.block_k, BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))), GDC=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+    )
+    return out
