@@ -30,8 +30,9 @@ from .fill import zeros
 from .moe_pairs import PairConfig
 from .swiglu import swiglu_activation
 
-# Values one e8m0 scale covers along K (the only K block the kernel reads).
+# Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
 GROUP = 32
+_GROUP = tl.constexpr(GROUP)
 # Measured on an H100 (bench/notes/fp8.md, "FP4 experts on CUDA cores").
 _GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=8, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
@@ -104,7 +105,7 @@ def _fp4_pair_kernel(
         x_row = x_ptr + token * s_xt
         BYTES: tl.constexpr = BLOCK_K // 2
         offs_b = tl.arange(0, BYTES)
-        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        offs_g = tl.arange(0, BLOCK_K // _GROUP)
         acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -112,8 +113,8 @@ def _fp4_pair_kernel(
             b_mask = bs < hidden // 2
             x_even = tl.load(x_row + (2 * bs) * s_xd, mask=b_mask, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + (2 * bs + 1) * s_xd, mask=b_mask, other=0.0).to(tl.float32)
-            gs = k0 // GROUP + offs_g
-            g_mask = (gs < hidden // GROUP)[None, :]
+            gs = k0 // _GROUP + offs_g
+            g_mask = (gs < hidden // _GROUP)[None, :]
             gate = tl.load(w_gate + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
             up = tl.load(w_up + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
             acc_gate += _row_step(gate, x_even, x_odd, tl.load(s_gate + gs[None, :] * s_gsk, mask=g_mask, other=0),
@@ -133,15 +134,15 @@ def _fp4_pair_kernel(
         out_row = out_ptr + token * s_ot
         w_down = w2_ptr + expert * s_de + pair_cols[None, :] * s_di
         # The scale groups of w2 the columns lie in: BLOCK_I // 32 whole ones, or the one holding them all.
-        GROUPS: tl.constexpr = (BLOCK_I + GROUP - 1) // GROUP
-        group_cols = (tl.program_id(1) * BLOCK_I) // GROUP + tl.arange(0, GROUPS)
+        GROUPS: tl.constexpr = (BLOCK_I + _GROUP - 1) // _GROUP
+        group_cols = (tl.program_id(1) * BLOCK_I) // _GROUP + tl.arange(0, GROUPS)
         for d0 in range(0, hidden, BLOCK_D):
             ds = d0 + offs_d
             d_mask = ds < hidden
             w = tl.load(w_down + ds[:, None].to(tl.int64) * s_dd, mask=d_mask[:, None] & h_mask[None, :], other=0)
             s_rows = s2_ptr + expert * s_dse + (ds // SCALE_N2)[:, None] * s_dsn
             scales = tl.load(s_rows + group_cols[None, :] * s_dsk, mask=d_mask[:, None], other=0)
-            if BLOCK_I >= GROUP:
+            if BLOCK_I >= _GROUP:
                 part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I)
             else:
                 codes = w.to(tl.int32)
