@@ -33,12 +33,14 @@ from .swiglu import swiglu_activation
 # Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
 GROUP = 32
 _GROUP = tl.constexpr(GROUP)
-# Measured on an H100 (bench/notes/fp8.md, "FP4 experts on CUDA cores").
-_GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=8, num_stages=1)
+# The best of 36 settings on an H100 at one token of V4-Flash's experts (36% of the copy rate, against 26-31%
+# for 64 or 128 columns a program or 64-128 deep K steps; bench/notes/fp8.md, "FP4 experts on CUDA cores").
+_GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
-# once per expert chosen (bench/notes/fp8.md).
-FP4_PAIR_MAX_PAIRS = 32
+# once per expert chosen. On an H100 (V4-Flash's 256 experts, top 6, a first setting of the kernel) it was
+# 5-17% faster from 12 to 48 pairs and 11-17% slower at 72 and 96.
+FP4_PAIR_MAX_PAIRS = 48
 
 
 def fp4_pair_config(device: torch.device) -> PairConfig:
@@ -141,7 +143,9 @@ def _fp4_pair_kernel(
             d_mask = ds < hidden
             w = tl.load(w_down + ds[:, None].to(tl.int64) * s_dd, mask=d_mask[:, None] & h_mask[None, :], other=0)
             s_rows = s2_ptr + expert * s_dse + (ds // SCALE_N2)[:, None] * s_dsn
-            scales = tl.load(s_rows + group_cols[None, :] * s_dsk, mask=d_mask[:, None], other=0)
+            # Groups past I (the last program's columns partly past it) read scale 0 over zero bytes.
+            scales = tl.load(s_rows + group_cols[None, :] * s_dsk,
+                             mask=d_mask[:, None] & (group_cols < inter // _GROUP)[None, :], other=0)
             if BLOCK_I >= _GROUP:
                 part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I)
             else:
