@@ -357,9 +357,10 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     the output written), as `bench_fp8_moe` counts them."""
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
     w13, w2 = _fp4_weight((num_experts, 2 * inter, hidden)), _fp4_weight((num_experts, hidden, inter))
-    config = config or fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device)
-    if isinstance(config, fp4_experts.Fp4MoeConfig):
-        config = dataclasses.replace(config, scales_on_acc=scales_on_acc)
+    if config is None:
+        config = fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device)
+        if isinstance(config, fp4_experts.Fp4MoeConfig):
+            config = dataclasses.replace(config, scales_on_acc=scales_on_acc)
     routes = []
     for _ in range(routing_sets):
         weights, ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=1)

@@ -12,8 +12,9 @@ reference's math (`BlockFP4Weight.dequantize`: value * scale, exact) summed in a
 
 The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1 tile to bf16 in
 registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a quarter of
-the copy bandwidth at one token; here a value costs a few integer operations and one multiply-add.
-The float32 atomics make the order of the k-way sum, and so its last bits, vary from run to run, as in
+the copy bandwidth at one token. Here a value costs a few integer operations, a conversion and a
+multiply-add, and on an H100 that bounds it as the widening bounds the tiled path: as fast at one
+token, 5-17% faster at 2-8 tokens (bench/notes/fp8.md). The float32 atomics make the order of the k-way sum, and so its last bits, vary from run to run, as in
 the other per-pair paths.
 """
 
@@ -33,13 +34,14 @@ from .swiglu import swiglu_activation
 # Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
 GROUP = 32
 _GROUP = tl.constexpr(GROUP)
-# The best of 36 settings on an H100 at one token of V4-Flash's experts (36% of the copy rate, against 26-31%
-# for 64 or 128 columns a program or 64-128 deep K steps; bench/notes/fp8.md, "FP4 experts on CUDA cores").
-_GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
+# The setting the GPU tests ran (H100, bench/notes/fp8.md, "FP4 experts on CUDA cores"): 26% of the copy rate
+# at one token of V4-Flash's experts, as the tiled path. A sweep found 32 columns a program, 256-deep K and
+# output steps and 4 warps at 36% (43% at four tokens, against 39%); it waits for its GPU test run.
+_GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=8, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
-# once per expert chosen. On an H100 (V4-Flash's 256 experts, top 6, a first setting of the kernel) it was
-# 5-17% faster from 12 to 48 pairs and 11-17% slower at 72 and 96.
+# once per expert chosen. On an H100 (V4-Flash's 256 experts, top 6, the setting above) it was as fast at 6
+# pairs, 5-17% faster from 12 to 48 and 11-17% slower at 72 and 96.
 FP4_PAIR_MAX_PAIRS = 48
 
 
