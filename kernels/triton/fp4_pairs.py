@@ -14,8 +14,8 @@ The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1
 registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a quarter of
 the copy bandwidth at one token. Here a value costs a few integer operations, a conversion and a
 multiply-add, and on an H100 that bounds it as the widening bounds the tiled path: as fast at one
-token, 5-17% faster at 2-8 tokens (bench/notes/fp8.md). The float32 atomics make the order of the k-way sum, and so its last bits, vary from run to run, as in
-the other per-pair paths.
+token, 5-17% faster at 2-8 tokens (bench/notes/fp8.md). The float32 atomics make the order of the
+k-way sum, and so its last bits, vary from run to run, as in the other per-pair paths.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def fp4_pair_config(device: torch.device) -> PairConfig:
 
 
 @triton.jit
-def _e2m1_times_2e14(nibble):
+def _e2m1_times_2_to_minus_14(nibble):
     """e2m1 codes [...] (int32 in 0..15: sign bit 3, magnitude bits 2..0) -> their values * 2^-14, float32.
     The magnitude bits at an fp16's exponent / mantissa boundary (bits 11..9) give 2^-14 * (0, 0.5, 1,
     1.5, 2, 3, 4, 6), the subnormal code 1 included; the sign goes to bit 15."""
@@ -67,11 +67,19 @@ def _group_scales(scale_bytes):
 
 
 @triton.jit
+def _pair_products(packed, even, odd):
+    """A packed tile [R, B] (two e2m1 values a byte, the even column low) times the row's even and odd
+    columns [B] (float32): each byte's two products summed, times 2^-14 -> [R, B]."""
+    codes = packed.to(tl.int32)
+    return (_e2m1_times_2_to_minus_14(codes & 15) * even[None, :]
+            + _e2m1_times_2_to_minus_14(codes >> 4) * odd[None, :])
+
+
+@triton.jit
 def _row_step(packed, x_even, x_odd, scales, ROWS: tl.constexpr, BYTES: tl.constexpr):
     """sum over K of w * x for a packed tile [ROWS, BYTES] (two values a byte) against the row's even and odd
     columns [BYTES] (float32), each group of 32 values times its scale [ROWS, BYTES // 16] -> [ROWS]."""
-    codes = packed.to(tl.int32)
-    prod = _e2m1_times_2e14(codes & 15) * x_even[None, :] + _e2m1_times_2e14(codes >> 4) * x_odd[None, :]
+    prod = _pair_products(packed, x_even, x_odd)
     groups = tl.sum(tl.reshape(prod, [ROWS, BYTES // 16, 16]), axis=2)
     return tl.sum(groups * _group_scales(scales), axis=1)
 
@@ -151,9 +159,7 @@ def _fp4_pair_kernel(
             if BLOCK_I >= _GROUP:
                 part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I)
             else:
-                codes = w.to(tl.int32)
-                prod = _e2m1_times_2e14(codes & 15) * act_even[None, :] + _e2m1_times_2e14(codes >> 4) * act_odd[None, :]
-                part = tl.sum(prod, axis=1) * tl.sum(_group_scales(scales), axis=1)
+                part = tl.sum(_pair_products(w, act_even, act_odd), axis=1) * tl.sum(_group_scales(scales), axis=1)
             tl.atomic_add(out_row + ds, part * router, mask=d_mask, sem="relaxed")
 
 
