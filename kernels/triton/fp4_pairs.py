@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..fp4_weight import BlockFP4Weight
 from ._common import next_pow2, pdl
 from .fill import zeros
+from .fp8_moe_pairs import pair_program
 from .moe_pairs import PairConfig
 from .swiglu import swiglu_activation
 
@@ -96,20 +96,10 @@ def _fp4_pair_kernel(
     """One (token, slot) pair, BLOCK_I of its expert's intermediate columns: gate/up, clamped SwiGLU, down.
     BLOCK_K (a multiple of 32) values of the hidden dimension a gate/up step; BLOCK_I columns lie in whole
     scale groups of w2 (a multiple of 32) or inside one (a divisor of 32)."""
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    slot = pair % TOP_K
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
+    token, expert, router, offs_i, i_mask, gate_rows, up_rows = pair_program(
+        ids_ptr, weights_ptr, inter, s_ids_t, s_ids_k, s_tw_t, s_tw_k, TOP_K, BLOCK_I, GDC)
     if expert >= 0:
-        router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k).to(tl.float32)
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_mask = offs_i < inter
         # Out-of-range columns read row 0 (their activation is zeroed below): no mask on the weight rows.
-        gate_rows = tl.where(i_mask, offs_i, 0)
-        up_rows = gate_rows + inter
         w_gate = w13_ptr + expert * s_ge + gate_rows[:, None].to(tl.int64) * s_gn
         w_up = w13_ptr + expert * s_ge + up_rows[:, None].to(tl.int64) * s_gn
         s_gate = s13_ptr + expert * s_gse + (gate_rows // SCALE_N13)[:, None] * s_gsn

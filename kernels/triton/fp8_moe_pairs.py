@@ -58,6 +58,27 @@ def pair_block_i(config: PairConfig, block: tuple[int, int]) -> int:
 
 
 @triton.jit
+def pair_program(ids_ptr, weights_ptr, inter, s_ids_t, s_ids_k, s_tw_t, s_tw_k,
+                 TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, GDC: tl.constexpr):
+    """A per-pair program's (token, slot) pair and intermediate columns, read after the kernel before it
+    (GDC): (token [int64], expert [int64; -1: none], its router weight [float32], the columns offs_i
+    [BLOCK_I] and their mask, the gate rows of w13 they read (row 0 past I, whose activation is zeroed) and
+    the up rows). The quantized per-pair paths' (this module's and `fp4_pairs`') shared start."""
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    slot = pair % TOP_K
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
+    router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k).to(tl.float32)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < inter
+    gate_rows = tl.where(i_mask, offs_i, 0)
+    return token, expert, router, offs_i, i_mask, gate_rows, gate_rows + inter
+
+
+@triton.jit
 def _fp8_pair_kernel(
     x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, out_ptr,
     hidden, inter, limit,
@@ -72,20 +93,10 @@ def _fp8_pair_kernel(
     A gate/up step of BLOCK_K columns is BLOCK_K // GROUP_K runs of GROUP_K columns, each inside one
     scale block (GROUP_K = min(BLOCK_K, SCALE_K)); its products are summed a run at a time and scaled.
     """
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    slot = pair % TOP_K
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    expert = tl.load(ids_ptr + token * s_ids_t + slot * s_ids_k).to(tl.int64)
+    token, expert, router, offs_i, i_mask, gate_rows, up_rows = pair_program(
+        ids_ptr, weights_ptr, inter, s_ids_t, s_ids_k, s_tw_t, s_tw_k, TOP_K, BLOCK_I, GDC)
     if expert >= 0:
-        router = tl.load(weights_ptr + token * s_tw_t + slot * s_tw_k)
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_mask = offs_i < inter
         # Out-of-range columns read row 0 (their activation is zeroed below): no mask on the weight rows.
-        gate_rows = tl.where(i_mask, offs_i, 0)
-        up_rows = gate_rows + inter
         w_gate = w13_ptr + expert * s_ge + gate_rows[:, None].to(tl.int64) * s_gn
         w_up = w13_ptr + expert * s_ge + up_rows[:, None].to(tl.int64) * s_gn
         # Gate and up rows of one column may lie in different row blocks of w13.
