@@ -13,8 +13,8 @@ reference's math (`BlockFP4Weight.dequantize`: value * scale, exact) summed in a
 The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1 tile to bf16 in
 registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a quarter of
 the copy bandwidth at one token. Here a value costs a few integer operations, a conversion and a
-multiply-add, and on an H100 that bounds it as the widening bounds the tiled path: as fast at one
-token, 5-17% faster at 2-8 tokens (bench/notes/fp8.md). The float32 atomics make the order of the
+multiply-add; on an H100 it runs as fast as the tiled path at one token and 5-17% faster at 2-8 tokens
+(bench/notes/fp8.md), far from the bytes' time either way. The float32 atomics make the order of the
 k-way sum, and so its last bits, vary from run to run, as in the other per-pair paths.
 """
 
