@@ -189,7 +189,7 @@ def test_fp8_fused_moe_lifted_rows_equal_the_widened_rows(device):
 
 
 def test_fp8_fused_moe_larger_tiles(device):
-    # The prefill tiles' shape (one 64-row tile an expert) on the same function.
+    # 64-row tiles (one an expert; the prefill tiles are 32 rows) on the same function.
     inputs = _moe_inputs(9, 160, 96, 4, 2, torch.bfloat16, device, seed=5)
     config = dataclasses.replace(fp8_moe.fp8_moe_config(18, 4, device, w8a8=True), block_m=64)  # the tiled path
     _check_moe(inputs, torch.bfloat16, False, config)
