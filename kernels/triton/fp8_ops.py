@@ -10,16 +10,23 @@ weight of a tiny test shape has another) is dequantized into the 16-bit kernel i
 The batch-invariant table builds the same wrappers with `batch_invariant=True`: every row count takes
 the block GEMM (`fp8_linear(batch_invariant=True)`, one K order), and the fused MoE the tiled path in a
 configuration of the invariant table's (`invariant.invariant_fp8_moe_config`), never the per-pair path.
+
+`w8a8_ops` is the Triton counterpart of `reference.w8a8.w8a8_ops`: the same wrappers with `w8a8=True`,
+whose FP8 products quantize their activations per token and group of the pair's K block (DeepSeek's
+"dynamic" activation scheme) and multiply FP8 by FP8 on the tensor cores, the math of
+`reference.w8a8`. Research code passes it to the forward (`forward(..., ops=w8a8_ops(ops_for("triton")))`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
 
+from ..ops import Ops
 from ..quantized import BlockFP8Weight, Weight, dequantized
 from .fp8_linear import fp8_linear
 from .fp8_moe import Fp8MoeConfig, fp8_fused_moe
@@ -37,35 +44,37 @@ def fp8_pair(w: Weight) -> BlockFP8Weight | None:
 
 
 def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype: torch.dtype | None,
-             batch_invariant: bool) -> Tensor:
+             batch_invariant: bool, w8a8: bool) -> Tensor:
     if (pair := fp8_pair(weight)) is not None:
         return fp8_linear(x, pair.values, pair.scale_inv, block=pair.block, out_dtype=out_dtype,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, w8a8=w8a8)
     return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8Linear:
     """`contracts.Linear`: `dense(x, weight [N, K] tensor, *, out_dtype)` for plain weights; batch_invariant
-    sends FP8 pairs through `fp8_linear`'s batch-invariant path."""
+    sends FP8 pairs through `fp8_linear`'s batch-invariant path, w8a8 through its w8a8 product."""
 
     dense: Callable[..., Tensor]
     batch_invariant: bool = False
+    w8a8: bool = False
 
     def __call__(self, x: Tensor, weight: Weight, /, *, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [T, K], weight [N, K] -> [T, N] (see `contracts.Linear`)."""
-        return _product(x, weight, self.dense, out_dtype, self.batch_invariant)
+        return _product(x, weight, self.dense, out_dtype, self.batch_invariant, self.w8a8)
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8RmsNormLinear:
     """`contracts.RmsNormLinear`: `dense(x, norm_weight, eps, weight, residual)` for plain weights; an FP8
-    weight takes the norm, then `fp8_linear` (no fused kernel reads FP8 weights; batch_invariant as
-    `Fp8Linear`'s)."""
+    weight takes the norm, then `fp8_linear` (no fused kernel reads FP8 weights; batch_invariant and w8a8
+    as `Fp8Linear`'s)."""
 
     dense: Callable[..., Any]
     linear: Callable[..., Tensor]
     batch_invariant: bool = False
+    w8a8: bool = False
 
     @overload
     def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Weight, /, residual: None = None
@@ -81,19 +90,20 @@ class Fp8RmsNormLinear:
             out: Tensor | tuple[Tensor, Tensor] = self.dense(x, norm_weight, eps, weight, residual)
             return out
         if residual is None:
-            return _product(rms_norm(x, norm_weight, eps), weight, self.linear, None, self.batch_invariant)
+            return _product(rms_norm(x, norm_weight, eps), weight, self.linear, None, self.batch_invariant, self.w8a8)
         normed, summed = rms_norm(x, norm_weight, eps, residual)
-        return _product(normed, weight, self.linear, None, self.batch_invariant), summed
+        return _product(normed, weight, self.linear, None, self.batch_invariant, self.w8a8), summed
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8FusedMoe:
     """`contracts.FusedMoe`: `dense(x, w13, w2, topk_weights, topk_ids, *, out_dtype)` for plain weights;
     `config(x, w13 values, topk_ids)`, when given, picks each call's FP8 launch configuration (the
-    batch-invariant table's), else `fp8_fused_moe` does."""
+    batch-invariant table's), else `fp8_fused_moe` does; w8a8 quantizes the activations (its tiled path)."""
 
     dense: Callable[..., Tensor]
     config: Callable[[Tensor, Tensor, Tensor], Fp8MoeConfig] | None = None
+    w8a8: bool = False
 
     def __call__(self, x: Tensor, w13: Weight, w2: Weight, topk_weights: Tensor, topk_ids: Tensor, /, *,
                  out_dtype: torch.dtype | None = None) -> Tensor:
@@ -102,6 +112,25 @@ class Fp8FusedMoe:
         if up is not None and down is not None and up.block == down.block:
             config = None if self.config is None else self.config(x, up.values, topk_ids)
             return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights, topk_ids,
-                                 block=up.block, out_dtype=out_dtype, config=config)
+                                 block=up.block, out_dtype=out_dtype, config=config, w8a8=self.w8a8)
         return self.dense(x, dequantized(w13, x.dtype), dequantized(w2, x.dtype), topk_weights, topk_ids,
                           out_dtype=out_dtype)
+
+
+def w8a8_ops(base: Ops) -> Ops:
+    """`base`, the Triton table (`kernels.triton.ops()`, with or without its collectives), whose products of
+    FP8 weights quantize their activations: `reference.w8a8.w8a8_ops`'s math on the FP8 kernels. The
+    absorbed W_UK / W_UV (`fp8_heads`) keep their dequantized tiles, as DeepSeek's own inference code
+    dequantizes kv_b. ValueError for another table (or the batch-invariant one, whose FP8 products keep
+    one K order with 16-bit activations)."""
+    linear, norm_linear, moe = base.dense.linear, base.dense.rms_norm_linear, base.moe.fused_moe
+    if not (isinstance(linear, Fp8Linear) and isinstance(norm_linear, Fp8RmsNormLinear)
+            and isinstance(moe, Fp8FusedMoe)) or base.batch_invariant:
+        raise ValueError(f"w8a8_ops: expected the Triton table (ops_for('triton')), got the {base.backend!r} "
+                         f"table{' (batch-invariant)' if base.batch_invariant else ''}")
+    return dataclasses.replace(
+        base,
+        dense=dataclasses.replace(base.dense, linear=dataclasses.replace(linear, w8a8=True),
+                                  rms_norm_linear=dataclasses.replace(norm_linear, w8a8=True)),
+        moe=dataclasses.replace(base.moe, fused_moe=dataclasses.replace(moe, w8a8=True)),
+    )
