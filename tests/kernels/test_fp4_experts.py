@@ -91,11 +91,11 @@ def test_wider_k_steps_read_several_scales_a_step(config, device):
 
 
 @pytest.mark.parametrize("config", [PairConfig(16, 64, 32, 4, 1), PairConfig(64, 32, 16, 4, 1),
-                                    PairConfig(8, 128, 64, 4, 1)])
+                                    PairConfig(32, 128, 64, 4, 1)])
 def test_the_per_pair_path_equals_the_reference_and_the_tiled_path(config, device):
-    """The per-pair path on CUDA cores: columns of a program inside one scale group of w2 (8, 16) and across
-    two (64), K steps of one to four groups, the last partial (D 96, I 160: the last program's columns
-    partly past I); against the reference and the tiled path."""
+    """The per-pair path on CUDA cores: columns of a program inside one scale group of w2 (16), one whole
+    group (32) and two (64), K steps of one to four groups, the last partial (D 96, I 160: the last program's
+    columns partly past I); against the reference and the tiled path."""
     gen = generator(config.block_i, device)
     experts, hidden, inter = 5, 96, 160
     x = randn((7, hidden), torch.bfloat16, device, gen)
