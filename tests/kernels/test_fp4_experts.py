@@ -75,17 +75,22 @@ def test_fp4_experts_equal_the_reference(device, tokens, top_k, monkeypatch):
         assert_close(table, got, torch.bfloat16)
 
 
+def _ragged_case(tokens, experts, top_k, gen, device):
+    """bf16 rows [tokens, 96] and FP4 experts of D 96, I 160 (neither a multiple of the kernels' steps), routed:
+    (x, w13, w2, weights, ids)."""
+    hidden, inter = 96, 160
+    x = randn((tokens, hidden), torch.bfloat16, device, gen)
+    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
+    return (x, w13, w2, *_routing(tokens, experts, top_k, gen, device))
+
+
 @pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1),
                                     Fp4MoeConfig(16, 32, 64, 4, 1, scales_on_acc=True),
                                     Fp4MoeConfig(32, 64, 128, 4, 1, scales_on_acc=True)])
 def test_wider_k_steps_read_several_scales_a_step(config, device):
     """K steps of 2 and 4 scale groups (the GPU's are 128 deep), the last one partial (D 96, I 160); the
     scales applied to the tiles or to each group's product."""
-    gen = generator(config.block_k, device)
-    experts, hidden, inter = 3, 96, 160
-    x = randn((9, hidden), torch.bfloat16, device, gen)
-    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
-    weights, ids = _routing(9, experts, 2, gen, device)
+    x, w13, w2, weights, ids = _ragged_case(9, 3, 2, generator(config.block_k, device), device)
     got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
 
@@ -96,11 +101,7 @@ def test_the_per_pair_path_equals_the_reference_and_the_tiled_path(config, devic
     """The per-pair path on CUDA cores: columns of a program inside one scale group of w2 (16), one whole
     group (32) and two (64), K steps of one to four groups, the last partial (D 96, I 160: the last program's
     columns partly past I); against the reference and the tiled path."""
-    gen = generator(config.block_i, device)
-    experts, hidden, inter = 5, 96, 160
-    x = randn((7, hidden), torch.bfloat16, device, gen)
-    w13, w2 = random_fp4((experts, 2 * inter, hidden), gen, device), random_fp4((experts, hidden, inter), gen, device)
-    weights, ids = _routing(7, experts, 3, gen, device)
+    x, w13, w2, weights, ids = _ragged_case(7, 5, 3, generator(config.block_i, device), device)
     got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
     assert bool((got[0] == 0).all())
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
