@@ -9,9 +9,15 @@ compiled kernels do not:
 * `tl.dot` multiplies bf16 operands as the raw uint16 bit patterns it stores
   them in, so every bf16 dot comes out as garbage;
 * float32 -> bf16 casts truncate instead of rounding to nearest even.
+and a third way on some CPUs:
+* `tl.dot` is numpy's matmul, whose BLAS kernels sum a row's products in an order that
+  follows the row's place in the tile on some CPUs (OpenBLAS's AVX2 kernels treat edge rows
+  apart; AVX-512 machines did not show it), so a row's bits would follow its batch-mates
+  where a GPU's would not, and the batch-invariant kernels' tests would pass or fail by machine.
 The patches below widen bf16 dot operands to float32 first (exact, as a tensor
-core does) and round casts to nearest even (as the GPU does). They are applied
-only when the interpreter is active.
+core does), multiply each row by itself (a batch of one-row products: every row
+through one kernel in one order) and round casts to nearest even (as the GPU does).
+They are applied only when the interpreter is active.
 
 Under pytest-xdist every worker is a process of its own, and torch would give each as many
 threads as the machine has cores: on a 2-core machine with 2 workers, 4 busy threads fight
@@ -54,7 +60,6 @@ def _patch_interpreter_bf16() -> None:
     builder = interpreter.InterpreterBuilder
     if getattr(builder.create_dot, "_widens_bf16", False):
         return
-    original = builder.create_dot
     original_cast = builder.cast_impl
 
     def cast_impl(self, src, dst_type):
@@ -73,7 +78,15 @@ def _patch_interpreter_bf16() -> None:
         return handle
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        a_data, b_data = a.data, b.data
+        if any(h.dtype.scalar.primitive_bitwidth == 8 and h.dtype.scalar.is_floating() for h in (a, b)):
+            # FP8 operands as the interpreter's own dot takes them: widened to fp16 (exact).
+            a_data = interpreter._convert_float(a_data, a.dtype.scalar, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype.scalar, tl.float16, None).view(np.float16)
+        # [..., M, K] @ [..., K, N] as M products [1, K] @ [K, N]: one order for every row.
+        rows = np.matmul(a_data[..., :, None, :], np.expand_dims(b_data, -3), dtype=d.data.dtype)[..., 0, :]
+        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
 
     create_dot._widens_bf16 = True
     builder.create_dot = create_dot
