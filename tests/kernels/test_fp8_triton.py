@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from support.kernel_cases import TOLERANCE, assert_close, generator, randn, strided
+from support.kernel_cases import TOLERANCE, assert_close, generator, randn, strided, w8a8_tolerance
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels.reference import fp8 as ref
 from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
@@ -24,15 +24,6 @@ def _weight(shape, gen, device):
     pairs = [block_quantize(w) for w in full.view(-1, *shape[-2:])]
     return (torch.stack([v for v, _ in pairs]).view(shape),
             torch.stack([s for _, s in pairs]).view(*shape[:-2], *pairs[0][1].shape))
-
-
-def _tolerance(dtype, w8a8, device):
-    """The tolerance of a linear's output: TOLERANCE's, but for w8a8 into float32 on a GPU, whose FP8 x FP8
-    tensor-core products accumulate a scale block with fewer mantissa bits than float32 (Hopper's FP8
-    MMA: an H100 was 1.1e-3 off at most, outputs near 1); the interpreter computes them exactly."""
-    if w8a8 and dtype == torch.float32 and device.type == "cuda":
-        return {torch.float32: dict(atol=2e-3, rtol=2e-3)}
-    return TOLERANCE
 
 
 def _expected_linear(x, values, scale_inv, w8a8):
@@ -62,7 +53,7 @@ def test_fp8_linear(num_tokens, dtype, w8a8, device):
     values, scale_inv = _weight((136, 200), gen, device)
     y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8)
     assert y.dtype == dtype and y.shape == (num_tokens, 136)
-    assert_close(y, _expected_linear(x, values, scale_inv, w8a8), dtype, _tolerance(dtype, w8a8, x.device))
+    assert_close(y, _expected_linear(x, values, scale_inv, w8a8), dtype, w8a8_tolerance(dtype, w8a8, x.device))
 
 
 @pytest.mark.parametrize("num_tokens", [2, 20])
@@ -74,7 +65,7 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
     y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=True, out_dtype=torch.float32)
     assert y.dtype == torch.float32
     cpu = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
-    assert_close(y, expected, torch.float32, table=_tolerance(torch.float32, True, x.device) if x.is_cuda else cpu)
+    assert_close(y, expected, torch.float32, table=w8a8_tolerance(torch.float32, True, x.device) if x.is_cuda else cpu)
     # Splits of K (whole scale blocks) summed in split order: the stream's product, differently added.
     split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split), _expected_linear(x, values, scale_inv, False),
