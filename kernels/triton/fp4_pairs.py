@@ -34,10 +34,10 @@ from .swiglu import swiglu_activation
 # Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
 GROUP = 32
 _GROUP = tl.constexpr(GROUP)
-# The setting the GPU tests ran (H100, bench/notes/fp8.md, "FP4 experts on CUDA cores"): 26% of the copy rate
-# at one token of V4-Flash's experts, as the tiled path. A sweep found 32 columns a program, 256-deep K and
-# output steps and 4 warps at 36% (43% at four tokens, against 39%); it waits for its GPU test run.
-_GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=8, num_stages=1)
+# 32 intermediate columns a program, 256-deep K and output steps, 4 warps: the best of a 36-setting sweep on
+# an H100 (36% of the copy rate at one token, 43% at four); on an H200, one process, against 64 columns,
+# 128-deep steps and 8 warps: 70.7 against 99.0 us at one token, 225 against 285 at four (bench/notes/fp8.md).
+_GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
 # once per expert chosen. On an H100 (V4-Flash's 256 experts, top 6, the setting above) it was as fast at 6
