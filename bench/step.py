@@ -157,7 +157,7 @@ def transformers_decode(config: mf.ModelConfig, batch: int, context: int, new_to
 
 
 def time_rows(model: mf.Model, args: argparse.Namespace, copy_bw: float, kv_cache_dtype: str = "auto",
-              invariant: bool | None = None) -> list[dict]:
+              invariant: bool | None = None, w8a8: bool = False) -> list[dict]:
     """One row a (context, batch) of args: the graph step (and the eager and batch-invariant steps as args ask)
     against the roofline of the bytes it reads."""
     invariant = args.invariant if invariant is None else invariant
@@ -178,8 +178,9 @@ def time_rows(model: mf.Model, args: argparse.Namespace, copy_bw: float, kv_cach
                 gc.collect()
                 torch.cuda.empty_cache()
             graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
-                                      max_model_len=max_len, block_size=BLOCK_SIZE)
-            eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
+                                      max_model_len=max_len, block_size=BLOCK_SIZE, w8a8=w8a8)
+            eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding,
+                                      w8a8=w8a8)
             state, batch_tensors, mode = decode_setup(model, batch, context, graph_step, kv_cache_dtype)
             weight_bytes, kv_bytes, experts = touched_bytes(model, state, batch_tensors, mode, context)
             roofline_ms = (weight_bytes + kv_bytes) / copy_bw * 1e3
@@ -206,16 +207,18 @@ def time_rows(model: mf.Model, args: argparse.Namespace, copy_bw: float, kv_cach
 
 
 def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
-    """`--fp8`: the decode step with bf16 weights and cache, with block-scaled FP8 weights, and with FP8 weights
-    and the FP8 latent cache, in one run; each FP8 row's time over the bf16 row's of its batch and context."""
-    variants = (("bf16", None, "auto"), ("fp8", "fp8", "auto"), ("fp8", "fp8", "fp8"))
+    """`--fp8`: the decode step with bf16 weights and cache, with block-scaled FP8 weights (their products taking
+    the activations as they are, and as w8a8 steps), and with FP8 weights and the FP8 latent cache, in one run;
+    each FP8 row's time over the bf16 row's of its batch and context."""
+    variants = (("bf16", None, "auto", False), ("fp8", "fp8", "auto", False), ("fp8", "fp8", "auto", True),
+                ("fp8", "fp8", "fp8", False))
     rows = []
-    for weights, quantization, kv_cache_dtype in variants:
+    for weights, quantization, kv_cache_dtype, w8a8 in variants:
         model = mf.load_model(args.preset, dtype=torch.bfloat16, device="cuda", quantization=quantization)
-        print(f"== weights {weights}, cache {kv_cache_dtype}", flush=True)
-        for row in time_rows(model, args, copy_bw, kv_cache_dtype, invariant=False):
-            run = f"{weights} weights, {'FP8' if kv_cache_dtype == 'fp8' else 'bf16'} cache"
-            rows.append(dict(row, run=run, weights=weights, cache=kv_cache_dtype))
+        print(f"== weights {weights}{' w8a8' if w8a8 else ''}, cache {kv_cache_dtype}", flush=True)
+        for row in time_rows(model, args, copy_bw, kv_cache_dtype, invariant=False, w8a8=w8a8):
+            run = f"{weights} weights{' w8a8' if w8a8 else ''}, {'FP8' if kv_cache_dtype == 'fp8' else 'bf16'} cache"
+            rows.append(dict(row, run=run, weights=weights, cache=kv_cache_dtype, w8a8=w8a8))
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -231,7 +234,8 @@ def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
     path = common.write_json(result, args.out, "step-fp8" if args.preset == "v2-lite" else f"step-fp8-{args.preset}")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
-        ("weights", "weights"), ("cache", "cache"), ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"),
+        ("weights", "weights"), ("w8a8", "w8a8"), ("cache", "cache"), ("batch", "batch"), ("context", "ctx"),
+        ("graph_ms", "graph ms"),
         ("roofline_ms", "roofline ms"), ("roofline_ratio", "x roofline"), ("vs_bf16", "x bf16 step"),
         ("weight_gb", "weight GB"), ("kv_gb", "KV GB"),
     ])

@@ -109,6 +109,9 @@ class Ops:
     batch_invariant: every op gives each output row bits that depend on that row's
     inputs only (not on the number or content of the other rows); see
     `reference.invariant` and `triton.invariant` for how each backend does it.
+    w8a8: the products of FP8 weights quantize their activations per token and group of K (the
+    checkpoints' "dynamic" activation scheme; `reference.w8a8`, `triton.fp8_ops.w8a8_ops`); otherwise
+    they multiply by the dequantized weight.
     """
 
     backend: str
@@ -120,3 +123,4 @@ class Ops:
     sampling: SamplingOps
     collectives: CollectiveOps
     batch_invariant: bool = False
+    w8a8: bool = False

@@ -29,7 +29,11 @@ from .reference.table import REFERENCE
 BACKENDS = ("torch", "triton", "aiter")
 
 
-def _torch_ops(batch_invariant: bool) -> Ops:
+def _torch_ops(batch_invariant: bool, w8a8: bool) -> Ops:
+    if w8a8:
+        from .reference import w8a8 as ref_w8a8
+
+        return ref_w8a8.w8a8_ops(REFERENCE)
     if not batch_invariant:
         return REFERENCE
     from .reference import invariant as ref_invariant
@@ -37,9 +41,13 @@ def _torch_ops(batch_invariant: bool) -> Ops:
     return ref_invariant.invariant_ops(REFERENCE)
 
 
-def _triton_ops(batch_invariant: bool) -> Ops:
+def _triton_ops(batch_invariant: bool, w8a8: bool) -> Ops:
     from . import triton as triton_kernels
 
+    if w8a8:
+        from .triton import fp8_ops
+
+        return fp8_ops.w8a8_ops(triton_kernels.ops())
     if not batch_invariant:
         return triton_kernels.ops()
     from .triton import invariant as triton_invariant
@@ -47,24 +55,29 @@ def _triton_ops(batch_invariant: bool) -> Ops:
     return triton_invariant.invariant_ops(triton_kernels.ops())
 
 
-def _aiter_ops(batch_invariant: bool) -> Ops:
+def _aiter_ops(batch_invariant: bool, w8a8: bool) -> Ops:
     from . import aiter as aiter_kernels
 
-    if batch_invariant:
-        raise ValueError("backend 'aiter' has no batch-invariant op table; use backend='triton' or "
-                         "batch_invariant=False")
+    if batch_invariant or w8a8:
+        raise ValueError(f"backend 'aiter' has no {'batch-invariant' if batch_invariant else 'w8a8'} op table; use "
+                         f"backend='triton' or {'batch_invariant' if batch_invariant else 'w8a8'}=False")
     return aiter_kernels.ops()
 
 
-_TABLES: dict[str, Callable[[bool], Ops]] = {"torch": _torch_ops, "triton": _triton_ops, "aiter": _aiter_ops}
+_TABLES: dict[str, Callable[[bool, bool], Ops]] = {"torch": _torch_ops, "triton": _triton_ops, "aiter": _aiter_ops}
 
 
 @functools.cache
-def ops_for(backend: str, batch_invariant: bool = False) -> Ops:
-    """The op table of `backend` ("torch", "triton" or "aiter"), batch-invariant if asked."""
+def ops_for(backend: str, batch_invariant: bool = False, w8a8: bool = False) -> Ops:
+    """The op table of `backend` ("torch", "triton" or "aiter"): batch-invariant if asked, or with w8a8
+    FP8 products (`Ops.w8a8`) if asked. Not both: the w8a8 products keep no one K order for every row
+    count (ValueError)."""
     if backend not in _TABLES:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return _TABLES[backend](batch_invariant)
+    if batch_invariant and w8a8:
+        raise ValueError("batch_invariant=True and w8a8=True: the batch-invariant tables multiply FP8 weights by "
+                         "16-bit activations in one K order; no table quantizes activations batch-invariantly")
+    return _TABLES[backend](batch_invariant, w8a8)
 
 
 def default_backend(device: torch.device | str) -> str:

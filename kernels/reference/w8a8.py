@@ -73,6 +73,7 @@ def w8a8_ops(base: Ops) -> Ops:
     """`base` whose products of FP8 weights quantize their activations (this module's ops)."""
     return dataclasses.replace(
         base,
+        w8a8=True,
         dense=dataclasses.replace(base.dense, linear=linear, rms_norm_linear=rms_norm_linear),
         moe=dataclasses.replace(base.moe, fused_moe=fused_moe),
     )

@@ -130,6 +130,7 @@ def w8a8_ops(base: Ops) -> Ops:
                          f"table{' (batch-invariant)' if base.batch_invariant else ''}")
     return dataclasses.replace(
         base,
+        w8a8=True,
         dense=dataclasses.replace(base.dense, linear=dataclasses.replace(linear, w8a8=True),
                                   rms_norm_linear=dataclasses.replace(norm_linear, w8a8=True)),
         moe=dataclasses.replace(base.moe, fused_moe=dataclasses.replace(moe, w8a8=True)),

@@ -240,6 +240,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="batch-invariant steps: a request's tokens do not depend on what else runs, "
                              "drafts included (slower on a GPU; not for DeepSeek-V4 models)")
+    parser.add_argument("--w8a8", action="store_true",
+                        help="an FP8 checkpoint's products quantize their activations per token and group of 128 "
+                             "and multiply FP8 by FP8, as its 'dynamic' activation scheme says (default: the "
+                             "activations as they are, times the dequantized weights)")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help=f"torch CPU threads (default: {DEFAULT_CPU_THREADS} on cpu; torch's own choice on cuda)")
 
@@ -362,6 +366,21 @@ def check_cache_dtype(source: ModelSource, kv_cache_dtype: str) -> None:
                          "have no FP8 form yet; run it with --kv-cache-dtype auto")
 
 
+def check_w8a8(source: ModelSource, w8a8: bool, batch_invariant: bool) -> None:
+    """Refuse --w8a8 for a model without FP8 weights, or with --batch-invariant, by the flag, before the load."""
+    if not w8a8:
+        return
+    if batch_invariant:
+        raise UsageError("--w8a8 with --batch-invariant: the batch-invariant steps multiply FP8 weights by 16-bit "
+                         "activations; run without one of them")
+    if source.folder is None:
+        raise UsageError(f"--w8a8: {source.name} is a shape preset, whose random weights are not FP8; give an FP8 "
+                         "checkpoint folder (`mla-func quantize SRC DST` writes one), or run it without --w8a8")
+    if source.folder.read_json("config.json", error=ConfigError).get("quantization_config") is None:
+        raise UsageError(f"--w8a8: {source.name} has no FP8 weights (its config.json has no quantization_config); "
+                         "`mla-func quantize SRC DST` writes an FP8 copy, or run it without --w8a8")
+
+
 def check_bench_lengths(args: argparse.Namespace, config: ModelConfig) -> None:
     """Refuse prompts and outputs longer than the model runs, before the load and the warm-up."""
     longest = args.max_input_len + args.output_len
@@ -379,6 +398,7 @@ def check_model(args: argparse.Namespace) -> ModelSource | None:
         check_drafts(source, args.speculative_tokens)
         check_invariance(source, args.batch_invariant)
         check_cache_dtype(source, args.kv_cache_dtype)
+        check_w8a8(source, args.w8a8, args.batch_invariant)
     return source
 
 
@@ -459,7 +479,7 @@ def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | li
     model = load(args, device, say=lambda msg: None, parallel=parallel)
     engine = Engine(model, backend=args.backend, graphs=not args.no_graphs, max_num_seqs=params.n,
                     max_num_batched_tokens=max(512, params.max_tokens), speculative_tokens=args.speculative_tokens,
-                    batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
+                    batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype, w8a8=args.w8a8)
     return stream_completion(engine, prompt, params, out=sys.stdout, err=sys.stderr)
 
 
@@ -493,7 +513,7 @@ def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:
         output_len=args.output_len, backend=args.backend, graphs=not args.no_graphs,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, say=say,
         speculative_tokens=args.speculative_tokens, batch_invariant=args.batch_invariant,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, w8a8=args.w8a8,
     )
     print(
         f"{result['num_prompts']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
@@ -535,7 +555,7 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_kwargs=dict(backend=args.backend, graphs=not args.no_graphs, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                            batch_invariant=args.batch_invariant, speculative_tokens=args.speculative_tokens,
-                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype))
+                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, w8a8=args.w8a8))
     listen = Listen(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                     max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
                     shutdown_timeout_s=args.shutdown_timeout)

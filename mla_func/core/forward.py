@@ -71,7 +71,7 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
                          f"{params.config.family.title}'s layers "
                          "have no batch-invariant ops yet (decide the step with batch_invariant=False)")
     if ops is None:
-        return with_collectives(ops_for(mode.backend, mode.batch_invariant), params.collectives)
+        return with_collectives(ops_for(mode.backend, mode.batch_invariant, mode.w8a8), params.collectives)
     if ops.collectives is not params.collectives:
         # A sharded layer's partial sums would reach the next layer unsummed: refused, never run.
         raise ValueError(f"{name}: the ops' collectives span {ops.collectives.size} rank(s), the params are a "
@@ -83,6 +83,10 @@ def _check(name: str, params: Params, state: KVCacheState, batch: Batch, mode: F
         raise ValueError(f"{name}: ops are {'' if ops.batch_invariant else 'not '}batch-invariant, the mode is "
                          f"{'' if mode.batch_invariant else 'not '}(give ops_for(backend, batch_invariant="
                          f"{mode.batch_invariant}) or leave ops unset)")
+    if ops.w8a8 != mode.w8a8:
+        raise ValueError(f"{name}: ops {'quantize' if ops.w8a8 else 'do not quantize'} FP8 products' activations "
+                         f"(w8a8), the mode {'does' if mode.w8a8 else 'does not'} (give ops_for(backend, w8a8="
+                         f"{mode.w8a8}) or leave ops unset)")
     return ops
 
 
@@ -145,7 +149,7 @@ def forward(
             mode.num_logits belong to padding) and the new state.
     copy:   write the cache out of place and keep `state` valid; otherwise `state`
             is donated and using it again raises.
-    ops:    the op table to call, by default `ops_for(mode.backend, mode.batch_invariant)` bound to
+    ops:    the op table to call, by default `ops_for(mode.backend, mode.batch_invariant, mode.w8a8)` bound to
             `params.collectives` (the ranks a sharded model spans); an explicit
             table (e.g. `record_expert_choice`) instruments or replaces ops
             without touching any module.

@@ -101,6 +101,9 @@ class ForwardMode:
     batch_invariant: the step runs the backend's batch-invariant op table and sends every
                    row, prefill rows included, through the absorbed decode path, so that a
                    row's bits depend on its own sequence only (a family's attention decides how).
+    w8a8:          the step runs the backend's w8a8 op table (`Ops.w8a8`): products of FP8 weights
+                   quantize their activations per token and group of 128, as the checkpoints' "dynamic"
+                   activation scheme does; otherwise they multiply by the dequantized weights.
     exchange_rows: with data-parallel attention (`mla_func.parallel`), the rows every rank brings to
                    the blocks the ranks share (MLP, experts): the most rows any rank's step has,
                    the same on every rank (`parallel.data_parallel.plan_rank_step`); 0 otherwise.
@@ -124,6 +127,7 @@ class ForwardMode:
     graph_fallback: bool = False
     batch_invariant: bool = False
     exchange_rows: int = 0
+    w8a8: bool = False
 
     @property
     def block_size(self) -> int:
@@ -171,12 +175,13 @@ class ForwardMode:
             self.backend,
             self.batch_invariant,
             self.exchange_rows,
+            self.w8a8,
         )
 
     @staticmethod
     def _make(kind: SegmentKind, backend: str, cache_groups: tuple[CacheGroup, ...], real: dict[str, int],
               padded: dict[str, int], num_logits: int, decode_q_len: int, use_graph: bool, graph_fallback: bool,
-              batch_invariant: bool = False) -> ForwardMode:
+              batch_invariant: bool = False, w8a8: bool = False) -> ForwardMode:
         """The one constructor: derives the logits sizes from the segment sizes."""
         padded_decode_rows = padded["decode_seqs"] * decode_q_len
         # Ordinary steps have at most one logits row a sequence (a verify row one per
@@ -192,20 +197,20 @@ class ForwardMode:
             padded_decode_seqs=padded["decode_seqs"], padded_num_logits=padded_num_logits,
             block_table_width=padded["width"], cache_groups=cache_groups, use_graph=use_graph,
             decode_q_len=decode_q_len, gather_logits=not rows_are_logits, graph_fallback=graph_fallback,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, w8a8=w8a8,
         )
 
     @staticmethod
     def padded_only(kind: SegmentKind, *, backend: str, cache_groups: Sequence[CacheGroup], prefill_tokens: int = 0,
                     prefill_seqs: int = 0, decode_seqs: int = 0, block_table_width: int, decode_q_len: int = 1,
-                    use_graph: bool = True, batch_invariant: bool = False) -> ForwardMode:
+                    use_graph: bool = True, batch_invariant: bool = False, w8a8: bool = False) -> ForwardMode:
         """The mode of a step of only padding rows with these padded sizes: the static key real
         steps of those sizes have (graph warm-up captures with it). `cache_groups` as in `decide`."""
         zero = {"prefill_tokens": 0, "prefill_seqs": 0, "decode_seqs": 0, "width": 0}
         padded = {"prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs, "decode_seqs": decode_seqs,
                   "width": block_table_width}
         return ForwardMode._make(SegmentKind(kind), backend, _groups(cache_groups), zero, padded, 0, decode_q_len,
-                                 use_graph, False, batch_invariant)
+                                 use_graph, False, batch_invariant, w8a8)
 
     def without_real_rows(self) -> ForwardMode:
         """This mode's shapes and static key, with every row padding."""
@@ -235,7 +240,8 @@ class ForwardMode:
         real = {"prefill_tokens": self.num_prefill_tokens, "prefill_seqs": self.num_prefill_seqs,
                 "decode_seqs": self.num_decode_seqs}
         mode = ForwardMode._make(self.kind, self.backend, self.cache_groups, real, padded, self.num_logits,
-                                 self.decode_q_len, self.use_graph, self.graph_fallback, self.batch_invariant)
+                                 self.decode_q_len, self.use_graph, self.graph_fallback, self.batch_invariant,
+                                 self.w8a8)
         return replace(mode, exchange_rows=self.exchange_rows)
 
     @staticmethod
@@ -248,6 +254,7 @@ class ForwardMode:
         graphs: bool = False,
         graph_kinds: Collection[str] = SEGMENT_KINDS,
         batch_invariant: bool = False,
+        w8a8: bool = False,
     ) -> ForwardMode:
         """The single rule that fixes a step's kind, sizes and graph use.
 
@@ -282,5 +289,5 @@ class ForwardMode:
         padded = (dict(real) if not fits or (graphs and not wanted)
                   else {name: size for name, (size, _) in fitted.items()})
         return ForwardMode._make(kind, backend, groups, real, padded, plan.num_logits, q_len, use_graph,
-                                 graph_fallback=wanted and not fits, batch_invariant=batch_invariant)
+                                 graph_fallback=wanted and not fits, batch_invariant=batch_invariant, w8a8=w8a8)
 

@@ -11,6 +11,8 @@ import torch
 from mla_func.checkpoint.chat_template import ChatTemplate
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params
+from mla_func.kernels.quantized import FP8_DTYPE
+from mla_func.pytree import tree_leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,11 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.params.embed.dtype
+
+    @property
+    def has_fp8_weights(self) -> bool:
+        """Whether any projection or expert of the model (its MTP layer aside) is a block-scaled FP8 pair."""
+        return any(leaf.dtype == FP8_DTYPE for leaf in tree_leaves(self.params))
 
     @property
     def max_positions(self) -> int:

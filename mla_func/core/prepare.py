@@ -96,6 +96,7 @@ def plan_step(
     graph_kinds: Collection[str] = SEGMENT_KINDS,
     max_position: int | None = None,
     batch_invariant: bool = False,
+    w8a8: bool = False,
 ) -> tuple[Batch, ForwardMode]:
     """Decide the mode of `plan` for `state`'s cache groups and build its batch, checking it
     against the model and the state.
@@ -109,11 +110,13 @@ def plan_step(
                   smaller `max_model_len`); defaults to the config's max_position_embeddings.
     batch_invariant: run the step with the backend's batch-invariant ops and attention path
                   (`ForwardMode.batch_invariant`).
+    w8a8:         run FP8 weights' products with activations quantized per token and group
+                  (`ForwardMode.w8a8`).
     Returns the batch (its tensors on the state's device) and the mode.
     """
     mode = ForwardMode.decide(
         plan, cache_groups=state.groups, backend=backend or default_backend(state.device), padding=padding,
-        graphs=graphs, graph_kinds=graph_kinds, batch_invariant=batch_invariant,
+        graphs=graphs, graph_kinds=graph_kinds, batch_invariant=batch_invariant, w8a8=w8a8,
     )
     batch = build_batch(
         plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,

@@ -129,6 +129,7 @@ class Step:
     graph_kinds: tuple[str, ...] = SEGMENT_KINDS
     max_position: int | None = None  # the RoPE tables' length; None: the config's max_position_embeddings
     batch_invariant: bool = False    # every mode it decides is batch-invariant (`ForwardMode.batch_invariant`)
+    w8a8: bool = False               # every mode it decides quantizes FP8 products' activations (`ForwardMode.w8a8`)
     _memo: dict[tuple[object, ...], _Captured] = field(default_factory=dict, repr=False)
     _pool: Any = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
@@ -148,7 +149,7 @@ class Step:
         self._check_state(state, "step.prepare")
         return plan_step(self.config, state, plan, backend=self.backend, padding=self.padding,
                          graphs=self.graphs, graph_kinds=self.graph_kinds, max_position=self.max_position,
-                         batch_invariant=self.batch_invariant)
+                         batch_invariant=self.batch_invariant, w8a8=self.w8a8)
 
     def __call__(self, state: KVCacheState, batch: Batch, mode: ForwardMode) -> tuple[KVCacheState, StepOutput]:
         self._check_state(state, "step")
@@ -206,7 +207,8 @@ class Step:
         return tuple(
             ForwardMode.padded_only(SegmentKind.DECODE, backend=self.backend, cache_groups=groups,
                                     decode_seqs=seqs, block_table_width=width,
-                                    batch_invariant=self.batch_invariant, decode_q_len=decode_q_len)
+                                    batch_invariant=self.batch_invariant, w8a8=self.w8a8,
+                                    decode_q_len=decode_q_len)
             for seqs in self.padding.decode_seqs
             for width in self.padding.block_table_widths
         )
@@ -269,6 +271,19 @@ class Step:
             warnings.warn(message, stacklevel=3)
 
 
+def check_w8a8(user: str, model: Model, w8a8: bool, batch_invariant: bool) -> None:
+    """ValueError, naming `user`, where w8a8 steps cannot run `model`: with batch_invariant (no table quantizes
+    activations batch-invariantly) or without FP8 weights (there would be nothing to quantize for)."""
+    if not w8a8:
+        return
+    if batch_invariant:
+        raise ValueError(f"{user}: w8a8=True with batch_invariant=True; the batch-invariant ops multiply FP8 weights "
+                         "by 16-bit activations in one K order, and no table quantizes activations batch-invariantly")
+    if not model.has_fp8_weights:
+        raise ValueError(f"{user}: w8a8=True quantizes the activations of FP8 weights' products, and this model has no "
+                         "FP8 weights (load an FP8 checkpoint, or load_model(..., quantization='fp8'))")
+
+
 def make_step(
     model: Model,
     *,
@@ -283,6 +298,7 @@ def make_step(
     max_model_len: int | None = None,
     block_size: int | None = None,
     batch_invariant: bool = False,
+    w8a8: bool = False,
 ) -> Step:
     """A pure step function over `model`'s device, memoized by the mode's static key.
 
@@ -303,10 +319,15 @@ def make_step(
     batch_invariant: decide every step batch-invariant: a row's logits and cache entries
               depend on its own sequence only, not on its batch-mates, the padding rung,
               the step kind or where a prompt was cut into chunks (`ForwardMode.batch_invariant`).
+    w8a8:     decide every step with w8a8 FP8 products (`ForwardMode.w8a8`): a model with FP8 weights
+              multiplies them by its activations quantized per token and group of 128 (the checkpoints'
+              "dynamic" activation scheme, as DeepSeek's inference code runs them) rather than by the
+              dequantized weights; ValueError for a model without FP8 weights or with batch_invariant.
     """
     if batch_invariant and not model.config.family.supports_batch_invariant:
         raise ValueError(f"make_step: batch_invariant=True covers families with batch-invariant ops; "
                          f"{model.config.family.title}'s layers have no batch-invariant ops yet")
+    check_w8a8("make_step", model, w8a8, batch_invariant)
     device = model.device
     use_graphs = graphs and device.type == "cuda"
     if padding is None and not use_graphs:
@@ -321,4 +342,4 @@ def make_step(
     return Step(fn=fn or model_step_fn, params=model.params if params is None else params, config=model.config,
                 backend=backend or default_backend(device), graphs=use_graphs, padding=padding,
                 block_size=block_size, max_position=model.max_positions, graph_kinds=tuple(graph_kinds),
-                batch_invariant=batch_invariant)
+                batch_invariant=batch_invariant, w8a8=w8a8)

@@ -40,13 +40,15 @@ from mla_func.state.kv_cache import KVCacheState
 from mla_func.state.layer_cache import CacheGroup
 
 
-def _idle_mode(groups: tuple[CacheGroup, ...], backend: str, batch_invariant: bool, *, decode_seqs: int = 1,
+def _idle_mode(groups: tuple[CacheGroup, ...], busy: ForwardMode, *, decode_seqs: int = 1,
                block_table_width: int = 1, decode_q_len: int = 1, use_graph: bool = False) -> ForwardMode:
     """The mode of a rank with no sequence this step: decode rows of padding only (slot -1, the scratch
-    block's table, no logits); by default one row, run eagerly."""
-    return ForwardMode.padded_only(SegmentKind.DECODE, backend=backend, cache_groups=groups, decode_seqs=decode_seqs,
-                                   block_table_width=block_table_width, decode_q_len=decode_q_len,
-                                   use_graph=use_graph, batch_invariant=batch_invariant)
+    block's table, no logits); by default one row, run eagerly. Its op table (backend, batch invariance,
+    w8a8) is a busy rank's mode's, as the blocks the ranks share need."""
+    return ForwardMode.padded_only(SegmentKind.DECODE, backend=busy.backend, cache_groups=groups,
+                                   decode_seqs=decode_seqs, block_table_width=block_table_width,
+                                   decode_q_len=decode_q_len, use_graph=use_graph,
+                                   batch_invariant=busy.batch_invariant, w8a8=busy.w8a8)
 
 
 def _exchanging(modes: Sequence[ForwardMode]) -> tuple[ForwardMode, ...]:
@@ -55,8 +57,8 @@ def _exchanging(modes: Sequence[ForwardMode]) -> tuple[ForwardMode, ...]:
     return tuple(dataclasses.replace(mode, exchange_rows=rows) for mode in modes)
 
 
-def _agreed_graph_modes(own: Sequence[ForwardMode | None], groups: tuple[CacheGroup, ...], backend: str,
-                        batch_invariant: bool) -> tuple[ForwardMode, ...] | None:
+def _agreed_graph_modes(own: Sequence[ForwardMode | None],
+                        groups: tuple[CacheGroup, ...]) -> tuple[ForwardMode, ...] | None:
     """Every rank's mode of a graph step, each padded to the largest sizes any rank's needs (an idle rank's,
     None in `own`, all padding), or None when not every rank can replay one graph of one static key."""
     busy = [mode for mode in own if mode is not None]
@@ -67,8 +69,7 @@ def _agreed_graph_modes(own: Sequence[ForwardMode | None], groups: tuple[CacheGr
         return None
     seqs = max(mode.padded_decode_seqs for mode in busy)
     width = max(mode.block_table_width for mode in busy)
-    idle = _idle_mode(groups, backend, batch_invariant, decode_seqs=seqs, block_table_width=width, decode_q_len=q_len,
-                      use_graph=True)
+    idle = _idle_mode(groups, busy[0], decode_seqs=seqs, block_table_width=width, decode_q_len=q_len, use_graph=True)
     modes = _exchanging([idle if mode is None else mode.padded_to(decode_seqs=seqs, block_table_width=width)
                          for mode in own])
     # The logits sizes follow each rank's own rows (a rank whose decode rows do not all give logits gathers
@@ -78,7 +79,8 @@ def _agreed_graph_modes(own: Sequence[ForwardMode | None], groups: tuple[CacheGr
 
 def rank_modes(plans: Sequence[StepPlan], *, cache_groups: Sequence[CacheGroup], backend: str,
                padding: PaddingPolicy | None = None, graphs: bool = False,
-               graph_kinds: Collection[str] = SEGMENT_KINDS, batch_invariant: bool = False) -> tuple[ForwardMode, ...]:
+               graph_kinds: Collection[str] = SEGMENT_KINDS, batch_invariant: bool = False,
+               w8a8: bool = False) -> tuple[ForwardMode, ...]:
     """Every rank's mode of one data-parallel step, in rank order: the same tuple on every rank.
 
     plans: every rank's plan of this step, in rank order (an empty plan is an idle rank's); at least
@@ -95,12 +97,13 @@ def rank_modes(plans: Sequence[StepPlan], *, cache_groups: Sequence[CacheGroup],
         raise ValueError(f"rank_modes: all {len(plans)} ranks' plans are empty: there is no step to run")
     groups = tuple(cache_groups)
     own = [ForwardMode.decide(plan, cache_groups=groups, backend=backend, padding=padding, graphs=graphs,
-                              graph_kinds=graph_kinds, batch_invariant=batch_invariant) if plan.num_seqs else None
-           for plan in plans]
-    agreed = _agreed_graph_modes(own, groups, backend, batch_invariant)
+                              graph_kinds=graph_kinds, batch_invariant=batch_invariant, w8a8=w8a8)
+           if plan.num_seqs else None for plan in plans]
+    agreed = _agreed_graph_modes(own, groups)
     if agreed is not None:
         return agreed
-    return _exchanging([_idle_mode(groups, backend, batch_invariant) if mode is None
+    busy = next(mode for mode in own if mode is not None)
+    return _exchanging([_idle_mode(groups, busy) if mode is None
                         else dataclasses.replace(mode, use_graph=False) for mode in own])
 
 
@@ -115,7 +118,7 @@ def rank_graph_modes(modes: Sequence[ForwardMode]) -> tuple[ForwardMode, ...]:
 def plan_rank_step(config: ModelConfig, state: KVCacheState, plans: Sequence[StepPlan], rank: int, *,
                    backend: str | None = None, padding: PaddingPolicy | None = None, graphs: bool = False,
                    graph_kinds: Collection[str] = SEGMENT_KINDS, max_position: int | None = None,
-                   batch_invariant: bool = False) -> tuple[Batch, ForwardMode]:
+                   batch_invariant: bool = False, w8a8: bool = False) -> tuple[Batch, ForwardMode]:
     """Rank `rank`'s batch and mode of one data-parallel step: its mode of `rank_modes`, and the batch
     of its plan (an idle rank's: padding only) built for it, checked as `core.prepare.plan_step` checks.
 
@@ -126,7 +129,8 @@ def plan_rank_step(config: ModelConfig, state: KVCacheState, plans: Sequence[Ste
     if not 0 <= rank < len(plans):
         raise ValueError(f"plan_rank_step: rank {rank} of {len(plans)} plans")
     mode = rank_modes(plans, cache_groups=state.groups, backend=backend or default_backend(state.device),
-                      padding=padding, graphs=graphs, graph_kinds=graph_kinds, batch_invariant=batch_invariant)[rank]
+                      padding=padding, graphs=graphs, graph_kinds=graph_kinds, batch_invariant=batch_invariant,
+                      w8a8=w8a8)[rank]
     plan = plans[rank] if plans[rank].num_seqs else StepPlan(decode_q_len=mode.decode_q_len)
     batch = build_batch(plan, mode, block_size=state.block_size, device=state.device, num_blocks=state.num_blocks,
                         vocab_size=config.vocab_size,
@@ -137,8 +141,8 @@ def plan_rank_step(config: ModelConfig, state: KVCacheState, plans: Sequence[Ste
 def prepare_rank_step(step: Step, state: KVCacheState, plans: Sequence[StepPlan],
                       rank: int) -> tuple[Batch, ForwardMode]:
     """`step.prepare` of a data-parallel step: rank `rank`'s batch and mode of every rank's `plans`
-    (`plan_rank_step`), decided with the step's padding, graph settings and batch invariance."""
+    (`plan_rank_step`), decided with the step's padding, graph settings, batch invariance and w8a8."""
     state.check_live("step.prepare")
     return plan_rank_step(step.config, state, plans, rank, backend=step.backend, padding=step.padding,
                           graphs=step.graphs, graph_kinds=step.graph_kinds, max_position=step.max_position,
-                          batch_invariant=step.batch_invariant)
+                          batch_invariant=step.batch_invariant, w8a8=step.w8a8)

@@ -80,6 +80,7 @@ def run_throughput(
     batch_invariant: bool = False,
     speculative_tokens: int = 0,
     kv_cache_dtype: str = "auto",
+    w8a8: bool = False,
 ) -> dict[str, Any]:
     """Generate `output_len` tokens (greedy, no early stop) for each random prompt; time the whole run.
 
@@ -88,7 +89,7 @@ def run_throughput(
     cache_longest_context (the most tokens one sequence can have in its blocks), cache_sequences (sequences
     of cache_context tokens its blocks hold at once) and cache_bytes (every block).
     `say` receives a line at each phase (warm-up, measuring); `progress` shows the bar;
-    `batch_invariant`, `speculative_tokens` and `kv_cache_dtype` are the engine's (off by default, as the
+    `batch_invariant`, `speculative_tokens`, `kv_cache_dtype` and `w8a8` are the engine's (off by default, as the
     engine's; drafts need the model's MTP layer); with drafts the result has the measured acceptance rate.
     The warm-up captures every decode graph (with drafts, the verify and drafter graphs of
     every length), then a short run on other random prompts of the measured prompts'
@@ -106,7 +107,7 @@ def run_throughput(
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     batch_invariant=batch_invariant, speculative_tokens=speculative_tokens,
                     max_model_len=min(model.config.max_position_embeddings, longest + block_size),
-                    kv_cache_dtype=kv_cache_dtype)
+                    kv_cache_dtype=kv_cache_dtype, w8a8=w8a8)
     # The cache at the longest request's context: bytes a token, and what the engine's blocks hold.
     cache = engine.cache_report(longest)
     if warmup:

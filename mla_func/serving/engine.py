@@ -42,7 +42,7 @@ from mla_func.core.cache_budget import CacheBudget, CacheReport, cache_budget
 from mla_func.core.model import Model
 from mla_func.core.plan import SeqPlan, StepPlan
 from mla_func.core.prepare import init_state
-from mla_func.core.step import StepOutput
+from mla_func.core.step import StepOutput, check_w8a8
 from mla_func.kernels import CollectiveOps, default_backend, ops_for
 from mla_func.kernels.latent_cache import check_kv_cache_dtype
 from mla_func.models.mtp.layer import (DrafterFn, drafter_hidden_size, drafter_params, init_drafter_state, mtp_layer,
@@ -117,7 +117,12 @@ class Engine:
     scale per 128 and the RoPE values in the model's dtype (`mla_func.kernels.latent_cache`: 656
     bytes a token and layer at DeepSeek's sizes against 1152 in bf16; a family without an FP8 cache,
     `Family.fp8_cache_layer_kinds`, refuses it; the drafter's cache, with speculative_tokens, stays in
-    the model's dtype).
+    the model's dtype). `w8a8=True` runs a model's FP8 weights as DeepSeek's checkpoints declare
+    (`quantization_config.activation_scheme` "dynamic") and its own inference code runs them: each
+    product quantizes its activations per token and group of 128 and multiplies FP8 by FP8 (the FP8
+    tensor cores on the Triton backend); off (the default), the weights' products take the activations
+    as they are, the dequantized weights' math. Refused for a model without FP8 weights and with
+    batch_invariant.
 
     Under data-parallel attention (`model.params.collectives.tokens_split`) every rank builds the engine
     and makes the same calls on it (module docstring): requests go to ranks by `RankSchedulers`' rule,
@@ -151,9 +156,10 @@ class Engine:
         batch_invariant: bool = False,
         speculative_tokens: int = 0,
         kv_cache_dtype: str = "auto",
+        w8a8: bool = False,
     ):
         for name, flag in (("enable_mixed", enable_mixed), ("enable_prefix_caching", enable_prefix_caching),
-                           ("graphs", graphs), ("batch_invariant", batch_invariant)):
+                           ("graphs", graphs), ("batch_invariant", batch_invariant), ("w8a8", w8a8)):
             check_flag(name, flag)
         check_limit("max_num_seqs", max_num_seqs, 1)
         check_limit("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -161,6 +167,7 @@ class Engine:
         check_limit("seed", seed, None)
         check_limit("speculative_tokens", speculative_tokens, 0, 8, "drafts a decode step verifies")
         check_kv_cache_dtype(kv_cache_dtype, "Engine: kv_cache_dtype")
+        check_w8a8("Engine", model, w8a8, batch_invariant)
         if speculative_tokens and model.mtp is None:
             raise ValueError("Engine: speculative_tokens needs the model's MTP layer: load_model(..., mtp=True)")
         # The ranks of a data-parallel group (None: this engine's steps are every rank's steps).
@@ -190,6 +197,7 @@ class Engine:
             backend=backend or default_backend(model.device), graphs=graphs,
             graph_kinds=tuple(graph_kinds),
             batch_invariant=batch_invariant, speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype,
+            w8a8=w8a8,
         )
         c = self.config
         # With drafts, the target's steps also return every row's hidden state, which the drafter reads.
@@ -205,7 +213,7 @@ class Engine:
             Scheduler(c.scheduler_config(self.state.groups)) if ranks is None
             else RankSchedulers(c.scheduler_config(self.state.groups), ranks.size, ranks.rank))
         # The op table whose sampling op draws every token (the steps hold their own tables for the forward).
-        self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant)
+        self._ops = ops_for(c.backend, batch_invariant=c.batch_invariant, w8a8=c.w8a8)
         # Under data-parallel attention the drafter's steps are decided as the target's are
         # (`parallel.data_parallel.rank_modes`): every rank runs the same drafter steps, so a graph step is
         # one key on every rank, captured or replayed by all at once.

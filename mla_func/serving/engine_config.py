@@ -48,6 +48,7 @@ class EngineConfig:
     batch_invariant: bool
     speculative_tokens: int = 0
     kv_cache_dtype: str = "auto"
+    w8a8: bool = False
 
     def __post_init__(self) -> None:
         check_token_budget(self.max_num_seqs, self.max_num_batched_tokens, self.speculative_tokens)
@@ -74,11 +75,11 @@ class EngineConfig:
     def build_step(self, model: Model, *, fn: StepFn | None = None, params: Any = None) -> Step:
         """`make_step(model, fn=fn, params=params)` with these limits: backend, graphs and the kinds that
         use them, padding ladders for max_num_seqs, max_num_batched_tokens and max_model_len, block_size
-        (checked at every call) and batch invariance."""
+        (checked at every call), batch invariance and w8a8 products."""
         return make_step(model, fn=fn, params=params, backend=self.backend, graphs=self.graphs,
                          graph_kinds=self.graph_kinds, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                         block_size=self.block_size, batch_invariant=self.batch_invariant)
+                         block_size=self.block_size, batch_invariant=self.batch_invariant, w8a8=self.w8a8)
 
 
 def check_limit(name: str, value: object, low: int | None, high: int | None = None, what: str = "",

@@ -167,6 +167,25 @@ def test_drafts_on_a_checkpoint_without_an_mtp_layer_name_the_flag(tmp_path, sav
     assert plain.returncode == 0, plain.stderr
 
 
+def test_w8a8_needs_fp8_weights_and_runs_an_fp8_checkpoint(tmp_path):
+    assert_one_error(mla_func("generate", "1 2", "--model", "tiny", "--w8a8"),
+                     "--w8a8: tiny is a shape preset, whose random weights are not FP8; give an FP8 checkpoint "
+                     "folder (`mla-func quantize SRC DST` writes one), or run it without --w8a8")
+    folder = tiny_deepseek_v3(tmp_path / "bf16")
+    assert_one_error(mla_func("bench", "--model", str(folder), "--w8a8"),
+                     f"--w8a8: {folder} has no FP8 weights (its config.json has no quantization_config); "
+                     "`mla-func quantize SRC DST` writes an FP8 copy, or run it without --w8a8")
+    fp8 = tmp_path / "fp8"
+    assert mla_func("quantize", str(folder), str(fp8)).returncode == 0
+    assert_one_error(mla_func("generate", "1 2", "--model", str(fp8), "--w8a8", "--batch-invariant"),
+                     "--w8a8 with --batch-invariant: the batch-invariant steps multiply FP8 weights by 16-bit "
+                     "activations; run without one of them")
+    result = mla_func("generate", "1 2 3", "--model", str(fp8), "--w8a8", "--max-tokens", "3", "--temperature", "0",
+                      "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 3
+
+
 def test_drafts_on_a_shape_preset_use_its_random_mtp_layer():
     result = mla_func("generate", "1 2 3", "--model", "tiny", "--speculative-tokens", "1", "--max-tokens", "3",
                       "--temperature", "0")
