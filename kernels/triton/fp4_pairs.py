@@ -40,9 +40,10 @@ _GROUP = tl.constexpr(GROUP)
 _GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
-# once per expert chosen. On an H100 (V4-Flash's 256 experts, top 6, the setting above) it was as fast at 6
-# pairs, 5-17% faster from 12 to 48 and 11-17% slower at 72 and 96.
-FP4_PAIR_MAX_PAIRS = 48
+# once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the setting above, one process) it
+# took 0.73-0.77x the tiled path's time from 36 to 60 pairs, 0.93x at 72, 1.01-1.04x at 96 and 1.13-1.15x
+# at 120 (with the setting before it, on an H100, the two met between 48 and 72 pairs).
+FP4_PAIR_MAX_PAIRS = 72
 
 
 def fp4_pair_config(device: torch.device) -> PairConfig:

@@ -206,7 +206,12 @@ def test_fp4_experts_real_sizes_on_the_gpu(tokens):
     weights = torch.rand((tokens, top_k), generator=gen, device=device)
     got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0)
     want = reference(x.double(), w13, w2, weights.double(), ids, limit=10.0)
-    assert ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=10.0).equal(got)
+    table = ops_for("triton").v4.clamped_experts(x, w13, w2, weights, ids, limit=10.0)
     # The kernel rounds the pre-activations and the SwiGLU to bf16 (0.4% each) before 2048-term sums:
     # judged over the whole output, not element by element near 0.
     assert float((got.double() - want).norm() / want.norm()) <= 1e-2
+    # The table takes the same kernel: the same bits on the tiled path, and on the per-pair path (one token,
+    # float32 atomics in an order that varies from run to run) the same up to a last bf16 bit here and there.
+    if tokens > 1:
+        assert table.equal(got)
+    assert float((table.double() - got.double()).norm() / want.norm()) <= 1e-3
