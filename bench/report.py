@@ -135,6 +135,10 @@ BENCHES = {
     "throughput": ("Engine throughput, v2-lite (`bench/throughput.py`)", "rows", None,
                    [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
                     ("× transformers", "vs_transformers", "{:.1f}"), ("batch-invariant cost", "invariant_cost", "{:+.1%}")]),
+    "throughput-fp8": ("Engine throughput, v2-lite with block-scaled FP8 weights (with and without w8a8 steps) "
+                       "against bf16, same requests (`bench/throughput.py --fp8`)", "rows", None,
+                       [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
+                        ("total tok/s", "total_tok_s", "{:.0f}"), ("× bf16", "vs_bf16", "{:.2f}")]),
     "throughput-parallel": ("Engine throughput on several GPUs against one, v2-lite, same random weights and "
                             "requests (`bench/throughput.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]`)", "rows", None,
                             [("seconds", "seconds", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),

@@ -66,7 +66,7 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step, kv_ca
 
 def touched_bytes(model: mf.Model, state, batch_tensors, mode, context: int) -> tuple[int, int, float]:
     """(weight bytes, KV bytes, mean distinct experts a layer) of one step, from its actual routing."""
-    ops, chosen = record_expert_choice(ops_for(mode.backend))
+    ops, chosen = record_expert_choice(ops_for(mode.backend, mode.batch_invariant, mode.w8a8))
     handle = state.renewed()
     mf.forward(model.params, handle, batch_tensors, mode, ops=ops)
     p = model.params

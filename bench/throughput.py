@@ -9,6 +9,12 @@ twice, batch-invariant (`Engine(batch_invariant=True)`) and not; "invariant cost
 default mode's output tokens/s over the batch-invariant one's, less 1. Prints a
 table and writes JSON under bench/results/.
 
+    python bench/throughput.py --fp8
+
+runs the engine over bf16 weights, over block-scaled FP8 weights (`load_model(quantization="fp8")`, random
+weights quantized in 128 x 128 blocks) and over FP8 weights with w8a8 steps (`Engine(w8a8=True)`), same requests, and writes
+`throughput-fp8` results (each run's output tokens/s over the bf16 run's; transformers does not run).
+
     python bench/throughput.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]
 
 runs the engine on one rank and on N ranks of this host (one GPU each) in the same run, same requests
@@ -67,6 +73,38 @@ def transformers_throughput(config: mf.ModelConfig, prompts: list[list[int]], ou
                 output_tok_s=outputs / seconds, total_tok_s=(outputs + prompt_tokens) / seconds, batch=batch)
 
 
+def fp8_run(args: argparse.Namespace) -> None:
+    """`--fp8`: bf16 weights, FP8 weights, FP8 weights with w8a8 steps; the same requests in one process."""
+    rows = []
+    for engine, quantization, w8a8 in (("bf16", None, False), ("fp8", "fp8", False), ("fp8 w8a8", "fp8", True)):
+        model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda", quantization=quantization)
+        run = run_throughput(
+            model, num_prompts=args.num_prompts, input_len=(args.min_input_len, args.max_input_len),
+            output_len=args.output_len, backend=args.backend, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, w8a8=w8a8,
+        )
+        print(f"mla-func ({engine} weights):", run, flush=True)
+        rows.append(dict(engine=engine, w8a8=w8a8, **run))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    for row in rows:
+        row["vs_bf16"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+    result = dict(
+        benchmark="throughput-fp8", preset="v2-lite", dtype="bfloat16", backend=args.backend,
+        gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
+        torch=torch.__version__, output_len=args.output_len, input_len=[args.min_input_len, args.max_input_len],
+        rows=rows,
+    )
+    path = common.write_json(result, args.out, "throughput-fp8")
+    print(f"\n{result['gpu']} -> {path}")
+    common.print_table(rows, [
+        ("engine", "weights"), ("num_prompts", "requests"), ("prompt_tokens", "prompt tok"),
+        ("output_tokens", "output tok"), ("seconds", "s"), ("output_tok_s", "output tok/s"),
+        ("total_tok_s", "total tok/s"), ("vs_bf16", "x bf16"),
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -82,6 +120,8 @@ def main() -> None:
     parser.add_argument("--preset", default="v2-lite", choices=["v2-lite", "tiny"],
                         help="tiny: the small preset, for a smoke test of --tensor-parallel")
     ranks.add_arguments(parser)
+    parser.add_argument("--fp8", action="store_true",
+                        help="bf16 weights against FP8 weights, with and without w8a8 steps (throughput-fp8 results)")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -90,6 +130,9 @@ def main() -> None:
         parser.error(f"--preset {args.preset}: the one-GPU run measures v2-lite; other presets need --tensor-parallel N")
     if several:
         throughput_parallel.run(args)
+        return
+    if args.fp8:
+        fp8_run(args)
         return
 
     model = mf.load_model("v2-lite", dtype=torch.bfloat16, device="cuda")

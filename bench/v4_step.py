@@ -82,7 +82,7 @@ def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
 
 def routed_experts(model: mf.Model, state, batch_tensors, mode) -> list[int]:
     """Distinct routed experts of each layer in this step (from an eager forward that records them)."""
-    ops = ops_for(mode.backend)
+    ops = ops_for(mode.backend, mode.batch_invariant, mode.w8a8)
     seen: list[int] = []
     experts = ops.v4.clamped_experts
 
