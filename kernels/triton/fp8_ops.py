@@ -5,7 +5,10 @@ table's 16-bit kernel and a `BlockFP8Weight` to `fp8_linear` / `fp8_fused_moe`, 
 one byte a value and apply the scales in the accumulator: the reference's dequantized-weight math
 (activations stay in their dtype), as the contracts define it. A weight whose K block the FP8
 kernels cannot step through (`check_block_k`: a power of two of at least 32; only a regrouped
-weight of a tiny test shape has another) is dequantized into the 16-bit kernel instead.
+weight of a tiny test shape has another) is dequantized into the 16-bit kernel instead, and so is every
+FP8 weight of a product at prefill sizes without w8a8 (`FP8_DEQUANTIZE_ROWS`; `fp8_dequantize`, one pass):
+there the FP8 block GEMM, which widens each tile for every tile of rows, runs at about a third of the rate
+the dense weight gets from cuBLAS, for the same math.
 
 The batch-invariant table builds the same wrappers with `batch_invariant=True`: every row count takes
 the block GEMM (`fp8_linear(batch_invariant=True)`, one K order), and the fused MoE the tiled path in a
@@ -14,7 +17,8 @@ configuration of the invariant table's (`invariant.invariant_fp8_moe_config`), n
 `w8a8_ops` is the Triton counterpart of `reference.w8a8.w8a8_ops`: the same wrappers with `w8a8=True`,
 whose FP8 products quantize their activations per token and group of the pair's K block (DeepSeek's
 "dynamic" activation scheme) and multiply FP8 by FP8 on the tensor cores, the math of
-`reference.w8a8`. Research code passes it to the forward (`forward(..., ops=w8a8_ops(ops_for("triton")))`).
+`reference.w8a8`: the table `ops_for("triton", w8a8=True)` gives, which steps decided with `w8a8=True`
+(`ForwardMode.w8a8`, `Engine(w8a8=True)`) run.
 """
 
 from __future__ import annotations
@@ -28,11 +32,23 @@ import torch
 
 from ..ops import Ops
 from ..quantized import BlockFP8Weight, Weight, dequantized
+from .fp8_dequant import fp8_dequantize
 from .fp8_linear import fp8_linear
 from .fp8_moe import Fp8MoeConfig, fp8_fused_moe
 from .norm import rms_norm
 
 Tensor = torch.Tensor
+
+# From this many rows, a product without w8a8 dequantizes its FP8 weight in one pass (`fp8_dequantize`) and
+# runs the table's 16-bit product on it (cuBLAS at these sizes): the same math as the FP8 block GEMM (the
+# dequantized weight's), which widens every tile for every tile of rows and runs at about a third of the
+# 16-bit rate there. Far above the rows a decode step has, so no captured graph holds the dense copy.
+FP8_DEQUANTIZE_ROWS = 512
+# The fused MoE likewise, from this many (token, expert) pairs an expert on average, while the dense copy of
+# both stacks stays under FP8_DEQUANTIZE_MAX_BYTES (v2-lite's 64 experts: 1.1 GB in bf16; V3's 256: 22.5 GB,
+# so V3's experts keep the FP8 tiles).
+FP8_DEQUANTIZE_PAIRS_PER_EXPERT = 64
+FP8_DEQUANTIZE_MAX_BYTES = 2 << 30
 
 
 def fp8_pair(w: Weight) -> BlockFP8Weight | None:
@@ -45,9 +61,12 @@ def fp8_pair(w: Weight) -> BlockFP8Weight | None:
 
 def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype: torch.dtype | None,
              batch_invariant: bool, w8a8: bool) -> Tensor:
-    if (pair := fp8_pair(weight)) is not None:
+    pair = fp8_pair(weight)
+    if pair is not None and (w8a8 or batch_invariant or x.shape[0] < FP8_DEQUANTIZE_ROWS):
         return fp8_linear(x, pair.values, pair.scale_inv, block=pair.block, out_dtype=out_dtype,
                           batch_invariant=batch_invariant, w8a8=w8a8)
+    if isinstance(weight, BlockFP8Weight):
+        return dense(x, fp8_dequantize(weight, out_dtype or x.dtype), out_dtype=out_dtype)
     return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
 
 
@@ -99,7 +118,8 @@ class Fp8RmsNormLinear:
 class Fp8FusedMoe:
     """`contracts.FusedMoe`: `dense(x, w13, w2, topk_weights, topk_ids, *, out_dtype)` for plain weights;
     `config(x, w13 values, topk_ids)`, when given, picks each call's FP8 launch configuration (the
-    batch-invariant table's), else `fp8_fused_moe` does; w8a8 quantizes the activations (its tiled path)."""
+    batch-invariant table's), else `fp8_fused_moe` does; w8a8 quantizes the activations (its tiled path).
+    Without either, prefill sizes dequantize the stacks into `dense` (`FP8_DEQUANTIZE_PAIRS_PER_EXPERT`)."""
 
     dense: Callable[..., Tensor]
     config: Callable[[Tensor, Tensor, Tensor], Fp8MoeConfig] | None = None
@@ -109,12 +129,25 @@ class Fp8FusedMoe:
                  out_dtype: torch.dtype | None = None) -> Tensor:
         """x [T, D] -> [T, D] in out_dtype (see `contracts.FusedMoe`)."""
         up, down = fp8_pair(w13), fp8_pair(w2)
-        if up is not None and down is not None and up.block == down.block:
+        if up is not None and down is not None and up.block == down.block and not self._dequantizes(x, up, down,
+                                                                                                   topk_ids):
             config = None if self.config is None else self.config(x, up.values, topk_ids)
             return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights, topk_ids,
                                  block=up.block, out_dtype=out_dtype, config=config, w8a8=self.w8a8)
-        return self.dense(x, dequantized(w13, x.dtype), dequantized(w2, x.dtype), topk_weights, topk_ids,
-                          out_dtype=out_dtype)
+        return self.dense(x, _dense(w13, x.dtype), _dense(w2, x.dtype), topk_weights, topk_ids, out_dtype=out_dtype)
+
+    def _dequantizes(self, x: Tensor, w13: BlockFP8Weight, w2: BlockFP8Weight, topk_ids: Tensor) -> bool:
+        """Whether these stacks are dequantized for the 16-bit kernel: prefill sizes, no w8a8, not the
+        batch-invariant table (its `config`), a dense copy within FP8_DEQUANTIZE_MAX_BYTES."""
+        num_experts = w13.shape[0]
+        dense_bytes = (w13.values.numel() + w2.values.numel()) * x.element_size()
+        return (not self.w8a8 and self.config is None and dense_bytes <= FP8_DEQUANTIZE_MAX_BYTES
+                and topk_ids.numel() >= FP8_DEQUANTIZE_PAIRS_PER_EXPERT * num_experts)
+
+
+def _dense(w: Weight, dtype: torch.dtype) -> Tensor:
+    """A dense weight in `dtype`: an FP8 pair through the one-pass kernel, anything else as `dequantized`."""
+    return fp8_dequantize(w, dtype) if isinstance(w, BlockFP8Weight) else dequantized(w, dtype)
 
 
 def w8a8_ops(base: Ops) -> Ops:

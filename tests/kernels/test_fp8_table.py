@@ -12,6 +12,10 @@ from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels import ops_for
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.w8a8 import w8a8_ops as reference_w8a8_ops
+from mla_func.kernels.triton import fp8_ops
+from mla_func.kernels.triton.fp8_dequant import fp8_dequantize
+from mla_func.kernels.triton.fp8_linear import fp8_linear
+from mla_func.kernels.triton.fp8_moe import fp8_fused_moe
 from mla_func.kernels.triton.fp8_ops import w8a8_ops as triton_w8a8_ops
 from support.kernel_cases import assert_close, generator, randn, w8a8_tolerance
 
@@ -145,3 +149,40 @@ def test_the_triton_w8a8_table_is_made_from_the_triton_table_only():
         triton_w8a8_ops(ops_for("torch"))
     with pytest.raises(ValueError, match="batch-invariant"):
         triton_w8a8_ops(ops_for("triton", batch_invariant=True))
+
+
+# --- prefill sizes: the FP8 weight dequantized in one pass, then the 16-bit product ------------------------
+
+@pytest.mark.parametrize("shape, block", [((136, 200), (128, 128)), ((3, 40, 72), (16, 32)), ((50, 70), (64, 24))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_one_pass_dequantization_is_the_pairs_definition(shape, block, dtype, device):
+    pair = _pair(shape, generator(len(shape) + block[1], device), device, block)
+    assert torch.equal(fp8_dequantize(pair, dtype), pair.dequantize(dtype))
+
+
+def test_prefill_sizes_take_the_dequantized_weight(device, monkeypatch):
+    """From FP8_DEQUANTIZE_ROWS rows (lowered here) the linear is the 16-bit product of the dequantized
+    weight, bit for bit; below it, and with w8a8, the FP8 kernels run (which sum in another order)."""
+    gen = generator(91, device)
+    table = ops_for("triton")
+    x = randn((24, 200), torch.float32, device, gen)
+    w = _pair((136, 200), gen, device)
+    dense = table.dense.linear(x, w.dequantize(torch.float32))
+    monkeypatch.setattr(fp8_ops, "FP8_DEQUANTIZE_ROWS", 16)
+    assert torch.equal(table.dense.linear(x, w), dense)
+    assert torch.equal(table.dense.linear(x[:8], w), fp8_linear(x[:8], w.values, w.scale_inv))
+    w8a8 = ops_for("triton", w8a8=True).dense.linear(x, w)
+    assert torch.equal(w8a8, fp8_linear(x, w.values, w.scale_inv, w8a8=True))
+    # The fused MoE: from FP8_DEQUANTIZE_PAIRS_PER_EXPERT pairs an expert, under the dense copy's byte limit.
+    experts, hidden, inter = 4, 64, 32
+    xm = randn((24, hidden), torch.float32, device, gen)
+    w13, w2 = _pair((experts, 2 * inter, hidden), gen, device, (32, 32)), _pair((experts, hidden, inter), gen,
+                                                                                device, (32, 32))
+    weights, ids = torch.rand((24, experts), generator=gen, device=device).topk(2, dim=-1)
+    args = (weights.float(), ids.to(torch.int32))   # 48 pairs: the tiled FP8 path below (no float32 atomics)
+    dense_moe = table.moe.fused_moe(xm, w13.dequantize(torch.float32), w2.dequantize(torch.float32), *args)
+    monkeypatch.setattr(fp8_ops, "FP8_DEQUANTIZE_PAIRS_PER_EXPERT", 12)   # 48 pairs over 4 experts
+    assert torch.equal(table.moe.fused_moe(xm, w13, w2, *args), dense_moe)
+    monkeypatch.setattr(fp8_ops, "FP8_DEQUANTIZE_MAX_BYTES", 1000)
+    fp8 = fp8_fused_moe(xm, w13.values, w13.scale_inv, w2.values, w2.scale_inv, *args, block=(32, 32))
+    assert torch.equal(table.moe.fused_moe(xm, w13, w2, *args), fp8)
