@@ -41,13 +41,16 @@ Tensor = torch.Tensor
 
 # From this many rows, a product without w8a8 dequantizes its FP8 weight in one pass (`fp8_dequantize`) and
 # runs the table's 16-bit product on it (cuBLAS at these sizes): the same math as the FP8 block GEMM (the
-# dequantized weight's), which widens every tile for every tile of rows and runs at about a third of the
-# 16-bit rate there. Far above the rows a decode step has, so no captured graph holds the dense copy.
-FP8_DEQUANTIZE_ROWS = 512
-# The fused MoE likewise, from this many (token, expert) pairs an expert on average, while the dense copy of
-# both stacks stays under FP8_DEQUANTIZE_MAX_BYTES (v2-lite's 64 experts: 1.1 GB in bf16; V3's 256: 22.5 GB,
-# so V3's experts keep the FP8 tiles).
-FP8_DEQUANTIZE_PAIRS_PER_EXPERT = 64
+# dequantized weight's), which widens every tile for every tile of rows. On an H200, seven of v2-lite's and
+# V3's projections at 2048-8192 rows took 0.34-0.61x the block GEMM's time, at 1024 rows 0.39-0.60x (one
+# outlier, 3.3x), at 512 0.32-0.57x for five but 1.75-1.86x for two of v2-lite's (bench/notes/fp8.md). Above
+# the rows a decode step has, where the dense copy would cost more than the product (and live in graphs).
+FP8_DEQUANTIZE_ROWS = 1024
+# The fused MoE likewise, from this many (token, expert) pairs an expert on average (v2-lite's 64 experts on
+# an H200: 1.19x the FP8 kernel's time at 96, 0.84x at 192, 0.55x at 768), while the dense copy of both stacks
+# stays under FP8_DEQUANTIZE_MAX_BYTES (v2-lite's: 1.1 GB in bf16; V3's 256 experts: 22.5 GB, so V3's keep
+# the FP8 tiles).
+FP8_DEQUANTIZE_PAIRS_PER_EXPERT = 160
 FP8_DEQUANTIZE_MAX_BYTES = 2 << 30
 
 
