@@ -46,7 +46,8 @@ def test_quantize_activations_is_the_reference_bit_for_bit(dtype, device):
 
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_tokens", [1, 3, 24])   # the one-row product (without w8a8), the weight stream, the GEMM
+@pytest.mark.parametrize("num_tokens", [1, 3, 24, 80])   # the one-row product (without w8a8), the weight stream
+                                                        # (padded to 16, to 32), the GEMM
 def test_fp8_linear(num_tokens, dtype, w8a8, device):
     gen = generator(num_tokens, device)
     x = randn((num_tokens, 200), dtype, device, gen)
