@@ -43,14 +43,16 @@ Tensor = torch.Tensor
 # runs the table's 16-bit product on it (cuBLAS at these sizes): the same math as the FP8 block GEMM (the
 # dequantized weight's), which widens every tile for every tile of rows. On an H200, seven of v2-lite's and
 # V3's projections at 2048-8192 rows took 0.34-0.61x the block GEMM's time, at 1024 rows 0.39-0.60x (one
-# outlier, 3.3x), at 512 0.32-0.57x for five but 1.75-1.86x for two of v2-lite's (bench/notes/fp8.md). Above
-# the rows a decode step has, where the dense copy would cost more than the product (and live in graphs).
-FP8_DEQUANTIZE_ROWS = 1024
+# outlier), at 512 0.32-0.57x for five (1.75-1.86x for two small ones, timed alone); the engine's prefill
+# chunks of 512 tokens (`long_prefill_token_threshold`) made the difference: v2-lite's throughput run took
+# 0.84x bf16's tokens/s with 512 and 64 below, 0.73x with 1024 and 160 (bench/notes/fp8.md). Above the rows
+# a decode step has, where the dense copy would cost more than the product (and live in graphs).
+FP8_DEQUANTIZE_ROWS = 512
 # The fused MoE likewise, from this many (token, expert) pairs an expert on average (v2-lite's 64 experts on
-# an H200: 1.19x the FP8 kernel's time at 96, 0.84x at 192, 0.55x at 768), while the dense copy of both stacks
-# stays under FP8_DEQUANTIZE_MAX_BYTES (v2-lite's: 1.1 GB in bf16; V3's 256 experts: 22.5 GB, so V3's keep
-# the FP8 tiles).
-FP8_DEQUANTIZE_PAIRS_PER_EXPERT = 160
+# an H200, timed alone: 1.19x the FP8 kernel's time at 96, 0.84x at 192, 0.55x at 768), while the dense copy
+# of both stacks stays under FP8_DEQUANTIZE_MAX_BYTES (v2-lite's: 1.1 GB in bf16; V3's 256 experts: 22.5 GB,
+# so V3's keep the FP8 tiles).
+FP8_DEQUANTIZE_PAIRS_PER_EXPERT = 64
 FP8_DEQUANTIZE_MAX_BYTES = 2 << 30
 
 
