@@ -218,7 +218,7 @@ def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
         print(f"== weights {weights}{' w8a8' if w8a8 else ''}, cache {kv_cache_dtype}", flush=True)
         for row in time_rows(model, args, copy_bw, kv_cache_dtype, invariant=False, w8a8=w8a8):
             run = f"{weights} weights{' w8a8' if w8a8 else ''}, {'FP8' if kv_cache_dtype == 'fp8' else 'bf16'} cache"
-            rows.append(dict(row, run=run, weights=weights, cache=kv_cache_dtype, w8a8=w8a8))
+            rows.append(dict(row, run=run, weights=weights, cache=kv_cache_dtype))
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -234,8 +234,7 @@ def fp8_run(args: argparse.Namespace, copy_bw: float) -> None:
     path = common.write_json(result, args.out, "step-fp8" if args.preset == "v2-lite" else f"step-fp8-{args.preset}")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
-        ("weights", "weights"), ("w8a8", "w8a8"), ("cache", "cache"), ("batch", "batch"), ("context", "ctx"),
-        ("graph_ms", "graph ms"),
+        ("run", "run"), ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"),
         ("roofline_ms", "roofline ms"), ("roofline_ratio", "x roofline"), ("vs_bf16", "x bf16 step"),
         ("weight_gb", "weight GB"), ("kv_gb", "KV GB"),
     ])

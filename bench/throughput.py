@@ -84,7 +84,7 @@ def fp8_run(args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, w8a8=w8a8,
         )
         print(f"mla-func ({engine} weights):", run, flush=True)
-        rows.append(dict(engine=engine, w8a8=w8a8, **run))
+        rows.append(dict(engine=engine, **run))
         del model
         gc.collect()
         torch.cuda.empty_cache()
