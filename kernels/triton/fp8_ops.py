@@ -7,8 +7,8 @@ one byte a value and apply the scales in the accumulator: the reference's dequan
 kernels cannot step through (`check_block_k`: a power of two of at least 32; only a regrouped
 weight of a tiny test shape has another) is dequantized into the 16-bit kernel instead, and so is every
 FP8 weight of a product at prefill sizes without w8a8 (`FP8_DEQUANTIZE_ROWS`; `fp8_dequantize`, one pass):
-there the FP8 block GEMM, which widens each tile for every tile of rows, runs at about a third of the rate
-the dense weight gets from cuBLAS, for the same math.
+there the FP8 block GEMM, which widens each tile for every tile of rows, took 1.6-2.9x the time of the
+dequantization and cuBLAS's product together (H200, 512-8192 rows), for the same math.
 
 The batch-invariant table builds the same wrappers with `batch_invariant=True`: every row count takes
 the block GEMM (`fp8_linear(batch_invariant=True)`, one K order), and the fused MoE the tiled path in a
@@ -46,7 +46,7 @@ Tensor = torch.Tensor
 # outlier), at 512 0.32-0.57x for five (1.75-1.86x for two small ones, timed alone); the engine's prefill
 # chunks of 512 tokens (`long_prefill_token_threshold`) made the difference: v2-lite's throughput run took
 # 0.84x bf16's tokens/s with 512 and 64 below, 0.73x with 1024 and 160 (bench/notes/fp8.md). Above the rows
-# a decode step has, where the dense copy would cost more than the product (and live in graphs).
+# of most decode steps, where the dense copy would cost more than the product (and live in graphs).
 FP8_DEQUANTIZE_ROWS = 512
 # The fused MoE likewise, from this many (token, expert) pairs an expert on average (v2-lite's 64 experts on
 # an H200, timed alone: 1.19x the FP8 kernel's time at 96, 0.84x at 192, 0.55x at 768), while the dense copy
