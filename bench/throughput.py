@@ -90,19 +90,25 @@ def fp8_run(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
     for row in rows:
         row["vs_bf16"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+    write_result(args, "throughput-fp8", rows, [("engine", "weights"), *COUNTS, ("vs_bf16", "x bf16")])
+
+
+# The columns every throughput table prints after its first.
+COUNTS = [("num_prompts", "requests"), ("prompt_tokens", "prompt tok"), ("output_tokens", "output tok"),
+          ("seconds", "s"), ("output_tok_s", "output tok/s"), ("total_tok_s", "total tok/s")]
+
+
+def write_result(args: argparse.Namespace, benchmark: str, rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """The run's JSON under bench/results/<benchmark>/, and its table."""
     result = dict(
-        benchmark="throughput-fp8", preset="v2-lite", dtype="bfloat16", backend=args.backend,
+        benchmark=benchmark, preset="v2-lite", dtype="bfloat16", backend=args.backend,
         gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
         torch=torch.__version__, output_len=args.output_len, input_len=[args.min_input_len, args.max_input_len],
         rows=rows,
     )
-    path = common.write_json(result, args.out, "throughput-fp8")
+    path = common.write_json(result, args.out, benchmark)
     print(f"\n{result['gpu']} -> {path}")
-    common.print_table(rows, [
-        ("engine", "weights"), ("num_prompts", "requests"), ("prompt_tokens", "prompt tok"),
-        ("output_tokens", "output tok"), ("seconds", "s"), ("output_tok_s", "output tok/s"),
-        ("total_tok_s", "total tok/s"), ("vs_bf16", "x bf16"),
-    ])
+    common.print_table(rows, columns)
 
 
 def main() -> None:
@@ -163,20 +169,8 @@ def main() -> None:
         print("transformers:", hf, flush=True)
         rows.append(dict(engine="transformers", **hf))
         rows[0]["vs_transformers"] = ours["output_tok_s"] / hf["output_tok_s"]
-    result = dict(
-        benchmark="throughput", preset="v2-lite", dtype="bfloat16", backend=args.backend,
-        gpu=common.gpu_name(), device=common.gpu_slug(), date=common.today(), commit=common.git_commit(args.commit),
-        torch=torch.__version__, output_len=args.output_len, input_len=[args.min_input_len, args.max_input_len],
-        rows=rows,
-    )
-    path = common.write_json(result, args.out, "throughput")
-    print(f"\n{result['gpu']} -> {path}")
-    common.print_table(rows, [
-        ("engine", "engine"), ("num_prompts", "requests"), ("prompt_tokens", "prompt tok"),
-        ("output_tokens", "output tok"), ("seconds", "s"), ("output_tok_s", "output tok/s"),
-        ("total_tok_s", "total tok/s"), ("vs_transformers", "x transformers"),
-        ("invariant_cost", "invariant cost"),
-    ])
+    write_result(args, "throughput", rows, [("engine", "engine"), *COUNTS, ("vs_transformers", "x transformers"),
+                                            ("invariant_cost", "invariant cost")])
 
 
 if __name__ == "__main__":

@@ -24,14 +24,18 @@ def fp8_model():
     return mf.load_model("tiny", dtype=torch.float32, device="cpu", seed=5, quantization="fp8")
 
 
-def _prefill_then_decode(step, model):
-    """Logits of a 13-token prompt and two decode steps through `step` (prepare + call), [15, V] float64."""
-    state = mf.init_state(model, num_blocks=8, block_size=4)
+def _plans():
+    """A 13-token prompt, then two decode steps."""
     table = blocks(0, 6)
     plans = [mf.StepPlan(prefill=(mf.SeqPlan(PROMPT, 0, table, len(PROMPT)),))]
-    plans += [mf.StepPlan(decode=(mf.SeqPlan((40 + i,), len(PROMPT) + i, table, 1),)) for i in range(2)]
+    return plans + [mf.StepPlan(decode=(mf.SeqPlan((40 + i,), len(PROMPT) + i, table, 1),)) for i in range(2)]
+
+
+def _prefill_then_decode(step, model):
+    """Logits of `_plans` through `step` (prepare + call), [15, V] float64."""
+    state = mf.init_state(model, num_blocks=8, block_size=4)
     rows = []
-    for plan in plans:
+    for plan in _plans():
         batch, mode = step.prepare(state, plan)
         assert mode.w8a8 == step.w8a8
         state, out = step(state, batch, mode)
@@ -40,13 +44,10 @@ def _prefill_then_decode(step, model):
 
 
 def _with_table(model, ops):
-    """The same steps through the forward with an explicit table (modes decided for it)."""
+    """`_plans` through the forward with an explicit table (modes decided for it)."""
     state = mf.init_state(model, num_blocks=8, block_size=4)
-    table = blocks(0, 6)
-    plans = [mf.StepPlan(prefill=(mf.SeqPlan(PROMPT, 0, table, len(PROMPT)),))]
-    plans += [mf.StepPlan(decode=(mf.SeqPlan((40 + i,), len(PROMPT) + i, table, 1),)) for i in range(2)]
     rows = []
-    for plan in plans:
+    for plan in _plans():
         batch, mode = mf.plan_step(model.config, state, plan, backend="torch", w8a8=ops.w8a8)
         out, state = mf.forward(model.params, state, batch, mode, ops=ops)
         rows.append(out[: mode.num_logits])
