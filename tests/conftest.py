@@ -11,13 +11,15 @@ compiled kernels do not:
 * float32 -> bf16 casts truncate instead of rounding to nearest even.
 and a third way on some CPUs:
 * `tl.dot` is numpy's matmul, whose BLAS kernels sum a row's products in an order that
-  follows the row's place in the tile on some CPUs (OpenBLAS's AVX2 kernels treat edge rows
-  apart; AVX-512 machines did not show it), so a row's bits would follow its batch-mates
-  where a GPU's would not, and the batch-invariant kernels' tests would pass or fail by machine.
+  follows the row's place in the tile on some CPUs (OpenBLAS's AVX2 kernels; AVX-512 machines
+  did not show it), so a row's bits would follow its batch-mates where a GPU's would not.
 The patches below widen bf16 dot operands to float32 first (exact, as a tensor
-core does), multiply each row by itself (a batch of one-row products: every row
-through one kernel in one order) and round casts to nearest even (as the GPU does).
-They are applied only when the interpreter is active.
+core does) and round casts to nearest even (as the GPU does). Tests marked
+`row_invariant_dots` (those asserting that a Triton kernel's rows keep their bits
+whatever their batch-mates) also get a dot that multiplies each row by itself (a
+batch of one-row products: every row through one kernel in one order); it costs
+1.3-2.3x numpy's matmul, so the other tests keep that. The patches apply only when
+the interpreter is active.
 
 Under pytest-xdist every worker is a process of its own, and torch would give each as many
 threads as the machine has cores: on a 2-core machine with 2 workers, 4 busy threads fight
@@ -77,20 +79,43 @@ def _patch_interpreter_bf16() -> None:
             return interpreter.TensorHandle(data, tl.float32)
         return handle
 
+    original = builder.create_dot
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = widen(a), widen(b)
-        a_data, b_data = a.data, b.data
-        if any(h.dtype.scalar.primitive_bitwidth == 8 and h.dtype.scalar.is_floating() for h in (a, b)):
-            # FP8 operands as the interpreter's own dot takes them: widened to fp16 (exact).
-            a_data = interpreter._convert_float(a_data, a.dtype.scalar, tl.float16, None).view(np.float16)
-            b_data = interpreter._convert_float(b_data, b.dtype.scalar, tl.float16, None).view(np.float16)
-        # [..., M, K] @ [..., K, N] as M products [1, K] @ [K, N]: one order for every row.
-        rows = np.matmul(a_data[..., :, None, :], np.expand_dims(b_data, -3), dtype=d.data.dtype)[..., 0, :]
-        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     create_dot._widens_bf16 = True
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+
+
+def _row_by_row_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's dot (bf16 widened as above) as one product [1, K] @ [K, N] a row of a: one order for
+    every row, wherever it sits in the tile. FP8 operands widen to fp16 first, as the interpreter's own dot does."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def widened(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+        return h.data, h.dtype.scalar
+
+    (a_data, a_type), (b_data, b_type) = widened(a), widened(b)
+    if any(t.primitive_bitwidth == 8 and t.is_floating() for t in (a_type, b_type)):
+        a_data = interpreter._convert_float(a_data, a_type, tl.float16, None).view(np.float16)
+        b_data = interpreter._convert_float(b_data, b_type, tl.float16, None).view(np.float16)
+    rows = np.matmul(a_data[..., :, None, :], np.expand_dims(b_data, -3), dtype=d.data.dtype)[..., 0, :]
+    return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
+
+
+@pytest.fixture(autouse=True)
+def _row_invariant_dots(request, monkeypatch):
+    """Under the interpreter, tests marked `row_invariant_dots` run with `_row_by_row_dot`."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and request.node.get_closest_marker("row_invariant_dots"):
+        from triton.runtime import interpreter
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _row_by_row_dot)
+    yield
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
