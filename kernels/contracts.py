@@ -29,7 +29,7 @@ from typing import Protocol, overload
 
 import torch
 
-from .index_cache import IndexCache
+from .index_cache import FP8IndexCache, IndexCache
 from .latent_cache import FP8LatentCache, LatentCache
 from .quantized import Weight
 
@@ -271,8 +271,8 @@ class UnitRms(Protocol):
 
 
 class WindowEntryAttention(Protocol):
-    def __call__(self, q: Tensor, window_cache: Tensor, block_table: Tensor, key_lens: Tensor, sinks: Tensor, /, *,
-                 softmax_scale: float, sliding_window: int, entry_cache: Tensor | None = None,
+    def __call__(self, q: Tensor, window_cache: LatentCache, block_table: Tensor, key_lens: Tensor, sinks: Tensor,
+                 /, *, softmax_scale: float, sliding_window: int, entry_cache: LatentCache | None = None,
                  entry_table: Tensor | None = None, entry_indices: Tensor | None = None,
                  compress_rate: int = 0) -> tuple[Tensor, Tensor]:
         """Each row over its window and its compressed entries (values = keys), with a per-head sink:
@@ -281,20 +281,38 @@ class WindowEntryAttention(Protocol):
         sinks [H]; entry_cache [nbg, bsg, D] through entry_table [n, Wg] int32 (None: no entries),
         the entries entry_indices [n, k] int32 lists (-1: none) or, without it, all, each only if
         e < key_lens // compress_rate -> out [n, H, D] in q's dtype, lse [n, H] float32 of the scopes
-        and the sink; empty scopes add nothing, a padded row gets out 0, never NaN."""
+        and the sink; empty scopes add nothing, a padded row gets out 0, never NaN. Either cache may be
+        an `FP8LatentCache` (D = C + R, both of one type), read as its dequantized rows."""
         ...
 
 
 class CompressEntries(Protocol):
+    # One overload a cache type (the implementations take a type variable): a call with a union of them,
+    # as a layer's cache fields are typed, returns the same union.
+    @overload
     def __call__(self, inputs: Tensor, entries: Tensor, group_slots: Tensor, key_lens: Tensor, block_table: Tensor,
                  position_bias: Tensor, kv_norm: Tensor, cos: Tensor, sin: Tensor, /, *, rate: int, overlap: bool,
-                 eps: float, num_seqs: int, inplace: bool) -> Tensor:
+                 eps: float, num_seqs: int, inplace: bool) -> Tensor: ...
+    @overload
+    def __call__(self, inputs: Tensor, entries: FP8LatentCache, group_slots: Tensor, key_lens: Tensor,
+                 block_table: Tensor, position_bias: Tensor, kv_norm: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 rate: int, overlap: bool, eps: float, num_seqs: int, inplace: bool) -> FP8LatentCache: ...
+    @overload
+    def __call__(self, inputs: Tensor, entries: FP8IndexCache, group_slots: Tensor, key_lens: Tensor,
+                 block_table: Tensor, position_bias: Tensor, kv_norm: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 rate: int, overlap: bool, eps: float, num_seqs: int, inplace: bool) -> FP8IndexCache: ...
+
+    def __call__(self, inputs: Tensor, entries: LatentCache | IndexCache, group_slots: Tensor, key_lens: Tensor,
+                 block_table: Tensor, position_bias: Tensor, kv_norm: Tensor, cos: Tensor, sin: Tensor, /, *,
+                 rate: int, overlap: bool, eps: float, num_seqs: int,
+                 inplace: bool) -> LatentCache | IndexCache:
         """The compressor's update: inputs [nb, bs, 2 * c * Dc] (kv | gate of every token) through
         block_table [n, W]; each row with group_slots [n] >= 0 pools the block ending at its position
         (key_lens [n] - 1; with overlap, series Ca of the previous block and Cb of this one) by
         softmax(gate + position_bias [rate, c * Dc]) per channel, RMS-normalises it (kv_norm [Dc], eps),
         rotates its rope tail at the block's first position (cos, sin [P, R / 2]) and writes it to
-        entries [nbg, bsg, Dc] at its slot; num_seqs bounds the completing rows -> entries."""
+        entries [nbg, bsg, Dc] at its slot (a tensor; an `FP8LatentCache` or `FP8IndexCache` takes it
+        quantized as its write does); num_seqs bounds the completing rows -> entries."""
         ...
 
 

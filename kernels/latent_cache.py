@@ -36,6 +36,7 @@ import torch
 
 from mla_func.pytree import register_dataclass, tree_map
 
+from .index_cache import FP8IndexCache
 from .reference.fp8 import FP8_DTYPE
 
 # Latent values a scale covers: FlashMLA's tile of the 512-wide latent (four scales a token).
@@ -117,6 +118,9 @@ class FP8LatentCache:
 # the ops that return the type they were given.
 LatentCache = Union[torch.Tensor, FP8LatentCache]
 LatentCacheT = TypeVar("LatentCacheT", torch.Tensor, FP8LatentCache)
+# A cache of DeepSeek-V4 compressed entries (`compress_entries` returns the type it takes): keys, as a latent
+# cache, or CSA's indexer keys, whose FP8 form is `FP8IndexCache`.
+EntryCacheT = TypeVar("EntryCacheT", torch.Tensor, FP8LatentCache, FP8IndexCache)
 
 
 def latent_rows(cache: LatentCache, *index: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,13 @@ they lie wholly before that many tokens behind its next position, and the block
 table keeps the scratch block in their place. A group g holds a sequence's entries
 for its whole length, in a pool sized by its own rate (`compressed_group`).
 
+With `kv_cache_dtype="fp8"` the keys a row attends over are held in FP8 as MLA's latents are
+(`window` and `entries` as `kernels.latent_cache.FP8LatentCache`: the Dh - R leading values in
+float8_e4m3fn with a float32 scale per 128, the R rotated values as they are; at V4-Flash's
+Dh = 512, R = 64: 448 + 4 * 4 + 128 = 592 bytes a key against 1,024), and CSA's indexer keys as
+V3.2's (`index_keys` an `FP8IndexCache`, one scale a key). The compressor inputs stay in the
+activations' dtype: the compressor pools them in float32 before an entry is quantized.
+
 Everything a layer caches is thus a pure function of its sequence's tokens, stored
 in blocks: a padded row (slot -1 in every group) writes nothing, and a prefix whose
 entries are all in full blocks, and whose group-0 blocks of the last lookback tokens
@@ -40,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_func.kernels.index_cache import IndexCache, index_leaves, zeroed_index_cache
+from mla_func.kernels.latent_cache import LatentCache, check_kv_cache_dtype, latent_leaves, zeroed_latent
 from mla_func.pytree import register_dataclass, static_field
 
 from .layer_cache import CacheGroup
@@ -50,21 +59,24 @@ from .layer_cache import CacheGroup
 class V4LayerCache:
     """One V4 layer's cache (see the module docstring for each leaf's shape and group)."""
 
-    window: torch.Tensor
+    window: LatentCache
     compressor_inputs: torch.Tensor | None = None
-    entries: torch.Tensor | None = None
+    entries: LatentCache | None = None
     index_inputs: torch.Tensor | None = None
-    index_keys: torch.Tensor | None = None
+    index_keys: IndexCache | None = None
     group: int = static_field(default=0)
     entry_group: int = static_field(default=0)  # the compressed group of `entries` and `index_keys` (0: none)
 
     def paged(self) -> tuple[torch.Tensor, ...]:
-        """The leaves paged by group 0's block tables (per token)."""
-        return tuple(t for t in (self.window, self.compressor_inputs, self.index_inputs) if t is not None)
+        """The tensors paged by group 0's block tables (per token), the window's first (one in the
+        activations' dtype leads, `latent_leaves`)."""
+        return latent_leaves(self.window) + tuple(t for t in (self.compressor_inputs, self.index_inputs)
+                                                  if t is not None)
 
     def paged_entries(self) -> tuple[torch.Tensor, ...]:
-        """The leaves paged by the compressed group's block tables (per entry)."""
-        return tuple(t for t in (self.entries, self.index_keys) if t is not None)
+        """The tensors paged by the compressed group's block tables (per entry)."""
+        entries = () if self.entries is None else latent_leaves(self.entries)
+        return entries + (() if self.index_keys is None else index_leaves(self.index_keys))
 
     def paged_in(self, group: int) -> tuple[torch.Tensor, ...]:
         if group == self.group:
@@ -85,28 +97,40 @@ def compressed_group(tokens: CacheGroup, rate: int) -> CacheGroup:
 
 
 def zeroed_v4_cache(groups: tuple[CacheGroup, ...], *, head_dim: int, entry_group: int, compressor_width: int,
-                    index_dim: int, dtype: torch.dtype, device: torch.device | str) -> V4LayerCache:
+                    index_dim: int, rope_dim: int, dtype: torch.dtype, device: torch.device | str,
+                    kv_cache_dtype: str = "auto") -> V4LayerCache:
     """A zeroed V4 layer cache.
 
     entry_group: 0 for a sliding-window layer, else the index of its compressed group in `groups`;
     compressor_width: c * Dh (c = 2 for CSA's overlapping windows, 1 for HCA);
-    index_dim: Di for a CSA layer's indexer, 0 without one.
+    index_dim: Di for a CSA layer's indexer, 0 without one;
+    rope_dim: R, the rotated tail of a key (kept in `dtype` by an FP8 cache);
+    kv_cache_dtype: "auto" (every leaf in `dtype`) or "fp8" (the keys and index keys in FP8, see the
+                    module docstring).
     """
+    check_kv_cache_dtype(kv_cache_dtype)
+    if not 0 <= rope_dim < head_dim:
+        raise ValueError(f"rope_dim: expected in [0, head_dim={head_dim}), got {rope_dim}")
     tokens = groups[0]
 
     def paged(group: CacheGroup, width: int) -> torch.Tensor:
         return torch.zeros(group.num_blocks, group.block_size, width, dtype=dtype, device=device)
 
+    def keys(group: CacheGroup) -> LatentCache:
+        return zeroed_latent(group.num_blocks, group.block_size, head_dim - rope_dim, rope_dim,
+                             kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device)
+
     if entry_group == 0:
-        return V4LayerCache(window=paged(tokens, head_dim))
+        return V4LayerCache(window=keys(tokens))
     if not 0 < entry_group < len(groups):
         raise ValueError(f"entry_group: expected a compressed group in [1, {len(groups)}), got {entry_group}")
     g = groups[entry_group]
     return V4LayerCache(
-        window=paged(tokens, head_dim),
+        window=keys(tokens),
         compressor_inputs=paged(tokens, 2 * compressor_width),
-        entries=paged(g, head_dim),
+        entries=keys(g),
         index_inputs=paged(tokens, 2 * 2 * index_dim) if index_dim else None,
-        index_keys=paged(g, index_dim) if index_dim else None,
+        index_keys=zeroed_index_cache(g.num_blocks, g.block_size, index_dim, kv_cache_dtype=kv_cache_dtype,
+                                      dtype=dtype, device=device) if index_dim else None,
         entry_group=entry_group,
     )

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from ..index_cache import IndexCache
+from ..latent_cache import EntryCacheT, LatentCache
 from ..quantized import Weight, dequantized
 from . import dsa as ref_dsa
 from . import v4_hc as ref_hc
 from .attention import _acc_dtype
-from .cache import write_kv
 from .row_tiles import by_row_tiles
 from .v4_moe import clamped_experts as reference_clamped_experts
-from .v4_paged import _pool, _rows_of, _slots, completing_rows
+from .v4_paged import _pool, _rows_of, _slots, completing_rows, write_entry_rows
 
 # Rows a tile of every op here holds. torch's CPU elementwise kernels run the last (size mod twice the
 # vector width) elements of a tensor through a scalar loop whose exp, sigmoid and log round otherwise
@@ -107,9 +107,9 @@ def _result(p: _Partial, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return (p.out / total.unsqueeze(-1)).to(dtype), lse.float()
 
 
-def window_entry_attention(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
+def window_entry_attention(q: torch.Tensor, window_cache: LatentCache, block_table: torch.Tensor,
                            key_lens: torch.Tensor, sinks: torch.Tensor, *, softmax_scale: float, sliding_window: int,
-                           entry_cache: torch.Tensor | None = None, entry_table: torch.Tensor | None = None,
+                           entry_cache: LatentCache | None = None, entry_table: torch.Tensor | None = None,
                            entry_indices: torch.Tensor | None = None, compress_rate: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.v4_paged.window_entry_attention`, batch-invariant: the window, then the entry
@@ -138,9 +138,9 @@ def window_entry_attention(q: torch.Tensor, window_cache: torch.Tensor, block_ta
     return out, lse
 
 
-def _tile_attention(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor, key_lens: torch.Tensor,
+def _tile_attention(q: torch.Tensor, window_cache: LatentCache, block_table: torch.Tensor, key_lens: torch.Tensor,
                     sinks: torch.Tensor, *, softmax_scale: float, sliding_window: int,
-                    entry_cache: torch.Tensor | None, entry_table: torch.Tensor | None,
+                    entry_cache: LatentCache | None, entry_table: torch.Tensor | None,
                     entry_indices: torch.Tensor | None, compress_rate: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`window_entry_attention` of one row tile (every tensor op of fixed shape, so elementwise
     exponentials and logarithms take the same vector or scalar path for a row whatever the batch)."""
@@ -218,10 +218,10 @@ def clamped_experts(x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torc
                         x, topk_weights, topk_ids, tile=V4_ROW_TILE)[0]
 
 
-def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor, key_lens: torch.Tensor,
+def compress_entries(inputs: torch.Tensor, entries: EntryCacheT, group_slots: torch.Tensor, key_lens: torch.Tensor,
                      block_table: torch.Tensor, position_bias: torch.Tensor, kv_norm: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, *, rate: int, overlap: bool, eps: float, num_seqs: int,
-                     inplace: bool) -> torch.Tensor:
+                     inplace: bool) -> EntryCacheT:
     """Contract of `reference.v4_paged.compress_entries`, the completing rows pooled on row tiles
     (their number follows the batch): inputs [nb, bs, 2 * c * Dc]; entries [nbg, bsg, Dc];
     group_slots [n]; key_lens [n]; block_table [n, W] -> the entries cache."""
@@ -232,7 +232,7 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
         return _pool(inputs, lens, table, position_bias, kv_norm, cos, sin, rate=rate, overlap=overlap, eps=eps)
 
     pooled = by_row_tiles(tile, key_lens[rows], block_table[rows], tile=V4_ROW_TILE)[0]
-    return write_kv(entries, group_slots[rows], pooled, inplace=inplace)
+    return write_entry_rows(entries, group_slots[rows], pooled, inplace=inplace)
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: IndexCache, block_table: torch.Tensor,

@@ -8,14 +8,22 @@ gather, then reuse the gathered-key building blocks of `v4_attention`
 
 Shapes: n rows (one query token each), H heads, D = head_dim, W / Wg block-table
 widths of group 0 / the compressed group, bs / bsg their block sizes.
+
+The key caches (window, entries) are `LatentCache`s: a tensor, or an `FP8LatentCache` read
+dequantized (`latent_rows`: the D - R leading values times their group's scale, rounded once to
+the activations' dtype, then the R rotated values); an entries cache of CSA's indexer keys may be
+an `FP8IndexCache`. Each is written as its own type writes (`write_kv`, `write_index_key`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..index_cache import FP8IndexCache
+from ..latent_cache import EntryCacheT, FP8LatentCache, LatentCache, latent_rows
 from .attention import merge_attn_states
 from .cache import write_kv
+from .dsa import write_index_key
 from .norm import rms_norm
 from .v4_attention import pool_entries, rope_tail, scope_attention
 
@@ -26,24 +34,38 @@ def _slots(block_table: torch.Tensor, indices: torch.Tensor, block_size: int) ->
     return blocks * block_size + indices % block_size
 
 
-def _rows_of(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    return cache.view(-1, cache.shape[-1])[slots]
+def _rows_of(cache: LatentCache, slots: torch.Tensor) -> torch.Tensor:
+    """The rows at cache slots [...] int64 -> [..., D] in the activations' dtype (FP8 rows dequantized)."""
+    block_size = cache.shape[1]
+    return latent_rows(cache, slots // block_size, slots % block_size)
 
 
-def window_entry_attention(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
+def write_entry_rows(entries: EntryCacheT, slots: torch.Tensor, rows: torch.Tensor, *, inplace: bool) -> EntryCacheT:
+    """rows [n, Dc] written at entry slots [n] int64 (-1: none) of an entries cache of either kind: a
+    key cache (a tensor or an `FP8LatentCache`, `write_kv`) or CSA's indexer keys as FP8 (`FP8IndexCache`,
+    `write_index_key`) -> the cache of the type given."""
+    if isinstance(entries, FP8IndexCache):
+        return write_index_key(entries, slots, rows, inplace=inplace)
+    if isinstance(entries, (torch.Tensor, FP8LatentCache)):
+        return write_kv(entries, slots, rows, inplace=inplace)
+    raise TypeError(f"entries: expected a tensor, an FP8LatentCache or an FP8IndexCache, got {type(entries).__name__}")
+
+
+def window_entry_attention(q: torch.Tensor, window_cache: LatentCache, block_table: torch.Tensor,
                            key_lens: torch.Tensor, sinks: torch.Tensor, *, softmax_scale: float, sliding_window: int,
-                           entry_cache: torch.Tensor | None = None, entry_table: torch.Tensor | None = None,
+                           entry_cache: LatentCache | None = None, entry_table: torch.Tensor | None = None,
                            entry_indices: torch.Tensor | None = None, compress_rate: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """V4 attention of each row over its window and its compressed entries, with the per-head sink.
 
     q:             [n, H, D] (rotated); values are the keys (K = V)
-    window_cache:  [nb, bs, D] every token's key, paged by group 0
+    window_cache:  [nb, bs, D] every token's key, paged by group 0 (a tensor or an `FP8LatentCache`)
     block_table:   [n, W] int32, the row's sequence's group-0 table
     key_lens:      [n] int32, the row's position + 1 (0: a padded row)
     sinks:         [H] one logit per head that carries no value
     sliding_window: the window scope is positions [key_lens - sliding_window, key_lens), >= 0
-    entry_cache:   [nbg, bsg, D] compressed entries (None: a sliding-window layer, no second scope)
+    entry_cache:   [nbg, bsg, D] compressed entries, as the window's (None: a sliding-window layer, no second
+                   scope)
     entry_table:   [n, Wg] int32, the row's table in the entries' group
     entry_indices: [n, k] int32 entry numbers the row attends to (CSA's top-k, -1: none), or None for
                    every complete entry (HCA). Only entries complete at the row count: e < key_lens // compress_rate
@@ -114,15 +136,16 @@ def _pool(inputs: torch.Tensor, key_lens: torch.Tensor, block_table: torch.Tenso
     return rope_tail(pooled, cos[start], sin[start])
 
 
-def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor, key_lens: torch.Tensor,
+def compress_entries(inputs: torch.Tensor, entries: EntryCacheT, group_slots: torch.Tensor, key_lens: torch.Tensor,
                      block_table: torch.Tensor, position_bias: torch.Tensor, kv_norm: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, *, rate: int, overlap: bool, eps: float, num_seqs: int,
-                     inplace: bool) -> torch.Tensor:
+                     inplace: bool) -> EntryCacheT:
     """The compressor's update: every row that completes a block pools it into an entry and writes it.
 
     inputs:        [nb, bs, 2 * c * Dc] the compressor's kv | gate projections of every token (group 0),
                    this step's tokens already written (c = 2 with overlap, else 1)
-    entries:       [nbg, bsg, Dc] the compressed cache
+    entries:       [nbg, bsg, Dc] the compressed cache: a tensor, an `FP8LatentCache` or an `FP8IndexCache`
+                   (the entry quantized as that type's write does, `write_entry_rows`)
     group_slots:   [n] int64, the entry's slot for a row that completes one ((p + 1) % rate == 0), else -1
     key_lens:      [n] int32, the row's position + 1; block_table [n, W] int32 its group-0 table
     position_bias: [rate, c * Dc] float32; kv_norm [Dc]; cos, sin [P, R / 2] the compress rope tables
@@ -134,4 +157,4 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
     rows = completing_rows(group_slots, rate, num_seqs)
     pooled = _pool(inputs, key_lens[rows], block_table[rows], position_bias, kv_norm, cos, sin, rate=rate,
                    overlap=overlap, eps=eps)
-    return write_kv(entries, group_slots[rows], pooled, inplace=inplace)
+    return write_entry_rows(entries, group_slots[rows], pooled, inplace=inplace)

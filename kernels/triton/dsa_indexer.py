@@ -20,6 +20,7 @@ than a few tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import triton
@@ -54,6 +55,14 @@ def _write_fp8_key_kernel(
         page, offset = slot // block_size, slot % block_size
         tl.store(values_ptr + page * s_vn + offset * s_vb + d[None, :] * s_vd, values, mask=d_mask[None, :])
         tl.store(scales_ptr + page * s_sn + offset * s_sb, tl.sum(scale, axis=0))
+
+
+@overload
+def write_index_key(index_cache: torch.Tensor, slot_mapping: torch.Tensor, index_key: torch.Tensor, *,
+                    inplace: bool) -> torch.Tensor: ...
+@overload
+def write_index_key(index_cache: FP8IndexCache, slot_mapping: torch.Tensor, index_key: torch.Tensor, *,
+                    inplace: bool) -> FP8IndexCache: ...
 
 
 def write_index_key(

@@ -23,6 +23,12 @@ is the warpgroup-MMA twin of this file's kernel (`gluon.v4_attention`), two prog
 group, each half the output columns, the sink folded in; this file's kernel stays the path the CPU
 interpreter checks and the one every other shape and GPU runs.
 
+Either cache may be an `FP8LatentCache` (`kv_cache_dtype="fp8"`; both caches of one type): a key
+tile is then read from its three leaves (the C leading values in e4m3, their group scales, the R
+rotated values) and dequantized in registers as `FP8LatentCache.rows` does (value times scale in
+float32, rounded once to q's dtype) before the products. The warpgroup-MMA twin reads 16-bit
+caches only.
+
 Empty ranges carry lse -inf and shift by 0 (weights 0, never NaN); a padded row
 (key_len 0) has no key at all and gets out 0 (the sink alone). The split count
 depends on static shapes and the device only (`v4_attention_num_splits`), so a
@@ -38,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..gluon import mla_decode as gluon_decode
+from ..latent_cache import FP8_GROUP, FP8LatentCache, LatentCache
 from ..gluon import v4_attention as gluon_v4
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl, sm_count
 from .decode import DecodeConfig, decode_config, fill_splits
@@ -109,7 +116,7 @@ def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device
                        interpreter_min_keys=config.block_n, programs_per_sm=_PROGRAMS_PER_SM)
 
 
-def max_keys_of(sliding_window: int, entry_cache: torch.Tensor | None, entry_table: torch.Tensor | None,
+def max_keys_of(sliding_window: int, entry_cache: LatentCache | None, entry_table: torch.Tensor | None,
                 entry_indices: torch.Tensor | None) -> int:
     """The longest key list a row can have (static)."""
     if entry_cache is None or entry_table is None:
@@ -165,11 +172,40 @@ def _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
     return row, code != -1
 
 
+@triton.jit
+def _leaf_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
+               PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr):
+    """`_key_rows`' row pointers alone, for one leaf of the two caches (its own base pointers and strides)."""
+    row, _ = _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    return row
+
+
+@triton.jit
+def _fp8_key_tile(code, key_mask, offs_d, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
+                  ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, wr_ptr, er_ptr, s_wrn, s_wrb, s_ern, s_erb,
+                  HEAD_DIM: tl.constexpr, KV_C: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr,
+                  PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] key tile of `_cache_codes` codes from FP8 caches, in DTYPE: columns below
+    KV_C are the e4m3 values times their group's float32 scale (rounded once), the rest the rope values.
+    Each leaf's feature stride is 1 (checked by the wrapper)."""
+    values = _leaf_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    scales = _leaf_rows(code, ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    rope = _leaf_rows(code, wr_ptr, er_ptr, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    is_value = offs_d < KV_C
+    is_rope = (offs_d >= KV_C) & (offs_d < HEAD_DIM)
+    value_mask = key_mask[:, None] & is_value[None, :]
+    v = tl.load(values[:, None] + offs_d[None, :], mask=value_mask, other=0.0).to(tl.float32)
+    scale = tl.load(scales[:, None] + (offs_d // GROUP)[None, :], mask=value_mask, other=0.0)
+    r = tl.load(rope[:, None] + (offs_d - KV_C)[None, :], mask=key_mask[:, None] & is_rope[None, :], other=0.0)
+    return tl.where(is_value[None, :], (v * scale).to(DTYPE), r.to(DTYPE))
+
+
 # Lengths and the split count follow the batch, which eager steps vary: as
 # specialised ints they would compile a kernel per value mid-run.
 @triton.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
 def _v4_split_kernel(
     q_ptr, win_ptr, bt_ptr, klen_ptr, ent_ptr, et_ptr, idx_ptr, sink_ptr, po_ptr, pl_ptr,
+    ws_ptr, es_ptr, wr_ptr, er_ptr,
     num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2, s_sink,
     s_qt, s_qh, s_qd,
     s_wn, s_wb, s_wd,
@@ -178,9 +214,11 @@ def _v4_split_kernel(
     s_ett, s_etw, s_it, s_ik,
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
+    s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr, HAS_INDICES: tl.constexpr,
     FOLD_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, GDC: tl.constexpr, LOCATE_TILES: tl.constexpr,
+    FP8: tl.constexpr, KV_C: tl.constexpr, GROUP: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -231,13 +269,21 @@ def _v4_split_kernel(
                              PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES)
         for jj in range(0, tl.minimum(LOCATE_TILES, tl.cdiv(end - c0, BLOCK_N))):
             code = tl.sum(tl.where(tile_ids[:, None] == jj, codes, 0), axis=0)
-            row, key_mask = _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
-            if BLOCK_D == HEAD_DIM:
-                k_mask = key_mask[:, None]
+            if FP8:
+                key_mask = code != -1
+                keys = _fp8_key_tile(code, key_mask, offs_d, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
+                                     ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, wr_ptr, er_ptr, s_wrn, s_wrb,
+                                     s_ern, s_erb, HEAD_DIM, KV_C, GROUP, q_ptr.dtype.element_ty,
+                                     PAGE, ENTRY_PAGE, HAS_ENTRIES)
             else:
-                k_mask = key_mask[:, None] & d_mask[None, :]
-            # The window cache and the entries cache share the feature stride (both contiguous rows).
-            keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
+                row, key_mask = _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE,
+                                          HAS_ENTRIES)
+                if BLOCK_D == HEAD_DIM:
+                    k_mask = key_mask[:, None]
+                else:
+                    k_mask = key_mask[:, None] & d_mask[None, :]
+                # The window cache and the entries cache share the feature stride (both contiguous rows).
+                keys = tl.load(row[:, None] + offs_d[None, :] * s_wd, mask=k_mask, other=0.0)
             scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
             scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
             m_i, l_i, acc = online_softmax_fold(scores, keys, m_i, l_i, acc, DOT_PRECISION)
@@ -297,16 +343,39 @@ def _v4_merge_kernel(
     tl.store(lse_ptr + t * s_lt + h * s_lh, lse)
 
 
+def _check_fp8_keys(name: str, cache: LatentCache, q: torch.Tensor) -> FP8LatentCache:
+    """An FP8 key cache the kernel can read: each leaf's rows contiguous, RoPE values in q's dtype."""
+    if not isinstance(cache, FP8LatentCache):
+        raise ValueError(f"{name}: expected an FP8LatentCache beside an FP8 window cache (both caches of one "
+                         f"type), got a {type(cache).__name__}")
+    check_dtype(f"{name}.rope", cache.rope, (q.dtype,))
+    for leaf, t in (("values", cache.values), ("scales", cache.scales), ("rope", cache.rope)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}.{leaf}: expected contiguous rows (feature stride 1), got stride {t.stride(2)}")
+    return cache
+
+
+def _fp8_leaves(window_cache: LatentCache, entry_cache: LatentCache | None, window_values: torch.Tensor,
+                head_dim: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], int]:
+    """The kernel's FP8 arguments: (window scales, entry scales, window rope, entry rope), their (page, row)
+    strides, and C; for tensor caches the window's tensor stands in (never read) and C = head_dim."""
+    if isinstance(window_cache, FP8LatentCache) and isinstance(entry_cache, FP8LatentCache):
+        leaves = (window_cache.scales, entry_cache.scales, window_cache.rope, entry_cache.rope)
+        strides = tuple(s for t in leaves for s in t.stride()[:2])
+        return leaves, strides, window_cache.kv_lora_rank
+    return (window_values,) * 4, (0,) * 8, head_dim
+
+
 def window_entry_attention(
     q: torch.Tensor,
-    window_cache: torch.Tensor,
+    window_cache: LatentCache,
     block_table: torch.Tensor,
     key_lens: torch.Tensor,
     sinks: torch.Tensor,
     *,
     softmax_scale: float,
     sliding_window: int,
-    entry_cache: torch.Tensor | None = None,
+    entry_cache: LatentCache | None = None,
     entry_table: torch.Tensor | None = None,
     entry_indices: torch.Tensor | None = None,
     compress_rate: int = 0,
@@ -317,9 +386,10 @@ def window_entry_attention(
     """V4 attention of each row over its window and compressed entries, with the per-head sink.
 
     q:             [n, H, D] (any strides), bf16 / fp16 / fp32
-    window_cache:  [nb, bs, D] same dtype, rows contiguous; block_table [n, W] int32; key_lens [n] int32
+    window_cache:  [nb, bs, D] same dtype, rows contiguous, or an `FP8LatentCache` (D = C + R, RoPE values
+                   in q's dtype); block_table [n, W] int32; key_lens [n] int32
     sinks:         [H] float (one logit per head)
-    entry_cache:   [nbg, bsg, D] same dtype, rows contiguous, or None (no entries scope);
+    entry_cache:   [nbg, bsg, D] of the window cache's type, rows contiguous, or None (no entries scope);
                    entry_table [n, Wg] int32; entry_indices [n, k] int32 (ascending, -1 tail) or None (HCA)
     workspace:     (partial_out [n, H, S, D] fp32, partial_lse [n, H, S] fp32) from
                    `v4_attention_workspace`, so a captured graph allocates only its outputs; None
@@ -335,27 +405,39 @@ def window_entry_attention(
     check_shape("block_table", block_table, (num_rows, None))
     check_shape("key_lens", key_lens, (num_rows,))
     check_shape("sinks", sinks, (num_heads,))
-    check_dtype("window_cache", window_cache, (q.dtype,))
     check_dtype("block_table", block_table, (torch.int32,))
     check_dtype("key_lens", key_lens, (torch.int32,))
     check_float("sinks", sinks)
-    check_same_device(q=q, window_cache=window_cache, block_table=block_table, key_lens=key_lens, sinks=sinks)
+    # The tensor the kernel reads rows of (an FP8 cache's values; its scales and RoPE values come beside them).
+    if isinstance(window_cache, FP8LatentCache):
+        window_values = _check_fp8_keys("window_cache", window_cache, q).values
+    else:
+        check_dtype("window_cache", window_cache, (q.dtype,))
+        window_values = window_cache
+    check_same_device(q=q, window_cache=window_values, block_table=block_table, key_lens=key_lens, sinks=sinks)
     if sliding_window < 1:
         raise ValueError(f"sliding_window: expected >= 1, got {sliding_window}")
-    has_entries = entry_cache is not None
+    entry_values = window_values  # read only with entries
     if entry_cache is not None:
         if entry_table is None or compress_rate < 1:
             raise ValueError(f"window_entry_attention: entries need entry_table and compress_rate >= 1, got "
                              f"entry_table={'None' if entry_table is None else tuple(entry_table.shape)}, "
                              f"compress_rate={compress_rate}")
         check_shape("entry_cache", entry_cache, (None, None, head_dim))
-        check_dtype("entry_cache", entry_cache, (q.dtype,))
         check_shape("entry_table", entry_table, (num_rows, None))
         check_dtype("entry_table", entry_table, (torch.int32,))
-        check_same_device(q=q, entry_cache=entry_cache, entry_table=entry_table)
-        if entry_cache.stride(2) != window_cache.stride(2):
-            raise ValueError(f"entry_cache: expected feature stride {window_cache.stride(2)} (the window cache's), "
-                             f"got {entry_cache.stride(2)}")
+        if isinstance(window_cache, FP8LatentCache):
+            entry_values = _check_fp8_keys("entry_cache", entry_cache, q).values
+        elif isinstance(entry_cache, torch.Tensor):
+            check_dtype("entry_cache", entry_cache, (q.dtype,))
+            if entry_cache.stride(2) != window_values.stride(2):
+                raise ValueError(f"entry_cache: expected feature stride {window_values.stride(2)} (the window "
+                                 f"cache's), got {entry_cache.stride(2)}")
+            entry_values = entry_cache
+        else:
+            raise ValueError(f"entry_cache: expected a tensor beside a tensor window cache (both caches of one "
+                             f"type), got a {type(entry_cache).__name__}")
+        check_same_device(q=q, entry_cache=entry_values, entry_table=entry_table)
         if entry_indices is not None:
             check_shape("entry_indices", entry_indices, (num_rows, None))
             check_dtype("entry_indices", entry_indices, (torch.int32,))
@@ -363,7 +445,8 @@ def window_entry_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     device = q.device
-    parts = 0 if num_splits is not None or config is not None else \
+    fp8 = isinstance(window_cache, FP8LatentCache)
+    parts = 0 if fp8 or num_splits is not None or config is not None else \
         wgmma_parts(num_rows, num_heads, head_dim, q.dtype, device)
     config = config or v4_attention_config(num_heads, num_rows, device)
     max_keys = max_keys_of(sliding_window, entry_cache, entry_table, entry_indices)
@@ -373,14 +456,14 @@ def window_entry_attention(
     lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=device)
     if num_rows == 0:
         return out, lse
+    has_entries = entry_cache is not None
     # Without entries the entry arguments are never read: the window's tensors stand in for them.
-    ents = entry_cache if entry_cache is not None else window_cache
     e_table = entry_table if entry_table is not None and has_entries else block_table
     indices = entry_indices if entry_indices is not None and has_entries else block_table
     use_pdl = pdl(device)
-    if parts and gluon_decode.copyable(window_cache, ents):
+    if parts and gluon_decode.copyable(window_values, entry_values):
         gluon_v4.window_entry_split(
-            q, window_cache, block_table, key_lens, ents, e_table, indices, sinks,
+            q, window_values, block_table, key_lens, entry_values, e_table, indices, sinks,
             out.view(num_rows, num_heads, 1, head_dim), lse.view(num_rows, num_heads, 1),
             softmax_scale_log2=softmax_scale * LOG2E, sliding_window=sliding_window, compress_rate=compress_rate,
             has_entries=has_entries, has_indices=entry_indices is not None, fold_sink=True, d_split=parts,
@@ -388,18 +471,22 @@ def window_entry_attention(
         return out, lse
     partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1, workspace=workspace)
     entry_k = indices.shape[1]
-    entry_capacity = e_table.shape[1] * ents.shape[1]
+    entry_capacity = e_table.shape[1] * entry_values.shape[1]
+    leaves, leaf_strides, kv_c = _fp8_leaves(window_cache, entry_cache if has_entries else window_cache,
+                                             window_values, head_dim)
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
     _v4_split_kernel[grid](
-        q, window_cache, block_table, key_lens, ents, e_table, indices, sinks, partial_out, partial_lse,
+        q, window_values, block_table, key_lens, entry_values, e_table, indices, sinks, partial_out, partial_lse,
+        *leaves,
         num_heads, splits, sliding_window, max(1, compress_rate), entry_k, entry_capacity,
         softmax_scale * LOG2E, sinks.stride(0),
-        *q.stride(), *window_cache.stride(), *block_table.stride(), *ents.stride(), *e_table.stride(),
-        *indices.stride(), *partial_out.stride(), *partial_lse.stride(),
+        *q.stride(), *window_values.stride(), *block_table.stride(), *entry_values.stride(), *e_table.stride(),
+        *indices.stride(), *partial_out.stride(), *partial_lse.stride(), *leaf_strides,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        PAGE=window_cache.shape[1], ENTRY_PAGE=ents.shape[1], HAS_ENTRIES=has_entries,
+        PAGE=window_values.shape[1], ENTRY_PAGE=entry_values.shape[1], HAS_ENTRIES=has_entries,
         HAS_INDICES=has_entries and entry_indices is not None, FOLD_SINK=splits == 1,
         DOT_PRECISION=dot_precision(q.dtype), GDC=use_pdl, LOCATE_TILES=_LOCATE_TILES,
+        FP8=fp8, KV_C=kv_c, GROUP=FP8_GROUP,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if splits > 1:

@@ -14,6 +14,10 @@ rotation pairs channel 2p with 2p + 1 without moving data between lanes.
 Roundings follow the reference: the pooled entry and the normalised one are
 rounded to the cache dtype before the norm weight multiplies them; the weighted
 entry stays in the wider of the weight's and the cache's dtype until the store.
+
+An FP8 entries cache (`FP8LatentCache` keys, `FP8IndexCache` indexer keys) takes the pooled entries
+through its own write: the kernel stores them as rows in the inputs' dtype, which the cache's write
+op then quantizes into their slots (the reference's order of roundings: pool, then quantize).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..index_cache import FP8IndexCache
+from ..latent_cache import EntryCacheT, FP8LatentCache
 from ._common import check_float, next_pow2, pdl
+from .cache import write_kv
+from .dsa_indexer import write_index_key
 
 _INTERPRETER_BLOCK_S = 8
 _GPU_BLOCK_S = 16
@@ -124,18 +132,22 @@ def _compress_kernel(
     tl.store(dst + (2 * pairs + 1) * s_ed, r_o.to(dtype), mask=store_mask)
 
 
-def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor, key_lens: torch.Tensor,
+def compress_entries(inputs: torch.Tensor, entries: EntryCacheT, group_slots: torch.Tensor, key_lens: torch.Tensor,
                      block_table: torch.Tensor, position_bias: torch.Tensor, kv_norm: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, *, rate: int, overlap: bool, eps: float, num_seqs: int,
-                     inplace: bool) -> torch.Tensor:
+                     inplace: bool) -> EntryCacheT:
     """The compressor's update (see `reference.v4_paged.compress_entries` for the contract).
 
-    inputs [nb, bs, 2 * c * Dc]; entries [nbg, bsg, Dc] in the inputs' dtype; group_slots [n] int64;
+    inputs [nb, bs, 2 * c * Dc]; entries [nbg, bsg, Dc] in the inputs' dtype, or an `FP8LatentCache` /
+    `FP8IndexCache` of that shape (written through its own write op); group_slots [n] int64;
     key_lens [n] int32; block_table [n, W] int32; position_bias [rate, c * Dc]; kv_norm [Dc];
     cos, sin [P, R / 2] float. `num_seqs` (the reference's bound on completing rows) is not
     needed: rows that complete nothing exit at once. Returns the entries cache.
     """
     n = group_slots.shape[0]
+    if not isinstance(entries, torch.Tensor):
+        return _compress_fp8(inputs, entries, group_slots, key_lens, block_table, position_bias, kv_norm, cos, sin,
+                             rate=rate, overlap=overlap, eps=eps, num_seqs=num_seqs, inplace=inplace)
     c = 2 if overlap else 1
     width = entries.shape[2]
     check_float("inputs", inputs)
@@ -176,3 +188,26 @@ def compress_entries(inputs: torch.Tensor, entries: torch.Tensor, group_slots: t
         num_warps=8 if block_p >= 256 else 4,
     )
     return out
+
+
+def _compress_fp8(inputs: torch.Tensor, entries: EntryCacheT, group_slots: torch.Tensor, key_lens: torch.Tensor,
+                  block_table: torch.Tensor, position_bias: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, *, rate: int, overlap: bool, eps: float, num_seqs: int,
+                  inplace: bool) -> EntryCacheT:
+    """`compress_entries` into an FP8 cache: row i's entry pooled into row i of a [n, Dc] buffer in the inputs'
+    dtype (a cache of one-slot pages, its slot i where the row completes one, else -1), then written at the
+    rows' entry slots by the cache's write op, which quantizes it and skips the -1 slots."""
+    n = group_slots.shape[0]
+    width = entries.shape[2]
+    check_shape("group_slots", group_slots, (n,))
+    check_dtype("group_slots", group_slots, (torch.int64,))
+    check_float("inputs", inputs)
+    rows = torch.empty((n, 1, width), dtype=inputs.dtype, device=inputs.device)
+    row_slots = torch.where(group_slots >= 0, torch.arange(n, device=group_slots.device), -1)
+    compress_entries(inputs, rows, row_slots, key_lens, block_table, position_bias, kv_norm, cos, sin, rate=rate,
+                     overlap=overlap, eps=eps, num_seqs=num_seqs, inplace=True)
+    if isinstance(entries, FP8IndexCache):
+        return write_index_key(entries, group_slots, rows.view(n, width), inplace=inplace)
+    if isinstance(entries, FP8LatentCache):
+        return write_kv(entries, group_slots, rows.view(n, width), inplace=inplace)
+    raise TypeError(f"entries: expected a tensor, an FP8LatentCache or an FP8IndexCache, got {type(entries).__name__}")

@@ -30,6 +30,7 @@ import torch
 import triton
 
 from ..index_cache import IndexCache
+from ..latent_cache import LatentCache
 from .decode import DecodeConfig, decode_config
 from .dsa_indexer import IndexerConfig, index_scores, indexer_config
 from .v4_attention import _GPU_CONFIG_64_HEADS, window_entry_attention
@@ -51,15 +52,15 @@ def attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
     return decode_config(num_heads, device)
 
 
-def invariant_window_entry_attention(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
+def invariant_window_entry_attention(q: torch.Tensor, window_cache: LatentCache, block_table: torch.Tensor,
                                      key_lens: torch.Tensor, sinks: torch.Tensor, *, softmax_scale: float,
-                                     sliding_window: int, entry_cache: torch.Tensor | None = None,
+                                     sliding_window: int, entry_cache: LatentCache | None = None,
                                      entry_table: torch.Tensor | None = None,
                                      entry_indices: torch.Tensor | None = None,
                                      compress_rate: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.v4_paged.window_entry_attention`: one split a row, one tile configuration.
 
-    q [n, H, D]; window_cache [nb, bs, D]; block_table [n, W] int32; key_lens [n] int32; sinks [H];
+    q [n, H, D]; window_cache [nb, bs, D] (a tensor or an `FP8LatentCache`, the entries' of its type); block_table [n, W] int32; key_lens [n] int32; sinks [H];
     entry_cache [nbg, bsg, D], entry_table [n, Wg] int32, entry_indices [n, k] int32 or None
     -> out [n, H, D] in q's dtype, lse [n, H] float32.
     """

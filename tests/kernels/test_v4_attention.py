@@ -3,7 +3,8 @@
 Rows cover every phase a row can be in: padded (no key), a window not yet full,
 no complete entry yet, exactly the first compressed entry, fewer complete entries
 than the top-k (a -1 tail), more than it, and a window that has slid. The reference
-runs in float64 on the same (rounded) inputs.
+runs in float64 on the same (rounded) inputs. FP8 key caches (`FP8LatentCache`, both caches) are
+compared with the reference over their dequantized rows, which is what the reference reads from them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.fp8_cache_cases import dequantized, fp8_cache_of
 from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, randn, strided
+from mla_func.kernels.latent_cache import FP8LatentCache
 from mla_func.kernels.reference.v4_paged import window_entry_attention as reference
 from mla_func.kernels.triton.v4_attention import window_entry_attention
 
@@ -58,9 +61,27 @@ def _double(args, kwargs):
     return [wide(a) for a in args], {k: wide(v) for k, v in kwargs.items()}
 
 
+def _as_fp8(args, kwargs, rope_dim: int):
+    """The case with both key caches in FP8 (the trailing rope_dim values kept in the cache's dtype)."""
+    window = args[1]
+    fp8_args = (args[0], fp8_cache_of(window, window.shape[2] - rope_dim), *args[2:])
+    fp8_kwargs = dict(kwargs)
+    if "entry_cache" in kwargs:
+        fp8_kwargs["entry_cache"] = fp8_cache_of(kwargs["entry_cache"], window.shape[2] - rope_dim)
+    return fp8_args, fp8_kwargs
+
+
+def _dense(args, kwargs):
+    """FP8 key caches replaced by their dequantized rows (tensors pass as they are)."""
+    def rows(x):
+        return dequantized(x) if isinstance(x, FP8LatentCache) else x
+    return [rows(a) for a in args], {k: rows(v) for k, v in kwargs.items()}
+
+
 def _check(args, kwargs, dtype, **extra):
     out, lse = window_entry_attention(*args, **kwargs, **extra)
-    want_out, want_lse = reference(*_double(args, kwargs)[0], **_double(args, kwargs)[1])
+    wide_args, wide_kwargs = _double(*_dense(args, kwargs))
+    want_out, want_lse = reference(*wide_args, **wide_kwargs)
     assert out.dtype == args[0].dtype and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     assert_close(out, want_out, dtype)
@@ -143,13 +164,52 @@ def test_mismatched_arguments_are_named(device):
         window_entry_attention(*args[:4], args[4][:2], **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["csa", "hca", "window"])
+def test_fp8_key_caches(device, dtype, kind):
+    """Both caches in FP8: 24 values (one partial scale group) and 8 rope values a key."""
+    topk = 5 if kind == "csa" else None
+    args, kwargs = _case(KEY_LENS, 4, 32, dtype, device, seed=11, topk=topk, entries=kind != "window")
+    _check(*_as_fp8(args, kwargs, rope_dim=8), dtype, num_splits=2)
+
+
+def test_fp8_keys_past_one_scale_group(device):
+    """200 values a key (two scale groups, the second partial) and 16 rope values, one split and three."""
+    args, kwargs = _case([0, 9, 23], 2, 216, torch.float32, device, seed=12, topk=4)
+    fp8_args, fp8_kwargs = _as_fp8(args, kwargs, rope_dim=16)
+    assert fp8_args[1].scales.shape[2] == 2
+    for splits in (1, 3):
+        _check(fp8_args, fp8_kwargs, torch.float32, num_splits=splits)
+
+
+def test_reference_reads_fp8_caches_as_their_rows(device):
+    """The reference over FP8 caches equals it over their dequantized rows, bit for bit."""
+    args, kwargs = _as_fp8(*_case(KEY_LENS, 4, 32, torch.bfloat16, device, seed=13, topk=5), rope_dim=8)
+    got = reference(*args, **kwargs)
+    want = reference(*_dense(args, kwargs)[0], **_dense(args, kwargs)[1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fp8_and_tensor_caches_do_not_mix(device):
+    args, kwargs = _case([5, 9], 4, 32, torch.float32, device, seed=14, topk=2)
+    fp8_args, fp8_kwargs = _as_fp8(args, kwargs, rope_dim=8)
+    with pytest.raises(ValueError, match="entry_cache: expected an FP8LatentCache"):
+        window_entry_attention(*fp8_args, **kwargs)
+    with pytest.raises(ValueError, match="entry_cache: expected a tensor"):
+        window_entry_attention(*args, **fp8_kwargs)
+    with pytest.raises(ValueError, match="window_cache"):
+        window_entry_attention(fp8_args[0].to(torch.bfloat16), *fp8_args[1:], **fp8_kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize("num_rows", [1, 3, 64])  # 1 and 3 rows: 64+ heads take the few-row tiles
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_real_sizes_on_the_gpu(heads, num_rows, kind):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_real_sizes_on_the_gpu(heads, num_rows, kind, kv_cache_dtype):
     """v4-mini's shapes (head_dim 512, window 128, CSA top-512 of context / 4, HCA context / 128), bf16,
-    rows from a padded one to 9K tokens (one 9K row when alone)."""
+    rows from a padded one to 9K tokens (one 9K row when alone); with FP8 caches, 448 FP8 values and 64
+    bf16 rope values a key."""
     device = torch.device("cuda")
     gen = generator(8, device)
     lens = torch.randint(0, 9000, (num_rows,), generator=gen, device=device)
@@ -160,8 +220,10 @@ def test_real_sizes_on_the_gpu(heads, num_rows, kind):
         lens[0] = 8999  # a lone padded row would leave nothing to compare
     args, kwargs = _case(lens.tolist(), heads, 512, torch.bfloat16, device, seed=9, rate=4 if kind == "csa" else 128,
                          topk=512 if kind == "csa" else None, window=128)
+    if kv_cache_dtype == "fp8":
+        args, kwargs = _as_fp8(args, kwargs, rope_dim=64)
     out, _ = _check(args, kwargs, torch.bfloat16)
     # Outputs average hundreds of keys (|out| ~ 0.05): judged over the whole output too, far below what
     # reading one wrong key per row would give.
-    want, _ = reference(*_double(args, kwargs)[0], **_double(args, kwargs)[1])
+    want, _ = reference(*_double(*_dense(args, kwargs))[0], **_double(*_dense(args, kwargs))[1])
     assert float((out.double() - want).norm() / want.norm()) <= 1e-2

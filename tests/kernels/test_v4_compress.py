@@ -2,6 +2,8 @@
 
 Rows: padded (key_len 0), rows that complete nothing (slot -1), the first entry (for
 overlapping windows, block -1 does not exist: only series Cb pools), later entries.
+FP8 entries caches (keys as `FP8LatentCache`, CSA's indexer keys as `FP8IndexCache`) take the
+entries the tensor path pools, quantized by the cache's own write op.
 """
 
 from __future__ import annotations
@@ -9,8 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.fp8_cache_cases import dequantized, fp8_cache_of, same_bits
 from support.kernel_cases import assert_close, generator, randn
+from mla_func.kernels.index_cache import FP8IndexCache
+from mla_func.kernels.reference.dsa import quantize_index_keys
 from mla_func.kernels.reference.v4_paged import compress_entries as reference
+from mla_func.kernels.triton.cache import write_kv
+from mla_func.kernels.triton.dsa_indexer import write_index_key
 from mla_func.kernels.triton.v4_compress import compress_entries
 
 
@@ -85,6 +92,57 @@ def test_a_bad_bias_shape_is_named(device):
                          device=device, seed=5)
     with pytest.raises(ValueError, match="position_bias"):
         compress_entries(*args[:5], args[5][:2], *args[6:], **kwargs, inplace=False)
+
+
+def _fp8_entries(dense: torch.Tensor, kind: str, rope_dim: int) -> FP8IndexCache:
+    if kind == "keys":
+        return fp8_cache_of(dense, dense.shape[2] - rope_dim)
+    values, scales = quantize_index_keys(dense.flatten(0, 1))
+    return FP8IndexCache(values=values.view(*dense.shape), scales=scales.view(*dense.shape[:2], 1))
+
+
+def _rows(cache) -> torch.Tensor:
+    """Every entry of an FP8 entries cache, dequantized: [nbg * bsg, Dc] float32."""
+    if isinstance(cache, FP8IndexCache):
+        return (cache.values.float() * cache.scales).flatten(0, 1)
+    return dequantized(cache).float().flatten(0, 1)
+
+
+@pytest.mark.parametrize("kind", ["keys", "index_keys"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_entries_take_the_pooled_rows_quantized(device, kind, dtype):
+    args, kwargs = _case([0, 4, 5, 8, 11, 20], rate=4, overlap=True, width=32, rope_pairs=4, dtype=dtype,
+                         device=device, seed=7)
+    fp8 = _fp8_entries(args[1], kind, rope_dim=8)
+    before = [t.clone() for t in fp8.tensors()]
+    got = compress_entries(args[0], fp8, *args[2:], **kwargs, inplace=False)
+    assert type(got) is type(fp8) and all(same_bits(a, b) for a, b in zip(fp8.tensors(), before))
+    # Exactly the tensor path's entries, written by the cache's own write op.
+    slots = args[2]
+    pooled = compress_entries(*args, **kwargs, inplace=False).flatten(0, 1)[slots.clamp(min=0)]
+    write = write_index_key if kind == "index_keys" else write_kv
+    want = write(fp8, slots, pooled, inplace=False)
+    assert all(same_bits(a, b) for a, b in zip(got.tensors(), want.tensors()))
+    # Near the reference's entries (past block 0, where the reference's padded writes land): the pooled rows
+    # agree to the dtype's rounding, so their e4m3 values agree or sit one step (an eighth of the binade) apart.
+    scratch = args[1].shape[1]
+    ref_cache = reference(args[0], fp8, *args[2:], **kwargs, inplace=False)
+    ref, new = _rows(ref_cache)[scratch:], _rows(got)[scratch:]
+    torch.testing.assert_close(new, ref, rtol=0.125, atol=1e-3)
+    assert (new != _rows(fp8)[scratch:]).any(), "some row completes an entry"
+    # Most written e4m3 values are the reference's bits.
+    written = slots[slots >= 0]
+    codes = [c.values.view(torch.uint8).flatten(0, 1)[written] for c in (got, ref_cache)]
+    assert (codes[0] == codes[1]).float().mean() >= 0.9
+
+
+def test_fp8_entries_in_place(device):
+    args, kwargs = _case([4, 8], rate=4, overlap=False, width=16, rope_pairs=2, dtype=torch.float32,
+                         device=device, seed=8)
+    fp8 = _fp8_entries(args[1], "keys", rope_dim=4)
+    want = compress_entries(args[0], fp8, *args[2:], **kwargs, inplace=False)
+    got = compress_entries(args[0], fp8, *args[2:], **kwargs, inplace=True)
+    assert got is fp8 and all(same_bits(a, b) for a, b in zip(got.tensors(), want.tensors()))
 
 
 @pytest.mark.gpu

@@ -98,12 +98,13 @@ class Seq:
                           group_block_tables=tables[1:])
 
 
-def new_state(model: mf.Model, *, num_seqs: int = 4, block_size: int = 4, max_tokens: int = 64):
+def new_state(model: mf.Model, *, num_seqs: int = 4, block_size: int = 4, max_tokens: int = 64,
+              kv_cache_dtype: str = "auto"):
     """A state with room in every cache group for `num_seqs` sequences' `Seq` tables of `max_tokens` tokens."""
     per_seq = -(-max_tokens // block_size) + 1
     num_blocks = 1 + num_seqs * per_seq
     while True:
-        state = mf.init_state(model, num_blocks=num_blocks, block_size=block_size)
+        state = mf.init_state(model, num_blocks=num_blocks, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
         # Each compressed group's block count follows num_blocks by its own rule: grow until Seq's fit.
         if all(g.num_blocks >= 1 + num_seqs * (g.blocks_for(max_tokens) + 1) for g in state.groups):
             return state

@@ -17,18 +17,38 @@ separate carry state needs updating.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from mla_func.kernels import Ops
+from mla_func.kernels.index_cache import FP8IndexCache, IndexCache
+from mla_func.kernels.latent_cache import FP8LatentCache, LatentCache
 from mla_func.models.v4.params import CompressorParams
 
 
+@overload
 def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: torch.Tensor, group_slots: torch.Tensor,
                   key_lens: torch.Tensor, block_table: torch.Tensor, *, rate: int, overlap: bool, num_seqs: int,
-                  cos: torch.Tensor, sin: torch.Tensor, eps: float, ops: Ops, inplace: bool) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, eps: float, ops: Ops, inplace: bool) -> torch.Tensor: ...
+@overload
+def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: FP8LatentCache, group_slots: torch.Tensor,
+                  key_lens: torch.Tensor, block_table: torch.Tensor, *, rate: int, overlap: bool, num_seqs: int,
+                  cos: torch.Tensor, sin: torch.Tensor, eps: float, ops: Ops, inplace: bool) -> FP8LatentCache: ...
+@overload
+def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: FP8IndexCache, group_slots: torch.Tensor,
+                  key_lens: torch.Tensor, block_table: torch.Tensor, *, rate: int, overlap: bool, num_seqs: int,
+                  cos: torch.Tensor, sin: torch.Tensor, eps: float, ops: Ops, inplace: bool) -> FP8IndexCache: ...
+
+
+def write_entries(p: CompressorParams, inputs: torch.Tensor, entries: LatentCache | IndexCache,
+                  group_slots: torch.Tensor, key_lens: torch.Tensor, block_table: torch.Tensor, *, rate: int,
+                  overlap: bool, num_seqs: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, ops: Ops,
+                  inplace: bool) -> LatentCache | IndexCache:
     """Pool and write the entries the rows complete (`ops.v4.compress_entries`).
 
-    inputs [nb, bs, 2 * c * Dc] (this step's tokens written); entries [num_blocks_g, bs_g, Dc];
+    inputs [nb, bs, 2 * c * Dc] (this step's tokens written); entries [num_blocks_g, bs_g, Dc] (a tensor, or an
+    FP8 cache of keys or of indexer keys, returned as the type given);
     group_slots [n] int64 (the entry's slot, -1 for rows that complete none); key_lens [n] int32;
     block_table [n, W] int32; cos, sin [P, R / 2] the compress rope tables -> the entries cache
     with them written.

@@ -15,7 +15,7 @@ from mla_func.core.config import ModelConfig
 from mla_func.core.family import Family
 from mla_func.models.v4.config import SLIDING, v4_fields, validate_v4_config, validate_v4_routing
 from mla_func.models.v4.config_hf import v4_config_from_hf_dict, v4_config_to_hf_dict
-from mla_func.models.v4.layers import v4_cache_groups, v4_layer_kinds
+from mla_func.models.v4.layers import v4_cache_groups, v4_fp8_cache_layer_kinds, v4_layer_kinds
 from mla_func.models.v4.mtp import V4_MTP
 from mla_func.models.v4.params import canonical_names, checkpoint_dtype, v4_held_dtype, v4_tensor_count, v4_tensor_shapes
 from mla_func.models.v4.params_load import v4_params_from_hf, v4_with_max_positions
@@ -62,4 +62,5 @@ V4 = Family(
     quant_layout=v4_quant_layout,
     tensor_split=v4_tensor_split,
     expert_parallel_params=v4_expert_parallel_params,
+    fp8_cache_layer_kinds=v4_fp8_cache_layer_kinds,
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mla_func.kernels import Ops
+from mla_func.kernels.index_cache import IndexCache
 from mla_func.models.v4.config import V4Config
 from mla_func.models.v4.params import IndexerParams
 
@@ -33,7 +34,7 @@ def index_query(p: IndexerParams, q_index: torch.Tensor, x: torch.Tensor, positi
     return q, ops.dense.linear(x, p.weights_proj, out_dtype=torch.float32)
 
 
-def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, group_table: torch.Tensor,
+def select_entries(q: torch.Tensor, head_weights: torch.Tensor, index_keys: IndexCache, group_table: torch.Tensor,
                    counts: torch.Tensor, v: V4Config, ops: Ops) -> torch.Tensor:
     """The entries each row attends to: [n, min(index_topk, L)] int32 entry numbers, -1 for none.
 

@@ -25,6 +25,7 @@ Group 0 is read only near a sequence's end; each kind's `lookback` says how far.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +65,12 @@ class V4Entered:
 
 @dataclass(frozen=True, slots=True)
 class V4DecoderLayer:
-    """One V4 layer: `attention` is a V4 layer type, `head` marks the last layer."""
+    """One V4 layer: `attention` is a V4 layer type, `head` marks the last layer; `kv_cache_dtype` the
+    form of the cache it makes ("auto", or "fp8": `state.v4_cache`), which its body reads either way."""
 
     attention: str
     head: bool = False
+    kv_cache_dtype: str = "auto"
 
     @property
     def name(self) -> str:
@@ -78,7 +81,8 @@ class V4DecoderLayer:
         v = v4_fields(config)
         if self.attention == SLIDING:
             return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=0, compressor_width=0, index_dim=0,
-                                   dtype=dtype, device=device)
+                                   rope_dim=config.qk_rope_head_dim, dtype=dtype, device=device,
+                                   kv_cache_dtype=self.kv_cache_dtype)
         entry_group = 1 + compressed_types(v).index(self.attention)
         expected = compressed_group(groups[0], v.rate(self.attention))
         # Each group has its own block count (group 0's may be bounded): the shape of an entry is what must agree.
@@ -90,7 +94,8 @@ class V4DecoderLayer:
         overlap = self.attention == CSA
         return zeroed_v4_cache(groups, head_dim=v.head_dim, entry_group=entry_group,
                                compressor_width=(2 if overlap else 1) * v.head_dim,
-                               index_dim=v.index_head_dim if overlap else 0, dtype=dtype, device=device)
+                               index_dim=v.index_head_dim if overlap else 0, rope_dim=config.qk_rope_head_dim,
+                               dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype)
 
     def lookback(self, config: ModelConfig) -> int:
         """Tokens before a sequence's next position n that a later step of this layer reads from group 0.
@@ -169,4 +174,10 @@ def v4_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:
     return tuple(V4DecoderLayer(t, head=i == len(types) - 1) for i, t in enumerate(types))
 
 
-__all__ = ["V4DecoderLayer", "V4Entered", "compressed_types", "v4_cache_groups", "v4_layer_kinds"]
+def v4_fp8_cache_layer_kinds(config: ModelConfig) -> tuple[V4DecoderLayer, ...]:
+    """The same layers over FP8 caches (`init_state(kv_cache_dtype="fp8")`, `state.v4_cache`)."""
+    return tuple(dataclasses.replace(k, kv_cache_dtype="fp8") for k in v4_layer_kinds(config))
+
+
+__all__ = ["V4DecoderLayer", "V4Entered", "compressed_types", "v4_cache_groups", "v4_fp8_cache_layer_kinds",
+           "v4_layer_kinds"]
