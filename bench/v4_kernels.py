@@ -20,6 +20,10 @@ rows x context {8K, 64K}:
   indexer keys + window + selected entries + queries + outputs.
 * compress_csa / compress_hca: every row completes an entry (the compressor's decode-time
   update at its most expensive step); bytes = the block's inputs read + the entry written.
+* hca_attention_fp8 / csa_attention_fp8 (B 1 and 64, 64K): the same attention over FP8 key
+  caches (`kv_cache_dtype="fp8"`: 448 e4m3 values, 4 float32 scales, 64 bf16 rope values a key,
+  592 bytes against 1,024); bytes counted at that size; `bf16_over_fp8` is the bf16 cache's row
+  time (its op as called, measured just before) over this one.
 Timings are CUDA-graph replays of calls on other block tables; eager timings (launches
 included, L2 flushed) sit beside them.
 """
@@ -34,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from mla_func.kernels.latent_cache import FP8LatentCache, scale_groups  # noqa: E402
+from mla_func.kernels.reference.cache import quantize_latent  # noqa: E402
 from mla_func.kernels.triton import dsa_indexer, dsa_topk, v4_attention, v4_compress  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
 
@@ -46,6 +52,9 @@ BF16 = torch.bfloat16
 TABLE_COPIES = 2
 BATCHES = (1, 64, 128)
 CONTEXTS = (8 * 1024, 64 * 1024)
+FP8_BATCHES = (1, 64)
+# Bytes of one key in an FP8 cache: the non-rotated values in e4m3, a float32 scale a 128, the rope values in bf16.
+FP8_KEY_BYTES = (HEAD_DIM - 2 * ROPE_PAIRS) + 4 * scale_groups(HEAD_DIM - 2 * ROPE_PAIRS) + 2 * 2 * ROPE_PAIRS
 
 
 def _pages(num_rows: int, width: int, pool: int) -> torch.Tensor:
@@ -96,6 +105,30 @@ def _attention_setup(num_rows, context, kind):
     keys = WINDOW + (TOP_K if kind == "csa" else num_entries)
     return dict(q=q, window_cache=window_cache, win_tables=win_tables, entry_cache=entry_cache,
                 entry_tables=entry_tables, sinks=sinks, key_lens=key_lens, indices=indices, rate=rate, keys=keys)
+
+
+def _fp8(cache: torch.Tensor) -> FP8LatentCache:
+    """A bf16 key cache [nb, bs, D] as the FP8 cache a write would make of it."""
+    num_blocks, block_size, dim = cache.shape
+    values, scales, rope = quantize_latent(cache.view(-1, dim), dim - 2 * ROPE_PAIRS)
+    pages = (num_blocks, block_size)
+    return FP8LatentCache(values=values.view(*pages, -1), scales=scales.view(*pages, -1), rope=rope.view(*pages, -1))
+
+
+def bench_fp8_attention(num_rows, context, kind, ceilings, bf16_ms):
+    """`bench_attention`'s op as called, over FP8 copies of its caches (the tl.dot kernel: the warpgroup-MMA
+    one reads 16-bit caches only)."""
+    s = _attention_setup(num_rows, context, kind)
+    s.update(window_cache=_fp8(s["window_cache"]), entry_cache=_fp8(s["entry_cache"]))
+    max_keys = v4_attention.max_keys_of(WINDOW, s["entry_cache"], s["entry_tables"][0], s["indices"])
+    workspace = v4_attention.v4_attention_workspace(num_rows, HEADS, HEAD_DIM, max_keys, "cuda")
+    ms = common.time_graph([lambda i=i: _attend(s, i, workspace) for i in range(TABLE_COPIES)])
+    queries_outputs = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, 0, 2)
+    num_bytes = num_rows * s["keys"] * FP8_KEY_BYTES + queries_outputs
+    splits = v4_attention.v4_attention_num_splits(num_rows, HEADS, max_keys, "cuda")
+    return _row(f"{kind}_attention_fp8", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=HEADS,
+                keys_per_row=s["keys"], splits=splits, kernel="tl.dot", cache="fp8", bf16_over_fp8=bf16_ms / ms,
+                bytes_counted="FP8 window + entries read (592 bytes a key) + queries + outputs")
 
 
 def _attend(s, i, workspace, indices=None, config=None, num_splits=None):
@@ -233,8 +266,11 @@ def main(argv=None) -> None:
 
     for context in CONTEXTS:
         for num_rows in BATCHES:
-            result["rows"] += bench_attention(num_rows, context, "hca", ceilings)
-            result["rows"] += bench_attention(num_rows, context, "csa", ceilings)
+            for kind in ("hca", "csa"):
+                rows = bench_attention(num_rows, context, kind, ceilings)
+                result["rows"] += rows
+                if context == CONTEXTS[-1] and num_rows in FP8_BATCHES:
+                    result["rows"].append(bench_fp8_attention(num_rows, context, kind, ceilings, rows[0]["ms"]))
             result["rows"].append(bench_csa_decode(num_rows, context, ceilings))
             torch.cuda.empty_cache()
     for num_rows in BATCHES:
@@ -247,7 +283,8 @@ def main(argv=None) -> None:
     common.print_table(rows, [("op", "op"), ("shape", "shape"), ("kernel", "kernel"), ("keys_per_row", "keys/row"),
                               ("splits", "splits"),
                               ("us", "us"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
-                              ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy")])
+                              ("gb_s", "GB/s"), ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"),
+                              ("bf16_over_fp8", "bf16/fp8")])
 
 
 if __name__ == "__main__":
