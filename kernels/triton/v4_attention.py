@@ -37,6 +37,8 @@ captured graph stays valid for any lengths and indices, and nothing syncs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -102,6 +104,15 @@ def v4_attention_config(num_heads: int, num_rows: int, device: torch.device) -> 
     if device.type == "cuda" and num_heads >= 64:
         return _GPU_CONFIG_FEW_ROWS if num_rows <= _FEW_ROWS else _GPU_CONFIG_64_HEADS
     return decode_config(num_heads, device)
+
+
+def fp8_tiles(config: DecodeConfig, device: torch.device) -> DecodeConfig:
+    """The tiles over FP8 caches on a GPU: at most 32 keys a tile and no load pipelining. A key tile is
+    widened to float32 and scaled in registers, and the stages' shared-memory copies of its three leaves
+    would not fit (64-key tiles of 512 columns over two stages asked an H200 for 311 KB)."""
+    if device.type != "cuda":
+        return config
+    return dataclasses.replace(config, block_n=min(config.block_n, 32), num_stages=1)
 
 
 def v4_attention_num_splits(num_rows: int, num_heads: int, max_keys: int, device: torch.device | str,
@@ -183,21 +194,28 @@ def _leaf_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
 @triton.jit
 def _fp8_key_tile(code, key_mask, offs_d, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
                   ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, wr_ptr, er_ptr, s_wrn, s_wrb, s_ern, s_erb,
-                  HEAD_DIM: tl.constexpr, KV_C: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr,
-                  PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_C: tl.constexpr, GROUP: tl.constexpr,
+                  DTYPE: tl.constexpr, PAGE: tl.constexpr, ENTRY_PAGE: tl.constexpr, HAS_ENTRIES: tl.constexpr):
     """The [BLOCK_N, BLOCK_D] key tile of `_cache_codes` codes from FP8 caches, in DTYPE: columns below
     KV_C are the e4m3 values times their group's float32 scale (rounded once), the rest the rope values.
-    Each leaf's feature stride is 1 (checked by the wrapper)."""
+    Each leaf's feature stride is 1 (checked by the wrapper). A key's scales are read once, [BLOCK_N, NG]
+    for NG column blocks of SUB values (one group, or the whole tile when it is narrower than a group),
+    and broadcast over each block's columns."""
+    SUB: tl.constexpr = GROUP if GROUP < BLOCK_D else BLOCK_D
+    NG: tl.constexpr = BLOCK_D // SUB
     values = _leaf_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
     scales = _leaf_rows(code, ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
     rope = _leaf_rows(code, wr_ptr, er_ptr, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
     is_value = offs_d < KV_C
     is_rope = (offs_d >= KV_C) & (offs_d < HEAD_DIM)
-    value_mask = key_mask[:, None] & is_value[None, :]
-    v = tl.load(values[:, None] + offs_d[None, :], mask=value_mask, other=0.0).to(tl.float32)
-    scale = tl.load(scales[:, None] + (offs_d // GROUP)[None, :], mask=value_mask, other=0.0)
+    v = tl.load(values[:, None] + offs_d[None, :], mask=key_mask[:, None] & is_value[None, :], other=0.0)
+    blocks = tl.arange(0, NG)
+    scale = tl.load(scales[:, None] + (blocks * SUB // GROUP)[None, :],
+                    mask=key_mask[:, None] & (blocks * SUB < KV_C)[None, :], other=0.0)
+    block_n: tl.constexpr = v.shape[0]
+    latent = tl.reshape(tl.reshape(v.to(tl.float32), (block_n, NG, SUB)) * scale[:, :, None], (block_n, BLOCK_D))
     r = tl.load(rope[:, None] + (offs_d - KV_C)[None, :], mask=key_mask[:, None] & is_rope[None, :], other=0.0)
-    return tl.where(is_value[None, :], (v * scale).to(DTYPE), r.to(DTYPE))
+    return tl.where(is_value[None, :], latent.to(DTYPE), r.to(DTYPE))
 
 
 # Lengths and the split count follow the batch, which eager steps vary: as
@@ -273,7 +291,7 @@ def _v4_split_kernel(
                 key_mask = code != -1
                 keys = _fp8_key_tile(code, key_mask, offs_d, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb,
                                      ws_ptr, es_ptr, s_wsn, s_wsb, s_esn, s_esb, wr_ptr, er_ptr, s_wrn, s_wrb,
-                                     s_ern, s_erb, HEAD_DIM, KV_C, GROUP, q_ptr.dtype.element_ty,
+                                     s_ern, s_erb, HEAD_DIM, BLOCK_D, KV_C, GROUP, q_ptr.dtype.element_ty,
                                      PAGE, ENTRY_PAGE, HAS_ENTRIES)
             else:
                 row, key_mask = _key_rows(code, win_ptr, ent_ptr, s_wn, s_wb, s_en, s_eb, PAGE, ENTRY_PAGE,
@@ -449,6 +467,8 @@ def window_entry_attention(
     parts = 0 if fp8 or num_splits is not None or config is not None else \
         wgmma_parts(num_rows, num_heads, head_dim, q.dtype, device)
     config = config or v4_attention_config(num_heads, num_rows, device)
+    if fp8:
+        config = fp8_tiles(config, device)
     max_keys = max_keys_of(sliding_window, entry_cache, entry_table, entry_indices)
     splits = num_splits or v4_attention_num_splits(num_rows, num_heads, max_keys, device, config)
 
