@@ -34,6 +34,9 @@ from .norm import rms_norm
 # Rows up to which the GEMV runs (16-bit rows of large weights go to `linear_rows` from two on); each row
 # is one more pass over the weight tile in registers.
 LINEAR_MAX_ROWS = 4
+# Triton's interpreter runs a program's ops one numpy call each, whatever a tile's size: wide tiles
+# (few programs) keep the CPU tests' time down, and 64-wide K slices still take several K steps there.
+_INTERPRETER_BLOCK_N = 32
 _INTERPRETER_BLOCK_K = 64
 
 
@@ -57,7 +60,8 @@ def gemv_tiles(k_in: int, on_gpu: bool) -> GemvTiles:
     still spreads over the multiprocessors.
     """
     if not on_gpu:
-        return GemvTiles(block_n=4, block_k=min(_INTERPRETER_BLOCK_K, next_pow2(k_in)), num_warps=4)
+        return GemvTiles(block_n=_INTERPRETER_BLOCK_N, block_k=min(_INTERPRETER_BLOCK_K, next_pow2(k_in)),
+                         num_warps=4)
     return GemvTiles(block_n=2 if k_in > 2048 else 4, block_k=min(4096, next_pow2(k_in)), num_warps=4)
 
 

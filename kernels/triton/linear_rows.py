@@ -59,6 +59,9 @@ class RowsConfig:
     num_stages: int
 
 
+_INTERPRETER_WIDE_OUT = 1024
+
+
 def takes_rows(num_rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     """Whether `rows_linear` is the product for num_rows rows of dtype times an [n_out, k_in] weight.
 
@@ -77,7 +80,10 @@ def takes_rows(num_rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool
 def rows_config(n_out: int, k_in: int, on_gpu: bool, num_rows: int = ROWS_MAX_ROWS) -> RowsConfig:
     """Tiles for a [num_rows, k_in] x [n_out, k_in]^T product (the sweeps' best, rounded to one rule)."""
     if not on_gpu:
-        return RowsConfig(16, 32, _SPLIT_K if triton.cdiv(n_out, 16) <= _SPLIT_BELOW_TILES else 1, 1)
+        # Triton's interpreter pays a program's ops, not its tile's size: wide weights (LM heads) take
+        # 64-column tiles there, narrow ones 16 (which keeps the K split in the CPU tests' shapes).
+        block_n = 64 if n_out >= _INTERPRETER_WIDE_OUT else 16
+        return RowsConfig(block_n, 32, _SPLIT_K if triton.cdiv(n_out, block_n) <= _SPLIT_BELOW_TILES else 1, 1)
     if num_rows > ROWS_MAX_ROWS:
         # A row tile as wide as the weight's: K steps of 128 three deep keep both in 96 KB.
         return RowsConfig(64, 128, _SPLIT_K if triton.cdiv(n_out, 64) <= _SPLIT_BELOW_TILES else 1, 3)
