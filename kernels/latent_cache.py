@@ -24,7 +24,9 @@ is what every kernel feeds its products with, so all backends attend over the sa
 The ops pick the path by the cache's type, one dispatch per op; model code never asks.
 
 DeepSeek-V3.2's indexer keys (`DSALayerCache.index_k`) follow the same choice with a format of their own
-(`index_cache.FP8IndexCache`); the MTP drafter's own cache stays in the activations' dtype.
+(`index_cache.FP8IndexCache`); the MTP drafter's own cache stays in the activations' dtype. DeepSeek-V4's
+keys (window keys and compressed entries, K = V: Dh - R values and R rotated ones) take this type too, with
+C = Dh - R, and its CSA indexer keys V3.2's (`state.v4_cache`).
 """
 
 from __future__ import annotations

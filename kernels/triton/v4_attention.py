@@ -46,8 +46,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..gluon import mla_decode as gluon_decode
-from ..latent_cache import FP8_GROUP, FP8LatentCache, LatentCache
 from ..gluon import v4_attention as gluon_v4
+from ..latent_cache import FP8_GROUP, FP8LatentCache, LatentCache
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, online_softmax_fold, pdl, sm_count
 from .decode import DecodeConfig, decode_config, fill_splits
 from .decode_merge import split_partials
