@@ -17,6 +17,11 @@ bench/results/.
 With --profile, each row's graph step is also profiled with programmatic launch off (each
 kernel's own time) and its longest kernels printed; the list goes into the JSON too.
 
+With --fp8-cache, each (batch, context) runs twice, over bf16 caches and over FP8 ones
+(`kv_cache_dtype="fp8"`: window keys and entries as 448 e4m3 values, 4 float32 scales and 64 bf16
+rope values, indexer keys as 128 e4m3 values and a scale), the cache bytes counted at each form's
+size; `vs_bf16` is the FP8 row's graph time over the bf16 row's. Written as `v4-step-fp8`.
+
 With --invariant, each row also times the batch-invariant graph step (`make_step(batch_invariant=True)`,
 the Triton table's invariant ops) on the same shapes, on a state of its own: "invariant cost" is its
 time over the default step's, less 1 (the figures `bench/step.py` reports for v2-lite).
@@ -45,6 +50,7 @@ import common  # noqa: E402
 
 import mla_func as mf  # noqa: E402
 from mla_func.kernels import ops_for  # noqa: E402
+from mla_func.kernels.latent_cache import scale_groups  # noqa: E402
 
 BLOCK_SIZE = 64
 PROFILE_ROWS = 30
@@ -58,15 +64,24 @@ def tree_bytes(tree) -> int:
     return sum(nbytes(t) for t in mf.pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step):
+def fill_random(t: torch.Tensor) -> None:
+    """Random values in a cache leaf: N(0, 1), or for FP8 values their e4m3 rounding (the float8 dtypes have
+    no random kernels)."""
+    if t.element_size() == 1:
+        t.copy_(torch.randn(t.shape, device=t.device).to(t.dtype))
+    else:
+        t.normal_(0.0, 1.0)
+
+
+def decode_setup(model: mf.Model, batch: int, context: int, step: mf.Step, kv_cache_dtype: str = "auto"):
     """A state as the engine holds it for `batch` sequences of `context` cached tokens: group 0 (window keys,
     compressor and indexer inputs) only the blocks within its lookback (the earlier ones are the scratch
     block in each table, as the scheduler leaves them), every compressed group whole; and the decode batch."""
     per_seq = math.ceil((context + 1) / BLOCK_SIZE)
     state = mf.init_state(model, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE, max_num_seqs=batch,
-                          max_num_batched_tokens=batch)
+                          max_num_batched_tokens=batch, kv_cache_dtype=kv_cache_dtype)
     for cache in state.leaves():
-        cache.normal_(0.0, 1.0)
+        fill_random(cache)
     seqs = []
     for i in range(batch):
         tables = []
@@ -99,13 +114,21 @@ def routed_experts(model: mf.Model, state, batch_tensors, mode) -> list[int]:
     return seen
 
 
-def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, cache bytes) one decode step must read."""
+def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int,
+                  kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """(weight bytes, cache bytes) one decode step must read (keys and index keys at the cache's size)."""
     p, v = model.params, model.config.family_fields
     assert v is not None
     weight = nbytes(p.lm_head) + nbytes(p.norm) + batch * p.embed.shape[1] * p.embed.element_size()
     cache = 0
     itemsize = model.dtype.itemsize
+    rope = model.config.qk_rope_head_dim
+    if kv_cache_dtype == "fp8":
+        # e4m3 values, a float32 scale a 128 (`latent_cache.scale_groups`), rope values as they are.
+        key_bytes = (v.head_dim - rope) + 4 * scale_groups(v.head_dim - rope) + rope * itemsize
+        index_key_bytes = v.index_head_dim + 4
+    else:
+        key_bytes, index_key_bytes = v.head_dim * itemsize, v.index_head_dim * itemsize
     keys = context + 1
     for layer, layer_type, routed in zip(p.layers, v.layer_types, experts):
         a = layer.attn
@@ -121,8 +144,8 @@ def touched_bytes(model: mf.Model, experts: list[int], batch: int, context: int)
         elif layer_type == "compressed_sparse_attention":
             count = keys // v.rate(layer_type)
             entries = min(v.index_topk, count)
-            cache += batch * count * v.index_head_dim * itemsize
-        cache += batch * (min(v.sliding_window, keys) + entries) * v.head_dim * itemsize
+            cache += batch * count * index_key_bytes
+        cache += batch * (min(v.sliding_window, keys) + entries) * key_bytes
     return weight, cache
 
 
@@ -150,15 +173,15 @@ def invariant_step_ms(model, batch, context, args, max_len) -> float:
     return ms
 
 
-def run_row(model, batch, context, args, copy_bw, max_len) -> dict:
+def run_row(model, batch, context, args, copy_bw, max_len, kv_cache_dtype: str = "auto") -> dict:
     # The batch-invariant step first, so that its state is freed before the default step's is made.
     invariant_ms = invariant_step_ms(model, batch, context, args, max_len) if args.invariant else None
     graph_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
                               block_size=BLOCK_SIZE)
     eager_step = mf.make_step(model, backend=args.backend, graphs=False, padding=graph_step.padding)
-    state, batch_tensors, mode = decode_setup(model, batch, context, graph_step)
+    state, batch_tensors, mode = decode_setup(model, batch, context, graph_step, kv_cache_dtype)
     experts = routed_experts(model, state, batch_tensors, mode)
-    weight_bytes, cache_bytes = touched_bytes(model, experts, batch, context)
+    weight_bytes, cache_bytes = touched_bytes(model, experts, batch, context, kv_cache_dtype)
     roofline_ms = (weight_bytes + cache_bytes) / copy_bw * 1e3
     graph_ms, state = time_steps(graph_step, state, batch_tensors, mode, args.iters)
     eager_ms = math.nan
@@ -205,6 +228,8 @@ def main() -> None:
                         help="also profile each row's step kernel by kernel (programmatic launch off)")
     parser.add_argument("--invariant", action="store_true",
                         help="also time the batch-invariant graph step of each row (its cost over the default)")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="run each row over bf16 and over FP8 caches (written as v4-step-fp8)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -216,14 +241,18 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            try:
-                rows.append(run_row(model, batch, context, args, copy_bw, max_len))
-            except torch.cuda.OutOfMemoryError as exc:
-                # A shape that does not fit this GPU is a result of the run: recorded, and the run goes on.
-                rows.append(dict(batch=batch, context=context, error=f"out of memory: {str(exc)[:160]}"))
-            print({k: v for k, v in rows[-1].items() if k != "kernels_without_programmatic_launch"}, flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
+            for cache in ("auto", "fp8") if args.fp8_cache else ("auto",):
+                run = dict(run="FP8 cache" if cache == "fp8" else "bf16 cache") if args.fp8_cache else {}
+                try:
+                    rows.append(dict(**run, **run_row(model, batch, context, args, copy_bw, max_len, cache)))
+                except torch.cuda.OutOfMemoryError as exc:
+                    # A shape that does not fit this GPU is a result of the run: recorded, and the run goes on.
+                    rows.append(dict(**run, batch=batch, context=context, error=f"out of memory: {str(exc)[:160]}"))
+                if cache == "fp8" and "graph_ms" in rows[-1] and "graph_ms" in rows[-2]:
+                    rows[-1]["vs_bf16"] = rows[-1]["graph_ms"] / rows[-2]["graph_ms"]
+                print({k: v for k, v in rows[-1].items() if k != "kernels_without_programmatic_launch"}, flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
 
     result = dict(
         preset="v4-mini", dtype="bfloat16", backend=args.backend, block_size=BLOCK_SIZE, invariant=args.invariant,
@@ -231,10 +260,10 @@ def main() -> None:
         torch=torch.__version__, copy_bandwidth_gb_s=copy_bw / 1e9,
         targets="batch 1: graph_ms <= 1.5 x roofline_ms; batch 64 at 64K: >= 70% of roofline", rows=rows,
     )
-    path = common.write_json(result, args.out, "v4-step")
+    path = common.write_json(result, args.out, "v4-step-fp8" if args.fp8_cache else "v4-step")
     print(f"\n{result['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s  -> {path}")
     common.print_table(rows, [
-        ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("invariant_ms", "invariant ms"),
+        ("run", "run"), ("batch", "batch"), ("context", "ctx"), ("graph_ms", "graph ms"), ("vs_bf16", "x bf16 cache"), ("invariant_ms", "invariant ms"),
         ("invariant_cost", "invariant cost"), ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"),
         ("pct_roofline", "% roofline"), ("roofline_ratio", "t/t_roof"),
         ("graph_speedup", "graph x"), ("graph_tok_s", "tok/s"), ("weight_gb", "weights GB"),
