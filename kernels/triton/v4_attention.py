@@ -107,10 +107,11 @@ def v4_attention_config(num_heads: int, num_rows: int, device: torch.device) -> 
 
 
 def fp8_tiles(config: DecodeConfig, device: torch.device) -> DecodeConfig:
-    """The tiles over FP8 caches on a GPU: at most 32 keys a tile and no load pipelining. A key tile is
-    widened to float32 and scaled in registers, and the stages' shared-memory copies of its three leaves
-    would not fit (64-key tiles of 512 columns over two stages asked an H200 for 311 KB)."""
-    if device.type != "cuda":
+    """The tiles over FP8 caches on a GPU. A key tile is widened to float32 and scaled in registers: the
+    64-head tiles stay (H200, B64 x 64K, a sweep of 36 tiles: HCA 55.1 us, CSA 62.4, against 65.5 and 64.8
+    without pipelining; `bench/notes/v4.md`), the few-row tiles take no load pipelining (B1: 9.9 against
+    10.9 us over two stages; 64-key tiles of 16 or 32 heads over two stages do not fit shared memory)."""
+    if device.type != "cuda" or config.block_h >= 64:
         return config
     return dataclasses.replace(config, block_n=min(config.block_n, 32), num_stages=1)
 
