@@ -52,7 +52,7 @@ def test_fp8_state_holds_fp8_keys(model):
         if layer.entries is not None:
             assert isinstance(layer.entries, FP8LatentCache)
             assert layer.compressor_inputs.dtype == model.dtype
-            assert torch.equal(torch.tensor(layer.compressor_inputs.shape), torch.tensor(plain.compressor_inputs.shape))
+            assert layer.compressor_inputs.shape == plain.compressor_inputs.shape
         assert (layer.index_keys is None) == (plain.index_keys is None)
         if layer.index_keys is not None:
             assert isinstance(layer.index_keys, FP8IndexCache)
@@ -68,8 +68,8 @@ def test_fp8_state_holds_fp8_keys(model):
         assert auto.bytes_per_block(g) - state.bytes_per_block(g) == state.groups[g].block_size * saved
 
 
-def test_v4_flash_keys_take_592_bytes():
-    """V4's keys at their real size (Dh 512, R 64) in bf16: 448 FP8 values, 4 float32 scales, 64 bf16 rope
+def test_real_size_keys_take_592_bytes():
+    """V4's keys at their real size (v4-mini's, as V4-Flash's: Dh 512, R 64) in bf16: 448 FP8 values, 4 float32 scales, 64 bf16 rope
     values, against 1,024 bytes; the indexer's keys (128) 132 bytes against 256."""
     c = v4_mini()
     fp8 = mf.init_state(c, num_blocks=2, block_size=128, dtype=torch.bfloat16, device="meta", kv_cache_dtype="fp8")
