@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from mla_func.kernels.latent_cache import scale_groups, zeroed_latent  # noqa: E402
+from mla_func.kernels.latent_cache import scale_groups  # noqa: E402
 from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
-from mla_func.kernels.triton import cache as triton_cache  # noqa: E402
+from mla_func.kernels.reference.cache import quantized_cache  # noqa: E402
 from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight  # noqa: E402
 from mla_func.kernels.triton import decode, fp4_experts, fp4_pairs, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
 from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
@@ -50,11 +50,7 @@ TOKEN_BYTES = {"auto": DIM * 2, "fp8": KV_LORA_RANK + 4 * scale_groups(KV_LORA_R
 
 def _fp8_cache(dense):
     """The FP8 latent cache of a bf16 one [nb, bs, C + R], every row quantized by the cache write."""
-    num_blocks, block_size, _ = dense.shape
-    cache = zeroed_latent(num_blocks, block_size, KV_LORA_RANK, ROPE_DIM, kv_cache_dtype="fp8", dtype=BF16,
-                          device="cuda")
-    slots = torch.arange(num_blocks * block_size, device="cuda")
-    return triton_cache.write_kv(cache, slots, dense.view(-1, DIM))
+    return quantized_cache(dense, KV_LORA_RANK)
 
 
 def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype="auto", q_len=1):

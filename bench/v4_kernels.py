@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from mla_func.kernels.latent_cache import FP8LatentCache, scale_groups  # noqa: E402
-from mla_func.kernels.reference.cache import quantize_latent  # noqa: E402
+from mla_func.kernels.reference.cache import quantized_cache  # noqa: E402
 from mla_func.kernels.triton import dsa_indexer, dsa_topk, v4_attention, v4_compress  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig  # noqa: E402
 
@@ -109,10 +109,7 @@ def _attention_setup(num_rows, context, kind):
 
 def _fp8(cache: torch.Tensor) -> FP8LatentCache:
     """A bf16 key cache [nb, bs, D] as the FP8 cache a write would make of it."""
-    num_blocks, block_size, dim = cache.shape
-    values, scales, rope = quantize_latent(cache.view(-1, dim), dim - 2 * ROPE_PAIRS)
-    pages = (num_blocks, block_size)
-    return FP8LatentCache(values=values.view(*pages, -1), scales=scales.view(*pages, -1), rope=rope.view(*pages, -1))
+    return quantized_cache(cache, cache.shape[2] - 2 * ROPE_PAIRS)
 
 
 def bench_fp8_attention(num_rows, context, kind, ceilings, bf16_ms):

@@ -55,6 +55,16 @@ def quantize_latent(kv: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, 
     return values, scales, kv[:, kv_lora_rank:]
 
 
+def quantized_cache(dense: torch.Tensor, kv_lora_rank: int) -> FP8LatentCache:
+    """A whole paged cache in FP8: dense [num_blocks, bs, C + R] -> the `FP8LatentCache` holding each of its
+    rows as `write_kv` would (`quantize_latent`), the RoPE values in dense's dtype."""
+    num_blocks, block_size, dim = dense.shape
+    values, scales, rope = quantize_latent(dense.reshape(num_blocks * block_size, dim), kv_lora_rank)
+    pages = (num_blocks, block_size)
+    return FP8LatentCache(values=values.reshape(*pages, -1), scales=scales.reshape(*pages, -1),
+                          rope=rope.reshape(*pages, -1))
+
+
 def _write_fp8_latent(cache: FP8LatentCache, slot_mapping: torch.Tensor, kv: torch.Tensor, *,
                       inplace: bool) -> FP8LatentCache:
     check_shape("kv", kv, (slot_mapping.shape[0], cache.shape[2]))

@@ -9,17 +9,10 @@ import torch
 import mla_func as mf
 
 from mla_func.kernels.latent_cache import FP8LatentCache
-from mla_func.kernels.reference.cache import quantize_latent
+from mla_func.kernels.reference.cache import quantized_cache
 
-
-def fp8_cache_of(dense: torch.Tensor, kv_lora_rank: int) -> FP8LatentCache:
-    """dense [num_blocks, bs, C + R] -> the FP8 cache holding every one of its rows as `write_kv` would
-    (`reference.cache.quantize_latent`), RoPE values in dense's dtype."""
-    num_blocks, block_size, dim = dense.shape
-    values, scales, rope = quantize_latent(dense.reshape(num_blocks * block_size, dim), kv_lora_rank)
-    pages = (num_blocks, block_size)
-    return FP8LatentCache(values=values.reshape(*pages, -1), scales=scales.reshape(*pages, -1),
-                          rope=rope.reshape(*pages, -1))
+# dense [num_blocks, bs, C + R] -> the FP8 cache holding every one of its rows as `write_kv` would.
+fp8_cache_of = quantized_cache
 
 
 def dequantized(cache: FP8LatentCache) -> torch.Tensor:
