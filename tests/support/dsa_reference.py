@@ -71,9 +71,10 @@ def record_scores(ops: mf.kernels.Ops) -> tuple[mf.kernels.Ops, list[tuple[torch
 MIN_RELATIVE_GAP = 2e-5
 
 
-def check_top_k_margins(model: mf.Model, token_ids: list[int], block_size: int = 4) -> float:
-    """Run `token_ids` through the model in one prefill and fail the test if any query of any layer
-    has a near-tie at its k-th visible index score. Returns the smallest relative gap found."""
+def smallest_top_k_gap(model: mf.Model, token_ids: list[int], block_size: int = 4) -> tuple[float, int, int]:
+    """Run `token_ids` through the model in one prefill; the smallest relative gap between the k-th
+    and the (k+1)-th visible index score of any query of any layer, with its (layer, position).
+    (inf, -1, -1) when no query sees more than k keys."""
     k = model.config.index_topk
     ops, seen = record_scores(mf.kernels.ops_for("torch"))
     state = mf.init_state(model, num_blocks=2 + len(token_ids) // block_size, block_size=block_size)
@@ -81,16 +82,22 @@ def check_top_k_margins(model: mf.Model, token_ids: list[int], block_size: int =
     plan = mf.StepPlan(prefill=(mf.SeqPlan(tuple(token_ids), 0, table),))
     batch, mode = mf.plan_step(model.config, state, plan)
     mf.forward(model.params, state, batch, mode, ops=ops)
-    smallest = float("inf")
+    smallest = (float("inf"), -1, -1)
     for layer, (scores, key_lens) in enumerate(seen):
         for row in range(scores.shape[0]):
             visible = scores[row, : int(key_lens[row])].double()
             if visible.numel() <= k:
                 continue
             top = visible.sort(descending=True).values
-            gap = float((top[k - 1] - top[k]) / top.abs().max())
-            smallest = min(smallest, gap)
-            if gap < MIN_RELATIVE_GAP:
-                pytest.fail(f"near-tie at the k-th index score (layer {layer}, position {row}: relative gap {gap:.2e} "
-                            f"< {MIN_RELATIVE_GAP:g}): the oracle's choice is ambiguous; change the seed or the tokens")
+            smallest = min(smallest, (float((top[k - 1] - top[k]) / top.abs().max()), layer, row))
     return smallest
+
+
+def check_top_k_margins(model: mf.Model, token_ids: list[int], block_size: int = 4) -> float:
+    """Run `token_ids` through the model in one prefill and fail the test if any query of any layer
+    has a near-tie at its k-th visible index score. Returns the smallest relative gap found."""
+    gap, layer, row = smallest_top_k_gap(model, token_ids, block_size)
+    if gap < MIN_RELATIVE_GAP:
+        pytest.fail(f"near-tie at the k-th index score (layer {layer}, position {row}: relative gap {gap:.2e} "
+                    f"< {MIN_RELATIVE_GAP:g}): the oracle's choice is ambiguous; change the seed or the tokens")
+    return gap
