@@ -16,12 +16,12 @@ float32, read once). Here:
   tokens at once, per stream a [16, BLOCK_D] tile, the dots as a float32-accurate
   (three-pass TF32) dot product with the [BLOCK_D, (2 + N) * N] slice of fn.
 * `_site_kernel` (`_head_kernel` for the hyper head's sigmoid weights and plain collapse),
-  one program per token: sums the slices' partials, scales the dots by
-  the row's inverse RMS (unit_rms(x) @ fn^T = rsqrt(mean(x^2) + eps) * (x @ fn^T)),
-  turns them into pre, post and comb (`v4_hc.hc_gates`, the same code as the
-  weights-only kernel), collapses the streams with pre (rounded to the streams' dtype)
-  and applies the weighted RMS norm: in registers when the row fits one tile, else in
-  two passes over D.
+  one program per token on a GPU (a block of tokens under the interpreter): sums the
+  slices' partials, scales the dots by the row's inverse RMS (unit_rms(x) @ fn^T =
+  rsqrt(mean(x^2) + eps) * (x @ fn^T)), turns them into pre, post and comb
+  (`v4_hc.hc_gates`, the same code as the weights-only kernel), collapses the streams
+  with pre (rounded to the streams' dtype) and applies the weighted RMS norm: in
+  registers when the row fits one tile, else in two passes over D.
 
 The workspace is sized by static shapes only, so the wrappers are graph-capturable. The streams
 pass's layout (`StreamsLayout`: which kernel, how D is sliced) follows the token count by default;
@@ -65,6 +65,7 @@ _STREAMS_DOT_STAGES = 1
 # The per-token kernels take up to this much of D in one tile (V4's 4096: the whole row, one
 # round of loads instead of one a chunk and pass).
 _MAX_SITE_BLOCK_D = 4096
+_INTERPRETER_SITE_ROWS = 16
 
 
 def _site_tile(n: int, dim: int) -> tuple[int, int]:
@@ -76,6 +77,13 @@ def _site_tile(n: int, dim: int) -> tuple[int, int]:
     """
     block_d = min(_MAX_SITE_BLOCK_D, max(16, next_pow2(dim)))
     return block_d, max(4, min(16, block_d * max(2, next_pow2(n)) // 2048))
+
+
+def _site_rows(num_tokens: int, device: torch.device) -> int:
+    """Tokens a program of the site kernel: one on a GPU (a row's gates and norm fill a program; more
+    rows would only lengthen it), up to _INTERPRETER_SITE_ROWS under the interpreter, whose cost is
+    per operation, not per value: the 20 Sinkhorn rounds of a row cost what those of 16 rows cost."""
+    return 1 if device.type == "cuda" else min(_INTERPRETER_SITE_ROWS, next_pow2(num_tokens))
 
 
 # The token count and what follows from it are plain arguments (an eager step meets every count); D,
@@ -201,15 +209,17 @@ def _streams_dot_kernel(
         tl.store(row[:, None] + 1 + mm[None, :], dots, mask=t_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["slices", "iters"])
+@triton.jit(do_not_specialize=["num_tokens", "slices", "iters"])
 def _site_kernel(
     ws_ptr, streams_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
-    dim, slices, iters, hc_eps, norm_eps,
+    num_tokens, dim, slices, iters, hc_eps, norm_eps,
     s_wt, s_ws, s_st, s_sn, s_sd, s_w, s_xt, s_xd, s_pt, s_pn, s_ct, s_cr, s_cc,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
-    PRELOAD: tl.constexpr, GDC: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr, PRELOAD: tl.constexpr, GDC: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    t = tokens.to(tl.int64)
     kk = tl.arange(0, NP)
     k_ok = kk < N
     r = kk[:, None]
@@ -217,68 +227,75 @@ def _site_kernel(
     inside = (r < N) & (c < N)
     offs = tl.arange(0, BLOCK_D)
     d_ok = offs < dim
+    row_ok = t_ok[:, None, None] & k_ok[None, :, None]                             # [BLOCK_T, NP, 1]
+    streams_rows = streams_ptr + t[:, None, None] * s_st + kk[None, :, None] * s_sn
     if PRELOAD:
-        # The norm weight depends on no earlier kernel, and the row's streams on no gate: both
+        # The norm weight depends on no earlier kernel, and the rows' streams on no gate: both
         # loads are in flight while the partials are summed and the gates computed.
         w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
     if PRELOAD:
-        tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
-                       mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        tile = tl.load(streams_rows + offs[None, None, :] * s_sd, mask=row_ok & d_ok[None, None, :],
+                       other=0.0).to(tl.float32)                                   # [BLOCK_T, NP, BLOCK_D]
     ss = tl.arange(0, BLOCK_S)
-    squares = tl.zeros([BLOCK_S], tl.float32)
-    pre = tl.zeros([BLOCK_S, NP], tl.float32)
-    post = tl.zeros([BLOCK_S, NP], tl.float32)
-    comb = tl.zeros([BLOCK_S, NP, NP], tl.float32)
+    squares = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    pre = tl.zeros([BLOCK_T, BLOCK_S, NP], tl.float32)
+    post = tl.zeros([BLOCK_T, BLOCK_S, NP], tl.float32)
+    comb = tl.zeros([BLOCK_T, BLOCK_S, NP, NP], tl.float32)
     for s0 in range(0, slices, BLOCK_S):
         s = s0 + ss
-        s_ok = s < slices
-        row = ws_ptr + t * s_wt + s * s_ws                                          # [BLOCK_S]
+        s_ok = t_ok[:, None] & (s < slices)[None, :]                               # [BLOCK_T, BLOCK_S]
+        row = ws_ptr + t[:, None] * s_wt + s[None, :] * s_ws
         squares += tl.load(row, mask=s_ok, other=0.0)
-        lane_ok = s_ok[:, None] & k_ok[None, :]
-        pre += tl.load(row[:, None] + 1 + kk[None, :], mask=lane_ok, other=0.0)
-        post += tl.load(row[:, None] + 1 + N + kk[None, :], mask=lane_ok, other=0.0)
-        comb += tl.load(row[:, None, None] + 1 + 2 * N + r[None, :, :] * N + c[None, :, :],
-                        mask=s_ok[:, None, None] & inside[None, :, :], other=0.0)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / (N * dim) + norm_eps)
-    pre, post, comb = hc_gates(tl.sum(pre, axis=0)[None, :] * inv_rms, tl.sum(post, axis=0)[None, :] * inv_rms,
-                               tl.sum(comb, axis=0)[None, :, :] * inv_rms, base_ptr, scale_ptr, iters, hc_eps, N, NP)
-    tl.store(post_ptr + t * s_pt + kk[None, :] * s_pn, post, mask=k_ok[None, :])
-    tl.store(comb_ptr + t * s_ct + r[None, :, :] * s_cr + c[None, :, :] * s_cc, comb, mask=inside[None, :, :])
+        lane_ok = s_ok[:, :, None] & k_ok[None, None, :]
+        pre += tl.load(row[:, :, None] + 1 + kk[None, None, :], mask=lane_ok, other=0.0)
+        post += tl.load(row[:, :, None] + 1 + N + kk[None, None, :], mask=lane_ok, other=0.0)
+        comb += tl.load(row[:, :, None, None] + 1 + 2 * N + r[None, None, :, :] * N + c[None, None, :, :],
+                        mask=s_ok[:, :, None, None] & inside[None, None, :, :], other=0.0)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / (N * dim) + norm_eps)        # [BLOCK_T]
+    pre, post, comb = hc_gates(tl.sum(pre, axis=1) * inv_rms[:, None], tl.sum(post, axis=1) * inv_rms[:, None],
+                               tl.sum(comb, axis=1) * inv_rms[:, None, None], base_ptr, scale_ptr, iters, hc_eps,
+                               N, NP)
+    tl.store(post_ptr + t[:, None] * s_pt + kk[None, :] * s_pn, post, mask=t_ok[:, None] & k_ok[None, :])
+    tl.store(comb_ptr + t[:, None, None] * s_ct + r[None, :, :] * s_cr + c[None, :, :] * s_cc, comb,
+             mask=t_ok[:, None, None] & inside[None, :, :])
 
-    weights = tl.sum(pre, axis=0)[:, None]                                          # [NP, 1]
+    weights = pre[:, :, None]                                                       # [BLOCK_T, NP, 1]
     dtype = streams_ptr.dtype.element_ty
+    x_rows = x_ptr + t[:, None] * s_xt                                              # [BLOCK_T, 1]
     if ONE_TILE:
         # The whole row (dim <= BLOCK_D) in one tile: the collapse stays in registers for the norm.
         if not PRELOAD:
             w = tl.load(w_ptr + offs * s_w, mask=d_ok, other=0.0).to(tl.float32)
-            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + offs[None, :] * s_sd,
-                           mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(col * col, axis=0) / dim + norm_eps)
-        normed = (col * inv).to(dtype).to(tl.float32)
-        tl.store(x_ptr + t * s_xt + offs * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
+            tile = tl.load(streams_rows + offs[None, None, :] * s_sd, mask=row_ok & d_ok[None, None, :],
+                           other=0.0).to(tl.float32)
+        col = tl.sum(weights * tile, axis=1).to(dtype).to(tl.float32)               # [BLOCK_T, BLOCK_D]
+        inv = 1.0 / tl.sqrt(tl.sum(col * col, axis=1) / dim + norm_eps)
+        normed = (col * inv[:, None]).to(dtype).to(tl.float32)
+        tl.store(x_rows + offs[None, :] * s_xd, (w[None, :] * normed).to(x_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & d_ok[None, :])
     else:
-        total = tl.zeros([BLOCK_D], tl.float32)
+        total = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         for d0 in range(0, dim, BLOCK_D):
             dd = d0 + offs
-            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
-                           mask=k_ok[:, None] & (dd < dim)[None, :], other=0.0).to(tl.float32)
-            col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
+            tile = tl.load(streams_rows + dd[None, None, :] * s_sd, mask=row_ok & (dd < dim)[None, None, :],
+                           other=0.0).to(tl.float32)
+            col = tl.sum(weights * tile, axis=1).to(dtype).to(tl.float32)
             total += col * col
-        inv = 1.0 / tl.sqrt(tl.sum(total, axis=0) / dim + norm_eps)
+        inv = 1.0 / tl.sqrt(tl.sum(total, axis=1) / dim + norm_eps)
         # The second pass recomputes the collapse (the same values) rather than reading back stores.
         for d0 in range(0, dim, BLOCK_D):
             dd = d0 + offs
             d_ok = dd < dim
-            tile = tl.load(streams_ptr + t * s_st + kk[:, None] * s_sn + dd[None, :] * s_sd,
-                           mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            col = tl.sum(weights * tile, axis=0).to(dtype).to(tl.float32)
-            normed = (col * inv).to(dtype).to(tl.float32)
+            tile = tl.load(streams_rows + dd[None, None, :] * s_sd, mask=row_ok & d_ok[None, None, :],
+                           other=0.0).to(tl.float32)
+            col = tl.sum(weights * tile, axis=1).to(dtype).to(tl.float32)
+            normed = (col * inv[:, None]).to(dtype).to(tl.float32)
             w = tl.load(w_ptr + dd * s_w, mask=d_ok, other=0.0).to(tl.float32)
-            tl.store(x_ptr + t * s_xt + dd * s_xd, (w * normed).to(x_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(x_rows + dd[None, :] * s_xd, (w[None, :] * normed).to(x_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["slices"])
@@ -429,11 +446,12 @@ def _site_pass(ws: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scal
     post = torch.empty((num_tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((num_tokens, n, n), dtype=torch.float32, device=streams.device)
     block_d, num_warps = _site_tile(n, dim)
-    _site_kernel[(num_tokens,)](
+    block_t = _site_rows(num_tokens, streams.device)
+    _site_kernel[(triton.cdiv(num_tokens, block_t),)](
         ws, streams, base.contiguous(), scale.contiguous(), norm_weight, x, post, comb,
-        dim, slices, iters, hc_eps, norm_eps,
+        num_tokens, dim, slices, iters, hc_eps, norm_eps,
         *ws.stride()[:2], *streams.stride(), norm_weight.stride(0), *x.stride(), *post.stride(), *comb.stride(),
-        N=n, NP=max(2, next_pow2(n)), BLOCK_S=min(64, next_pow2(slices)),
+        N=n, NP=max(2, next_pow2(n)), BLOCK_T=block_t, BLOCK_S=min(64, next_pow2(slices)),
         BLOCK_D=block_d, ONE_TILE=dim <= block_d, PRELOAD=dim <= block_d and num_tokens >= _PRELOAD_MIN_TOKENS,
         GDC=pdl(streams.device), num_warps=num_warps,
         launch_pdl=pdl(streams.device),

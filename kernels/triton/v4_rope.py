@@ -21,6 +21,8 @@ from ..checks import check_same_device, check_shape
 from ._common import check_float, next_pow2, pdl
 
 _BLOCK_M = 4
+# Under the interpreter a program's cost is per operation, not per value: a token's rows in one program.
+_INTERPRETER_BLOCK_M = 64
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -100,11 +102,12 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position
     rows = x3.shape[1]
     if num_tokens == 0 or rows == 0:
         return out.view(x.shape)
-    _rope_tail_kernel[(num_tokens, triton.cdiv(rows, _BLOCK_M))](
+    block_m = _BLOCK_M if x.device.type == "cuda" else max(_BLOCK_M, min(_INTERPRETER_BLOCK_M, next_pow2(rows)))
+    _rope_tail_kernel[(num_tokens, triton.cdiv(rows, block_m))](
         x3, cos2, sin2, cos2 if positions is None else positions, out,
         rows, -1.0 if inverse else 1.0, 0.0 if unit_rms_eps is None else float(unit_rms_eps),
         *x3.stride(), *cos2.stride(), *sin2.stride(), *out.stride(),
-        PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=_BLOCK_M,
+        PAIRS=dim // 2, ROPE_PAIRS=half, BLOCK_P=max(16, next_pow2(dim // 2)), BLOCK_M=block_m,
         HAS_POSITIONS=positions is not None, UNIT_RMS=unit_rms_eps is not None, GDC=pdl(x.device), num_warps=4, launch_pdl=pdl(x.device),
     )
     return out.view(x.shape)

@@ -13,7 +13,7 @@ from mla_func.kernels.triton.v4_rope import rope_tail
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inverse", [False, True])
-@pytest.mark.parametrize("shape, half", [((5, 6, 32), 4), ((7, 48), 8), ((3, 2, 16), 8)])
+@pytest.mark.parametrize("shape, half", [((5, 6, 32), 4), ((7, 48), 8), ((3, 2, 16), 8), ((2, 70, 16), 4)])
 def test_rope_tail_equals_the_reference(device, dtype, inverse, shape, half):
     gen = generator(len(shape) * 10 + half, device)
     x = randn(shape, dtype, device, gen)
