@@ -40,7 +40,10 @@ _GPU_FP8_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=8, n
 # 417.7 at 48; 64 of v2-lite's (top-6) 86.6 against 115.3 at 36. Real models have more experts than these
 # 32 / 64, so fewer pairs share one and the per-pair path gains there.
 FP8_PAIR_MAX_PAIRS = 32
-_INTERPRETER_FP8_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
+# Under the interpreter a program's cost is per operation: tiles as wide as the tests' small experts
+# allow while still taking several programs and steps (I 96 in three programs; K and D steps of 64 over
+# D 160, the last partial).
+_INTERPRETER_FP8_PAIRS = PairConfig(block_i=32, block_k=64, block_d=64, num_warps=4, num_stages=1)
 
 # x's dtype, which the activation is rounded to, as a kernel argument.
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

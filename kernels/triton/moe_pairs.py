@@ -34,7 +34,9 @@ class PairConfig:
 # against 55.7 us for the tiled path (gate/up, down, combine) in the same run;
 # CUDA-core dot products without `tl.dot` (no pipelined loads) took 59-102 us.
 _GPU_PAIRS = PairConfig(block_i=64, block_k=128, block_d=128, num_warps=4, num_stages=3)
-_INTERPRETER_PAIRS = PairConfig(block_i=16, block_k=32, block_d=32, num_warps=4, num_stages=1)
+# Under the interpreter: 32 columns a program still leave the tests' I = 48 two programs, the last
+# partial, and 32-wide K steps two over their D = 64.
+_INTERPRETER_PAIRS = PairConfig(block_i=32, block_k=32, block_d=32, num_warps=4, num_stages=1)
 
 # Up to this many (token, slot) pairs the per-pair path runs: one launch instead
 # of three, and no 16-row tiles of which one row is live. It reads an expert's
