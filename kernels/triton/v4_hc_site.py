@@ -80,9 +80,9 @@ def _site_tile(n: int, dim: int) -> tuple[int, int]:
 
 
 def _site_rows(num_tokens: int, device: torch.device) -> int:
-    """Tokens a program of the site kernel: one on a GPU (a row's gates and norm fill a program; more
-    rows would only lengthen it), up to _INTERPRETER_SITE_ROWS under the interpreter, whose cost is
-    per operation, not per value: the 20 Sinkhorn rounds of a row cost what those of 16 rows cost."""
+    """Tokens a program of the site kernel: one on a GPU (the layout `_site_tile`'s warps were chosen
+    for), up to _INTERPRETER_SITE_ROWS under the interpreter, whose cost is per operation, not per
+    value: the 20 Sinkhorn rounds of one row cost what those of 16 rows cost."""
     return 1 if device.type == "cuda" else min(_INTERPRETER_SITE_ROWS, next_pow2(num_tokens))
 
 
