@@ -28,7 +28,16 @@ a call. `_list_builtins_once` keeps the listing: the names of each module's buil
 are read once, and each call patches those of them still builtin, the attributes the
 interpreter's own listing would give (after the launch's patch, none), so the kernels
 run exactly as before: a kernel of one `tl.sum` 2.3x faster a program, the test running
-`v4-tiny` on the Triton table 10% (75 s -> 67 s).
+`v4-tiny` on the Triton table 10% (75 s -> 67 s). A module's builtins are patched and put
+back all at once, so when its first one is patched already the call has nothing to do.
+
+Two more of the interpreter's costs do not change what a kernel computes:
+* it checks every int32 add, subtract and multiply for overflow (in int64, with a device
+  assert), a check compiled kernels make only in debug builds; at the tests' sizes no index
+  comes near 2^31, so the check cannot fire here, and it took a third of the interpreter's
+  time. `_interpreter_options` turns it off; offsets at real sizes are the GPU tests' to check.
+* it rebuilds a table of 19 numpy dtypes at every dtype lookup; `_memoize_np_dtypes` keeps the
+  answers (a dtype's numpy storage type never changes).
 
 Under pytest-xdist every worker is a process of its own, and torch would give each as many
 threads as the machine has cores: on a 2-core machine with 2 workers, 4 busy threads fight
@@ -114,6 +123,10 @@ def _list_builtins_once() -> None:
             # The first listing is the launch's, made before anything is patched.
             names = [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
             builtin_names[id(pkg)] = names
+        # A module's builtins are patched together and put back together (one scope), so its first
+        # builtin tells whether the rest are still to patch.
+        if names and not tl.core.is_builtin(getattr(pkg, names[0])):
+            return
         for name in names:
             member = getattr(pkg, name)
             if tl.core.is_builtin(member):
@@ -121,6 +134,35 @@ def _list_builtins_once() -> None:
 
     patch_builtin._lists_once = True
     interpreter._patch_builtin = patch_builtin
+
+
+def _interpreter_options() -> None:
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+def _memoize_np_dtypes() -> None:
+    from triton.runtime import interpreter
+
+    original = interpreter._get_np_dtype
+    if getattr(original, "_memoized", False):
+        return
+    answers: dict[str, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype):
+        # A dtype's str names it whole (pointer, block and element types alike).
+        key = str(tt_dtype)
+        answer = answers.get(key)
+        if answer is None:
+            answer = answers[key] = original(tt_dtype)
+        return answer
+
+    get_np_dtype._memoized = True
+    interpreter._get_np_dtype = get_np_dtype
 
 
 def _row_by_row_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -155,6 +197,8 @@ def _row_invariant_dots(request, monkeypatch):
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_bf16()
     _list_builtins_once()
+    _interpreter_options()
+    _memoize_np_dtypes()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -111,23 +111,23 @@ def without_triton_interpreter() -> dict:
     return {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--device", "cuda"), "--device cuda: CUDA is not available"),
-    (("--device", "cuda"), "available: cpu"),
-    (("--device", "tpu:x"), "--device: expected cpu, cuda or cuda:N, got 'tpu:x'"),
-    (("--backend", "triton"), "--backend triton: not available on cpu"),
-    (("--backend", "triton"), "available: torch"),
-    (("--backend", "aiter"), "--backend aiter: not available on cpu"),
-    (("--max-tokens", "-5"), "--max-tokens: SamplingParams.max_tokens must be an int >= 1, got -5"),
-    (("--top-p", "0"), "--top-p: SamplingParams.top_p must be in (0, 1]"),
-    (("--threads", "0"), "error: --threads: expected an int >= 1, got 0"),
+@pytest.mark.parametrize("args, messages", [
+    (("--device", "cuda"), ("--device cuda: CUDA is not available", "available: cpu")),
+    (("--device", "tpu:x"), ("--device: expected cpu, cuda or cuda:N, got 'tpu:x'",)),
+    (("--backend", "triton"), ("--backend triton: not available on cpu", "available: torch")),
+    (("--backend", "aiter"), ("--backend aiter: not available on cpu",)),
+    (("--max-tokens", "-5"), ("--max-tokens: SamplingParams.max_tokens must be an int >= 1, got -5",)),
+    (("--top-p", "0"), ("--top-p: SamplingParams.top_p must be in (0, 1]",)),
+    (("--threads", "0"), ("error: --threads: expected an int >= 1, got 0",)),
 ])
-def test_user_errors_are_one_line_and_come_before_the_model_loads(args, message):
+def test_user_errors_are_one_line_and_come_before_the_model_loads(args, messages):
     # The model path does not exist: an error about it would mean the model was loaded first.
     result = mla_func("generate", "hello", "--model", "/nonexistent/model", *args, env=without_triton_interpreter())
     assert result.returncode == 2
-    assert message in result.stderr, result.stderr
+    for message in messages:
+        assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "nonexistent" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_bench_options_are_checked_before_the_model_loads():
