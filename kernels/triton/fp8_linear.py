@@ -105,6 +105,14 @@ class RowTiles:
 _ROW_UNSPLIT = RowTiles(block_n=4, block_k=512, split_k=1, num_warps=2)
 _ROW_SPLIT_MAX_K = 4096
 _ROW_SPLIT_PROGRAMS_PER_SM = 4
+# H200, one bf16 row, graph replays, the tiles above beside others in one process
+# (bench/results/kernels/h200/logs-archive/fp8-row-shapes-h200-2026-11-28.log): the H200's 4.8 TB/s on the H100's
+# multiprocessors wants more bytes in flight a program: 8 rows in 1024-column steps over 4 warps, where K is
+# whole steps, read [7168, 7168] in 14.2 us against 19.3 (85% of copy against 63%), [7168, 18432] 33.0 against
+# 42.7, [18432, 7168] 34.1 against 35.5, [7168, 2048] 5.3 against 7.1, v2-lite's [2048 | 2816 | 3072, 2048]
+# 3.2-3.6 against 4.0-4.2, [1536, 7168] 7.1 against the split tiles' 8.5; one loss, [10944, 2048] 7.9 against
+# 7.5. A K of part steps (512, 1536, 10944) lost more and keeps the rule below.
+_H200_ROW_STEPS = RowTiles(block_n=8, block_k=1024, split_k=1, num_warps=4)
 # The split tiles (a sweep of tile width, split and warps, bench/results/step-fp8/h100/logs-archive/
 # fp8-step-profile-h100-2026-11-27.log): 16- or 32-wide tiles for v2-lite's narrow projections.
 _ROW_WIDE_MIN_N = 7168
@@ -137,9 +145,11 @@ def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowT
     """The one-row product's tiles for an [n_out, k_in] weight in blocks of block_k columns: a few rows a
     program and K whole, unless the weight is too narrow for _ROW_SPLIT_PROGRAMS_PER_SM programs a
     multiprocessor and K is long: then wider tiles and K split in whole scale blocks as `stream_tiles`
-    splits it."""
+    splits it. On an H200, a K of whole 1024-column steps takes wider tiles (`_H200_ROW_STEPS`)."""
     if device.type != "cuda":
         return RowTiles(block_n=16, block_k=min(32, block_k), split_k=1, num_warps=4)
+    if k_in % _H200_ROW_STEPS.block_k == 0 and "H200" in torch.cuda.get_device_name(device):
+        return _H200_ROW_STEPS
     sms = sm_count(device)
     if triton.cdiv(n_out, _ROW_UNSPLIT.block_n) >= _ROW_SPLIT_PROGRAMS_PER_SM * sms or k_in <= _ROW_SPLIT_MAX_K:
         return _ROW_UNSPLIT

@@ -76,15 +76,17 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype, device):
     # One row of 320 columns in scale blocks of 128 (the last partial), strided x: the default tiles; K
-    # split in three; steps of two scale blocks (the second step half past K), whole and split in two.
-    # The weight stream forced on the same row agrees.
+    # split in three; steps of two scale blocks (the second step half past K), whole and split in two;
+    # the H200's steps of eight blocks (one step, most of it past K). The weight stream forced on the same
+    # row agrees.
     gen = generator(31, device)
     x = strided(randn((1, 320), dtype, device, gen), gen)
     values, scale_inv = _weight((136, 320), gen, device)
     expected = _expected_linear(x, values, scale_inv, False)
     for tiles in (None, fp8_linear.RowTiles(block_n=16, block_k=32, split_k=3, num_warps=4),
                   fp8_linear.RowTiles(block_n=4, block_k=256, split_k=1, num_warps=2),
-                  fp8_linear.RowTiles(block_n=4, block_k=256, split_k=2, num_warps=2)):
+                  fp8_linear.RowTiles(block_n=4, block_k=256, split_k=2, num_warps=2),
+                  fp8_linear.RowTiles(block_n=8, block_k=1024, split_k=1, num_warps=4)):
         y = fp8_linear.fp8_linear(x, values, scale_inv, row=tiles)
         assert y.dtype == dtype and y.shape == (1, 136)
         assert_close(y, expected, dtype)
