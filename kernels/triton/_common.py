@@ -55,6 +55,13 @@ def sm_count(device: torch.device) -> int:
     return _INTERPRETER_SM_COUNT
 
 
+def h200(device: torch.device) -> bool:
+    """Whether `device` is an NVIDIA H200: an H100's multiprocessors behind 4.8 TB/s of memory (3.35 on the
+    H100), so that streaming kernels need more bytes in flight a program; the tiles measured apart on it
+    (`fp8_linear.row_tiles`, `fp8_moe_pairs.fp8_pair_config`) ask this."""
+    return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+
+
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents of the kernel before them.
 

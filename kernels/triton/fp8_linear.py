@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_same_device, check_shape
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
-from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl, sm_count
+from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
 from .linear_widened import sum_splits
@@ -148,7 +148,7 @@ def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowT
     splits it. On an H200, a K of whole 1024-column steps takes wider tiles (`_H200_ROW_STEPS`)."""
     if device.type != "cuda":
         return RowTiles(block_n=16, block_k=min(32, block_k), split_k=1, num_warps=4)
-    if k_in % _H200_ROW_STEPS.block_k == 0 and "H200" in torch.cuda.get_device_name(device):
+    if k_in % _H200_ROW_STEPS.block_k == 0 and h200(device):
         return _H200_ROW_STEPS
     sms = sm_count(device)
     if triton.cdiv(n_out, _ROW_UNSPLIT.block_n) >= _ROW_SPLIT_PROGRAMS_PER_SM * sms or k_in <= _ROW_SPLIT_MAX_K:
