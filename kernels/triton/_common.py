@@ -58,7 +58,7 @@ def sm_count(device: torch.device) -> int:
 def h200(device: torch.device) -> bool:
     """Whether `device` is an NVIDIA H200: an H100's multiprocessors behind 4.8 TB/s of memory (3.35 on the
     H100), so that streaming kernels need more bytes in flight a program; the tiles measured apart on it
-    (`fp8_linear.row_tiles`, `fp8_moe_pairs.fp8_pair_config`) ask this."""
+    (`fp8_linear.row_tiles`, `fp8_moe.fp8_moe_config`, `fp8_moe_pairs.fp8_pair_config`) ask this."""
     return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
 
 

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device
 from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe
-from ._common import FLOAT_DTYPES, check_float, dot_precision, next_pow2, pdl
+from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl
 from .fp16_lift import lift_to_fp16
 from .fp8_linear import check_block_k, scaled_dot
 from .fp8_moe_pairs import FP8_PAIR_MAX_PAIRS, fp8_pair_config, fp8_pair_moe, pair_block_i
@@ -55,6 +55,10 @@ class Fp8MoeConfig:
 # 1.3-2.3x faster than 64-row tiles with 4 warps at 512-4096 tokens of V3's and v2-lite's experts
 # (H100, bench/notes/fp8.md).
 _GPU_DECODE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4, lift=True)
+# On an H200 (24 decode tiles, V3's 32 experts, graph replays; bench/results/kernels/h200/logs-archive/
+# fp8-moe-tiles-h200-2026-11-28.log) 128-wide column tiles over 4 warps: 16 tokens 358 us (91% of copy)
+# against 438 (75%) for the H100's tiles, 64 tokens 432 against 618.
+_H200_DECODE = Fp8MoeConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, lift=True)
 _GPU_PREFILL = Fp8MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3, lift=True)
 _INTERPRETER = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, lift=True)
 # x's dtype, which the activation is rounded to before its quantization, as a kernel argument.
@@ -72,7 +76,9 @@ def fp8_moe_config(num_pairs: int, num_experts: int, device: torch.device, *,
         return fp8_pair_config(device)
     if device.type != "cuda":
         return _INTERPRETER
-    return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
+    if num_pairs > 16 * num_experts:
+        return _GPU_PREFILL
+    return _H200_DECODE if h200(device) else _GPU_DECODE
 
 
 # Tile pieces the quantized expert kernels share (this module's and `fp4_experts`').
