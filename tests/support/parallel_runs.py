@@ -2,9 +2,12 @@
 
 `scenarios(model)` runs the same steps (one-shot and chunked prefill, decode, a mixed step, a
 verify step, the engine's greedy generation) on any model, sharded or not, so a test compares
-a group's results with one process's. `spawn_group` starts gloo ranks in fresh processes
-(multiprocessing's spawn: no state is shared with pytest's process) and collects what each rank
-saved, or the error it raised, within a deadline; a rank that outlives it is killed, never waited on.
+a group's results with one process's. `spawn_group` starts gloo ranks in fresh processes and
+collects what each rank saved, or the error it raised, within a deadline; a rank that outlives it is
+killed, never waited on. The ranks come from multiprocessing's fork server: a fresh interpreter,
+started once a pytest worker, that imports torch, mla_func and this module and then forks each rank,
+so no state is shared with pytest's process and a rank does not pay the imports (about 3.5 s on a
+two-core machine, most of a small group's time) again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from mla_func.models.v4.params import V4AttentionParams
 from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, prefill_then_decode, run
 
 WORLD = 2  # ranks of every spawned group of the parallel tests
+# What every rank imports anyway, imported once by the fork server the ranks are forked from.
+_RANK_IMPORTS = ["torch", "mla_func", "support.parallel_runs", "support.parallel_jobs"]
 # fp32: the ranks' partial sums add up in another order than one GEMM's; nothing else differs.
 TOL = 1e-5
 STEP_KINDS = ("prefill", "chunked", "decode", "mixed", "verify")
@@ -218,7 +223,10 @@ def spawn_group(job: str | Callable[[RankTask, Parallel], Any], world: int, out:
     or killed.
     """
     port = free_local_port()
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # Read when the server starts (the first group of a pytest worker); a module that fails to import is
+    # skipped there and imported by each rank instead.
+    context.set_forkserver_preload(_RANK_IMPORTS)
     procs = {r: context.Process(target=_rank_main, args=(RankTask(job, r, world, port, str(out), timeout_s, args),))
              for r in (range(world) if ranks is None else ranks)}
     for p in procs.values():
