@@ -110,6 +110,27 @@ def kernel_profile(run: Callable[[], object], reps: int = 5) -> list[tuple[str, 
     return sorted(((name, us, counts[name] // reps) for name, us in times.items()), key=lambda r: -r[1])
 
 
+def step_kernels(make_step: Callable[[], Callable], state, batch_tensors, mode, label: str,
+                 rows: int = 30) -> list[tuple[str, float, int]]:
+    """`kernel_profile` of a decode step with programmatic launch off (each kernel's own time): the step
+    `make_step()` builds inside `programmatic_launch_off`, so that its graph is captured that way, run
+    over `state` (donated: the caller's state is spent), its `rows` longest kernels printed under `label`."""
+    with programmatic_launch_off():
+        step = make_step()
+        states = [state]
+
+        def advance():
+            # Each step donates the state it is given: the next one takes the state it returned.
+            states[0], _ = step(states[0], batch_tensors, mode)
+
+        profile = kernel_profile(advance)
+    print(f"{label}: kernels a step without programmatic launch, {sum(r[1] for r in profile):.0f} us "
+          f"in {sum(r[2] for r in profile)} launches", flush=True)
+    for name, us, launches in profile[:rows]:
+        print(f"  {us:8.1f} us {launches:4d}x  {name[:100]}", flush=True)
+    return profile
+
+
 @contextlib.contextmanager
 def programmatic_launch_off():
     """Inside, every kernel launches only once the one before it has ended, as on GPUs before Hopper

@@ -10,7 +10,9 @@ selected latent rows only) — over the device-to-device copy bandwidth measured
 the same run. transformers runs beside v2-lite only. Each row also times the batch-invariant step
 (`make_step(batch_invariant=True)`) on the same shapes;
 "invariant cost" is its time over the default step's, less 1. Prints a table and
-writes JSON under bench/results/.
+writes JSON under bench/results/. With --profile, each row's graph step is also profiled
+with programmatic launch off (each kernel's own time), its longest kernels printed and
+the list written into the JSON.
 
     python bench/step.py --tensor-parallel 2 [--expert-parallel] [--data-parallel-attention]
 
@@ -189,17 +191,24 @@ def time_rows(model: mf.Model, args: argparse.Namespace, copy_bw: float, kv_cach
             if args.eager:
                 eager_ms, state = time_steps(eager_step, state, batch_tensors,
                                              dataclasses.replace(mode, use_graph=False), args.iters)
+            profile = None
+            if args.profile:
+                profile = common.step_kernels(
+                    lambda: mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
+                                         max_model_len=max_len, block_size=BLOCK_SIZE, w8a8=w8a8),
+                    state, batch_tensors, mode, f"B{batch} x {context}")
             rows.append(dict(
                 batch=batch, context=context, graph_ms=graph_ms, eager_ms=eager_ms, roofline_ms=roofline_ms,
                 graph_tok_s=batch / graph_ms * 1e3, eager_tok_s=batch / eager_ms * 1e3,
                 roofline_tok_s=batch / roofline_ms * 1e3, pct_roofline=100 * roofline_ms / graph_ms,
                 graph_speedup=eager_ms / graph_ms, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
                 experts_per_layer=experts, padded_batch=mode.padded_decode_seqs,
+                **({"kernels_without_programmatic_launch": profile} if profile is not None else {}),
             ))
             if invariant_ms is not None:
                 rows[-1].update(invariant_ms=invariant_ms, invariant_cost=invariant_ms / graph_ms - 1,
                                 invariant_pct_roofline=100 * roofline_ms / invariant_ms)
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "kernels_without_programmatic_launch"}, flush=True)
             del state, batch_tensors, graph_step, eager_step
             gc.collect()
             torch.cuda.empty_cache()
@@ -259,6 +268,8 @@ def main() -> None:
     parser.add_argument("--no-invariant", dest="invariant", action="store_false",
                         help="skip the batch-invariant graph step run beside each row")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager step of each row")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each row's graph step kernel by kernel (programmatic launch off)")
     parser.add_argument("--fp8", action="store_true",
                         help="bf16 weights and cache, FP8 weights, FP8 weights and latent cache, in one run "
                              "(results under step-fp8/)")
@@ -269,6 +280,8 @@ def main() -> None:
     if args.hf_new_tokens < 1 or args.hf_repeats < 1:
         parser.error(f"--hf-new-tokens and --hf-repeats: expected >= 1, got {args.hf_new_tokens} and {args.hf_repeats}")
     several = ranks.check_arguments(parser, args)
+    if several and args.profile:
+        parser.error("--profile: profiles one process's step; run it without --tensor-parallel")
     args.batches = args.batches or ([1, 64, 256] if several else [1, 8, 32, 64, 128, 256])
     if several:
         step_parallel.run(args)

@@ -53,7 +53,6 @@ from mla_func.kernels import ops_for  # noqa: E402
 from mla_func.kernels.latent_cache import scale_groups  # noqa: E402
 
 BLOCK_SIZE = 64
-PROFILE_ROWS = 30
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -190,21 +189,10 @@ def run_row(model, batch, context, args, copy_bw, max_len, kv_cache_dtype: str =
                                      args.iters)
     profile = None
     if args.profile:
-        with common.programmatic_launch_off():
-            # A graph captured now launches every kernel after the one before it ends.
-            plain_step = mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches),
-                                      max_model_len=max_len, block_size=BLOCK_SIZE)
-            states = [state]
-
-            def advance():
-                # Each step donates the state it is given: the next one takes the state it returned.
-                states[0], _ = plain_step(states[0], batch_tensors, mode)
-
-            profile = common.kernel_profile(advance)
-        print(f"B{batch} x {context}: kernels a step without programmatic launch, {sum(r[1] for r in profile):.0f} us "
-              f"in {sum(r[2] for r in profile)} launches", flush=True)
-        for name, us, launches in profile[:PROFILE_ROWS]:
-            print(f"  {us:8.1f} us {launches:4d}x  {name[:100]}", flush=True)
+        profile = common.step_kernels(
+            lambda: mf.make_step(model, backend=args.backend, max_num_seqs=max(args.batches), max_model_len=max_len,
+                                 block_size=BLOCK_SIZE),
+            state, batch_tensors, mode, f"B{batch} x {context}")
     invariant = {} if invariant_ms is None else dict(
         invariant_ms=invariant_ms, invariant_cost=invariant_ms / graph_ms - 1,
         invariant_pct_roofline=100 * roofline_ms / invariant_ms)
