@@ -48,12 +48,12 @@ def test_python_example_runs_as_written(index, tmp_path):
 def test_the_readme_test_commands_are_what_ci_runs():
     readme = indented_commands(section("Tests").split("On a CUDA machine")[0])
     script = (ROOT / ".ci" / "run").read_text().splitlines()
-    ci = [line for line in script if line and not line.startswith(("#", "set ", "cd ", "rm "))]
+    ci = [line for line in script if line and not line.startswith(("#", "set ", "unset ", "cd ", "rm "))]
     assert readme == ci
     # A new environment first, so that a test needing an undeclared package fails here as it would for a user.
     assert readme[0] == "python3 -m venv .venv && . .venv/bin/activate"
     assert readme[1].startswith("python3 -m pip install") and '".[test]"' in readme[1]
-    assert readme[2] == 'python3 -m pytest -m "not gpu" -q -n auto --durations=20'
+    assert readme[2] == 'python3 -m pytest -m "not gpu" -q -n auto --dist loadscope --durations=20'
 
 
 def test_the_readme_set_up_commands_install_and_run_the_demo():

@@ -1,4 +1,5 @@
-"""The `mla-func` command line, run as a user would: in a subprocess."""
+"""The `mla-func` command line, run as a user would: in a subprocess (and, for further variants of
+commands that end before a model loads, `cli.main` in this process: `support.cli_process.before_the_load`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import mla_func as mf
-from support.cli_process import ENV, mla_func
+from support.cli_process import ENV, before_the_load, mla_func
 
 
 def test_console_script_is_installed():
@@ -49,8 +50,8 @@ def test_generate_with_token_ids_on_a_model_without_tokenizer():
     (("generate", "hello", "--temperature", "-1"), "temperature"),
     (("generate", "hello", "--model", "/nonexistent/model"), "neither a checkpoint folder nor a preset"),
 ])
-def test_bad_arguments_give_a_clear_error(args, message):
-    result = mla_func(*args)
+def test_bad_arguments_give_a_clear_error(args, message, capsys):
+    result = before_the_load(capsys, *args)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -89,10 +90,13 @@ def test_numpy_is_a_dependency_because_torch_warns_on_every_command_without_it()
     assert any(re.match(r"numpy\b", d) for d in pyproject()["project"]["dependencies"])
 
 
-@pytest.mark.parametrize("args", [("--help",), ("generate", "--help"), ("bench", "--help"), ("--version",)])
-def test_help_and_version_print_nothing_on_stderr(args):
-    result = mla_func(*args)
-    assert result.returncode == 0 and result.stderr == ""
+def test_help_and_version_print_nothing_on_stderr(capsys):
+    # A fresh interpreter once: a warning at import time would show on every command's stderr.
+    result = mla_func("--help")
+    assert result.returncode == 0 and result.stderr == "" and result.stdout.startswith("usage: mla-func")
+    for args in (("generate", "--help"), ("bench", "--help"), ("--version",)):
+        result = before_the_load(capsys, *args)
+        assert result.returncode == 0 and result.stderr == "" and result.stdout, args
 
 
 def test_generate_prints_no_warning():
@@ -104,6 +108,7 @@ def test_generate_prints_no_warning():
 
 def test_version_is_the_package_version():
     result = mla_func("--version")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.startswith(f"mla-func {pyproject()['project']['version']} (torch ")
 
 
@@ -120,9 +125,15 @@ def without_triton_interpreter() -> dict:
     (("--top-p", "0"), ("--top-p: SamplingParams.top_p must be in (0, 1]",)),
     (("--threads", "0"), ("error: --threads: expected an int >= 1, got 0",)),
 ])
-def test_user_errors_are_one_line_and_come_before_the_model_loads(args, messages):
-    # The model path does not exist: an error about it would mean the model was loaded first.
-    result = mla_func("generate", "hello", "--model", "/nonexistent/model", *args, env=without_triton_interpreter())
+def test_user_errors_are_one_line_and_come_before_the_model_loads(args, messages, capsys, monkeypatch):
+    # The model path does not exist: an error about it would mean the model was loaded first. The first
+    # case as a user runs it, the others in this process (with the environment the subprocess gets).
+    command = ("generate", "hello", "--model", "/nonexistent/model", *args)
+    if args == ("--device", "cuda"):
+        result = mla_func(*command, env=without_triton_interpreter())
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        result = before_the_load(capsys, *command)
     assert result.returncode == 2
     for message in messages:
         assert message in result.stderr, result.stderr
@@ -130,10 +141,10 @@ def test_user_errors_are_one_line_and_come_before_the_model_loads(args, messages
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_bench_options_are_checked_before_the_model_loads():
+def test_bench_options_are_checked_before_the_model_loads(capsys):
     result = mla_func("bench", "--model", "/nonexistent/model", "--min-input-len", "64", "--max-input-len", "8")
     assert result.returncode == 2 and "--min-input-len 64 is above --max-input-len 8" in result.stderr
-    result = mla_func("bench", "--model", "/nonexistent/model", "--num-prompts", "0")
+    result = before_the_load(capsys, "bench", "--model", "/nonexistent/model", "--num-prompts", "0")
     assert result.returncode == 2 and result.stderr == "error: --num-prompts: expected an int >= 1, got 0\n"
 
 
@@ -149,8 +160,8 @@ def test_prompt_dash_reads_standard_input():
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
-def test_help_shows_every_default(command):
-    text = mla_func(command, "--help").stdout
+def test_help_shows_every_default(command, capsys):
+    text = before_the_load(capsys, command, "--help").stdout
     options = text[text.index("options:"):]
     entries = re.split(r"\n  (?=-)", options)[1:]
     flags = [e.split()[0].rstrip(",") for e in entries]

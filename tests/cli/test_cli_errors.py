@@ -2,8 +2,8 @@
 `error:` line (no usage block) naming the option, with exit status 2, and comes before the load.
 
 Each kind of mistake runs in a subprocess at least once; its further variants, which argparse
-refuses before anything else runs, call `cli.main` in the test's own process (the same output,
-without a second's interpreter start each)."""
+or the checks after it refuse before any model loads, call `cli.main` in the test's own process
+(`support.cli_process.before_the_load`: the same output, without a few seconds of interpreter start each)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-import mla_func.cli.commands as cli
 from mla_func.models.presets import v32_lite
 from mla_func.models.tensor_shapes import hf_tensor_shapes
+from support.cli_process import before_the_load
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, as on a fresh machine
 MISSING = "/nonexistent/model"  # a model that would fail to load: an error about it means the load came first
@@ -39,15 +39,6 @@ def mla_func(*args: str, timeout: int = 240, limit_memory: int | None = None) ->
 
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=ENV, input="",
                           preexec_fn=cap)
-
-
-def parse_only(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
-    """`mla-func ARGS` for arguments the parser refuses (or answers, --help) before anything runs:
-    `cli.main` in this process, its exit status and output as a subprocess's would be."""
-    with pytest.raises(SystemExit) as exited:
-        cli.main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["mla-func", *args], exited.value.code or 0, out, err)
 
 
 def assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None:
@@ -68,12 +59,12 @@ def assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None
 ])
 def test_a_bad_option_value_is_one_line_naming_the_option_and_its_range(args, expected, capsys):
     # The report's own cases as a user runs them; the other variants in this process.
-    run = mla_func if args[2:3] in (("--speculative-tokens",), ("--threads",)) else partial(parse_only, capsys)
+    run = mla_func if args[2:3] in (("--speculative-tokens",), ("--threads",)) else partial(before_the_load, capsys)
     assert_one_error(run(*args, "--model", MISSING), expected)
 
 
 def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
-    result = parse_only(capsys, "generate", "x", "--model", MISSING, "--dtype", "f16")
+    result = before_the_load(capsys, "generate", "x", "--model", MISSING, "--dtype", "f16")
     assert result.returncode == 2
     assert re.fullmatch(r"error: --dtype: invalid choice: 'f16' \(choose from '?bfloat16'?, '?float16'?, '?float32'?\)\n",
                         result.stderr), result.stderr
@@ -93,13 +84,13 @@ def test_a_bad_choice_lists_the_choices_on_one_line(capsys):
 ])
 def test_an_unknown_option_suggests_the_closest_ones_of_its_command(args, expected, capsys):
     # The misspelling from the report as a user runs it; the other variants in this process.
-    run = mla_func if args == ("generate", "x", "--temprature", "0") else partial(parse_only, capsys)
+    run = mla_func if args == ("generate", "x", "--temprature", "0") else partial(before_the_load, capsys)
     assert_one_error(run(*args), expected)
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_help_still_prints_the_usage(command, capsys):
-    result = parse_only(capsys, command, "--help")
+    result = before_the_load(capsys, command, "--help")
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith(f"usage: mla-func {command} ") and "--speculative-tokens" in result.stdout
 
@@ -121,7 +112,7 @@ def test_batch_invariance_on_a_v4_model_runs():
 
 
 def test_an_unknown_cache_dtype_names_the_flag(capsys):
-    bad = parse_only(capsys, "bench", "--model", MISSING, "--kv-cache-dtype", "fp16")
+    bad = before_the_load(capsys, "bench", "--model", MISSING, "--kv-cache-dtype", "fp16")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --kv-cache-dtype: invalid choice: 'fp16'")
 
 
@@ -153,11 +144,12 @@ def tiny_deepseek_v3(folder: Path, **save: str) -> Path:
 
 
 @pytest.mark.parametrize("save", [{}, {"max_shard_size": "200KB"}], ids=["one file", "sharded with an index"])
-def test_drafts_on_a_checkpoint_without_an_mtp_layer_name_the_flag(tmp_path, save):
+def test_drafts_on_a_checkpoint_without_an_mtp_layer_name_the_flag(tmp_path, save, capsys):
     folder = tiny_deepseek_v3(tmp_path / "tiny-deepseek-v3", **save)
     assert (folder / "model.safetensors.index.json").exists() == bool(save)
-    for command in (("generate", "1 2 3"), ("bench",)):
-        result = mla_func(*command, "--model", str(folder), "--speculative-tokens", "1")
+    # generate as a user runs it, bench in this process.
+    for run, command in ((mla_func, ("generate", "1 2 3")), (partial(before_the_load, capsys), ("bench",))):
+        result = run(*command, "--model", str(folder), "--speculative-tokens", "1")
         assert_one_error(result, f"--speculative-tokens 1 needs a checkpoint with a multi-token-prediction (MTP) "
                                  f"layer, and {folder} has none (no model.layers.2.* tensors); run it without "
                                  "--speculative-tokens")
@@ -165,17 +157,18 @@ def test_drafts_on_a_checkpoint_without_an_mtp_layer_name_the_flag(tmp_path, sav
     assert plain.returncode == 0, plain.stderr
 
 
-def test_w8a8_needs_fp8_weights_and_runs_an_fp8_checkpoint(tmp_path):
+def test_w8a8_needs_fp8_weights_and_runs_an_fp8_checkpoint(tmp_path, capsys):
+    # The first refusal as a user runs it, the others in this process.
     assert_one_error(mla_func("generate", "1 2", "--model", "tiny", "--w8a8"),
                      "--w8a8: tiny is a shape preset, whose random weights are not FP8; give an FP8 checkpoint "
                      "folder (`mla-func quantize SRC DST` writes one), or run it without --w8a8")
     folder = tiny_deepseek_v3(tmp_path / "bf16")
-    assert_one_error(mla_func("bench", "--model", str(folder), "--w8a8"),
+    assert_one_error(before_the_load(capsys, "bench", "--model", str(folder), "--w8a8"),
                      f"--w8a8: {folder} has no FP8 weights (its config.json has no quantization_config); "
                      "`mla-func quantize SRC DST` writes an FP8 copy, or run it without --w8a8")
     fp8 = tmp_path / "fp8"
     assert mla_func("quantize", str(folder), str(fp8)).returncode == 0
-    assert_one_error(mla_func("generate", "1 2", "--model", str(fp8), "--w8a8", "--batch-invariant"),
+    assert_one_error(before_the_load(capsys, "generate", "1 2", "--model", str(fp8), "--w8a8", "--batch-invariant"),
                      "--w8a8 with --batch-invariant: the batch-invariant steps multiply FP8 weights by 16-bit "
                      "activations; run without one of them")
     result = mla_func("generate", "1 2 3", "--model", str(fp8), "--w8a8", "--max-tokens", "3", "--temperature", "0",

@@ -1,4 +1,5 @@
-"""`mla-func generate`'s penalty and min_tokens options, run in a subprocess as a user would."""
+"""`mla-func generate`'s penalty and min_tokens options, run in a subprocess as a user would (its --help in
+this process: `support.cli_process.before_the_load`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import mla_func as mf
 from mla_func.serving.engine import Engine
 from mla_func.serving.sampling import SamplingParams
+from support.cli_process import before_the_load
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
@@ -19,8 +21,8 @@ def mla_func(*args: str) -> subprocess.CompletedProcess:
                           timeout=240, env=ENV)
 
 
-def test_help_shows_the_sampling_options_and_their_defaults():
-    result = mla_func("generate", "--help")
+def test_help_shows_the_sampling_options_and_their_defaults(capsys):
+    result = before_the_load(capsys, "generate", "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     for option, default in [("--repetition-penalty", "1.0"), ("--presence-penalty", "0.0"),

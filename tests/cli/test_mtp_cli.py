@@ -6,7 +6,7 @@ import re
 
 from support.mtp_checkpoints import mtp_checkpoint
 from support.mla_reference import make_reference
-from support.cli_process import mla_func
+from support.cli_process import before_the_load, mla_func
 
 
 def test_generate_with_drafts_gives_the_same_tokens_and_reports_acceptance(tmp_path):
@@ -23,12 +23,13 @@ def test_generate_with_drafts_gives_the_same_tokens_and_reports_acceptance(tmp_p
     assert "acceptance rate" not in plain.stderr
 
 
-def test_drafts_need_an_mtp_layer_or_a_valid_count(tmp_path):
+def test_drafts_need_an_mtp_layer_or_a_valid_count(tmp_path, capsys):
+    # Refused before the load: in this process (tests/cli/test_cli_errors.py runs both kinds in a subprocess).
     make_reference("v3-qlora-noaux", seed=5).save_pretrained(tmp_path / "plain")   # no MTP layer
-    result = mla_func("generate", "1 2 3", "--model", str(tmp_path / "plain"), "--speculative-tokens", "2")
+    result = before_the_load(capsys, "generate", "1 2 3", "--model", str(tmp_path / "plain"), "--speculative-tokens", "2")
     assert result.returncode == 2 and re.fullmatch(
         r"error: --speculative-tokens 2 needs a checkpoint with a multi-token-prediction \(MTP\) layer, and "
         r"\S+ has none \(no model\.layers\.\d+\.\* tensors\); run it without --speculative-tokens\n",
         result.stderr), result.stderr
-    result = mla_func("generate", "Return", "--speculative-tokens", "9")
+    result = before_the_load(capsys, "generate", "Return", "--speculative-tokens", "9")
     assert result.returncode == 2 and "--speculative-tokens: expected an int in [0, 8], got 9" in result.stderr

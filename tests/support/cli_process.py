@@ -1,4 +1,5 @@
-"""The mla-func command run as a user runs it: a subprocess, on the CPU path unless told otherwise."""
+"""The mla-func command run as a user runs it: a subprocess, on the CPU path unless told otherwise; and, for
+commands that end before a model loads, `cli.main` in the test's own process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+import mla_func.cli.commands as cli
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, as on a fresh machine
 
@@ -16,3 +20,17 @@ def mla_func(*args: str, timeout: int = 240, stdin: str | None = None, env: dict
     command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV,
                           input=stdin if stdin is not None else "")
+
+
+def before_the_load(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`mla-func ARGS` for a command that ends before any model loads (--help, --version, an argument the
+    parser or the checks after it refuse): `cli.main` in this process, its exit status and output as a
+    subprocess's would be, without a few seconds of interpreter start. A test runs each kind of mistake
+    in a subprocess (`mla_func`) at least once; its further variants take this."""
+    capsys.readouterr()  # what the test printed before (a checkpoint's save progress bar) is not the command's
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mla-func", *args], code or 0, out, err)
