@@ -51,6 +51,9 @@ class DecodeConfig:
     wgmma: bool = False
     # Programs that run on a multiprocessor at once: splits fill one wave of them (`mla_decode_num_splits`).
     programs_per_sm: int = 2
+    # No split covers fewer keys of the table's capacity (`mla_decode_num_splits`; why 128, at
+    # `_PROGRAMS_PER_SM`).
+    min_keys: int = 128
 
 
 # Chosen on an H100 by `bench/kernels.py --sweep` (bf16, C=512, R=64). At 16 heads
@@ -64,13 +67,16 @@ _GPU_CONFIGS = MappingProxyType({
     64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
 })
 # Over an FP8 latent cache a tile is dequantized in registers before the products take it, so it wants
-# other tiles; the heads a program takes stay the bf16 cache's, so the split count (and a workspace
-# sized by `mla_decode_workspace`) is the same for both. H100, B64 x 32K: at 16 heads 32-key tiles
+# other tiles; the heads a program takes stay the bf16 cache's. H100, B64 x 32K: at 16 heads 32-key tiles
 # unpipelined, 1.10 ms (0.88 for the bf16 cache: slower still, the dequantization bounds it); at 128
 # heads 64-key tiles over 8 warps in two stages, 2.40 ms (3.44 for the bf16 cache; 3.47 with its tiles).
-# 32 heads were not measured and keep the bf16 cache's tiles.
+# 32 heads were not measured and keep the bf16 cache's tiles. At 16 heads a split runs its unpipelined
+# tiles one after another, so splits as short as one tile pay at small batches: on an H200 with the W_UV
+# merge (bench/results/kernels/h200/logs-archive/decode-splits-small-batches-h200-2026-11-28.log),
+# B1 x 1K 10.3 us against 15.9 at the 128-key minimum, B4 x 1K 14.7 against 22.4, B1 x 4K 19.7 against
+# 22.0, B16 x 1K 21.4 against 25.1; where the wave, not the length, sets the count, nothing changes.
 _GPU_FP8_CONFIGS = MappingProxyType({
-    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1),
+    16: DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, min_keys=32),
     32: _GPU_CONFIGS[32],
     64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
 })
@@ -97,11 +103,11 @@ _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stag
 # About two split programs fit on a multiprocessor at once. Splits fill that one
 # wave and no more: a partial second wave runs at a fraction of the bandwidth
 # (B=128, 16 heads, 4K on an H100: 2 splits 0.23 ms, 3 splits 0.28 ms, 4 splits
-# 0.24 ms). No split covers fewer than _MIN_KEYS_PER_SPLIT keys of the table's
-# capacity, below which the partial-result traffic outweighs the gain (B=1, 4K
-# context, 16 heads: 17 splits 21 us, 32 splits 13 us; B=8: 29 us and 28 us).
+# 0.24 ms). No split covers fewer than a config's `min_keys` keys of the table's
+# capacity (128 unless it says otherwise), below which the partial-result traffic
+# outweighs the gain (B=1, 4K context, 16 heads: 17 splits 21 us, 32 splits 13 us;
+# B=8: 29 us and 28 us).
 _PROGRAMS_PER_SM = 2
-_MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
 
@@ -165,7 +171,7 @@ def mla_decode_num_splits(
     else:
         _, heads_per_program = _tiling(num_heads, q_len, config)
         programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
-    return fill_splits(programs, block_table_width * block_size, device, min_keys=_MIN_KEYS_PER_SPLIT,
+    return fill_splits(programs, block_table_width * block_size, device, min_keys=config.min_keys,
                        max_splits=_MAX_SPLITS, programs_per_sm=config.programs_per_sm)
 
 
