@@ -324,18 +324,17 @@ def _row_kernel(
         gdc_launch_dependents()
     inv_rms = 0.0
     if NORM:
-        # (Names of their own: the loop below gives `x` another shape and dtype.)
         row = tl.arange(0, BLOCK_ROW)
         in_row = row < k_in
-        whole = tl.load(x_ptr + row * s_xk, mask=in_row, other=0.0)
+        x = tl.load(x_ptr + row * s_xk, mask=in_row, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * s_rk, mask=in_row, other=0.0)
             # Rounded to the residual's dtype before the statistics, as the unfused sum would be.
-            whole = (whole.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
             if tl.program_id(0) == 0:
-                tl.store(sum_ptr + row, whole, mask=in_row & (row >= k_lo) & (row < k_hi))
-        whole_f = whole.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(whole_f * whole_f, axis=0) / k_in + eps)
+                tl.store(sum_ptr + row, x, mask=in_row & (row >= k_lo) & (row < k_hi))
+        xf = x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / k_in + eps)
     # A step is runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
     acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
