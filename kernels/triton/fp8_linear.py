@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_same_device, check_shape
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
-from ._common import FLOAT_DTYPES, TL_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
+from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
 from .linear_widened import sum_splits
@@ -282,32 +282,13 @@ def scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def normed_row_step(x_ptr, res_ptr, nw_ptr, ks, k_mask, s_xk, s_rk, s_nw, inv_rms,
-                    HAS_RESIDUAL: tl.constexpr, NORM_DTYPE: tl.constexpr):
-    """Columns ks of `norm.rms_norm`'s output for one row, in float32, rounded as it rounds: the sum with
-    the residual to the residual's dtype, the normalised value to that dtype again, and the weighted one to
-    NORM_DTYPE (promote(norm weight, sum)). res_ptr is x_ptr without a residual."""
-    x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + ks * s_rk, mask=k_mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
-    normed = (x.to(tl.float32) * inv_rms).to(res_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(nw_ptr + ks * s_nw, mask=k_mask, other=0.0).to(tl.float32)
-    return (w * normed).to(NORM_DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _row_kernel(
-    x_ptr, w_ptr, ws_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr,
-    n_out, k_in, k_per_split, eps,
-    s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yn, s_rk, s_nw,
+    x_ptr, w_ptr, ws_ptr, y_ptr,
+    n_out, k_in, k_per_split,
+    s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yn,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_DTYPE: tl.constexpr,
-    BLOCK_ROW: tl.constexpr, GDC: tl.constexpr,
+    GROUP_K: tl.constexpr, GDC: tl.constexpr,
 ):
-    """y = x @ w^T for one row x; with NORM, x is first `norm.rms_norm(x, nw, eps[, residual])` (each program
-    takes the whole row's statistics, a row of a few KB from L2, and normalises the columns of its steps),
-    and with HAS_RESIDUAL the sum x + residual is written to sum_ptr by the first column tile's programs."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
     # Out-of-range columns read row 0 and are never stored: no mask on the weight rows.
@@ -322,30 +303,13 @@ def _row_kernel(
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    inv_rms = 0.0
-    if NORM:
-        row = tl.arange(0, BLOCK_ROW)
-        in_row = row < k_in
-        x = tl.load(x_ptr + row * s_xk, mask=in_row, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * s_rk, mask=in_row, other=0.0)
-            # Rounded to the residual's dtype before the statistics, as the unfused sum would be.
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
-            if tl.program_id(0) == 0:
-                tl.store(sum_ptr + row, x, mask=in_row & (row >= k_lo) & (row < k_hi))
-        xf = x.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / k_in + eps)
     # A step is runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
     acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_hi
         w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0)
-        if NORM:
-            x = normed_row_step(x_ptr, res_ptr, nw_ptr, ks, k_mask, s_xk, s_rk, s_nw, inv_rms, HAS_RESIDUAL,
-                                NORM_DTYPE)
-        else:
-            x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
         acc += scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N, BLOCK_K, SCALE_K, GROUP_K)
     tl.store(y_ptr + cols * s_yn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
@@ -448,9 +412,8 @@ def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale
 
 
 def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-         out_dtype: torch.dtype, tiles: RowTiles | None, norm: RowNorm | None = None) -> torch.Tensor:
-    """The one-row product for x [1, K] (16-bit or float32) -> y [1, N]; K split as `row_tiles` says. With
-    `norm`, x is normalised in the kernel first (`fp8_rms_norm_row`)."""
+         out_dtype: torch.dtype, tiles: RowTiles | None) -> torch.Tensor:
+    """The one-row product for x [1, K] (16-bit or float32) -> y [1, N]; K split as `row_tiles` says."""
     k_in = x.shape[1]
     n_out = values.shape[0]
     c = tiles or row_tiles(n_out, k_in, block[1], x.device)
@@ -464,64 +427,14 @@ def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: 
     split_k = triton.cdiv(k_in, k_per_split)
     y = torch.empty((1, n_out), dtype=out_dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, 1, n_out), dtype=torch.float32, device=x.device)
-    residual = norm.residual if norm is not None else None
-    res = residual if residual is not None else x
-    norm_weight = norm.weight if norm is not None else x
     use_pdl = pdl(x.device)
     _row_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
-        x, values, scale_inv, out, res, norm_weight, norm.summed if norm is not None else x,
-        n_out, k_in, k_per_split, norm.eps if norm is not None else 0.0,
-        x.stride(1), *values.stride(), *scale_inv.stride(), n_out, y.stride(1), res.stride(1),
-        norm_weight.stride(0) if norm is not None else 0,
-        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_K=group_k,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_DTYPE=TL_DTYPES[out_dtype],
-        BLOCK_ROW=next_pow2(k_in) if norm is not None else 16, GDC=use_pdl,
+        x, values, scale_inv, out,
+        n_out, k_in, k_per_split,
+        x.stride(1), *values.stride(), *scale_inv.stride(), n_out, y.stride(1),
+        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_K=group_k, GDC=use_pdl,
         num_warps=c.num_warps, launch_pdl=use_pdl,
     )
     if split_k > 1:
         sum_splits(out, y, use_pdl)
     return y
-
-
-@dataclass(frozen=True, slots=True)
-class RowNorm:
-    """`norm.rms_norm`'s arguments for the one-row product that normalises its row first: the norm weight
-    [K], eps, the residual [1, K] added first (None: none) and the tensor its sum goes to."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    summed: torch.Tensor | None
-
-
-def fp8_rms_norm_row(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, values: torch.Tensor,
-                     scale_inv: torch.Tensor, *, block: tuple[int, int] = DEFAULT_BLOCK,
-                     residual: torch.Tensor | None = None, row: RowTiles | None = None
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_linear(rms_norm(x, norm_weight, eps[, residual]), values, scale_inv)` for one row, in one launch
-    (two where K is split): x, residual [1, K] (16-bit or float32, any strides); norm_weight [K] ->
-    y [1, N] in promote(norm_weight, residual or x), and with a residual (y, x + residual in its dtype).
-    The norm's roundings are `rms_norm`'s; its mean of squares may sum in another order. `row` overrides
-    the one-row product's tiles (tests, sweeps)."""
-    num_rows, k_in = x.shape
-    if num_rows != 1:
-        raise ValueError(f"x: expected one row, got shape {tuple(x.shape)}")
-    check_float("x", x)
-    check_float("norm_weight", norm_weight)
-    check_shape("norm_weight", norm_weight, (k_in,))
-    check_fp8_weight("values", values, scale_inv, block)
-    check_shape("values", values, (values.shape[0], k_in))
-    check_block_k(block)
-    sum_dtype = x.dtype
-    summed = None
-    if residual is not None:
-        check_float("residual", residual)
-        check_shape("residual", residual, (1, k_in))
-        check_same_device(x=x, norm_weight=norm_weight, values=values, scale_inv=scale_inv, residual=residual)
-        sum_dtype = residual.dtype
-        summed = torch.empty((1, k_in), dtype=sum_dtype, device=x.device)
-    else:
-        check_same_device(x=x, norm_weight=norm_weight, values=values, scale_inv=scale_inv)
-    out_dtype = torch.promote_types(norm_weight.dtype, sum_dtype)
-    y = _row(x, values, scale_inv, block, out_dtype, row, RowNorm(norm_weight, float(eps), residual, summed))
-    return y if summed is None else (y, summed)

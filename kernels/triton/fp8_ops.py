@@ -33,7 +33,7 @@ import torch
 from ..ops import Ops
 from ..quantized import BlockFP8Weight, Weight, dequantized
 from .fp8_dequant import fp8_dequantize
-from .fp8_linear import fp8_linear, fp8_rms_norm_row
+from .fp8_linear import fp8_linear
 from .fp8_moe import Fp8MoeConfig, fp8_fused_moe
 from .norm import rms_norm
 
@@ -92,9 +92,8 @@ class Fp8Linear:
 @dataclass(frozen=True, slots=True)
 class Fp8RmsNormLinear:
     """`contracts.RmsNormLinear`: `dense(x, norm_weight, eps, weight, residual)` for plain weights; an FP8
-    weight takes the norm, then `fp8_linear` (batch_invariant and w8a8 as `Fp8Linear`'s), except one row
-    of a pair the kernels step through, whose one-row product normalises the row itself
-    (`fp8_rms_norm_row`: one launch fewer at batch-1 decode)."""
+    weight takes the norm, then `fp8_linear` (no fused kernel reads FP8 weights; batch_invariant and w8a8
+    as `Fp8Linear`'s)."""
 
     dense: Callable[..., Any]
     linear: Callable[..., Tensor]
@@ -114,10 +113,6 @@ class Fp8RmsNormLinear:
         if not isinstance(weight, BlockFP8Weight):
             out: Tensor | tuple[Tensor, Tensor] = self.dense(x, norm_weight, eps, weight, residual)
             return out
-        pair = fp8_pair(weight)
-        if pair is not None and x.shape[0] == 1 and not (self.w8a8 or self.batch_invariant):
-            return fp8_rms_norm_row(x, norm_weight, eps, pair.values, pair.scale_inv, block=pair.block,
-                                    residual=residual)
         if residual is None:
             return _product(rms_norm(x, norm_weight, eps), weight, self.linear, None, self.batch_invariant, self.w8a8)
         normed, summed = rms_norm(x, norm_weight, eps, residual)

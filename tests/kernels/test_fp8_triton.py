@@ -16,7 +16,6 @@ from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels.reference import fp8 as ref
 from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
 from mla_func.kernels.triton.moe_pairs import PairConfig
-from mla_func.kernels.triton.norm import rms_norm
 
 
 def _weight(shape, gen, device):
@@ -93,36 +92,6 @@ def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype
         assert_close(y, expected, dtype)
     stream = fp8_linear.stream_tiles(136, 320, 128, x.device)
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=stream), expected, dtype)
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_rms_norm_row_is_the_norm_then_the_one_row_product(dtype, with_residual, device):
-    # One strided row of 320 columns (the last scale block partial), with and without a residual: the
-    # default tiles and K split in three. The interpreter sums the mean of squares as `rms_norm` does,
-    # so the bits are the unfused ops' there; on a GPU the two kernels' sums may round apart.
-    gen = generator(43, device)
-    x = strided(randn((1, 320), dtype, device, gen), gen)
-    residual = randn((1, 320), dtype, device, gen) if with_residual else None
-    norm_weight = (1 + 0.1 * randn((320,), torch.float32, device, gen)).to(dtype)
-    values, scale_inv = _weight((136, 320), gen, device)
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, 1e-6), None
-    else:
-        normed, summed = rms_norm(x, norm_weight, 1e-6, residual)
-    for tiles in (None, fp8_linear.RowTiles(block_n=16, block_k=32, split_k=3, num_warps=4)):
-        unfused = fp8_linear.fp8_linear(normed, values, scale_inv, row=tiles)
-        got = fp8_linear.fp8_rms_norm_row(x, norm_weight, 1e-6, values, scale_inv, residual=residual, row=tiles)
-        y, got_sum = got if residual is not None else (got, None)
-        assert y.dtype == dtype and y.shape == (1, 136)
-        if device.type == "cpu":
-            assert torch.equal(y, unfused), tiles
-        assert_close(y, unfused, dtype)
-        assert_close(y, _expected_linear(normed, values, scale_inv, False), dtype)
-        if residual is not None:
-            assert torch.equal(got_sum, summed)
-    with pytest.raises(ValueError, match="one row"):
-        fp8_linear.fp8_rms_norm_row(torch.cat([x, x]), norm_weight, 1e-6, values, scale_inv)
 
 
 def test_fp8_linear_rejects_bad_inputs(device):
@@ -239,24 +208,6 @@ def test_fp8_linear_gpu(n, k, num_tokens, w8a8):
     y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8)
     expected = _expected_linear(x, values, scale_inv, w8a8)
     assert_close(y, expected, torch.bfloat16, table=_GPU_W8A8_TOLERANCE if w8a8 else TOLERANCE)
-    assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(2112, 7168), (3648, 2048), (576, 7168)])   # V3's q_a + kv_a, v2-lite's q + kv_a
-def test_fp8_rms_norm_row_gpu(n, k):
-    # The norm inside the one-row product (the H200's 1024-column steps where K is whole steps, the
-    # split tiles at K 7168 elsewhere) = the norm kernel, then the product.
-    device = torch.device("cuda")
-    gen = generator(n + k, device)
-    x, residual = randn((1, k), torch.bfloat16, device, gen), randn((1, k), torch.bfloat16, device, gen)
-    norm_weight = (1 + 0.1 * randn((k,), torch.float32, device, gen)).to(torch.bfloat16)
-    values, scale_inv = _weight((n, k), gen, device)
-    normed, summed = rms_norm(x, norm_weight, 1e-6, residual)
-    y, got_sum = fp8_linear.fp8_rms_norm_row(x, norm_weight, 1e-6, values, scale_inv, residual=residual)
-    assert torch.equal(got_sum, summed)
-    assert_close(y, fp8_linear.fp8_linear(normed, values, scale_inv), torch.bfloat16)
-    expected = _expected_linear(normed, values, scale_inv, False)
     assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
 
 
