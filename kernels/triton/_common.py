@@ -18,6 +18,8 @@ LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Each of them as a kernel argument (a dtype a kernel rounds to).
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit

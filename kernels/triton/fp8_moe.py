@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device
 from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe
-from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl
+from ._common import FLOAT_DTYPES, TL_DTYPES, check_float, dot_precision, h200, next_pow2, pdl
 from .fp16_lift import lift_to_fp16
 from .fp8_linear import check_block_k, scaled_dot
 from .fp8_moe_pairs import FP8_PAIR_MAX_PAIRS, fp8_pair_config, fp8_pair_moe, pair_block_i
@@ -61,8 +61,6 @@ _GPU_DECODE = Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=8, num
 _H200_DECODE = Fp8MoeConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, lift=True)
 _GPU_PREFILL = Fp8MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3, lift=True)
 _INTERPRETER = Fp8MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, lift=True)
-# x's dtype, which the activation is rounded to before its quantization, as a kernel argument.
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # Up to this many (token, slot) pairs the gate/up programs sort them themselves.
 _INLINE_ALIGN_MAX_PAIRS = 64
 
@@ -321,7 +319,7 @@ def fp8_fused_moe(
         # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
-        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, X_DTYPE=_TL_DTYPES[x.dtype], GDC=use_pdl,
+        BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, X_DTYPE=TL_DTYPES[x.dtype], GDC=use_pdl,
         CLAMP=limit is not None, LIFT=lift, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     d_scales = act_scales if w8a8 else w2_scale_inv[0]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import h200, next_pow2, pdl
+from ._common import TL_DTYPES, h200, next_pow2, pdl
 from .fill import zeros
 from .fp8_linear import scaled_row_step
 from .moe_pairs import PairConfig
@@ -50,8 +50,6 @@ FP8_PAIR_MAX_PAIRS = 32
 # D 160, the last partial).
 _INTERPRETER_FP8_PAIRS = PairConfig(block_i=32, block_k=64, block_d=64, num_warps=4, num_stages=1)
 
-# x's dtype, which the activation is rounded to, as a kernel argument.
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def fp8_pair_config(device: torch.device) -> PairConfig:
@@ -160,7 +158,7 @@ def fp8_pair_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor
         *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
         SCALE_N=block[0], SCALE_K=block[1], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
         BLOCK_K=block_k, BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))),
-        GROUP_K=min(block_k, block[1]), X_DTYPE=_TL_DTYPES[x.dtype], CLAMP=limit is not None, GDC=use_pdl,
+        GROUP_K=min(block_k, block[1]), X_DTYPE=TL_DTYPES[x.dtype], CLAMP=limit is not None, GDC=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out
