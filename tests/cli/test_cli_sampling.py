@@ -3,22 +3,12 @@ this process: `support.cli_process.before_the_load`)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import mla_func as mf
 from mla_func.serving.engine import Engine
 from mla_func.serving.sampling import SamplingParams
-from support.cli_process import before_the_load
-
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-
-
-def mla_func(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mla_func.cli.commands", *args], capture_output=True, text=True,
-                          timeout=240, env=ENV)
+from support.cli_process import before_the_load, mla_func
 
 
 def test_help_shows_the_sampling_options_and_their_defaults(capsys):
