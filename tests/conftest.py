@@ -149,9 +149,8 @@ def _interpreter_options() -> None:
 def _memoize_np_dtypes() -> None:
     from triton.runtime import interpreter
 
+    # Called once, at this module's import (one per process).
     original = interpreter._get_np_dtype
-    if getattr(original, "_memoized", False):
-        return
     answers: dict[str, np.dtype] = {}
 
     def get_np_dtype(tt_dtype):
@@ -162,7 +161,6 @@ def _memoize_np_dtypes() -> None:
             answer = answers[key] = original(tt_dtype)
         return answer
 
-    get_np_dtype._memoized = True
     interpreter._get_np_dtype = get_np_dtype
 
 

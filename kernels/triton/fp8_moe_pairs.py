@@ -51,7 +51,6 @@ FP8_PAIR_MAX_PAIRS = 32
 _INTERPRETER_FP8_PAIRS = PairConfig(block_i=32, block_k=64, block_d=64, num_warps=4, num_stages=1)
 
 
-
 def fp8_pair_config(device: torch.device) -> PairConfig:
     """The FP8 per-pair path's launch configuration on `device`."""
     if device.type != "cuda":
