@@ -20,7 +20,10 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
   handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
   programs and sums the splits in a second launch in split order (`linear_widened.sum_splits`),
-  so the bits do not depend on timing. bf16 rows meet the weight as fp16, lifted exactly
+  so the bits do not depend on timing. Over a weight of at least _FP8_ROWS_MIN_VALUES, bf16 rows are
+  first written exactly as two FP8 parts (`fp8_split`), and each K step takes two FP8 products with no
+  weight tile widened (the widening, not the bytes, had set the stream's pace); over a smaller weight the
+  extra pass costs more than it saves, and bf16 rows meet the weight as fp16, lifted exactly
   (`fp16_lift`), since e4m3 widens to fp16 in fewer instructions than to bf16.
 """
 
@@ -38,6 +41,7 @@ from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
 from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
+from .fp8_split import split_rows
 from .linear_widened import sum_splits
 
 # Rows up to which the weight stream runs; its tile holds them all (padded to a power of two from 16). Past
@@ -60,13 +64,15 @@ class GemmTiles:
 
 @dataclass(frozen=True, slots=True)
 class StreamTiles:
-    """The weight stream's [block_n, block_k] weight tile, its K split, warps and stages."""
+    """The weight stream's [block_n, block_k] weight tile, its K split, warps and stages; fp8_rows: bf16 rows
+    written as two FP8 parts (`fp8_split`) rather than the weight widened to them."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
+    fp8_rows: bool = True
 
 
 # H100, w8a8, GEMM alone: [1024 | 4096, 7168] x [7168 | 18432, 7168]^T at 475-584 TFLOP/s; 128 x 256
@@ -83,6 +89,17 @@ _INTERPRETER_GEMM = GemmTiles(block_m=16, block_n=32, block_k=32, group_m=2, num
 # were slower.
 _STREAM_PROGRAMS_PER_SM = 6
 _STREAM_STAGES = 3
+# bf16 rows as two FP8 parts (`fp8_split`), H200, graph replays, 16 rows against the widened stream
+# (bench/results/kernels/h200/logs-archive/fp8-rows-split-h200-2026-11-29.log): over a weight too large for
+# tails ([147456, 7168]) 94% of copy against 78%; [18432, 7168] 43 us against 48 with 5 programs a
+# multiprocessor in one wave (a sixth program a multiprocessor at three stages makes a second wave that costs
+# 20%), [7168, 7168] 21.5 against 22.6, [3072, 2048] 7.9 against 9.7 (K splits of at least 4 blocks), at 64
+# rows 0.5-0.6x the time. Below about 4M values the split pass's launch costs more than the widening saves
+# ([2048, 1408] 6.6 against 5.5 us, [576, 2048] 8.3 against 5.6).
+_FP8_ROWS_MIN_VALUES = 4 << 20
+_FP8_ROWS_PROGRAMS_PER_SM = 5
+_FP8_ROWS_MIN_BLOCKS = 4
+_FP8_ROWS_STAGES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +146,25 @@ def gemm_tiles(w8a8: bool, on_gpu: bool) -> GemmTiles:
 def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> StreamTiles:
     """The weight stream's tiles for an [n_out, k_in] weight in blocks of block_k columns.
 
-    K splits are whole scale blocks, and as many as bring the programs to
-    _STREAM_PROGRAMS_PER_SM per multiprocessor (at most one split a K block).
+    K splits are whole scale blocks. A weight of at least _FP8_ROWS_MIN_VALUES takes bf16 rows as FP8 parts,
+    split until _FP8_ROWS_PROGRAMS_PER_SM programs a multiprocessor with at least _FP8_ROWS_MIN_BLOCKS K blocks
+    a split; a smaller one widens its tiles, split until _STREAM_PROGRAMS_PER_SM programs a multiprocessor (at
+    most one split a K block). Under the interpreter bf16 rows are FP8 parts.
     """
-    on_gpu = device.type == "cuda"
-    block_n, step = (64, min(128, block_k)) if on_gpu else (16, min(32, block_k))
+    if device.type != "cuda":
+        return StreamTiles(block_n=16, block_k=min(32, block_k), split_k=1, num_warps=4, num_stages=1)
+    block_n, step = 64, min(128, block_k)
     col_tiles = triton.cdiv(n_out, block_n)
-    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), col_tiles)
-    split_k = max(1, min(wanted, triton.cdiv(k_in, block_k)))
-    return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
-                       num_stages=_STREAM_STAGES if on_gpu else 1)
+    k_blocks = triton.cdiv(k_in, block_k)
+    sms = sm_count(device)
+    if n_out * k_in >= _FP8_ROWS_MIN_VALUES:
+        split_k = max(1, min(_FP8_ROWS_PROGRAMS_PER_SM * sms // col_tiles, k_blocks // _FP8_ROWS_MIN_BLOCKS))
+        return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
+                           num_stages=_FP8_ROWS_STAGES)
+    wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sms, col_tiles)
+    split_k = max(1, min(wanted, k_blocks))
+    return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4, num_stages=_STREAM_STAGES,
+                       fp8_rows=False)
 
 
 def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowTiles:
@@ -228,8 +254,8 @@ def _block_gemm_kernel(
 def _stream_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr,
     num_rows, n_out, k_in, k_per_split,
-    s_xt, s_xk, s_xst, s_xsb, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr,
+    s_xp, s_xt, s_xk, s_xsp, s_xst, s_xsb, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, FP8_PARTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LIFT: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -255,9 +281,16 @@ def _stream_kernel(
         x = tl.load(x_ptr + rows[None, :] * s_xt + ks[:, None] * s_xk, mask=row_mask[None, :] & k_mask[:, None],
                     other=0.0)
         w_scale = tl.load(ws_rows + (k0 // SCALE_K) * s_wsb, mask=col_mask, other=0.0)
-        if W8A8:
+        if FP8_PARTS == 1:
             x_scale = tl.load(xs_ptr + rows * s_xst + (k0 // SCALE_K) * s_xsb, mask=row_mask, other=0.0)
             acc += tl.dot(w, x) * (w_scale[:, None] * x_scale[None, :])
+        elif FP8_PARTS == 2:
+            # bf16 rows as two e4m3 parts (`fp8_split`): two FP8 products, no weight tile widened.
+            x_lo = tl.load(x_ptr + s_xp + rows[None, :] * s_xt + ks[:, None] * s_xk,
+                           mask=row_mask[None, :] & k_mask[:, None], other=0.0)
+            hi_unscale = tl.load(xs_ptr + rows * s_xst + (k0 // SCALE_K) * s_xsb, mask=row_mask, other=0.0)
+            lo_unscale = tl.load(xs_ptr + s_xsp + rows * s_xst + (k0 // SCALE_K) * s_xsb, mask=row_mask, other=0.0)
+            acc += (tl.dot(w, x) * hi_unscale[None, :] + tl.dot(w, x_lo) * lo_unscale[None, :]) * w_scale[:, None]
         elif LIFT:
             # bf16 rows lifted to fp16 (`fp16_lift`): the FP8 tile widens to fp16 in half the instructions.
             x16, unscale = lift_to_fp16(x, 0)
@@ -350,12 +383,12 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
         return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
     if num_rows == 1 and not w8a8 and stream is None and not batch_invariant:
         return _row(x, values, scale_inv, block, out_dtype, row)
+    if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
+        return _stream(x, values, scale_inv, block, w8a8, out_dtype, stream)
     if w8a8:
         a, a_scales = quantize_activations(x, block[1])
     else:
         a, a_scales = x, scale_inv
-    if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
-        return _stream(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, stream)
     return block_gemm(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, gemm)
 
 
@@ -383,27 +416,37 @@ def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, sc
     return y
 
 
-def _stream(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
-            block: tuple[int, int], w8a8: bool, out_dtype: torch.dtype, x_dtype: torch.dtype,
-            tiles: StreamTiles | None) -> torch.Tensor:
-    """The weight stream for a [T <= STREAM_MAX_ROWS, K] x (FP8 with scales under w8a8) -> y [T, N]."""
-    num_rows, k_in = a.shape
+def _stream(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], w8a8: bool,
+            out_dtype: torch.dtype, tiles: StreamTiles | None) -> torch.Tensor:
+    """The weight stream for x [T <= STREAM_MAX_ROWS, K] -> y [T, N]. Under w8a8 its rows meet the FP8 weight
+    quantized; bf16 rows meet it as two exact FP8 parts (`fp8_split`) where the tiles say `fp8_rows`, else
+    lifted to fp16; fp16 and float32 rows meet the weight widened to their dtype."""
+    num_rows, k_in = x.shape
     n_out = values.shape[0]
-    c = tiles or stream_tiles(n_out, k_in, block[1], a.device)
+    c = tiles or stream_tiles(n_out, k_in, block[1], x.device)
+    if w8a8:
+        a, a_scales = quantize_activations(x, block[1])
+        a, a_scales, fp8_parts = a[None], a_scales[None], 1
+    elif x.dtype == torch.bfloat16 and c.fp8_rows:
+        a, a_scales = split_rows(x, block[1])
+        fp8_parts = 2
+    else:
+        # The scales argument is not read without FP8 rows.
+        a, a_scales, fp8_parts = x[None], scale_inv[None], 0
     block_k = min(c.block_k, block[1])
     # Each split's share of K is a whole number of scale blocks.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), block[1]) * block[1]
     split_k = triton.cdiv(k_in, k_per_split)
-    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=a.device)
-    out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=a.device)
-    use_pdl = pdl(a.device)
+    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
+    out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
+    use_pdl = pdl(x.device)
     _stream_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
         a, a_scales, values, scale_inv, out,
         num_rows, n_out, k_in, k_per_split,
         *a.stride(), *a_scales.stride(), *values.stride(), *scale_inv.stride(), num_rows * n_out, *y.stride(),
-        SCALE_N=block[0], SCALE_K=block[1], W8A8=w8a8,
+        SCALE_N=block[0], SCALE_K=block[1], FP8_PARTS=fp8_parts,
         BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x_dtype), LIFT=not w8a8 and a.dtype == torch.bfloat16, GDC=use_pdl,
+        DOT_PRECISION=dot_precision(x.dtype), LIFT=fp8_parts == 0 and x.dtype == torch.bfloat16, GDC=use_pdl,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if split_k > 1:

@@ -67,10 +67,12 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
     assert y.dtype == torch.float32
     cpu = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
     assert_close(y, expected, torch.float32, table=w8a8_tolerance(torch.float32, True, x.device) if x.is_cuda else cpu)
-    # Splits of K (whole scale blocks) summed in split order: the stream's product, differently added.
-    split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
-    assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split), _expected_linear(x, values, scale_inv, False),
-                 torch.bfloat16)
+    # Splits of K (whole scale blocks) summed in split order: the stream's product, differently added; the bf16
+    # rows as two FP8 parts and lifted to fp16 against the widened weight.
+    for fp8_rows in (True, False):
+        split = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1, fp8_rows=fp8_rows)
+        assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=split),
+                     _expected_linear(x, values, scale_inv, False), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -209,6 +211,24 @@ def test_fp8_linear_gpu(n, k, num_tokens, w8a8):
     expected = _expected_linear(x, values, scale_inv, w8a8)
     assert_close(y, expected, torch.bfloat16, table=_GPU_W8A8_TOLERANCE if w8a8 else TOLERANCE)
     assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [7, 64])
+@pytest.mark.parametrize("n, k", [(18432, 7168), (2048, 1408)])
+def test_fp8_stream_gpu_both_row_forms(n, k, num_tokens):
+    # The weight stream's bf16 rows as two FP8 parts and lifted to fp16, whichever the tile rule picks at
+    # this size: both = the float64 reference within bf16's tolerance.
+    device = torch.device("cuda")
+    gen = generator(n + k + num_tokens, device)
+    x = randn((num_tokens, k), torch.bfloat16, device, gen)
+    values, scale_inv = _weight((n, k), gen, device)
+    expected = _expected_linear(x, values, scale_inv, False)
+    tiles = fp8_linear.stream_tiles(n, k, 128, device)
+    for fp8_rows in (True, False):
+        y = fp8_linear.fp8_linear(x, values, scale_inv, stream=dataclasses.replace(tiles, fp8_rows=fp8_rows))
+        assert_close(y, expected, torch.bfloat16)
+        assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
 
 
 @pytest.mark.gpu
