@@ -42,8 +42,11 @@ def _power_of_two(amax):
 
 @triton.jit
 def _truncate_to_e4m3(v):
-    """v float32 -> v toward zero to 4 significant bits (an e4m3 value where v is in e4m3's normal range)."""
-    return (v.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
+    """v float32 (|v| < 448) -> v toward zero to a float8_e4m3fn value, still as float32: 4 significant bits,
+    and a whole multiple of 2^-9 (e4m3's subnormal step) below 2^-6."""
+    normal = (v.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (v * 512.0).to(tl.int32).to(tl.float32) * 0.001953125
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -64,18 +67,19 @@ def split_to_fp8(x, AXIS: tl.constexpr):
     # need not stay NaN on every backend.
     broken = tl.sum((~finite).to(tl.int32), axis=AXIS) > 0
     unscale = tl.where(broken, float("nan"), unscale)
-    # hi keeps the top 4 bits by truncation, so the casts below convert values e4m3 holds exactly (the
-    # CPU interpreter's cast mis-rounds a carry out of the mantissa).
-    hi = _truncate_to_e4m3(xf * tl.expand_dims(scale, AXIS)).to(tl.float8e4nv)
-    rest = xf - hi.to(tl.float32) * tl.expand_dims(tl.where(broken, 0.0, unscale), AXIS)
+    # hi keeps the top 4 bits by truncation, in float32: the remainder is taken from that value, and the casts
+    # convert values e4m3 holds exactly (the CPU interpreter's cast mis-rounds a carry out of the mantissa;
+    # on an H200, Triton 3.6 widened the cast values back wrongly in some layouts).
+    hi = _truncate_to_e4m3(xf * tl.expand_dims(scale, AXIS))
+    rest = xf - hi * tl.expand_dims(tl.where(broken, 0.0, unscale), AXIS)
     rest_scale, rest_unscale = _power_of_two(tl.max(tl.abs(rest), axis=AXIS))
-    lo = _truncate_to_e4m3(rest * tl.expand_dims(rest_scale, AXIS)).to(tl.float8e4nv)
-    return hi, unscale, lo, rest_unscale
+    lo = _truncate_to_e4m3(rest * tl.expand_dims(rest_scale, AXIS))
+    return hi.to(tl.float8e4nv), unscale, lo.to(tl.float8e4nv), rest_unscale
 
 
-# The row count follows the step's batch: a plain argument, not one compile per count. One group a program:
-# with several groups a program (a [groups, group] tile split along its rows), Triton 3.6 compiled a kernel
-# whose second part was wrong on an H200 (right under the interpreter); the pass is a few microseconds either way.
+# The row count follows the step's batch: a plain argument, not one compile per count. One group of one row a
+# program over one warp: H200, 16 rows of 7168, 1.6 us against 2.2 over four warps (several groups a program
+# were no faster below 64 rows).
 @triton.jit(do_not_specialize=["num_rows"])
 def _split_rows_kernel(
     x_ptr, parts_ptr, u_ptr,
@@ -122,6 +126,6 @@ def split_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
         num_rows, k_in,
         *x.stride(), parts.stride(0), parts.stride(1), unscales.stride(0), unscales.stride(2), unscales.stride(1),
         GROUP=group, GDC=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        num_warps=1, launch_pdl=use_pdl,
     )
     return parts, unscales
