@@ -89,13 +89,14 @@ _INTERPRETER_GEMM = GemmTiles(block_m=16, block_n=32, block_k=32, group_m=2, num
 # were slower.
 _STREAM_PROGRAMS_PER_SM = 6
 _STREAM_STAGES = 3
-# bf16 rows as two FP8 parts (`fp8_split`), H200, graph replays, 16 rows against the widened stream
+# bf16 rows as two FP8 parts (`fp8_split`), H200, graph replays, against the widened stream in one process
 # (bench/results/kernels/h200/logs-archive/fp8-rows-split-h200-2026-11-29.log): over a weight too large for
-# tails ([147456, 7168]) 94% of copy against 78%; [18432, 7168] 43 us against 48 with 5 programs a
-# multiprocessor in one wave (a sixth program a multiprocessor at three stages makes a second wave that costs
-# 20%), [7168, 7168] 21.5 against 22.6, [3072, 2048] 7.9 against 9.7 (K splits of at least 4 blocks), at 64
-# rows 0.5-0.6x the time. Below about 4M values the split pass's launch costs more than the widening saves
-# ([2048, 1408] 6.6 against 5.5 us, [576, 2048] 8.3 against 5.6).
+# tails ([147456, 7168], 16 rows) 94% of copy against 78%; with 5 programs a multiprocessor, K splits of at
+# least 4 blocks and three stages, [18432, 7168] at 4 / 16 / 64 rows 39.3 / 43.5 / 88.7 us against 46.9 / 48.3
+# / 166.9, [7168, 7168] 20.0 / 21.9 / 39.6 against 21.9 / 22.6 / 71.0, [3072, 2048] 7.1 / 9.2 / 9.9 against 9.4
+# / 9.8 / 19.1. A sixth program a multiprocessor at three stages makes a second wave ([18432, 7168] split in
+# three: 52.5 us). Below about 4M values the split pass's launch costs more than the widening saves
+# ([2048, 1408] 6.6 against 5.5 us, [576, 2048] 8.3 against 5.7 at 16 rows, best tiles of a sweep).
 _FP8_ROWS_MIN_VALUES = 4 << 20
 _FP8_ROWS_PROGRAMS_PER_SM = 5
 _FP8_ROWS_MIN_BLOCKS = 4
