@@ -150,10 +150,14 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
     K splits are whole scale blocks. A weight of at least _FP8_ROWS_MIN_VALUES takes bf16 rows as FP8 parts,
     split until _FP8_ROWS_PROGRAMS_PER_SM programs a multiprocessor with at least _FP8_ROWS_MIN_BLOCKS K blocks
     a split; a smaller one widens its tiles, split until _STREAM_PROGRAMS_PER_SM programs a multiprocessor (at
-    most one split a K block). Under the interpreter bf16 rows are FP8 parts.
+    most one split a K block).
     """
     if device.type != "cuda":
-        return StreamTiles(block_n=16, block_k=min(32, block_k), split_k=1, num_warps=4, num_stages=1)
+        # Under the interpreter bf16 rows are FP8 parts, and K splits as the widened stream's rule says.
+        col_tiles = triton.cdiv(n_out, 16)
+        split_k = max(1, min(triton.cdiv(_STREAM_PROGRAMS_PER_SM * sm_count(device), col_tiles),
+                             triton.cdiv(k_in, block_k)))
+        return StreamTiles(block_n=16, block_k=min(32, block_k), split_k=split_k, num_warps=4, num_stages=1)
     block_n, step = 64, min(128, block_k)
     col_tiles = triton.cdiv(n_out, block_n)
     k_blocks = triton.cdiv(k_in, block_k)
