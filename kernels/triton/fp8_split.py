@@ -4,11 +4,11 @@ A product of a widened FP8 weight tile and a bf16 tile spends its time widening:
 weight stream read 79% of the copy rate on an H200 over a weight too large for any tail (and 99.9%
 when the rows were FP8 too, w8a8). The rows can be FP8 without changing the product's value: a bf16
 value has 8 significant bits and e4m3 has 4, so each line of the tile (a row of activations) is
-written as hi * 2^a + lo * 2^b, hi the line times a power of two rounded to e4m3 (its largest
-magnitude in [2^7, 2^8), below e4m3's 448), lo what hi left out, times its own power of two. The
-remainder is a multiple of the value's last bit no larger than 2^-4 of hi's leading bit, so it has at
-most 4 significant bits and lo holds it exactly; only values more than about 2^12 below the line's
-largest (where hi, then lo, fall to e4m3's subnormals) round, by at most 2^-18 of the line's largest.
+written as hi * 2^a + lo * 2^b, hi the line times a power of two (its largest magnitude in [2^7, 2^8),
+below e4m3's 448) cut toward zero to e4m3's 4 significant bits, lo what hi left out, times its own power
+of two. The remainder is the value's last 4 bits, so lo holds it exactly; only values more than about
+2^12 below the line's largest (where hi, then lo, fall to e4m3's subnormals) lose bits, at most 2^-18 of
+the line's largest.
 The product is then two FP8 products into float32, each times its power of two (undone exactly).
 
 `split_rows` writes both parts of every row once, per group of columns (a K block of the weight's
