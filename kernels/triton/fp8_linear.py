@@ -95,8 +95,9 @@ _STREAM_STAGES = 3
 # least 4 blocks and three stages, [18432, 7168] at 4 / 16 / 64 rows 39.3 / 43.5 / 88.7 us against 46.9 / 48.3
 # / 166.9, [7168, 7168] 20.0 / 21.9 / 39.6 against 21.9 / 22.6 / 71.0, [3072, 2048] 7.1 / 9.2 / 9.9 against 9.4
 # / 9.8 / 19.1. A sixth program a multiprocessor at three stages makes a second wave ([18432, 7168] split in
-# three: 52.5 us). Below about 4M values the split pass's launch costs more than the widening saves
-# ([2048, 1408] 6.6 against 5.5 us, [576, 2048] 8.3 against 5.7 at 16 rows, best tiles of a sweep).
+# three: 52.5 us). Below about 4M values the split pass's launch costs more than the widening saves: at 16
+# rows [2048, 1408] 6.6 against 5.5 us at the best of a sweep, [576, 2048] 8.3 against 5.6
+# (bench/results/kernels/h200/logs-archive/fp8-rows-split-sweep-h200-2026-11-29.log).
 _FP8_ROWS_MIN_VALUES = 4 << 20
 _FP8_ROWS_PROGRAMS_PER_SM = 5
 _FP8_ROWS_MIN_BLOCKS = 4
