@@ -23,6 +23,18 @@ TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit
+def power_of_two_scale(amax, EXPONENT: tl.constexpr):
+    """(2^s, 2^-s) with amax * 2^s in [2^EXPONENT, 2^(EXPONENT + 1)), elementwise; zero and subnormal maxima,
+    infinities and NaN keep s = 0, and s is clamped so that both powers are normal float32 numbers."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    shift = tl.where((biased == 0) | (biased == 0xFF), 0, EXPONENT + 127 - biased)
+    shift = tl.minimum(tl.maximum(shift, -126), 126)
+    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    unscale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return scale, unscale
+
+
+@triton.jit
 def online_softmax_weights(scores, m_i, l_i):
     """One tile of a base-2 online softmax: scores [M, N] (scaled by LOG2E, -inf where masked) against
     the running maximum m_i [M] and sum l_i [M] -> (new maximum, new sum, alpha [M] to rescale the

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import power_of_two_scale
+
 
 @triton.jit
 def lift_to_fp16(x, AXIS: tl.constexpr):
@@ -25,12 +27,7 @@ def lift_to_fp16(x, AXIS: tl.constexpr):
     """
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=AXIS)
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    # 2^shift puts amax in [2^14, 2^15): shift = 14 - (biased - 127). Clamped so that both 2^shift and
-    # 2^-shift are normal float32 numbers; zero and subnormal maxima (biased 0) stay unscaled.
-    shift = tl.where(biased == 0, 0, 141 - biased)
-    shift = tl.minimum(tl.maximum(shift, -126), 126)
-    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    unscale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    # 2^s puts amax in [2^14, 2^15).
+    scale, unscale = power_of_two_scale(amax, 14)
     x16 = (xf * tl.expand_dims(scale, AXIS)).to(tl.float16)
     return x16, unscale

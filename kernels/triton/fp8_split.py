@@ -26,18 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..reference.fp8 import FP8_DTYPE
-from ._common import next_pow2, pdl
-
-
-@triton.jit
-def _power_of_two(amax):
-    """(2^s, 2^-s) with amax * 2^s in [2^7, 2^8); zero and subnormal maxima, infinities and NaN keep s = 0."""
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    shift = tl.where((biased == 0) | (biased == 0xFF), 0, 134 - biased)
-    shift = tl.minimum(tl.maximum(shift, -126), 126)
-    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    unscale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    return scale, unscale
+from ._common import next_pow2, pdl, power_of_two_scale
 
 
 @triton.jit
@@ -62,7 +51,7 @@ def split_to_fp8(x, AXIS: tl.constexpr):
     xf = x.to(tl.float32)
     finite = tl.abs(xf) < float("inf")
     xf = tl.where(finite, xf, 0.0)
-    scale, unscale = _power_of_two(tl.max(tl.abs(xf), axis=AXIS))
+    scale, unscale = power_of_two_scale(tl.max(tl.abs(xf), axis=AXIS), 7)
     # A line with a NaN or an infinity gets a NaN unscale: FP8 has no infinity, and a NaN cast to it
     # need not stay NaN on every backend.
     broken = tl.sum((~finite).to(tl.int32), axis=AXIS) > 0
@@ -72,7 +61,7 @@ def split_to_fp8(x, AXIS: tl.constexpr):
     # on an H200, Triton 3.6 widened the cast values back wrongly in some layouts).
     hi = _truncate_to_e4m3(xf * tl.expand_dims(scale, AXIS))
     rest = xf - hi * tl.expand_dims(tl.where(broken, 0.0, unscale), AXIS)
-    rest_scale, rest_unscale = _power_of_two(tl.max(tl.abs(rest), axis=AXIS))
+    rest_scale, rest_unscale = power_of_two_scale(tl.max(tl.abs(rest), axis=AXIS), 7)
     lo = _truncate_to_e4m3(rest * tl.expand_dims(rest_scale, AXIS))
     return hi.to(tl.float8e4nv), unscale, lo.to(tl.float8e4nv), rest_unscale
 
