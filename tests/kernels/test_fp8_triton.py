@@ -75,6 +75,20 @@ def test_fp8_linear_strided_float32_out_and_split_k(num_tokens, device):
                      _expected_linear(x, values, scale_inv, False), torch.bfloat16)
 
 
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_fp8_linear_stream_over_scale_blocks_narrower_than_its_tiles(w8a8, device):
+    # Scale blocks of 24 x 32: a 16-column stream tile spans two scale rows (columns 16..31: rows 0 and 1),
+    # so it reads a scale a column rather than one a step; each step's scales are read a step ahead.
+    gen = generator(30, device)
+    x = randn((5, 100), torch.bfloat16, device, gen)
+    full = torch.randn((40, 100), generator=gen, device=device) * 100 ** -0.5
+    values, scale_inv = block_quantize(full, block=(24, 32))
+    tiles = fp8_linear.StreamTiles(block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=1)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, block=(24, 32), w8a8=w8a8, stream=tiles)
+    expected = ref.fp8_linear(x.double(), values, scale_inv, block=(24, 32), w8a8=w8a8)
+    assert_close(y, expected, torch.bfloat16, w8a8_tolerance(torch.bfloat16, w8a8, x.device))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype, device):
     # One row of 320 columns in scale blocks of 128 (the last partial), strided x: the default tiles; K
