@@ -24,7 +24,9 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   first written exactly as two FP8 parts (`fp8_split`), and each K step takes two FP8 products with no
   weight tile widened (the widening, not the bytes, had set the stream's pace); over a smaller weight the
   extra pass costs more than it saves, and bf16 rows meet the weight as fp16, lifted exactly
-  (`fp16_lift`), since e4m3 widens to fp16 in fewer instructions than to bf16.
+  (`fp16_lift`), since e4m3 widens to fp16 in fewer instructions than to bf16. On Hopper the FP8-row
+  stream loads its weight tiles by TMA (a tensor descriptor of the weight; `StreamTiles.tma`) where the
+  weight's rows are 16-byte aligned: the same products, fewer instructions a step.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checks import check_same_device, check_shape
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
@@ -65,7 +68,9 @@ class GemmTiles:
 @dataclass(frozen=True, slots=True)
 class StreamTiles:
     """The weight stream's [block_n, block_k] weight tile, its K split, warps and stages; fp8_rows: bf16 rows
-    written as two FP8 parts (`fp8_split`) rather than the weight widened to them."""
+    written as two FP8 parts (`fp8_split`) rather than the weight widened to them; tma: FP8-row and w8a8
+    streams of up to _TMA_MAX_ROWS rows load the weight's tiles by TMA where its rows are 16-byte aligned
+    (Hopper)."""
 
     block_n: int
     block_k: int
@@ -73,6 +78,7 @@ class StreamTiles:
     num_warps: int
     num_stages: int
     fp8_rows: bool = True
+    tma: bool = False
 
 
 # H100, w8a8, GEMM alone: [1024 | 4096, 7168] x [7168 | 18432, 7168]^T at 475-584 TFLOP/s; 128 x 256
@@ -102,6 +108,17 @@ _FP8_ROWS_MIN_VALUES = 4 << 20
 _FP8_ROWS_PROGRAMS_PER_SM = 5
 _FP8_ROWS_MIN_BLOCKS = 4
 _FP8_ROWS_STAGES = 3
+# Weight tiles by TMA in the FP8-row and w8a8 streams: H200, graph replays, against the same kernel's pointer
+# loads in one process, outputs equal bit for bit (bench/results/kernels/h200/logs-archive/
+# fp8-stream-tma-h200-2026-11-29.log, two rounds): where the grid holds at least 3 programs a multiprocessor, at 16
+# rows [18432, 7168] 39.2-39.3 against 40.3-40.4 us, [7168, 18432] 42.0 against 43.7, [7168, 7168] 18.9 against
+# 19.6, [7168, 2048] 8.9 against 9.1; at 32 rows [7168, 7168] 24.4 against 26.6-26.9, [32768, 512] 8.7 against
+# 11.1 (one wave where pointer loads' shared memory made two); at 2-4 rows from 5% faster to 2% slower. With fewer
+# programs a multiprocessor each program's start costs more than TMA saves: [24576, 1536] (2.9) 1-2% slower,
+# [4096, 2048] (1.9) 2%, [2048, 2048] (1.0) 5%. At 64 rows from 2% faster to 5% slower: pointer loads.
+# Loading the rows' parts by TMA too made 64 rows 12-14% slower (a prototype, one process).
+_TMA_MIN_PROGRAMS_PER_SM = 3
+_TMA_MAX_ROWS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +182,24 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
     sms = sm_count(device)
     if n_out * k_in >= _FP8_ROWS_MIN_VALUES:
         split_k = max(1, min(_FP8_ROWS_PROGRAMS_PER_SM * sms // col_tiles, k_blocks // _FP8_ROWS_MIN_BLOCKS))
+        tma = tma_capable(device) and col_tiles * split_k >= _TMA_MIN_PROGRAMS_PER_SM * sms
         return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
-                           num_stages=_FP8_ROWS_STAGES)
+                           num_stages=_FP8_ROWS_STAGES, tma=tma)
     wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sms, col_tiles)
     split_k = max(1, min(wanted, k_blocks))
     return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4, num_stages=_STREAM_STAGES,
                        fp8_rows=False)
+
+
+def tma_capable(device: torch.device) -> bool:
+    """Whether `device` has Hopper's tensor memory accelerator, measured for the stream (compute capability 9.x;
+    Blackwell's is not measured here)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def tma_weight(values: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover the FP8 weight values [N, K]: rows contiguous and 16-byte aligned."""
+    return values.stride(1) == 1 and values.stride(0) % 16 == 0 and values.data_ptr() % 16 == 0
 
 
 def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowTiles:
@@ -279,13 +308,15 @@ def _stream_scales(ws_row, ws_rows, xs_ptr, rows, row_mask, col_mask, kb, s_xsp,
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _stream_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr,
+    x_ptr, xs_ptr, w, ws_ptr, y_ptr,
     num_rows, n_out, k_in, k_per_split,
     s_xp, s_xt, s_xk, s_xsp, s_xst, s_xsb, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, FP8_PARTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, LIFT: tl.constexpr, GDC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LIFT: tl.constexpr, W_TMA: tl.constexpr, GDC: tl.constexpr,
 ):
+    # w: the weight values' pointer, or where W_TMA a tensor descriptor of them in [BLOCK_N, BLOCK_K] tiles (the
+    # tiles past N or K read as zeros; a split's K steps end on its k_hi, which is a step's end or K's).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_T)
     col_mask = cols < n_out
@@ -294,7 +325,8 @@ def _stream_kernel(
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, k_in)
     y_ptr += tl.program_id(1).to(tl.int64) * s_ys
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * s_wn
+    if not W_TMA:
+        w_rows = w + cols[:, None].to(tl.int64) * s_wn
     ws_rows = ws_ptr + (cols // SCALE_N) * s_wsn
     # A tile no wider than a scale block and aligned to it reads one scale a step, not one a column.
     ONE_SCALE_ROW: tl.constexpr = SCALE_N % BLOCK_N == 0
@@ -312,7 +344,10 @@ def _stream_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_hi
-        w = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_TMA:
+            w_tile = w.load([tl.program_id(0) * BLOCK_N, k0])
+        else:
+            w_tile = tl.load(w_rows + ks[None, :] * s_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + rows[None, :] * s_xt + ks[:, None] * s_xk, mask=row_mask[None, :] & k_mask[:, None],
                     other=0.0)
         if FP8_PARTS == 2:
@@ -327,16 +362,16 @@ def _stream_kernel(
         else:
             w_scale_col = w_scale[:, None]
         if FP8_PARTS == 1:
-            acc += tl.dot(w, x) * (w_scale_col * x_scale[None, :])
+            acc += tl.dot(w_tile, x) * (w_scale_col * x_scale[None, :])
         elif FP8_PARTS == 2:
             # bf16 rows as two e4m3 parts (`fp8_split`): two FP8 products, no weight tile widened.
-            acc += (tl.dot(w, x) * x_scale[None, :] + tl.dot(w, x_lo) * lo_scale[None, :]) * w_scale_col
+            acc += (tl.dot(w_tile, x) * x_scale[None, :] + tl.dot(w_tile, x_lo) * lo_scale[None, :]) * w_scale_col
         elif LIFT:
             # bf16 rows lifted to fp16 (`fp16_lift`): the FP8 tile widens to fp16 in half the instructions.
             x16, unscale = lift_to_fp16(x, 0)
-            acc += tl.dot(w.to(tl.float16), x16) * (w_scale_col * unscale[None, :])
+            acc += tl.dot(w_tile.to(tl.float16), x16) * (w_scale_col * unscale[None, :])
         else:
-            acc += tl.dot(w.to(x.dtype), x, input_precision=DOT_PRECISION) * w_scale_col
+            acc += tl.dot(w_tile.to(x.dtype), x, input_precision=DOT_PRECISION) * w_scale_col
         w_scale, x_scale, lo_scale = next_scales
     tl.store(y_ptr + rows[None, :] * s_yt + cols[:, None] * s_yn, acc.to(y_ptr.dtype.element_ty),
              mask=row_mask[None, :] & col_mask[:, None])
@@ -481,13 +516,17 @@ def _stream(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, bloc
     y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
     use_pdl = pdl(x.device)
+    # TMA only where the rows are FP8 (parts or w8a8): the widened streams keep pointer loads.
+    w_tma = c.tma and fp8_parts >= 1 and num_rows <= _TMA_MAX_ROWS and tma_weight(values)
+    w = TensorDescriptor.from_tensor(values, [c.block_n, block_k]) if w_tma else values
     _stream_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
-        a, a_scales, values, scale_inv, out,
+        a, a_scales, w, scale_inv, out,
         num_rows, n_out, k_in, k_per_split,
         *a.stride(), *a_scales.stride(), *values.stride(), *scale_inv.stride(), num_rows * n_out, *y.stride(),
         SCALE_N=block[0], SCALE_K=block[1], FP8_PARTS=fp8_parts,
         BLOCK_T=max(16, next_pow2(num_rows)), BLOCK_N=c.block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), LIFT=fp8_parts == 0 and x.dtype == torch.bfloat16, GDC=use_pdl,
+        DOT_PRECISION=dot_precision(x.dtype), LIFT=fp8_parts == 0 and x.dtype == torch.bfloat16, W_TMA=w_tma,
+        GDC=use_pdl,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if split_k > 1:

@@ -110,6 +110,17 @@ def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=stream), expected, dtype)
 
 
+def test_tma_weight_asks_for_rows_a_descriptor_can_cover():
+    # TMA needs contiguous rows whose starts are 16-byte aligned; other weights stream by pointer loads.
+    values = torch.zeros((64, 48), dtype=torch.float8_e4m3fn)
+    assert fp8_linear.tma_weight(values)
+    assert fp8_linear.tma_weight(values[:, :40])          # 40 columns, rows still 48 bytes apart
+    assert not fp8_linear.tma_weight(values[:, 8:])       # starts 8 bytes into a row
+    assert not fp8_linear.tma_weight(torch.zeros((64, 40), dtype=torch.float8_e4m3fn))   # rows 40 bytes apart
+    assert not fp8_linear.tma_weight(values.t())
+    assert not fp8_linear.stream_tiles(18432, 7168, 128, torch.device("cpu")).tma
+
+
 def test_fp8_linear_rejects_bad_inputs(device):
     values, scale_inv = _weight((64, 128), generator(3, device), device)
     x = torch.randn(2, 128, device=device)
@@ -243,6 +254,65 @@ def test_fp8_stream_gpu_both_row_forms(n, k, num_tokens):
         y = fp8_linear.fp8_linear(x, values, scale_inv, stream=dataclasses.replace(tiles, fp8_rows=fp8_rows))
         assert_close(y, expected, torch.bfloat16)
         assert float((y.double() - expected).norm() / expected.norm()) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("num_tokens", [3, 16, 64])
+# [4100, 2064]: a partial column tile at N's edge and a partial K step at K's (2064 = 16 x 129).
+@pytest.mark.parametrize("n, k", [(18432, 7168), (4100, 2064)])
+def test_fp8_stream_gpu_tma_equals_pointer_loads(n, k, num_tokens, w8a8):
+    # The FP8-row stream's weight tiles by TMA and by pointer loads: the same products in the same order, so the
+    # same bits (tiles past N or K read as zeros either way), and both = the float64 reference.
+    device = torch.device("cuda")
+    if not fp8_linear.tma_capable(device):
+        pytest.skip("the stream takes TMA on Hopper only")
+    # The tile rule asks for TMA over V3's large projections.
+    assert fp8_linear.stream_tiles(18432, 7168, 128, device).tma
+    tiles = fp8_linear.stream_tiles(n, k, 128, device)
+    gen = generator(n + k + num_tokens, device)
+    x = randn((num_tokens, k), torch.bfloat16, device, gen)
+    values, scale_inv = _weight((n, k), gen, device)
+    assert tiles.fp8_rows and fp8_linear.tma_weight(values)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8, stream=dataclasses.replace(tiles, tma=True))
+    y_pointers = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=w8a8, stream=dataclasses.replace(tiles, tma=False))
+    assert torch.equal(y, y_pointers)
+    expected = _expected_linear(x, values, scale_inv, w8a8)
+    assert_close(y, expected, torch.bfloat16, table=_GPU_W8A8_TOLERANCE if w8a8 else TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_fp8_stream_gpu_tma_graph_replays_equal_eager():
+    # The weight's descriptor is built on the host at capture and kept in the graph: replays over new rows give
+    # the eager op's bits.
+    device = torch.device("cuda")
+    if not fp8_linear.tma_capable(device):
+        pytest.skip("the stream takes TMA on Hopper only")
+    gen = generator(16, device)
+    values, scale_inv = _weight((18432, 7168), gen, device)
+    x = randn((16, 7168), torch.bfloat16, device, gen)
+    fp8_linear.fp8_linear(x, values, scale_inv)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_linear.fp8_linear(x, values, scale_inv)
+    for _ in range(2):
+        new_x = randn((16, 7168), torch.bfloat16, device, gen)
+        x.copy_(new_x)
+        graph.replay()
+        assert torch.equal(y, fp8_linear.fp8_linear(new_x, values, scale_inv))
+
+
+@pytest.mark.gpu
+def test_fp8_stream_gpu_weight_rows_not_16_byte_aligned():
+    # A weight whose rows TMA cannot describe (K = 2056 bytes, not a multiple of 16) streams by pointer loads.
+    device = torch.device("cuda")
+    gen = generator(2056, device)
+    x = randn((16, 2056), torch.bfloat16, device, gen)
+    values, scale_inv = _weight((4096, 2056), gen, device)
+    assert not fp8_linear.tma_weight(values)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, stream=fp8_linear.stream_tiles(4096, 2056, 128, device))
+    assert_close(y, _expected_linear(x, values, scale_inv, False), torch.bfloat16)
 
 
 @pytest.mark.gpu
