@@ -11,11 +11,11 @@ bits than float32, which is why the scaled sum is taken per K tile, never over t
   grouped order, so that GROUP_M row tiles reuse a band of weight columns from L2. With w8a8 both
   operands are FP8 (x quantized first by `fp8_quant`); otherwise x stays 16-bit and the weight
   tile is widened to it in registers (FP8 values are exact in bf16 and fp16).
-* `_row_kernel` (one row of 16-bit activations: batch-1 decode): CUDA-core products, each FP8 tile
-  widened to float32 and multiplied by the row, summed over K in registers, a few weight rows a
-  program over 512-column steps (several scale blocks a step), one launch. Only a narrow weight with
-  a long K splits K over programs, summed as the stream's splits are. No tensor-core tile is filled
-  with one live row, and no bf16 widening.
+* `_row_kernel` (one row of 16-bit activations: batch-1 decode; up to ROW_MAX_ROWS rows over small
+  weights, `takes_rows`): CUDA-core products, each FP8 tile widened to float32 once and multiplied by
+  each row, summed over K in registers, a few weight rows a program over 512-column steps (several
+  scale blocks a step), one launch. Only a narrow weight with a long K splits K over programs, summed as
+  the stream's splits are. No tensor-core tile is filled with one live row, and no bf16 widening.
 * `_stream_kernel` (up to STREAM_MAX_ROWS rows: decode): a program owns BLOCK_N weight rows and
   streams them once, as the product's wide side ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16 rows]), so a
   handful of rows still fills a tensor-core tile; a weight of few column tiles splits K over
@@ -139,6 +139,16 @@ class RowTiles:
 # program at other warps, were no faster). A narrow weight with a long K leaves too few loads in flight
 # unsplit ([2048, 10944]: 16.6 against 14.0 split): it keeps the split tiles below.
 _ROW_UNSPLIT = RowTiles(block_n=4, block_k=512, split_k=1, num_warps=2)
+# Rows the one-row kernel also takes, one accumulator each, over weights below these sizes (values): H200, graph
+# replays, against the stream in one process (bench/results/kernels/h200/logs-archive/fp8-few-rows-h200-2026-11-29.log),
+# with `row_tiles`' tiles: 2 rows of [3072, 2048] 4.8 against 6.4 us, [2048, 2048] 3.8 against 5.8, [576, 7168]
+# 8.0 against 13.6, [7168, 2048] 7.5 against 8.6, [1536, 7168] 8.9 against 9.2; 3 and 4 rows of [576, 7168]
+# 10.6 / 11.3 against 13.7 / 13.9, [4096, 512] 3.2 / 3.3 against 3.6 / 3.7. The stream's split pass and sum set
+# those small products' pace; over larger weights the CUDA cores' products do ([32768, 512] at 2 rows 10.6
+# against 7.2, [7168, 7168] 21.4 against 18.4; 3 rows of [1536, 7168] 13.0 against 9.4).
+ROW_MAX_ROWS = 4
+_ROW_TWO_MAX_VALUES = 16 << 20
+_ROW_FOUR_MAX_VALUES = _FP8_ROWS_MIN_VALUES
 _ROW_SPLIT_MAX_K = 4096
 _ROW_SPLIT_PROGRAMS_PER_SM = 4
 # H200, one bf16 row, graph replays, the tiles above beside others in one process
@@ -200,6 +210,14 @@ def tma_capable(device: torch.device) -> bool:
 def tma_weight(values: torch.Tensor) -> bool:
     """Whether a TMA descriptor can cover the FP8 weight values [N, K]: rows contiguous and 16-byte aligned."""
     return values.stride(1) == 1 and values.stride(0) % 16 == 0 and values.data_ptr() % 16 == 0
+
+
+def takes_rows(num_rows: int, n_out: int, k_in: int) -> bool:
+    """Whether num_rows rows of 16-bit activations over an [n_out, k_in] FP8 weight take the one-row kernel
+    (every row of one, up to ROW_MAX_ROWS over small weights) rather than the stream."""
+    values = n_out * k_in
+    return num_rows == 1 or (num_rows == 2 and values < _ROW_TWO_MAX_VALUES) or (
+        2 < num_rows <= ROW_MAX_ROWS and values < _ROW_FOUR_MAX_VALUES)
 
 
 def row_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> RowTiles:
@@ -378,26 +396,42 @@ def _stream_kernel(
 
 
 @triton.jit
-def scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SCALE_K: tl.constexpr, GROUP_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K // GROUP_K] partial sums of one K step of a one-row product: the FP8 tile w
-    [BLOCK_N, BLOCK_K] (columns k0 ..) widened to float32 times the row x [BLOCK_K] (float32), summed in
-    runs of GROUP_K columns, each run inside one scale block and times its block's scale (ws_rows
-    [BLOCK_N]: each weight row's scale-row pointer, blocks s_wsb apart). Runs at or past k_hi read no scale."""
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-    run_k = k0 + tl.arange(0, GROUPS) * GROUP_K
-    scale = tl.load(ws_rows[:, None] + (run_k // SCALE_K)[None, :] * s_wsb, mask=(run_k < k_hi)[None, :], other=0.0)
-    return tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, GROUPS, GROUP_K]), axis=2) * scale
+def row_step_scales(ws_rows, k0, k_hi, s_wsb, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // GROUP_K] weight scales of one K step of a one-row product (columns k0 ..): one a run of
+    GROUP_K columns, each run inside one scale block (ws_rows [BLOCK_N]: each weight row's scale-row pointer,
+    blocks s_wsb apart). Runs at or past k_hi read no scale."""
+    run_k = k0 + tl.arange(0, BLOCK_K // GROUP_K) * GROUP_K
+    return tl.load(ws_rows[:, None] + (run_k // SCALE_K)[None, :] * s_wsb, mask=(run_k < k_hi)[None, :], other=0.0)
 
 
 @triton.jit
+def scaled_row_sums(w, x, scale, GROUP_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // GROUP_K] partial sums of one K step of a one-row product: the widened tile w
+    [BLOCK_N, BLOCK_K] (float32) times the row x [BLOCK_K] (float32), summed in runs of GROUP_K columns, each
+    times its scale (`row_step_scales`)."""
+    BLOCK_N: tl.constexpr = w.shape[0]
+    GROUPS: tl.constexpr = w.shape[1] // GROUP_K
+    return tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, GROUPS, GROUP_K]), axis=2) * scale
+
+
+@triton.jit
+def scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCALE_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """`scaled_row_sums` of the FP8 tile w [BLOCK_N, BLOCK_K] (columns k0 ..) widened to float32 and the row x
+    [BLOCK_K] (float32), with the step's scales (`row_step_scales`)."""
+    scale = row_step_scales(ws_rows, k0, k_hi, s_wsb, BLOCK_K, SCALE_K, GROUP_K)
+    return scaled_row_sums(w.to(tl.float32), x, scale, GROUP_K)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _row_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr,
-    n_out, k_in, k_per_split,
-    s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yn,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr, GDC: tl.constexpr,
+    num_rows, n_out, k_in, k_per_split,
+    s_xt, s_xk, s_wn, s_wk, s_wsn, s_wsb, s_ys, s_yt, s_yn,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, GDC: tl.constexpr,
 ):
+    # ROWS: 1, 2 or 4 (num_rows rounded up); each row its own accumulator, the widened tile shared by all.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
     # Out-of-range columns read row 0 and are never stored: no mask on the weight rows.
@@ -409,18 +443,42 @@ def _row_kernel(
     w_rows = w_ptr + safe_cols[:, None].to(tl.int64) * s_wn
     ws_rows = ws_ptr + (safe_cols // SCALE_N) * s_wsn
     offs_k = tl.arange(0, BLOCK_K)
+    # Rows past num_rows read nothing (their K range is empty) and store nothing.
+    k_hi1 = tl.where(num_rows > 1, k_hi, k_lo)
+    k_hi2 = tl.where(num_rows > 2, k_hi, k_lo)
+    k_hi3 = tl.where(num_rows > 3, k_hi, k_lo)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
     # A step is runs of GROUP_K columns, each inside one scale block (k_lo is a block's start).
-    acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP_K], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K // GROUP_K], dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    acc2 = tl.zeros_like(acc0)
+    acc3 = tl.zeros_like(acc0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_hi
-        w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :] * s_wk, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        scale = row_step_scales(ws_rows, k0, k_hi, s_wsb, BLOCK_K, SCALE_K, GROUP_K)
         x = tl.load(x_ptr + ks * s_xk, mask=k_mask, other=0.0).to(tl.float32)
-        acc += scaled_row_step(w, x, ws_rows, k0, k_hi, s_wsb, BLOCK_N, BLOCK_K, SCALE_K, GROUP_K)
-    tl.store(y_ptr + cols * s_yn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+        acc0 += scaled_row_sums(w, x, scale, GROUP_K)
+        if ROWS > 1:
+            x = tl.load(x_ptr + s_xt + ks * s_xk, mask=ks < k_hi1, other=0.0).to(tl.float32)
+            acc1 += scaled_row_sums(w, x, scale, GROUP_K)
+        if ROWS > 2:
+            x = tl.load(x_ptr + 2 * s_xt + ks * s_xk, mask=ks < k_hi2, other=0.0).to(tl.float32)
+            acc2 += scaled_row_sums(w, x, scale, GROUP_K)
+            x = tl.load(x_ptr + 3 * s_xt + ks * s_xk, mask=ks < k_hi3, other=0.0).to(tl.float32)
+            acc3 += scaled_row_sums(w, x, scale, GROUP_K)
+    tl.store(y_ptr + cols * s_yn, tl.sum(acc0, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+    if ROWS > 1:
+        tl.store(y_ptr + s_yt + cols * s_yn, tl.sum(acc1, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=cols < tl.where(num_rows > 1, n_out, 0))
+    if ROWS > 2:
+        tl.store(y_ptr + 2 * s_yt + cols * s_yn, tl.sum(acc2, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=cols < tl.where(num_rows > 2, n_out, 0))
+        tl.store(y_ptr + 3 * s_yt + cols * s_yn, tl.sum(acc3, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=cols < tl.where(num_rows > 3, n_out, 0))
 
 
 def check_block_k(block: tuple[int, int]) -> None:
@@ -457,7 +515,7 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
         raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
     if num_rows == 0 or n_out == 0:
         return torch.zeros((num_rows, n_out), dtype=out_dtype, device=x.device)
-    if num_rows == 1 and not w8a8 and stream is None and not batch_invariant:
+    if takes_rows(num_rows, n_out, k_in) and not w8a8 and stream is None and not batch_invariant:
         return _row(x, values, scale_inv, block, out_dtype, row)
     if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
         return _stream(x, values, scale_inv, block, w8a8, out_dtype, stream)
@@ -536,9 +594,12 @@ def _stream(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, bloc
 
 def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
          out_dtype: torch.dtype, tiles: RowTiles | None) -> torch.Tensor:
-    """The one-row product for x [1, K] (16-bit or float32) -> y [1, N]; K split as `row_tiles` says."""
-    k_in = x.shape[1]
+    """The one-row product for x [T <= ROW_MAX_ROWS, K] (16-bit or float32) -> y [T, N], each row as alone; K
+    split as `row_tiles` says."""
+    num_rows, k_in = x.shape
     n_out = values.shape[0]
+    if num_rows > ROW_MAX_ROWS:
+        raise ValueError(f"x: the one-row product takes at most {ROW_MAX_ROWS} rows, got {num_rows}")
     c = tiles or row_tiles(n_out, k_in, block[1], x.device)
     # The columns of a step that share one scale: the whole step when it lies inside one block.
     group_k = min(c.block_k, block[1])
@@ -548,14 +609,15 @@ def _row(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: 
     # Each split's share of K is a whole number of scale blocks.
     k_per_split = triton.cdiv(triton.cdiv(k_in, c.split_k), block[1]) * block[1]
     split_k = triton.cdiv(k_in, k_per_split)
-    y = torch.empty((1, n_out), dtype=out_dtype, device=x.device)
-    out = y if split_k == 1 else torch.empty((split_k, 1, n_out), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_rows, n_out), dtype=out_dtype, device=x.device)
+    out = y if split_k == 1 else torch.empty((split_k, num_rows, n_out), dtype=torch.float32, device=x.device)
     use_pdl = pdl(x.device)
     _row_kernel[(triton.cdiv(n_out, c.block_n), split_k)](
         x, values, scale_inv, out,
-        n_out, k_in, k_per_split,
-        x.stride(1), *values.stride(), *scale_inv.stride(), n_out, y.stride(1),
-        SCALE_N=block[0], SCALE_K=block[1], BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_K=group_k, GDC=use_pdl,
+        num_rows, n_out, k_in, k_per_split,
+        *x.stride(), *values.stride(), *scale_inv.stride(), num_rows * n_out, *out.stride()[-2:],
+        SCALE_N=block[0], SCALE_K=block[1], ROWS=next_pow2(num_rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_K=group_k, GDC=use_pdl,
         num_warps=c.num_warps, launch_pdl=use_pdl,
     )
     if split_k > 1:

@@ -46,8 +46,9 @@ def test_quantize_activations_is_the_reference_bit_for_bit(dtype, device):
 
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_tokens", [1, 3, 24, 80])   # the one-row product (without w8a8), the weight stream
-                                                        # (padded to 16, to 32), the GEMM
+# The one-row product (1-4 rows without w8a8 over this small weight; with w8a8 the stream), the weight stream
+# (padded to 16, to 32), the GEMM.
+@pytest.mark.parametrize("num_tokens", [1, 3, 5, 24, 80])
 def test_fp8_linear(num_tokens, dtype, w8a8, device):
     gen = generator(num_tokens, device)
     x = randn((num_tokens, 200), dtype, device, gen)
@@ -90,13 +91,14 @@ def test_fp8_linear_stream_over_scale_blocks_narrower_than_its_tiles(w8a8, devic
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype, device):
-    # One row of 320 columns in scale blocks of 128 (the last partial), strided x: the default tiles; K
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(num_rows, dtype, device):
+    # Rows of 320 columns in scale blocks of 128 (the last partial), strided x: the default tiles; K
     # split in three; steps of two scale blocks (the second step half past K), whole and split in two;
-    # the H200's steps of eight blocks (one step, most of it past K). The weight stream forced on the same
-    # row agrees.
-    gen = generator(31, device)
-    x = strided(randn((1, 320), dtype, device, gen), gen)
+    # the H200's steps of eight blocks (one step, most of it past K). Each row's product is the one it has
+    # alone, and the weight stream forced on the same rows agrees.
+    gen = generator(31 + num_rows, device)
+    x = strided(randn((num_rows, 320), dtype, device, gen), gen)
     values, scale_inv = _weight((136, 320), gen, device)
     expected = _expected_linear(x, values, scale_inv, False)
     for tiles in (None, fp8_linear.RowTiles(block_n=16, block_k=32, split_k=3, num_warps=4),
@@ -104,10 +106,19 @@ def test_fp8_linear_one_row_split_and_tiles_equal_the_stream_and_reference(dtype
                   fp8_linear.RowTiles(block_n=4, block_k=256, split_k=2, num_warps=2),
                   fp8_linear.RowTiles(block_n=8, block_k=1024, split_k=1, num_warps=4)):
         y = fp8_linear.fp8_linear(x, values, scale_inv, row=tiles)
-        assert y.dtype == dtype and y.shape == (1, 136)
+        assert y.dtype == dtype and y.shape == (num_rows, 136)
         assert_close(y, expected, dtype)
+        for i in range(num_rows):
+            assert torch.equal(y[i:i + 1], fp8_linear.fp8_linear(x[i:i + 1], values, scale_inv, row=tiles))
     stream = fp8_linear.stream_tiles(136, 320, 128, x.device)
     assert_close(fp8_linear.fp8_linear(x, values, scale_inv, stream=stream), expected, dtype)
+
+
+def test_takes_rows_sends_few_rows_over_small_weights_to_the_one_row_kernel():
+    assert fp8_linear.takes_rows(1, 18432, 7168)
+    assert fp8_linear.takes_rows(2, 3072, 2048) and not fp8_linear.takes_rows(2, 7168, 7168)
+    assert fp8_linear.takes_rows(4, 576, 7168) and not fp8_linear.takes_rows(3, 3072, 2048)
+    assert not fp8_linear.takes_rows(5, 576, 2048)
 
 
 def test_tma_weight_asks_for_rows_a_descriptor_can_cover():
@@ -279,6 +290,23 @@ def test_fp8_stream_gpu_tma_equals_pointer_loads(n, k, num_tokens, w8a8):
     assert torch.equal(y, y_pointers)
     expected = _expected_linear(x, values, scale_inv, w8a8)
     assert_close(y, expected, torch.bfloat16, table=_GPU_W8A8_TOLERANCE if w8a8 else TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [2, 3, 4])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (576, 7168), (4096, 512), (1536, 7168)])
+def test_fp8_few_rows_gpu_on_the_one_row_kernel(n, k, num_rows):
+    # 2-4 rows over small weights take the one-row kernel where `takes_rows` says (the others the stream): the
+    # float64 reference within bf16's tolerance, and each row the bits it has alone.
+    device = torch.device("cuda")
+    gen = generator(n + k + num_rows, device)
+    x = randn((num_rows, k), torch.bfloat16, device, gen)
+    values, scale_inv = _weight((n, k), gen, device)
+    y = fp8_linear.fp8_linear(x, values, scale_inv)
+    assert_close(y, _expected_linear(x, values, scale_inv, False), torch.bfloat16)
+    if fp8_linear.takes_rows(num_rows, n, k):
+        for i in range(num_rows):
+            assert torch.equal(y[i:i + 1], fp8_linear.fp8_linear(x[i:i + 1], values, scale_inv))
 
 
 @pytest.mark.gpu
