@@ -498,8 +498,9 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
     [ceil(N/bn), ceil(K/bk)] float32 (bk a power of two >= 32) -> y [T, N] in out_dtype (x's
     by default). w8a8 quantizes x per token and group of bk (`fp8_quant`) and multiplies FP8 by
     FP8; otherwise x's dtype meets the widened weight. One row without w8a8 takes the one-row
-    product, up to STREAM_MAX_ROWS rows the weight stream, more the block GEMM. `gemm` / `stream` /
-    `row` override the tiles (sweeps; `stream` also takes a single row through the stream).
+    product (up to ROW_MAX_ROWS rows over small weights: `takes_rows`), up to STREAM_MAX_ROWS rows the
+    weight stream, more the block GEMM. `gemm` / `stream` / `row` override the tiles (sweeps; `stream`
+    also takes the one-row product's rows through the stream).
     batch_invariant: every row count takes the block GEMM, whose K order is one for every row: a row's
     bits then do not depend on its batch-mates or their number (slower at decode sizes).
     """

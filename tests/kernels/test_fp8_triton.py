@@ -333,13 +333,15 @@ def test_fp8_stream_gpu_tma_graph_replays_equal_eager():
 
 @pytest.mark.gpu
 def test_fp8_stream_gpu_weight_rows_not_16_byte_aligned():
-    # A weight whose rows TMA cannot describe (K = 2056 bytes, not a multiple of 16) streams by pointer loads.
+    # A weight whose rows TMA cannot describe (K = 2056 bytes, not a multiple of 16) streams by pointer loads,
+    # even where the tiles ask for TMA.
     device = torch.device("cuda")
     gen = generator(2056, device)
     x = randn((16, 2056), torch.bfloat16, device, gen)
     values, scale_inv = _weight((4096, 2056), gen, device)
     assert not fp8_linear.tma_weight(values)
-    y = fp8_linear.fp8_linear(x, values, scale_inv, stream=fp8_linear.stream_tiles(4096, 2056, 128, device))
+    tiles = dataclasses.replace(fp8_linear.stream_tiles(4096, 2056, 128, device), tma=True)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, stream=tiles)
     assert_close(y, _expected_linear(x, values, scale_inv, False), torch.bfloat16)
 
 
