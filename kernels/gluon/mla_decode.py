@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from ..triton._common import hopper
+
 # Rows a program, keys a tile, and the column slab one copy or one shared-memory slice covers (the
 # 128-byte swizzle of 16-bit values).
 BLOCK_M = 64
@@ -38,8 +40,8 @@ ROPE_DIM = 64
 
 
 def available(device: torch.device) -> bool:
-    """Whether `device` has Hopper's warpgroup MMA (compute capability 9.x; Blackwell dropped it)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    """Whether `device` has Hopper's warpgroup MMA (`_common.hopper`)."""
+    return hopper(device)
 
 
 def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8_cache: bool,

@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checks import check_same_device, check_shape
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
-from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
+from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, hopper, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
 from .fp8_split import split_rows
@@ -192,19 +192,13 @@ def stream_tiles(n_out: int, k_in: int, block_k: int, device: torch.device) -> S
     sms = sm_count(device)
     if n_out * k_in >= _FP8_ROWS_MIN_VALUES:
         split_k = max(1, min(_FP8_ROWS_PROGRAMS_PER_SM * sms // col_tiles, k_blocks // _FP8_ROWS_MIN_BLOCKS))
-        tma = tma_capable(device) and col_tiles * split_k >= _TMA_MIN_PROGRAMS_PER_SM * sms
+        tma = hopper(device) and col_tiles * split_k >= _TMA_MIN_PROGRAMS_PER_SM * sms
         return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4,
                            num_stages=_FP8_ROWS_STAGES, tma=tma)
     wanted = triton.cdiv(_STREAM_PROGRAMS_PER_SM * sms, col_tiles)
     split_k = max(1, min(wanted, k_blocks))
     return StreamTiles(block_n=block_n, block_k=step, split_k=split_k, num_warps=4, num_stages=_STREAM_STAGES,
                        fp8_rows=False)
-
-
-def tma_capable(device: torch.device) -> bool:
-    """Whether `device` has Hopper's tensor memory accelerator, measured for the stream (compute capability 9.x;
-    Blackwell's is not measured here)."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def tma_weight(values: torch.Tensor) -> bool:

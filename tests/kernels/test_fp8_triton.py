@@ -15,6 +15,7 @@ from support.kernel_cases import TOLERANCE, assert_close, generator, randn, stri
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels.reference import fp8 as ref
 from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
+from mla_func.kernels.triton._common import hopper
 from mla_func.kernels.triton.moe_pairs import PairConfig
 
 
@@ -276,7 +277,7 @@ def test_fp8_stream_gpu_tma_equals_pointer_loads(n, k, num_tokens, w8a8):
     # The FP8-row stream's weight tiles by TMA and by pointer loads: the same products in the same order, so the
     # same bits (tiles past N or K read as zeros either way), and both = the float64 reference.
     device = torch.device("cuda")
-    if not fp8_linear.tma_capable(device):
+    if not hopper(device):
         pytest.skip("the stream takes TMA on Hopper only")
     # The tile rule asks for TMA over V3's large projections.
     assert fp8_linear.stream_tiles(18432, 7168, 128, device).tma
@@ -314,7 +315,7 @@ def test_fp8_stream_gpu_tma_graph_replays_equal_eager():
     # The weight's descriptor is built on the host at capture and kept in the graph: replays over new rows give
     # the eager op's bits.
     device = torch.device("cuda")
-    if not fp8_linear.tma_capable(device):
+    if not hopper(device):
         pytest.skip("the stream takes TMA on Hopper only")
     gen = generator(16, device)
     values, scale_inv = _weight((18432, 7168), gen, device)
