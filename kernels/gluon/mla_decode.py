@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..triton._common import hopper
+from ..hardware import hopper
 
 # Rows a program, keys a tile, and the column slab one copy or one shared-memory slice covers (the
 # 128-byte swizzle of 16-bit values).
@@ -40,7 +40,7 @@ ROPE_DIM = 64
 
 
 def available(device: torch.device) -> bool:
-    """Whether `device` has Hopper's warpgroup MMA (`_common.hopper`)."""
+    """Whether `device` has Hopper's warpgroup MMA (`hardware.hopper`)."""
     return hopper(device)
 
 

@@ -76,13 +76,6 @@ def h200(device: torch.device) -> bool:
     return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
 
 
-def hopper(device: torch.device) -> bool:
-    """Whether `device` is an NVIDIA Hopper GPU (compute capability 9.x): the warpgroup MMA that the Gluon
-    kernels take and the TMA that the FP8 weight stream takes (Blackwell dropped the warpgroup MMA, and its TMA
-    is not measured here; ROCm's gfx9 reports a 9.x capability too)."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents of the kernel before them.
 

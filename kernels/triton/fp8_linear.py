@@ -40,8 +40,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checks import check_same_device, check_shape
+from ..hardware import hopper
 from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
-from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, hopper, next_pow2, pdl, sm_count
+from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
 from .fp8_split import split_rows

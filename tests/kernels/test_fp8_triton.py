@@ -15,7 +15,7 @@ from support.kernel_cases import TOLERANCE, assert_close, generator, randn, stri
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels.reference import fp8 as ref
 from mla_func.kernels.triton import fp8_linear, fp8_moe, fp8_quant
-from mla_func.kernels.triton._common import hopper
+from mla_func.kernels.hardware import hopper
 from mla_func.kernels.triton.moe_pairs import PairConfig
 
 
