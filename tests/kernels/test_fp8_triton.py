@@ -278,6 +278,8 @@ def test_fp8_stream_gpu_tma_equals_pointer_loads(n, k, num_tokens, w8a8):
     # same bits (tiles past N or K read as zeros either way), and both = the float64 reference.
     device = torch.device("cuda")
     if not hopper(device):
+        # Elsewhere the tile rule never asks for TMA; there is no TMA path to compare.
+        assert not fp8_linear.stream_tiles(18432, 7168, 128, device).tma
         pytest.skip("the stream takes TMA on Hopper only")
     # The tile rule asks for TMA over V3's large projections.
     assert fp8_linear.stream_tiles(18432, 7168, 128, device).tma
@@ -316,6 +318,8 @@ def test_fp8_stream_gpu_tma_graph_replays_equal_eager():
     # the eager op's bits.
     device = torch.device("cuda")
     if not hopper(device):
+        # Elsewhere the tile rule never asks for TMA; there is no TMA path to compare.
+        assert not fp8_linear.stream_tiles(18432, 7168, 128, device).tma
         pytest.skip("the stream takes TMA on Hopper only")
     gen = generator(16, device)
     values, scale_inv = _weight((18432, 7168), gen, device)
