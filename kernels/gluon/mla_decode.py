@@ -16,6 +16,14 @@ take seven) of one sequence over one split of its keys, eight warps as two warpg
 Shared memory holds Q (64 x 576) and two key stages (64 x 576 each), bf16: 216 KiB of the 227 KiB
 a Hopper block may take, so one program runs on a multiprocessor at a time. Its output is the
 twin's split partials (normalised output and natural-log LSE), merged by `decode_merge`.
+
+Over an FP8 latent cache (`FP8LatentCache`, FP8 constexpr) a tile's e4m3 values come by `cp.async` as
+bytes into the first half of their stage, its RoPE values into their own stage as before, and its four
+group scales into registers with the copy. Before the score product every thread reads its share of
+the bytes, all threads meet, and each writes its values times their scale in float32, rounded once to
+the queries' dtype, over the whole stage (`_widen`): the rows `FP8LatentCache.rows` gives, so the outputs
+equal the kernel's over those rows as a plain cache bit for bit, in the same shared memory. The widening
+runs while the previous tile's value product is still on the tensor cores.
 """
 
 from __future__ import annotations
@@ -44,12 +52,13 @@ def available(device: torch.device) -> bool:
     return hopper(device)
 
 
-def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8_cache: bool,
+def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
             device: torch.device) -> bool:
-    """Whether the kernel takes a decode: 16-bit queries over a plain cache of DeepSeek's widths
-    (C = 512, R = 64) on a Hopper GPU, with at least BLOCK_M rows (heads x queries) a sequence to fill
-    a program (at 16 heads and one query the twin's narrower programs stream the cache faster)."""
-    return (dtype in (torch.bfloat16, torch.float16) and not fp8_cache and kv_lora_rank == KV_LORA_RANK
+    """Whether the kernel takes a decode: 16-bit queries over a cache of DeepSeek's widths (C = 512,
+    R = 64; plain or FP8) on a Hopper GPU, with at least BLOCK_M rows (heads x queries) a
+    sequence to fill a program (at 16 heads and one query the twin's narrower programs stream the cache
+    faster)."""
+    return (dtype in (torch.bfloat16, torch.float16) and kv_lora_rank == KV_LORA_RANK
             and rope_dim == ROPE_DIM and num_heads * q_len >= BLOCK_M and available(device))
 
 
@@ -107,6 +116,55 @@ def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, 
 
 
 @gluon.jit
+def _copy_fp8_keys(raw_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+                   KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, fp8_layout: gl.constexpr,
+                   copy_layout: gl.constexpr):
+    # Starts copying an FP8 cache's rows at (page, offset) [BLOCK_N] (SliceLayout(1, fp8_layout)) into one
+    # stage: their e4m3 values as bytes into raw_buf [BLOCK_N, C], 16 values a copy, and their RoPE values
+    # into pe_buf [BLOCK_N, R]; masked rows are zero-filled (0 x their scale, also loaded as 0, is 0).
+    GROUP: gl.constexpr = 128
+    rows = gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1)
+    mask = gl.expand_dims(valid, 1)
+    cols = gl.arange(0, GROUP, layout=gl.SliceLayout(0, fp8_layout))
+    for g in gl.static_range(KV_LORA_RANK // GROUP):
+        async_copy.async_copy_global_to_shared(raw_buf.slice(g * GROUP, GROUP, dim=1),
+                                               rows + gl.expand_dims((g * GROUP + cols) * s_vd, 0), mask)
+    row_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    pe_rows = gl.convert_layout(r_ptr + page * s_rn + offset * s_rb, row_layout)
+    pe_cols = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(pe_buf, gl.expand_dims(pe_rows, 1) + gl.expand_dims(pe_cols * s_rd, 0),
+                                           gl.expand_dims(gl.convert_layout(valid, row_layout), 1))
+
+
+@gluon.jit
+def _load_scales(sc_ptr, page, offset, valid, s_scn, s_scb, s_scd):
+    # The four group scales [BLOCK_N] each of an FP8 cache's rows at (page, offset), in their layout;
+    # 0 for rows not in `valid`.
+    rows = sc_ptr + page * s_scn + offset * s_scb
+    return (gl.load(rows, mask=valid, other=0.0), gl.load(rows + s_scd, mask=valid, other=0.0),
+            gl.load(rows + 2 * s_scd, mask=valid, other=0.0), gl.load(rows + 3 * s_scd, mask=valid, other=0.0))
+
+
+@gluon.jit
+def _widen(raw_buf, keys, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
+    # Dequantizes one stage in place: e4m3 values in raw_buf [BLOCK_N, 512] (the first half of the stage's
+    # bytes) times their group's scale [BLOCK_N] in float32, rounded once to keys' dtype, into keys
+    # [BLOCK_N, 512] (the whole stage), the rows `FP8LatentCache.rows` gives. Every thread reads its values
+    # before any thread writes, since the two views share bytes.
+    GROUP: gl.constexpr = 128
+    f0 = raw_buf.slice(0, GROUP, dim=1).load(fp8_layout)
+    f1 = raw_buf.slice(GROUP, GROUP, dim=1).load(fp8_layout)
+    f2 = raw_buf.slice(2 * GROUP, GROUP, dim=1).load(fp8_layout)
+    f3 = raw_buf.slice(3 * GROUP, GROUP, dim=1).load(fp8_layout)
+    gl.thread_barrier()
+    dtype: gl.constexpr = keys.dtype
+    keys.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
+    keys.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
+    keys.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
+    keys.slice(3 * GROUP, GROUP, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
+
+
+@gluon.jit
 def store_through_stage(stage, out, row_ptrs, row_mask, col0, s_col, COLS: gl.constexpr, layout: gl.constexpr):
     """Stores out [M, COLS] (in the product's layout, already in the output's dtype) at row_ptrs [M, 1] +
     (col0 + j) * s_col, j < COLS, rows where row_mask [M, 1] (both in `layout`), through `stage`: a shared
@@ -138,15 +196,15 @@ def _program_rows(b, row_group, num_heads, Q_LEN: gl.constexpr, BLOCK_M: gl.cons
 # they would compile a kernel per value.
 @gluon.jit(do_not_specialize=["num_splits", "top_k", "num_positions", "s_plh"])
 def _wgmma_split_kernel(
-    q_ptr, v_ptr, r_ptr, bt_ptr, seq_lens_ptr, idx_ptr, po_ptr, pl_ptr,
+    q_ptr, v_ptr, sc_ptr, r_ptr, bt_ptr, seq_lens_ptr, idx_ptr, po_ptr, pl_ptr,
     num_heads, num_splits, top_k, num_positions, scale_log2, s_sl,
     s_qb, s_qh, s_qd,
-    s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
     s_btb, s_btw, s_it, s_ik,
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
     KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    Q_LEN: gl.constexpr, SPARSE: gl.constexpr, STAGED_OUT: gl.constexpr,
+    Q_LEN: gl.constexpr, SPARSE: gl.constexpr, STAGED_OUT: gl.constexpr, FP8: gl.constexpr,
 ):
     # Dense: program (row group, sequence b, split) over the split's share of b's keys. SPARSE: program
     # (row group, row b, split) over the split's share of the top_k slots of b's index list (Q_LEN 1).
@@ -175,6 +233,13 @@ def _wgmma_split_kernel(
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE_DIM], smem_layout)
     k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
+    # FP8: a tile's e4m3 values come by cp.async, 16 a copy, into the first half of its stage's bytes, and
+    # are widened from there into the whole stage (`_widen`), so the FP8 kernel takes no more shared memory.
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+    fp8_rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+    if FP8:
+        raw = k_nope._reinterpret(v_ptr.dtype.element_ty, [2, 2 * BLOCK_N, KV_LORA_RANK],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     if SPARSE:
         slots = top_k
@@ -198,8 +263,21 @@ def _wgmma_split_kernel(
     q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
     _copy_rows(q_nope, q_pe, q_rows, q_rows + KV_LORA_RANK * s_qd, gl.expand_dims(real, 1), s_qd, s_qd,
                KV_LORA_RANK, SLAB, copy_layout)
-    _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
-               s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    # The group scales of the tile being widened, loaded with its copy (FP8 only; zeros otherwise, unused).
+    sc0 = gl.zeros([BLOCK_N], gl.float32, layout=fp8_rows)
+    sc1 = sc0
+    sc2 = sc0
+    sc3 = sc0
+    if FP8:
+        page8 = gl.convert_layout(page, fp8_rows)
+        offset8 = gl.convert_layout(offset, fp8_rows)
+        valid8 = gl.convert_layout(valid, fp8_rows)
+        _copy_fp8_keys(raw.index(0).slice(0, BLOCK_N, dim=0), k_pe.index(0), v_ptr, r_ptr, page8, offset8, valid8,
+                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
+        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+    else:
+        _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
+                   s_rd, KV_LORA_RANK, SLAB, copy_layout)
     async_copy.commit_group()
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
@@ -233,6 +311,11 @@ def _wgmma_split_kernel(
         # Tile t's copies (and, the first time, the queries') are done in this thread, made visible to the
         # tensor cores' proxy, then done in every thread.
         async_copy.wait_group(0)
+        if FP8:
+            # Every thread's copy is in before any thread widens (the widened tile is written to shared
+            # memory by the threads, hence the fence before the tensor cores read it).
+            gl.thread_barrier()
+            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_nope.index(stage), sc0, sc1, sc2, sc3, fp8_layout)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -242,8 +325,17 @@ def _wgmma_split_kernel(
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
         gl.thread_barrier()
-        _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                   s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        if FP8:
+            page8 = gl.convert_layout(page, fp8_rows)
+            offset8 = gl.convert_layout(offset, fp8_rows)
+            valid8 = gl.convert_layout(copy_valid, fp8_rows)
+            _copy_fp8_keys(raw.index(1 - stage).slice(0, BLOCK_N, dim=0), k_pe.index(1 - stage), v_ptr, r_ptr,
+                           page8, offset8, valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM,
+                           fp8_layout, copy_layout)
+            sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+        else:
+            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
 
@@ -300,50 +392,55 @@ def _wgmma_split_kernel(
 
 def wgmma_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
-                       softmax_scale_log2: float, q_len: int) -> None:
+                       softmax_scale_log2: float, q_len: int, scales: torch.Tensor | None = None) -> None:
     """Stage 1 of the split decode (`triton.decode.mla_decode`) on the warpgroup MMA.
 
     q [B * q_len, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two
-    views, in q's dtype); block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
+    views, in q's dtype), or an FP8 cache's leaves: values [nb, bs, C] float8_e4m3fn, scales [nb, bs, C / 128]
+    float32 and rope [nb, bs, R] in q's dtype (the keys are its dequantized rows); block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
     and partial_lse [B * q_len, H, S] (float32 partials, or the outputs viewed as one split) are written:
     split s of sequence b covers its keys [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S
     rounded up to whole 64-key tiles. Shapes are the caller's to check (`applies`, `copyable`, `mla_decode`).
     """
     num_seqs = q.shape[0] // q_len
-    _launch(q, values, rope, block_table, seq_lens, seq_lens.stride(0), block_table, (0, 0), 0,
+    _launch(q, values, scales, rope, block_table, seq_lens, seq_lens.stride(0), block_table, (0, 0), 0,
             partial_out, partial_lse, num_seqs, softmax_scale_log2, q_len, sparse=False)
 
 
 def wgmma_sparse_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
                               indices: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
-                              softmax_scale_log2: float) -> None:
+                              softmax_scale_log2: float, scales: torch.Tensor | None = None) -> None:
     """Stage 1 of the sparse decode (`triton.dsa_decode.sparse_mla_decode`) on the warpgroup MMA.
 
-    q [T, H, C + R] bf16/fp16; values / rope as `wgmma_split_decode`'s; block_table [T, W] int32; indices
+    q [T, H, C + R] bf16/fp16; values / rope (/ scales) as `wgmma_split_decode`'s; block_table [T, W] int32; indices
     [T, k] int32 positions into row t's table (-1, or any outside [0, W * bs): none); partial_out [T, H, S,
     C] and partial_lse [T, H, S] are written: split s of row t covers its index slots [s * j, min((s + 1) *
     j, k)), j = k / S rounded up to whole 64-slot tiles.
     """
-    _launch(q, values, rope, block_table, block_table, 0, indices, tuple(indices.stride()), indices.shape[1],
+    _launch(q, values, scales, rope, block_table, block_table, 0, indices, tuple(indices.stride()), indices.shape[1],
             partial_out, partial_lse, q.shape[0], softmax_scale_log2, 1, sparse=True)
 
 
-def _launch(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
+def _launch(q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, rope: torch.Tensor,
+            block_table: torch.Tensor,
             seq_lens: torch.Tensor, s_sl: int, indices: torch.Tensor, s_idx: tuple[int, ...], top_k: int,
             partial_out: torch.Tensor, partial_lse: torch.Tensor, num_seqs: int, softmax_scale_log2: float,
             q_len: int, *, sparse: bool) -> None:
     # The dense decode passes its block table as `indices` (never read) and the sparse one its table as
-    # `seq_lens` (never read): one kernel, SPARSE choosing what a program's key slots are.
+    # `seq_lens` (never read): one kernel, SPARSE choosing what a program's key slots are. A plain cache passes
+    # its values as the scales (never read: FP8 is False).
     num_heads = q.shape[1]
     splits = partial_out.shape[2]
     # The queries come by cp.async too: rows it cannot copy are copied whole first (a small tensor).
     q = q if copyable(q) else q.contiguous()
     grid = (row_groups(num_heads, q_len), num_seqs, splits)
     _wgmma_split_kernel[grid](
-        q, values, rope, block_table, seq_lens, indices, partial_out, partial_lse,
+        q, values, values if scales is None else scales, rope, block_table, seq_lens, indices, partial_out, partial_lse,
         num_heads, splits, top_k, block_table.shape[1] * values.shape[1], softmax_scale_log2, s_sl,
-        *q.stride(), *values.stride(), *rope.stride(), *block_table.stride(), *s_idx,
+        *q.stride(), *values.stride(), *(values if scales is None else scales).stride(), *rope.stride(),
+        *block_table.stride(), *s_idx,
         *partial_out.stride(), *partial_lse.stride(),
         KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1],
-        Q_LEN=q_len, SPARSE=sparse, STAGED_OUT=partial_out.dtype == q.dtype, num_warps=NUM_WARPS,
+        Q_LEN=q_len, SPARSE=sparse, STAGED_OUT=partial_out.dtype == q.dtype, FP8=scales is not None,
+        num_warps=NUM_WARPS,
     )

@@ -66,8 +66,8 @@ _GPU_CONFIGS = MappingProxyType({
     32: DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
     64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
 })
-# Over an FP8 latent cache a tile is dequantized in registers before the products take it, so it wants
-# other tiles; the heads a program takes stay the bf16 cache's. H100, B64 x 32K: at 16 heads 32-key tiles
+# Over an FP8 latent cache (where the warpgroup-MMA kernel does not take it) a tile is dequantized in
+# registers before the products take it, so it wants other tiles; the heads a program takes stay the bf16 cache's. H100, B64 x 32K: at 16 heads 32-key tiles
 # unpipelined, 1.10 ms (0.88 for the bf16 cache: slower still, the dequantization bounds it); at 128
 # heads 64-key tiles over 8 warps in two stages, 2.40 ms (3.44 for the bf16 cache; 3.47 with its tiles).
 # 32 heads were not measured and keep the bf16 cache's tiles. At 16 heads a split runs its unpipelined
@@ -90,9 +90,10 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
     16: DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     64: DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, chunks=4),
 })
-# 16-bit queries over a plain cache of C = 512, R = 64 with at least 64 rows (heads x queries) a sequence
-# take the warpgroup-MMA kernel on Hopper (`gluon.mla_decode`), 64 rows a program as the chunked kernel at
-# 128 heads.
+# 16-bit queries over a cache of C = 512, R = 64 (plain or FP8) with at least 64 rows (heads x queries) a
+# sequence take the warpgroup-MMA kernel on Hopper (`gluon.mla_decode`), 64 rows a program as the chunked
+# kernel at 128 heads. Over an FP8 cache it widens the tiles in shared memory: 1.23x faster than the `tl.dot`
+# kernel at B64 x 32K, 128 and 64 heads, on an H200 (bench/notes/fp8.md).
 # Its shared memory (216 KiB) leaves room for one program a multiprocessor, so its splits fill one wave of
 # one program each: at B64 x 4K, 128 heads, one split (128 programs) and no merge pass, where two programs a
 # multiprocessor's count would give two splits and their float32 partials.
@@ -129,7 +130,7 @@ def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, 
     the warpgroup-MMA kernel fills one wave of one program a multiprocessor, and so may take fewer (a
     caller's workspace sets the count either way: `workspace_splits`)."""
     key = min(64, max(16, next_pow2(num_heads)))
-    if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, fp8, device):
+    if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
         return _WGMMA_CONFIG
     chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
                  and next_pow2(kv_lora_rank) == kv_lora_rank)
@@ -427,12 +428,12 @@ def check_wgmma_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
     take (`gluon.mla_decode.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
     num_heads, dim = q.shape[1], q.shape[2]
     kv_lora_rank = parts.values.shape[2]
-    if not (gluon_decode.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, parts.fp8, q.device)
+    if not (gluon_decode.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, q.device)
             and gluon_decode.copyable(parts.values, parts.rope)):
-        raise ValueError(f"config: the warpgroup-MMA kernel takes bf16/fp16 queries over a plain cache with "
+        raise ValueError(f"config: the warpgroup-MMA kernel takes bf16/fp16 queries over a cache with "
                          f"kv_lora_rank={gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM}, rows of 16-byte "
                          f"aligned contiguous columns and at least {gluon_decode.BLOCK_M} rows a sequence on a "
-                         f"Hopper GPU, got {q.dtype}, fp8 cache={parts.fp8}, kv_lora_rank={kv_lora_rank}, "
+                         f"Hopper GPU, got {q.dtype}, kv_lora_rank={kv_lora_rank}, "
                          f"rope {dim - kv_lora_rank}, cache strides {tuple(parts.values.stride())}, {num_heads} "
                          f"heads x q_len={q_len} on {q.device}")
 
@@ -508,7 +509,8 @@ def mla_decode(
     if config.wgmma:
         check_wgmma_takes(q, parts, q_len)
         gluon_decode.wgmma_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out,
-                                        partial_lse, softmax_scale_log2=softmax_scale * LOG2E, q_len=q_len)
+                                        partial_lse, softmax_scale_log2=softmax_scale * LOG2E, q_len=q_len,
+                                        scales=parts.scales if parts.fp8 else None)
     elif config.chunks == 4:
         if q_len != 1 or kv_lora_rank < 64 or next_pow2(kv_lora_rank) != kv_lora_rank:
             raise ValueError(f"config: four chunks take one query a row and a power-of-two kv_lora_rank of at least "

@@ -81,7 +81,7 @@ def sparse_launch_config(num_heads: int, kv_lora_rank: int, rope_dim: int, devic
     """`sparse_mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (`gluon.mla_decode.applies`,
     at 64 heads a row and more: the dense decode's `decode._WGMMA_CONFIG`) unless `wgmma` is False (its
     `tl.dot` twin, which tests and benchmarks set beside it); else `sparse_decode_config`'s."""
-    if wgmma and gluon_decode.applies(num_heads, 1, kv_lora_rank, rope_dim, dtype, fp8, device):
+    if wgmma and gluon_decode.applies(num_heads, 1, kv_lora_rank, rope_dim, dtype, device):
         return launch_config(num_heads, 1, kv_lora_rank, rope_dim, device, fp8, dtype)
     return sparse_decode_config(num_heads, device)
 
@@ -261,7 +261,8 @@ def sparse_mla_decode(
     if config.wgmma:
         check_wgmma_takes(q, parts, 1)
         gluon_decode.wgmma_sparse_split_decode(q, parts.values, parts.rope, block_table, indices, partial_out,
-                                               partial_lse, softmax_scale_log2=softmax_scale * LOG2E)
+                                               partial_lse, softmax_scale_log2=softmax_scale * LOG2E,
+                                               scales=parts.scales if parts.fp8 else None)
     else:
         _sparse_split_kernel[grid](
             q, *parts.pointers(), block_table, indices, partial_out, partial_lse,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.fp8_cache_cases import dequantized, fp8_cache_of
 from support.kernel_cases import LSE_TOLERANCE, assert_close, captured, generator, paged_cache, randn, strided
 from mla_func.kernels.gluon import mla_decode as gluon_decode
 from mla_func.kernels.reference import attention as ref
@@ -113,8 +114,63 @@ def test_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="warpgroup-MMA"):
         _run(q, kv_cache, table, lens, 1, config=wgmma)          # 16 rows a sequence: the twin's case
     assert not tri.launch_config(16, 1, C, R, q.device, False, q.dtype).wgmma
-    assert not tri.launch_config(128, 1, C, R, q.device, True, q.dtype).wgmma          # FP8 cache
     assert not tri.launch_config(128, 1, C, R, q.device, False, torch.float32).wgmma
+
+
+# --- over an FP8 latent cache: its tiles widened in shared memory, the keys the dequantized cache holds ------
+
+@pytest.mark.parametrize("num_heads,q_len", [(128, 1), (64, 1), (100, 1), (128, 3)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [None, 7])
+def test_fp8_cache_equals_its_dequantized_rows_bit_for_bit(num_heads, q_len, block_size, num_splits):
+    """Over an FP8 cache the kernel multiplies the rows `FP8LatentCache.rows` gives, so its outputs equal the
+    same kernel's over those rows as a plain cache bit for bit; and the float64 reference's and the `tl.dot`
+    twin's (which dequantizes in registers) over the FP8 cache within bf16's tolerance."""
+    lens = [q_len, 63, 64, 65, 1000, 4096, 0, 3000, 129]
+    q, kv_cache, table, seq_lens = _case(lens, num_heads, q_len, block_size, torch.bfloat16,
+                                         seed=5 * num_heads + q_len + block_size)
+    fp8 = fp8_cache_of(kv_cache, C)
+    plain = dequantized(fp8)
+    config = tri.launch_config(num_heads, q_len, C, R, q.device, True, q.dtype)
+    assert config.wgmma, "the Hopper default for this decode over an FP8 cache is the warpgroup-MMA kernel"
+    got, got_lse = _run(q, fp8, table, seq_lens, q_len, num_splits=num_splits)
+    same, same_lse = _run(q, plain, table, seq_lens, q_len, num_splits=num_splits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, same, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, same_lse, atol=0, rtol=0)
+    twin_config = tri.launch_config(num_heads, q_len, C, R, q.device, True, q.dtype, wgmma=False)
+    twin, twin_lse = _run(q, fp8, table, seq_lens, q_len, config=twin_config, num_splits=num_splits)
+    want, want_lse = ref.mla_decode(q.double(), plain.double(), table, seq_lens, softmax_scale=SCALE,
+                                    kv_lora_rank=C, q_len=q_len)
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+    padded = (seq_lens == 0).repeat_interleave(q_len)
+    assert torch.all(got[padded] == 0) and torch.all(got_lse[padded] == float("-inf"))
+
+
+def test_fp8_cache_graph_replay_with_new_lengths_equals_eager():
+    lens0 = [2048] * 8
+    q, kv_cache, table, lens = _case(lens0, 128, 1, 64, torch.bfloat16, seed=22)
+    fp8 = fp8_cache_of(kv_cache, C)
+    config = tri.launch_config(128, 1, C, R, q.device, True, q.dtype)
+    assert config.wgmma
+    workspace = tri.mla_decode_workspace(8, 128, C, table.shape[1], 64, q.device, config=config)
+
+    def step():
+        return _run(q, fp8, table, lens, 1, workspace=workspace)
+
+    graph, (out, lse) = captured(step)
+    for new_lens in ([1, 2048, 0, 700, 64, 65, 1999, 3], lens0):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        eager_out, eager_lse = step()
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+        torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+        want, _ = ref.mla_decode(q.double(), dequantized(fp8).double(), table, lens, softmax_scale=SCALE,
+                                 kv_lora_rank=C)
+        assert_close(out, want, torch.bfloat16)
 
 
 def test_a_cache_cp_async_cannot_gather_takes_the_twin():
@@ -210,6 +266,31 @@ def test_sparse_prefill_rows_of_one_sequence_equal_reference_and_twin():
     twin, twin_lse = tri_dsa.sparse_mla_decode(q, kv_cache, rows_table, indices, config=twin_config, **kw)
     want, want_lse = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), rows_table, indices, **kw)
     assert tri_dsa.sparse_launch_config(128, C, R, device, False, q.dtype).wgmma
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+
+
+@pytest.mark.parametrize("num_heads", [128, 64])
+@pytest.mark.parametrize("top_k,block_size", [(2048, 64), (100, 16)])
+def test_sparse_fp8_cache_equals_its_dequantized_rows_bit_for_bit(num_heads, top_k, block_size):
+    """V3.2's sparse decode over an FP8 cache (FlashMLA's cache semantics): bit for bit the kernel's answer over
+    the dequantized rows, and the reference's and the twin's within bf16's tolerance."""
+    key_lens = [3000, 50, 4096, 0, 2100, 64]
+    q, kv_cache, table, indices = _sparse_case(key_lens, top_k, num_heads, block_size, seed=3 * num_heads + top_k)
+    fp8 = fp8_cache_of(kv_cache, C)
+    plain = dequantized(fp8)
+    assert tri_dsa.sparse_launch_config(num_heads, C, R, q.device, True, q.dtype).wgmma
+    kw = dict(softmax_scale=SCALE, kv_lora_rank=C)
+    got, got_lse = tri_dsa.sparse_mla_decode(q, fp8, table, indices, **kw)
+    same, same_lse = tri_dsa.sparse_mla_decode(q, plain, table, indices, **kw)
+    torch.testing.assert_close(got, same, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, same_lse, atol=0, rtol=0)
+    twin_config = tri_dsa.sparse_launch_config(num_heads, C, R, q.device, True, q.dtype, wgmma=False)
+    twin, twin_lse = tri_dsa.sparse_mla_decode(q, fp8, table, indices, config=twin_config, **kw)
+    want, want_lse = ref_dsa.sparse_mla_decode(q.double(), plain.double(), table, indices, **kw)
+    assert not got.isnan().any()
     assert_close(got, want, torch.bfloat16)
     assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
     assert_close(got, twin, torch.bfloat16)
