@@ -113,8 +113,8 @@ def _fp8(cache: torch.Tensor) -> FP8LatentCache:
 
 
 def bench_fp8_attention(num_rows, context, kind, ceilings, bf16_ms):
-    """`bench_attention`'s op as called, over FP8 copies of its caches (the tl.dot kernel: the warpgroup-MMA
-    one reads 16-bit caches only)."""
+    """`bench_attention`'s op as called, over FP8 copies of its caches (its kernel and splits: the
+    warpgroup-MMA stage 1 where `wgmma_parts` takes it, widening the e4m3 tiles in shared memory)."""
     s = _attention_setup(num_rows, context, kind)
     s.update(window_cache=_fp8(s["window_cache"]), entry_cache=_fp8(s["entry_cache"]))
     max_keys = v4_attention.max_keys_of(WINDOW, s["entry_cache"], s["entry_tables"][0], s["indices"])
@@ -122,9 +122,11 @@ def bench_fp8_attention(num_rows, context, kind, ceilings, bf16_ms):
     ms = common.time_graph([lambda i=i: _attend(s, i, workspace) for i in range(TABLE_COPIES)])
     queries_outputs = v4_attention.v4_attention_bytes(num_rows, HEADS, HEAD_DIM, 0, 2)
     num_bytes = num_rows * s["keys"] * FP8_KEY_BYTES + queries_outputs
-    splits = v4_attention.v4_attention_num_splits(num_rows, HEADS, max_keys, "cuda")
+    wgmma = v4_attention.wgmma_parts(num_rows, HEADS, HEAD_DIM, BF16, torch.device("cuda")) > 0
+    splits = 1 if wgmma else v4_attention.v4_attention_num_splits(num_rows, HEADS, max_keys, "cuda")
     return _row(f"{kind}_attention_fp8", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=HEADS,
-                keys_per_row=s["keys"], splits=splits, kernel="tl.dot", cache="fp8", bf16_over_fp8=bf16_ms / ms,
+                keys_per_row=s["keys"], splits=splits, kernel="wgmma" if wgmma else "tl.dot", cache="fp8",
+                bf16_over_fp8=bf16_ms / ms,
                 bytes_counted="FP8 window + entries read (592 bytes a key) + queries + outputs")
 
 

@@ -45,6 +45,9 @@ BLOCK_N = 64
 NUM_STAGES = 2
 NUM_WARPS = 8
 HEAD_DIM = 512
+# The FP8 caches the kernel reads (`FP8LatentCache`): V4's 448 latent values a key (three scale groups of 128
+# and one of 64) and 64 RoPE values.
+FP8_KV_C = 448
 
 
 def applies(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -113,11 +116,69 @@ def _copy_rows(buf, row, ok, s_d, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
                                            gl.expand_dims(ok, 1))
 
 
+@gluon.jit
+def _copy_fp8_rows(raw_buf, key_buf, row, rope_row, ok, KV_C: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   fp8_layout: gl.constexpr, tail_layout: gl.constexpr, copy_layout: gl.constexpr):
+    # Starts copying FP8 keys' rows: their KV_C e4m3 values (`row` [N] into the values leaf,
+    # SliceLayout(1, copy_layout)) as bytes into raw_buf [N, >= KV_C], three 128-column groups and a 64-column
+    # one; their HEAD_DIM - KV_C RoPE values (`rope_row`) straight into their columns of key_buf [N, HEAD_DIM],
+    # where the widened values do not reach. Rows not `ok` are zero-filled.
+    GROUP: gl.constexpr = 128
+    TAIL: gl.constexpr = KV_C - 3 * GROUP
+    rows = gl.expand_dims(gl.convert_layout(row, gl.SliceLayout(1, fp8_layout)), 1)
+    mask = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, fp8_layout)), 1)
+    cols = gl.expand_dims(gl.arange(0, GROUP, layout=gl.SliceLayout(0, fp8_layout)), 0)
+    for g in gl.static_range(3):
+        async_copy.async_copy_global_to_shared(raw_buf.slice(g * GROUP, GROUP, dim=1), rows + g * GROUP + cols, mask)
+    tail_rows = gl.expand_dims(gl.convert_layout(row, gl.SliceLayout(1, tail_layout)), 1)
+    tail_mask = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, tail_layout)), 1)
+    tail_cols = gl.expand_dims(gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout)), 0)
+    async_copy.async_copy_global_to_shared(raw_buf.slice(3 * GROUP, TAIL, dim=1), tail_rows + 3 * GROUP + tail_cols,
+                                           tail_mask)
+    rope_cols = gl.arange(0, HEAD_DIM - KV_C, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(key_buf.slice(KV_C, HEAD_DIM - KV_C, dim=1),
+                                           gl.expand_dims(rope_row, 1) + gl.expand_dims(rope_cols, 0),
+                                           gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _load_fp8_scales(scale_row, ok, fp8_layout: gl.constexpr, tail_layout: gl.constexpr):
+    # The four group scales of keys' rows (`scale_row` [N] into the scales leaf): three [N] in
+    # SliceLayout(1, fp8_layout), the 64-column group's in SliceLayout(1, tail_layout); 0 where not `ok`.
+    rows = gl.convert_layout(scale_row, gl.SliceLayout(1, fp8_layout))
+    mask = gl.convert_layout(ok, gl.SliceLayout(1, fp8_layout))
+    tail_rows = gl.convert_layout(scale_row, gl.SliceLayout(1, tail_layout))
+    tail_mask = gl.convert_layout(ok, gl.SliceLayout(1, tail_layout))
+    return (gl.load(rows, mask=mask, other=0.0), gl.load(rows + 1, mask=mask, other=0.0),
+            gl.load(rows + 2, mask=mask, other=0.0), gl.load(tail_rows + 3, mask=tail_mask, other=0.0))
+
+
+@gluon.jit
+def _widen(raw_buf, key_buf, sc0, sc1, sc2, sc3, KV_C: gl.constexpr, fp8_layout: gl.constexpr,
+           tail_layout: gl.constexpr):
+    # Dequantizes a stage in place: the e4m3 values in raw_buf [N, >= KV_C] (the stage's first bytes) times
+    # their group's scale in float32, rounded once to key_buf's dtype, into key_buf's first KV_C columns: the
+    # rows `FP8LatentCache.rows` gives. Every thread reads its values before any thread writes over them.
+    GROUP: gl.constexpr = 128
+    TAIL: gl.constexpr = KV_C - 3 * GROUP
+    dtype: gl.constexpr = key_buf.dtype
+    f0 = raw_buf.slice(0, GROUP, dim=1).load(fp8_layout)
+    f1 = raw_buf.slice(GROUP, GROUP, dim=1).load(fp8_layout)
+    f2 = raw_buf.slice(2 * GROUP, GROUP, dim=1).load(fp8_layout)
+    f3 = raw_buf.slice(3 * GROUP, TAIL, dim=1).load(tail_layout)
+    gl.thread_barrier()
+    key_buf.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
+    key_buf.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
+    key_buf.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
+    key_buf.slice(3 * GROUP, TAIL, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
+
+
 # The split count and lengths follow the batch (eager steps vary them): as specialised ints they would
 # compile a kernel per value (the twin's list).
 @gluon.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
 def _window_entry_split_kernel(
     q_ptr, win_ptr, bt_ptr, klen_ptr, ent_ptr, et_ptr, idx_ptr, sink_ptr, po_ptr, pl_ptr,
+    ws_ptr, es_ptr, wr_ptr, er_ptr,
     num_heads, num_splits, window, rate, entry_k, entry_capacity, scale_log2, s_sink,
     s_qt, s_qh, s_qd,
     s_wn, s_wb, s_wd,
@@ -126,9 +187,11 @@ def _window_entry_split_kernel(
     s_ett, s_etw, s_it, s_ik,
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
+    s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
     FOLD_SINK: gl.constexpr, GDC: gl.constexpr, D_SPLIT: gl.constexpr, STAGED_OUT: gl.constexpr,
+    FP8: gl.constexpr, KV_C: gl.constexpr,
 ):
     # Program (row t, head group, output part) along axis 0, the programs of a row neighbours (they read the
     # same keys while they are in L2); split along axis 1. D_SPLIT = 2: two programs a (row, head group,
@@ -159,6 +222,14 @@ def _window_entry_split_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    # FP8 caches (leaves: values at win_ptr / ent_ptr, scales, RoPE values): a tile's e4m3 values come by
+    # cp.async as bytes into the first half of its stage and are widened from there (`_widen`); its RoPE
+    # values go straight to their columns; its scales into registers. No more shared memory than 16 bits.
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+    tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    if FP8:
+        raw = k_smem._reinterpret(win_ptr.dtype.element_ty, [NUM_STAGES, 2 * BLOCK_N, HEAD_DIM],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     if GDC:
         _gdc_wait()
@@ -192,16 +263,32 @@ def _window_entry_split_kernel(
                                   idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
     row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
                     PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    if FP8:
+        scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb, s_esn,
+                             s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+        rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb, s_ern,
+                            s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+        # The scales of the tile the loop widens first.
+        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
     heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
     q_rows = q_ptr + t64 * s_qt + heads_c.to(gl.int64) * s_qh
     _copy_rows(q_smem, q_rows, heads_c < num_heads, s_qd, HEAD_DIM, copy_layout)
     for i in gl.static_range(NUM_STAGES - 1):
-        _copy_rows(k_smem.index(i), row, ok, s_wd, HEAD_DIM, copy_layout)
+        if FP8:
+            _copy_fp8_rows(raw.index(i).slice(0, BLOCK_N, dim=0), k_smem.index(i), row, rope_row, ok, KV_C, HEAD_DIM,
+                           fp8_layout, tail_layout, copy_layout)
+        else:
+            _copy_rows(k_smem.index(i), row, ok, s_wd, HEAD_DIM, copy_layout)
         async_copy.commit_group()
         pos, is_win, is_ent = _locate(start + (i + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
                                       entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
         row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
                         s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+        if FP8:
+            scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
+                                 s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+            rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
+                                s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
     # Now `row` / `ok`: tile NUM_STAGES - 1's; `pos`: tile NUM_STAGES's (its tables are read in the loop).
     pos, is_win, is_ent = _locate(start + NUM_STAGES * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
                                   entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
@@ -218,10 +305,23 @@ def _window_entry_split_kernel(
         n0 = start + it * BLOCK_N
         # Every warp is past its products over the stage the next copy overwrites (tile it - 1's).
         gl.thread_barrier()
-        _copy_rows(k_smem.index((it + NUM_STAGES - 1) % NUM_STAGES), row, ok, s_wd, HEAD_DIM, copy_layout)
+        next_stage = (it + NUM_STAGES - 1) % NUM_STAGES
+        if FP8:
+            _copy_fp8_rows(raw.index(next_stage).slice(0, BLOCK_N, dim=0), k_smem.index(next_stage), row, rope_row,
+                           ok, KV_C, HEAD_DIM, fp8_layout, tail_layout, copy_layout)
+            # The scales of the tile just copied, loaded once this iteration's tile is widened.
+            copied_scale_row = scale_row
+            copied_ok = ok
+        else:
+            _copy_rows(k_smem.index(next_stage), row, ok, s_wd, HEAD_DIM, copy_layout)
         async_copy.commit_group()
         row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
                         s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
+        if FP8:
+            scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
+                                 s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+            rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
+                                s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
         pos, is_win, is_ent = _locate(n0 + (NUM_STAGES + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
                                       entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
         # Which of tile it's slots are keys, as the scores lay them out: read here, used after the score
@@ -231,6 +331,13 @@ def _window_entry_split_kernel(
         # Tile it's copies (and, the first time, the queries') are done in this thread, made visible to the
         # tensor cores' proxy, then done in every thread.
         async_copy.wait_group(NUM_STAGES - 1)
+        if FP8:
+            # Every thread's copy is in before any thread widens; the widened tile is written by the threads,
+            # hence the fence before the tensor cores read it.
+            gl.thread_barrier()
+            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_smem.index(stage), sc0, sc1, sc2, sc3, KV_C,
+                   fp8_layout, tail_layout)
+            sc0, sc1, sc2, sc3 = _load_fp8_scales(copied_scale_row, copied_ok, fp8_layout, tail_layout)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -300,7 +407,7 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
                        entry_indices: torch.Tensor, sinks: torch.Tensor, partial_out: torch.Tensor,
                        partial_lse: torch.Tensor, *, softmax_scale_log2: float, sliding_window: int,
                        compress_rate: int, has_entries: bool, has_indices: bool, fold_sink: bool, d_split: int,
-                       use_pdl: bool) -> None:
+                       use_pdl: bool, fp8_leaves: tuple[torch.Tensor, ...] | None = None) -> None:
     """Stage 1 of `triton.v4_attention.window_entry_attention` on the warpgroup MMA: `_v4_split_kernel`'s tensors.
 
     q [n, H, D] bf16/fp16 (any strides; copied whole if cp.async cannot gather its rows); window_cache
@@ -310,14 +417,23 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     S == 1, the outputs viewed as one split) are written: split s of row t covers its virtual key slots
     [s * k, min((s + 1) * k, total)), k = total / S rounded up to whole 64-key tiles (the twin's splits).
     softmax_scale_log2 = softmax_scale * log2(e). d_split 2: two programs a (row, head group, split), each
-    the scores and half the output columns. Raises ValueError for what the kernel cannot take.
+    the scores and half the output columns. FP8 caches: window_cache / entry_cache are their values [.., C]
+    float8_e4m3fn (C = FP8_KV_C), and fp8_leaves = (window scales, entry scales, window rope, entry rope)
+    [.., 4] float32 and [.., D - C] in q's dtype, each leaf's rows contiguous; the keys are the dequantized
+    rows. Raises ValueError for what the kernel cannot take.
     """
     num_rows, num_heads, head_dim = q.shape
     if not applies(num_heads, head_dim, q.dtype, q.device):
         raise ValueError(f"window_entry_split: {num_heads} heads of {head_dim} in {q.dtype} on {q.device}; the "
                          f"kernel takes >= {BLOCK_M} heads of {HEAD_DIM} in bf16 / fp16 on a Hopper GPU")
-    if not copyable(window_cache, entry_cache):
+    if not copyable(window_cache, entry_cache, *(fp8_leaves or ())[2:]):
         raise ValueError("window_entry_split: the caches need 16-byte aligned contiguous rows for cp.async")
+    kv_c = head_dim
+    if fp8_leaves is not None:
+        kv_c = window_cache.shape[2]
+        if kv_c != FP8_KV_C or any(t.stride(2) != 1 for t in fp8_leaves):
+            raise ValueError(f"window_entry_split: FP8 caches of {kv_c} values a key (feature strides "
+                             f"{[t.stride(2) for t in fp8_leaves]}); the kernel takes {FP8_KV_C}, contiguous")
     if entry_cache.stride(2) != window_cache.stride(2):
         raise ValueError(f"window_entry_split: entry_cache's feature stride {entry_cache.stride(2)} differs from "
                          f"window_cache's {window_cache.stride(2)}")
@@ -332,13 +448,15 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * d_split, splits)
     _window_entry_split_kernel[grid](
         q, window_cache, block_table, key_lens, entry_cache, entry_table, entry_indices, sinks,
-        partial_out, partial_lse,
+        partial_out, partial_lse, *(fp8_leaves or (window_cache,) * 4),
         num_heads, splits, sliding_window, max(1, compress_rate), entry_indices.shape[1],
         entry_table.shape[1] * entry_cache.shape[1], softmax_scale_log2, sinks.stride(0),
         *q.stride(), *window_cache.stride(), *block_table.stride(), *entry_cache.stride(), *entry_table.stride(),
         *entry_indices.stride(), *partial_out.stride(), *partial_lse.stride(),
+        *(s for t in (fp8_leaves or (window_cache,) * 4) for s in t.stride()[:2]),
         HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
         PAGE=window_cache.shape[1], ENTRY_PAGE=entry_cache.shape[1], HAS_ENTRIES=has_entries,
         HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, D_SPLIT=d_split,
-        STAGED_OUT=partial_out.dtype == q.dtype, num_warps=NUM_WARPS, launch_pdl=use_pdl,
+        STAGED_OUT=partial_out.dtype == q.dtype, FP8=fp8_leaves is not None, KV_C=kv_c,
+        num_warps=NUM_WARPS, launch_pdl=use_pdl,
     )

@@ -26,8 +26,9 @@ interpreter checks and the one every other shape and GPU runs.
 Either cache may be an `FP8LatentCache` (`kv_cache_dtype="fp8"`; both caches of one type): a key
 tile is then read from its three leaves (the C leading values in e4m3, their group scales, the R
 rotated values) and dequantized in registers as `FP8LatentCache.rows` does (value times scale in
-float32, rounded once to q's dtype) before the products. The warpgroup-MMA twin reads 16-bit
-caches only.
+float32, rounded once to q's dtype) before the products. The warpgroup-MMA twin takes FP8 caches of
+V4's shape (448 values and 64 RoPE values a key) too: it copies a tile's e4m3 values into shared memory
+as they are and widens them there to the same dequantized rows.
 
 Empty ranges carry lse -inf and shift by 0 (weights 0, never NaN); a padded row
 (key_len 0) has no key at all and gets out 0 (the sink alone). The split count
@@ -465,7 +466,7 @@ def window_entry_attention(
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     device = q.device
     fp8 = isinstance(window_cache, FP8LatentCache)
-    parts = 0 if fp8 or num_splits is not None or config is not None else \
+    parts = 0 if num_splits is not None or config is not None else \
         wgmma_parts(num_rows, num_heads, head_dim, q.dtype, device)
     config = config or v4_attention_config(num_heads, num_rows, device)
     if fp8:
@@ -482,13 +483,20 @@ def window_entry_attention(
     e_table = entry_table if entry_table is not None and has_entries else block_table
     indices = entry_indices if entry_indices is not None and has_entries else block_table
     use_pdl = pdl(device)
+    # The warpgroup-MMA kernel's FP8 leaves (scales and RoPE values of both caches), or None for 16-bit caches.
+    wgmma_fp8 = None
+    if isinstance(window_cache, FP8LatentCache):
+        entry_fp8 = entry_cache if isinstance(entry_cache, FP8LatentCache) else window_cache
+        wgmma_fp8 = (window_cache.scales, entry_fp8.scales, window_cache.rope, entry_fp8.rope)
+        if window_cache.kv_lora_rank != gluon_v4.FP8_KV_C or not gluon_decode.copyable(*wgmma_fp8[2:]):
+            parts = 0
     if parts and gluon_decode.copyable(window_values, entry_values):
         gluon_v4.window_entry_split(
             q, window_values, block_table, key_lens, entry_values, e_table, indices, sinks,
             out.view(num_rows, num_heads, 1, head_dim), lse.view(num_rows, num_heads, 1),
             softmax_scale_log2=softmax_scale * LOG2E, sliding_window=sliding_window, compress_rate=compress_rate,
             has_entries=has_entries, has_indices=entry_indices is not None, fold_sink=True, d_split=parts,
-            use_pdl=use_pdl)
+            use_pdl=use_pdl, fp8_leaves=wgmma_fp8)
         return out, lse
     partial_out, partial_lse = split_partials(out, lse, splits, direct=splits == 1, workspace=workspace)
     entry_k = indices.shape[1]

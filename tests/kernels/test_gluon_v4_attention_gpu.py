@@ -10,7 +10,8 @@ context / 128; batch 64 at 8K and 64K context, full and ragged lengths) through 
 (padded rows, windows shorter than the sliding window, no complete entry yet, -1 tails, more complete
 entries than the table holds, CSA picks past the table); stage-1 partials against the twin's, split by
 split; 128 and 100 heads (two head groups, a partial one); fp16 and strided queries; NaN past a row's keys
-and in the workspace; graph replay with new lengths.
+and in the workspace; graph replay with new lengths; FP8 caches (V4's 448 values, 4 scales and 64 RoPE values
+a key), whose outputs equal the kernel's over their dequantized rows bit for bit.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import torch
 
 from mla_func.kernels.gluon import mla_decode as gluon_decode
 from mla_func.kernels.gluon import v4_attention as gluon_v4
+from mla_func.kernels.latent_cache import FP8LatentCache
 from mla_func.kernels.reference.v4_paged import window_entry_attention as reference
 from mla_func.kernels.triton import v4_attention as tri
 from mla_func.kernels.triton._common import LOG2E
 from mla_func.kernels.triton.decode_merge import split_partials
+from support.fp8_cache_cases import dequantized, fp8_cache_of
 from support.kernel_cases import LSE_TOLERANCE, assert_close, captured, generator, randn, strided
 
 pytestmark = [pytest.mark.gpu,
@@ -52,13 +55,18 @@ def _wgmma(args, kwargs, *, num_splits: int, d_split: int, workspace=None):
     partial_out, partial_lse = split_partials(out, lse, num_splits, direct=num_splits == 1, workspace=workspace)
     entry_cache, indices = kwargs.get("entry_cache"), kwargs.get("entry_indices")
     has_entries = entry_cache is not None
+    fp8_leaves = None
+    if isinstance(window_cache, FP8LatentCache):
+        fp8_entries = entry_cache if has_entries else window_cache
+        fp8_leaves = (window_cache.scales, fp8_entries.scales, window_cache.rope, fp8_entries.rope)
+        window_cache, entry_cache = window_cache.values, fp8_entries.values
     gluon_v4.window_entry_split(
         q, window_cache, block_table, key_lens, entry_cache if has_entries else window_cache,
         kwargs["entry_table"] if has_entries else block_table,
         indices if indices is not None else block_table, sinks, partial_out, partial_lse,
         softmax_scale_log2=kwargs["softmax_scale"] * LOG2E, sliding_window=kwargs["sliding_window"],
         compress_rate=kwargs.get("compress_rate", 0), has_entries=has_entries, has_indices=indices is not None,
-        fold_sink=num_splits == 1, d_split=d_split, use_pdl=False)
+        fold_sink=num_splits == 1, d_split=d_split, use_pdl=False, fp8_leaves=fp8_leaves)
     if num_splits > 1:
         tri.merge_with_sink(partial_out, partial_lse, sinks, out, lse, use_pdl=False)
     return out, lse
@@ -347,3 +355,67 @@ def test_graph_replay_with_new_lengths_equals_eager():
         torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
         want, _ = _reference(args, kwargs)
         assert_close(out, want, torch.bfloat16)
+
+
+# --- FP8 caches: e4m3 tiles widened in shared memory to the dequantized rows --------------------------------
+
+def _fp8_and_dequantized(args, kwargs):
+    """(FP8 args, kwargs) holding both caches as `FP8LatentCache`s (C = 448), and (args, kwargs) holding their
+    dequantized rows as 16-bit caches."""
+    q, window_cache, *rest = args
+    fp8_window = fp8_cache_of(window_cache, gluon_v4.FP8_KV_C)
+    fp8_kwargs, plain_kwargs = dict(kwargs), dict(kwargs)
+    if kwargs.get("entry_cache") is not None:
+        fp8_kwargs["entry_cache"] = fp8_cache_of(kwargs["entry_cache"], gluon_v4.FP8_KV_C)
+        plain_kwargs["entry_cache"] = dequantized(fp8_kwargs["entry_cache"])
+    return (q, fp8_window, *rest), fp8_kwargs, (q, dequantized(fp8_window), *rest), plain_kwargs
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_fp8_caches_equal_their_dequantized_rows_bit_for_bit(kind, ragged, variant):
+    """At the benchmark's shapes (batch 64 x 8K) the kernel over FP8 caches gives its own outputs over the
+    dequantized rows as 16-bit caches, bit for bit (the op, which takes it, and other launches); the float64
+    reference's (the op) and the tl.dot twin's over the FP8 caches within bf16's tolerance."""
+    args, kwargs = _bench_case(64, 8 * 1024, kind, ragged)
+    fp8_args, fp8_kwargs, plain_args, plain_kwargs = _fp8_and_dequantized(args, kwargs)
+    if variant is None:
+        assert tri.wgmma_parts(64, 64, D, args[0].dtype, args[0].device) > 0, "the op keeps the twin here"
+        got, got_lse = tri.window_entry_attention(*fp8_args, **fp8_kwargs)
+        same, same_lse = tri.window_entry_attention(*plain_args, **plain_kwargs)
+        want, want_lse = _reference(plain_args, plain_kwargs)
+        assert_close(got, want, torch.bfloat16)
+        assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    else:
+        got, got_lse = _wgmma(fp8_args, fp8_kwargs, num_splits=variant[0], d_split=variant[1])
+        same, same_lse = _wgmma(plain_args, plain_kwargs, num_splits=variant[0], d_split=variant[1])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, same, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, same_lse, atol=0, rtol=0)
+    twin, twin_lse = tri.window_entry_attention(*fp8_args, **fp8_kwargs, num_splits=2)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+
+
+def test_fp8_caches_at_64k_and_in_a_graph():
+    """HCA at batch 64 x 64K over FP8 caches through the op: bit for bit its answer over the dequantized rows;
+    captured, replayed on new lengths, equal to eager."""
+    args, kwargs = _bench_case(64, 64 * 1024, "hca", ragged=True)
+    fp8_args, fp8_kwargs, plain_args, plain_kwargs = _fp8_and_dequantized(args, kwargs)
+    key_lens = args[3]
+    assert tri.wgmma_parts(64, 64, D, args[0].dtype, args[0].device) > 0
+
+    def step():
+        return tri.window_entry_attention(*fp8_args, **fp8_kwargs)
+
+    graph, (out, lse) = captured(step)
+    for new_lens in (key_lens.flip(0).clone(), key_lens.clone()):
+        key_lens.copy_(new_lens)
+        graph.replay()
+        eager_out, eager_lse = step()
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+        torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+        same, same_lse = tri.window_entry_attention(*plain_args, **plain_kwargs)
+        torch.testing.assert_close(out, same, atol=0, rtol=0)
+        torch.testing.assert_close(lse, same_lse, atol=0, rtol=0)
