@@ -68,7 +68,9 @@ def _decode_setup(num_seqs, context, num_heads, block_size, copies, cache_dtype=
 
 def _decode_kernel(config):
     """The kernel a decode config takes, as the result rows name it."""
-    return "wgmma" if config.wgmma else ("chunks" if config.chunks == 4 else "rows")
+    if config.wgmma or config.narrow:
+        return "wgmma" if config.wgmma else "narrow"
+    return "chunks" if config.chunks == 4 else "rows"
 
 
 def bench_decode(num_seqs, context, num_heads, ceilings, block_size=64, config=None, num_splits=None,

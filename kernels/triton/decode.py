@@ -26,6 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..gluon import mla_decode as gluon_decode
+from ..gluon import mla_decode_narrow as gluon_narrow
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
 from ._common import LN2, LOG2E, check_float, dot_precision, next_pow2, pdl, sm_count
@@ -49,6 +50,9 @@ class DecodeConfig:
     # The Gluon kernel on Hopper's warpgroup MMA (`gluon.mla_decode`; its tiles are its own: 64 rows,
     # 64-key tiles, 8 warps, two stages), where `gluon.mla_decode.applies`.
     wgmma: bool = False
+    # The Gluon kernel for few heads (`gluon.mla_decode_narrow`: keys as the products' rows, up to 16 heads a
+    # program, 64-key tiles, 8 warps, two stages), where `gluon.mla_decode_narrow.applies`.
+    narrow: bool = False
     # Programs that run on a multiprocessor at once: splits fill one wave of them (`mla_decode_num_splits`).
     programs_per_sm: int = 2
     # No split covers fewer keys of the table's capacity (`mla_decode_num_splits`; why 128, at
@@ -98,6 +102,11 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
 # one program each: at B64 x 4K, 128 heads, one split (128 programs) and no merge pass, where two programs a
 # multiprocessor's count would give two splits and their float32 partials.
 _WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True, programs_per_sm=1)
+# One query of up to 16 heads a sequence over an FP8 cache takes the keys-as-rows kernel on Hopper
+# (`gluon.mla_decode_narrow`): B64 x 32K at 16 heads on an H200, 0.82 ms against the `tl.dot` kernel's 1.09 (a
+# plain cache keeps the chunked kernel: 0.58 against its 0.60). One program a multiprocessor (168 KiB of shared
+# memory); 2, 4 or 8 splits a sequence ran the same (bench/notes/fp8.md).
+_NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, narrow=True, programs_per_sm=1)
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -122,8 +131,9 @@ def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> De
 
 def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
                   dtype: torch.dtype, *, wgmma: bool = True) -> DecodeConfig:
-    """`mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (Hopper, `_WGMMA_CONFIG`) unless
-    `wgmma` is False (its `tl.dot` twin, which tests and benchmarks set beside it); else the chunked kernel's
+    """`mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (Hopper, `_WGMMA_CONFIG`), over an FP8
+    cache with few heads the keys-as-rows kernel's (`_NARROW_CONFIG`), unless `wgmma` is False (the `tl.dot`
+    twins, which tests and benchmarks set beside them); else the chunked kernel's
     where it was measured faster (one query a row in 16 bits over
     a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
     else `decode_config`'s. The two `tl.dot` kernels take the same heads a program, so the same split count;
@@ -132,6 +142,8 @@ def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, 
     key = min(64, max(16, next_pow2(num_heads)))
     if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
         return _WGMMA_CONFIG
+    if wgmma and fp8 and gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
+        return _NARROW_CONFIG
     chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
                  and next_pow2(kv_lora_rank) == kv_lora_rank)
     if device.type == "cuda" and chunkable and key in _GPU_CHUNKED_CONFIGS:
@@ -169,6 +181,8 @@ def mla_decode_num_splits(
     config = config or decode_config(num_heads * q_len, device)
     if config.wgmma:
         programs = max(1, num_seqs) * gluon_decode.row_groups(num_heads, q_len)
+    elif config.narrow:
+        programs = max(1, num_seqs)
     else:
         _, heads_per_program = _tiling(num_heads, q_len, config)
         programs = max(1, num_seqs) * triton.cdiv(num_heads, heads_per_program)
@@ -423,6 +437,21 @@ def workspace_splits(workspace: tuple[torch.Tensor, torch.Tensor] | None) -> int
     return int(workspace[0].shape[2])
 
 
+def check_narrow_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
+    """Refuses, naming what does not fit, a decode a config sends to the keys-as-rows kernel that it cannot take
+    (`gluon.mla_decode_narrow.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    kv_lora_rank = parts.values.shape[2]
+    if not (gluon_narrow.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, q.device)
+            and gluon_decode.copyable(parts.values, parts.rope)):
+        raise ValueError(f"config: the keys-as-rows kernel takes one bf16/fp16 query of at most "
+                         f"{gluon_narrow.BLOCK_H} heads a sequence over a cache with kv_lora_rank="
+                         f"{gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM} and rows of 16-byte aligned "
+                         f"contiguous columns on a Hopper GPU, got {q.dtype}, {num_heads} heads x q_len={q_len}, "
+                         f"kv_lora_rank={kv_lora_rank}, rope {dim - kv_lora_rank}, cache strides "
+                         f"{tuple(parts.values.stride())} on {q.device}")
+
+
 def check_wgmma_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
     """Refuses, naming what does not fit, a decode a config sends to the warpgroup-MMA kernel that it cannot
     take (`gluon.mla_decode.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
@@ -511,6 +540,11 @@ def mla_decode(
         gluon_decode.wgmma_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out,
                                         partial_lse, softmax_scale_log2=softmax_scale * LOG2E, q_len=q_len,
                                         scales=parts.scales if parts.fp8 else None)
+    elif config.narrow:
+        check_narrow_takes(q, parts, q_len)
+        gluon_narrow.narrow_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out, partial_lse,
+                                         softmax_scale_log2=softmax_scale * LOG2E,
+                                         scales=parts.scales if parts.fp8 else None)
     elif config.chunks == 4:
         if q_len != 1 or kv_lora_rank < 64 or next_pow2(kv_lora_rank) != kv_lora_rank:
             raise ValueError(f"config: four chunks take one query a row and a power-of-two kv_lora_rank of at least "

@@ -173,6 +173,81 @@ def test_fp8_cache_graph_replay_with_new_lengths_equals_eager():
         assert_close(out, want, torch.bfloat16)
 
 
+# --- few heads over an FP8 cache: the keys-as-rows kernel (`gluon.mla_decode_narrow`) ----------------------
+
+_NARROW = tri.DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, narrow=True, programs_per_sm=1)
+
+
+@pytest.mark.parametrize("num_heads", [16, 12, 1])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_narrow_fp8_cache_equals_its_dequantized_rows_bit_for_bit(num_heads, block_size, num_splits):
+    """At up to 16 heads and one query the op takes the keys-as-rows kernel over an FP8 cache; its outputs equal
+    the same kernel's over the dequantized rows as a plain cache bit for bit, the float64 reference's and the
+    `tl.dot` kernel's (over the FP8 cache) within bf16's tolerance."""
+    lens = [1, 63, 64, 65, 1000, 4096, 0, 3000, 129]
+    q, kv_cache, table, seq_lens = _case(lens, num_heads, 1, block_size, torch.bfloat16,
+                                         seed=7 * num_heads + block_size)
+    fp8 = fp8_cache_of(kv_cache, C)
+    plain = dequantized(fp8)
+    config = tri.launch_config(num_heads, 1, C, R, q.device, True, q.dtype)
+    assert config.narrow, "the Hopper default for few heads over an FP8 cache is the keys-as-rows kernel"
+    assert not tri.launch_config(num_heads, 1, C, R, q.device, False, q.dtype).narrow   # a plain cache: chunks
+    got, got_lse = _run(q, fp8, table, seq_lens, 1, num_splits=num_splits)
+    same, same_lse = _run(q, plain, table, seq_lens, 1, config=_NARROW, num_splits=num_splits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, same, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, same_lse, atol=0, rtol=0)
+    twin_config = tri.launch_config(num_heads, 1, C, R, q.device, True, q.dtype, wgmma=False)
+    twin, twin_lse = _run(q, fp8, table, seq_lens, 1, config=twin_config, num_splits=num_splits)
+    want, want_lse = ref.mla_decode(q.double(), plain.double(), table, seq_lens, softmax_scale=SCALE,
+                                    kv_lora_rank=C)
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(got, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+    padded = seq_lens == 0
+    assert torch.all(got[padded] == 0) and torch.all(got_lse[padded] == float("-inf"))
+
+
+def test_narrow_fp8_cache_with_value_projection_and_in_a_graph():
+    """v2-lite's decode as the model calls it (16 heads, W_UV merged at small batches and projected at large),
+    captured and replayed on new lengths: equal to eager, and to the reference."""
+    lens0 = [2048] * 12
+    q, kv_cache, table, lens = _case(lens0, 16, 1, 64, torch.bfloat16, seed=23)
+    fp8 = fp8_cache_of(kv_cache, C)
+    w_uv = randn((16, 128, C), torch.bfloat16, q.device, generator(24, q.device), scale=C ** -0.5)
+    for rows in (4, 12):          # W_UV in the merge (<= 8 rows), then merged and projected
+        q_rows, lens_rows, table_rows = q[:rows], lens[:rows], table[:rows]
+        config = tri.launch_config(16, 1, C, R, q.device, True, q.dtype)
+        workspace = tri.mla_decode_workspace(rows, 16, C, table.shape[1], 64, q.device, config=config)
+
+        def step():
+            return _run(q_rows, fp8, table_rows, lens_rows, 1, workspace=workspace, w_uv=w_uv)
+
+        graph, (out, lse) = captured(step)
+        for new_lens in ([1, 2048, 0, 700, 64, 65, 1999, 3, 5, 9, 100, 2000][:rows], lens0[:rows]):
+            lens_rows.copy_(torch.tensor(new_lens, dtype=torch.int32))
+            graph.replay()
+            eager_out, eager_lse = step()
+            torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+            torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+            want, _ = ref.mla_decode(q_rows.double(), dequantized(fp8).double(), table_rows, lens_rows,
+                                     softmax_scale=SCALE, kv_lora_rank=C)
+            want = torch.einsum("bhc,hvc->bhv", want.to(torch.bfloat16).double(), w_uv.double())
+            assert_close(out, want, torch.bfloat16)
+
+
+def test_narrow_refuses_what_it_cannot_take():
+    q, kv_cache, table, lens = _case([70, 5], 32, 2, 64, torch.bfloat16, seed=25)
+    fp8 = fp8_cache_of(kv_cache, C)
+    with pytest.raises(ValueError, match="keys-as-rows"):
+        _run(q, fp8, table, lens, 2, config=_NARROW)              # 32 heads x 2 queries
+    assert not tri.launch_config(16, 2, C, R, q.device, True, q.dtype).narrow
+    assert not tri.launch_config(17, 1, C, R, q.device, True, q.dtype).narrow
+    assert not tri.launch_config(16, 1, C, R, q.device, True, torch.float32).narrow
+
+
 def test_a_cache_cp_async_cannot_gather_takes_the_twin():
     """A cache whose columns are strided is read by the `tl.dot` twin, to the same answer."""
     lens = [5, 700, 64]

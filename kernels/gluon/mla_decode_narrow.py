@@ -1,0 +1,248 @@
+"""Absorbed MLA decode of few heads on Hopper's warpgroup MMA, keys as the products' rows.
+
+`mla_decode` puts 64 query rows a program on the warpgroup MMA's M; a sequence of 16 heads (DeepSeek-V2-Lite,
+or V3 under eight-way tensor parallelism) has 16 rows, a quarter of that. Here the products run transposed:
+the key tile is the M side and the heads the N side, so 16 heads fill an N of 16 and nothing is padded:
+
+    S^T [64, H]  = K_nope Q_nope^T + K_pe Q_pe^T   keys (A) and queries (B) from shared memory
+    online softmax over S^T's rows (a head's keys), base 2, -inf past the split or the sequence
+    O^T [C, H]  += K_nope^T P^T                    K_nope read transposed (A), P^T through shared memory (B)
+
+One program: the H <= BLOCK_H = 16 heads of one sequence (one query each) over one split of its keys, eight
+warps as two warpgroups, each the products of 8 heads (no exchange between them but the key tiles). Tiles of
+64 keys in two stages, gathered through the block table by `cp.async` while the current one is multiplied.
+
+Its purpose is the FP8 latent cache (`FP8LatentCache`): a tile's e4m3 values come as bytes into the first half
+of their stage and are widened there to the dequantized rows (`mla_decode._widen`) while the previous tile's
+value product runs; the `tl.dot` kernels widen in registers, one tile at a time. Over a 16-bit cache (FP8
+False) it reads the tiles as they are, which the tests use to check the FP8 path bit for bit (the op keeps
+the chunked `tl.dot` kernel for a 16-bit cache, which streams it as fast).
+
+With 8 heads a warpgroup the products are narrow (wgmma's N = 8) and both warpgroups read the whole key tile,
+so a tile's products, its widening and the softmax's exchanges take about 3 us a program: the kernel runs at
+about 70% of the bf16 cache's chunked kernel's speed at B64 x 32K, 1.33 times the FP8 `tl.dot` kernel's.
+Three stages of bytes widened into one 16-bit tile (copies two tiles ahead) ran slower (bench/notes/fp8.md).
+
+Shared memory: two key stages (64 x 576 16-bit values each, 144 KiB), Q (16 x 576) and P^T (64 x 16):
+one program a multiprocessor. Its output is the `tl.dot` kernels' split partials, merged by `decode_merge`.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _copy_fp8_keys, _copy_keys, _load_scales, _locate, _pages, _widen,
+                         available, copyable)
+
+# Heads a program (the products' N, 8 a warpgroup) and keys a tile (their M).
+BLOCK_H = 16
+BLOCK_N = 64
+NUM_WARPS = 8
+
+
+def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+            device: torch.device) -> bool:
+    """Whether the kernel takes a decode: one query of at most BLOCK_H heads a sequence, 16-bit, over a cache of
+    DeepSeek's widths (C = 512, R = 64) on a Hopper GPU."""
+    return (dtype in (torch.bfloat16, torch.float16) and q_len == 1 and num_heads <= BLOCK_H
+            and kv_lora_rank == KV_LORA_RANK and rope_dim == ROPE_DIM and available(device))
+
+
+@gluon.jit
+def _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, visible, scale_log2, o_layout: gl.constexpr):
+    # One tile's online softmax over S^T [BLOCK_N, H] (keys `visible` [BLOCK_N] in S^T's row layout) and its
+    # value product O^T += K^T P^T, left in flight (the caller's next wait retires it); (m_i, l_i, acc).
+    scores = gl.where(gl.expand_dims(visible, 1), s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+    # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - shift)
+    p = gl.exp2(scores - gl.expand_dims(shift, 0))
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(keys.permute((1, 0)), p_smem, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return m_new, l_i, acc
+
+
+# The split count follows the batch size: as a specialised int it would compile a kernel per value.
+@gluon.jit(do_not_specialize=["num_splits", "s_plh"])
+def _narrow_split_kernel(
+    q_ptr, v_ptr, sc_ptr, r_ptr, bt_ptr, seq_lens_ptr, po_ptr, pl_ptr,
+    num_heads, num_splits, scale_log2, s_sl,
+    s_qb, s_qh, s_qd,
+    s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd,
+    s_btb, s_btw,
+    s_pob, s_poh, s_pos, s_pod,
+    s_plb, s_plh, s_pls,
+    KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8: gl.constexpr,
+):
+    # Program (sequence b, split) over the split's share of b's keys.
+    BLOCK_H: gl.constexpr = 16
+    BLOCK_N: gl.constexpr = 64
+    SLAB: gl.constexpr = 64
+    LN2: gl.constexpr = 0.6931471805599453
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    # Key copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+    # The queries' copies cover [16, C] and [16, R] exactly (no thread copies what another does).
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    q_pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 2], [1, 0])
+    # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: each warpgroup 8 heads (wgmma's N), its four warps the rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_H // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_H // 2, 16])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem_layout)
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], smem_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)
+    fp8_rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+
+    seq_len = gl.load(seq_lens_ptr + b * s_sl)
+    # Whole tiles a split, so only a split's last tile is ragged.
+    keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * keys_per_split
+    end = gl.minimum(start + keys_per_split, seq_len)
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    bt_row = bt_ptr + b.to(gl.int64) * s_btb
+    offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+
+    # The queries join the first tile's copy group.
+    heads_q = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    q_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_q * s_qh, 1)
+    cols_q = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+    async_copy.async_copy_global_to_shared(q_nope, q_rows + gl.expand_dims(cols_q * s_qd, 0),
+                                           gl.expand_dims(heads_q < num_heads, 1))
+    heads_pe = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_pe_layout))
+    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_pe_layout))
+    pe_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_pe * s_qh, 1)
+    async_copy.async_copy_global_to_shared(q_pe, pe_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0),
+                                           gl.expand_dims(heads_pe < num_heads, 1))
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
+    if FP8:
+        raw = k_nope._reinterpret(v_ptr.dtype.element_ty, [2, 2 * BLOCK_N, KV_LORA_RANK],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them).
+    pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    # The group scales of the tile being widened, loaded with its copy (FP8 only; zeros otherwise, unused).
+    sc0 = gl.zeros([BLOCK_N], gl.float32, layout=fp8_rows)
+    sc1 = sc0
+    sc2 = sc0
+    sc3 = sc0
+    if FP8:
+        page8 = gl.convert_layout(page, fp8_rows)
+        offset8 = gl.convert_layout(offset, fp8_rows)
+        valid8 = gl.convert_layout(valid, fp8_rows)
+        _copy_fp8_keys(raw.index(0).slice(0, BLOCK_N, dim=0), k_pe.index(0), v_ptr, r_ptr, page8, offset8, valid8,
+                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
+        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+    else:
+        _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
+                   s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    async_copy.commit_group()
+    pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    copy_valid = valid
+    pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
+
+    # As in `mla_decode`: tile t - 1's value product runs while tile t is located, waited for and (FP8)
+    # widened; tile t + 1's copy goes into tile t - 1's stage once the score product's wait retired it.
+    for t in range(num_tiles):
+        stage = t % 2
+        n0 = start + t * BLOCK_N
+        next_page, next_offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+        next_valid = valid
+        pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
+        async_copy.wait_group(0)
+        if FP8:
+            gl.thread_barrier()
+            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_nope.index(stage), sc0, sc1, sc2, sc3, fp8_layout)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        keys = k_nope.index(stage)
+        s = warpgroup_mma(keys, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_pe.index(stage), q_pe.permute((1, 0)), s, is_async=True)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        # Every warp is past its products over tile t - 1's stage and P^T: both may be overwritten.
+        gl.thread_barrier()
+        if FP8:
+            page8 = gl.convert_layout(page, fp8_rows)
+            offset8 = gl.convert_layout(offset, fp8_rows)
+            valid8 = gl.convert_layout(copy_valid, fp8_rows)
+            _copy_fp8_keys(raw.index(1 - stage).slice(0, BLOCK_N, dim=0), k_pe.index(1 - stage), v_ptr, r_ptr,
+                           page8, offset8, valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM,
+                           fp8_layout, copy_layout)
+            sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+        else:
+            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
+                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        async_copy.commit_group()
+        page, offset, copy_valid = next_page, next_offset, next_valid
+        # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.
+        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, n0 + offs_n < end, scale_log2,
+                                               o_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    heads_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+    gl.store(pl_ptr + b.to(gl.int64) * s_plb + heads_s * s_plh + split * s_pls, lse, mask=heads_s < num_heads)
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(0, o_layout)), 0)
+    heads_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
+    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
+    po = po_ptr + b.to(gl.int64) * s_pob + split * s_pos
+    gl.store(po + gl.expand_dims(heads_o * s_poh, 0) + gl.expand_dims(cols_o * s_pod, 1),
+             out.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_o < num_heads, 0))
+
+
+def narrow_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
+                        softmax_scale_log2: float, scales: torch.Tensor | None = None) -> None:
+    """Stage 1 of the split decode (`triton.decode.mla_decode`) for at most BLOCK_H heads and one query a
+    sequence, on the warpgroup MMA.
+
+    q [B, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two views,
+    in q's dtype), or an FP8 cache's leaves (values float8_e4m3fn, scales [nb, bs, C / 128] float32, rope in q's
+    dtype); block_table [B, W] int32; seq_lens [B] int32; partial_out [B, H, S, C] and partial_lse [B, H, S]
+    (float32 partials, or the outputs viewed as one split) are written: split s of sequence b covers its keys
+    [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S rounded up to whole 64-key tiles. Shapes are
+    the caller's to check (`applies`, `mla_decode.copyable`, `triton.decode.mla_decode`).
+    """
+    num_seqs = q.shape[0]
+    q = q if copyable(q) else q.contiguous()
+    sc = values if scales is None else scales
+    _narrow_split_kernel[(num_seqs, partial_out.shape[2])](
+        q, values, sc, rope, block_table, seq_lens, partial_out, partial_lse,
+        q.shape[1], partial_out.shape[2], softmax_scale_log2, seq_lens.stride(0),
+        *q.stride(), *values.stride(), *sc.stride(), *rope.stride(), *block_table.stride(),
+        *partial_out.stride(), *partial_lse.stride(),
+        KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1], FP8=scales is not None,
+        num_warps=NUM_WARPS,
+    )
