@@ -107,6 +107,10 @@ _WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, 
 # plain cache keeps the chunked kernel: 0.58 against its 0.60). One program a multiprocessor (168 KiB of shared
 # memory); 2, 4 or 8 splits a sequence ran the same (bench/notes/fp8.md).
 _NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, narrow=True, programs_per_sm=1)
+# Below this many keys in all (sequences x the block table's capacity) the `tl.dot` kernel's shorter splits
+# win: with W_UV on an H200, B1 x 1K 10.3 us against 13.1, B4 x 1K 13.7 against 15.2, B1 x 4K even (14.5 / 14.7),
+# B4 x 4K 22.2 against 17.8 (bench/notes/fp8.md).
+_NARROW_MIN_TABLE_KEYS = 8192
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -130,10 +134,12 @@ def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> De
 
 
 def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
-                  dtype: torch.dtype, *, wgmma: bool = True) -> DecodeConfig:
+                  dtype: torch.dtype, *, wgmma: bool = True, table_keys: int | None = None) -> DecodeConfig:
     """`mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (Hopper, `_WGMMA_CONFIG`), over an FP8
     cache with few heads the keys-as-rows kernel's (`_NARROW_CONFIG`), unless `wgmma` is False (the `tl.dot`
-    twins, which tests and benchmarks set beside them); else the chunked kernel's
+    twins, which tests and benchmarks set beside them; `table_keys`, the batch's sequences times its block
+    table's capacity, keeps the `tl.dot` kernel below `_NARROW_MIN_TABLE_KEYS`; None: no bound); else the
+    chunked kernel's
     where it was measured faster (one query a row in 16 bits over
     a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
     else `decode_config`'s. The two `tl.dot` kernels take the same heads a program, so the same split count;
@@ -142,7 +148,8 @@ def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, 
     key = min(64, max(16, next_pow2(num_heads)))
     if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
         return _WGMMA_CONFIG
-    if wgmma and fp8 and gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
+    if (wgmma and fp8 and gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device)
+            and (table_keys is None or table_keys >= _NARROW_MIN_TABLE_KEYS)):
         return _NARROW_CONFIG
     chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
                  and next_pow2(kv_lora_rank) == kv_lora_rank)
@@ -518,7 +525,8 @@ def mla_decode(
     width = block_table.shape[1]
     device = q.device
     config = config or launch_config(num_heads, q_len, kv_lora_rank, rope_dim, device, parts.fp8, q.dtype,
-                                     wgmma=gluon_decode.copyable(parts.values, parts.rope))
+                                     wgmma=gluon_decode.copyable(parts.values, parts.rope),
+                                     table_keys=num_seqs * width * block_size)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     splits = num_splits or workspace_splits(workspace) or mla_decode_num_splits(

@@ -223,7 +223,7 @@ def test_narrow_fp8_cache_with_value_projection_and_in_a_graph():
         workspace = tri.mla_decode_workspace(rows, 16, C, table.shape[1], 64, q.device, config=config)
 
         def step():
-            return _run(q_rows, fp8, table_rows, lens_rows, 1, workspace=workspace, w_uv=w_uv)
+            return _run(q_rows, fp8, table_rows, lens_rows, 1, config=config, workspace=workspace, w_uv=w_uv)
 
         graph, (out, lse) = captured(step)
         for new_lens in ([1, 2048, 0, 700, 64, 65, 1999, 3, 5, 9, 100, 2000][:rows], lens0[:rows]):
@@ -246,6 +246,9 @@ def test_narrow_refuses_what_it_cannot_take():
     assert not tri.launch_config(16, 2, C, R, q.device, True, q.dtype).narrow
     assert not tri.launch_config(17, 1, C, R, q.device, True, q.dtype).narrow
     assert not tri.launch_config(16, 1, C, R, q.device, True, torch.float32).narrow
+    # Few keys in all: the tl.dot kernel's shorter splits are faster there.
+    assert not tri.launch_config(16, 1, C, R, q.device, True, q.dtype, table_keys=4096).narrow
+    assert tri.launch_config(16, 1, C, R, q.device, True, q.dtype, table_keys=8192).narrow
 
 
 def test_a_cache_cp_async_cannot_gather_takes_the_twin():
