@@ -146,22 +146,53 @@ def _load_scales(sc_ptr, page, offset, valid, s_scn, s_scb, s_scd):
 
 
 @gluon.jit
-def _widen(raw_buf, keys, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
-    # Dequantizes one stage in place: e4m3 values in raw_buf [BLOCK_N, 512] (the first half of the stage's
-    # bytes) times their group's scale [BLOCK_N] in float32, rounded once to keys' dtype, into keys
-    # [BLOCK_N, 512] (the whole stage), the rows `FP8LatentCache.rows` gives. Every thread reads its values
-    # before any thread writes, since the two views share bytes.
+def _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
+    # Dequantizes stage `stage` of k_nope [2, BLOCK_N, 512] in place: the e4m3 values `copy_tile` put in the
+    # stage's first half times their group's scale [BLOCK_N] in float32, rounded once to k_nope's dtype, over
+    # the whole stage: the rows `FP8LatentCache.rows` gives. Every thread reads its values before any thread
+    # writes, since the two views share bytes.
     GROUP: gl.constexpr = 128
-    f0 = raw_buf.slice(0, GROUP, dim=1).load(fp8_layout)
-    f1 = raw_buf.slice(GROUP, GROUP, dim=1).load(fp8_layout)
-    f2 = raw_buf.slice(2 * GROUP, GROUP, dim=1).load(fp8_layout)
-    f3 = raw_buf.slice(3 * GROUP, GROUP, dim=1).load(fp8_layout)
+    BLOCK_N: gl.constexpr = k_nope.shape[1]
+    KV_LORA_RANK: gl.constexpr = k_nope.shape[2]
+    raw = k_nope._reinterpret(gl.float8e4nv, [2, 2 * BLOCK_N, KV_LORA_RANK],
+                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).index(stage).slice(0, BLOCK_N, dim=0)
+    keys = k_nope.index(stage)
+    f0 = raw.slice(0, GROUP, dim=1).load(fp8_layout)
+    f1 = raw.slice(GROUP, GROUP, dim=1).load(fp8_layout)
+    f2 = raw.slice(2 * GROUP, GROUP, dim=1).load(fp8_layout)
+    f3 = raw.slice(3 * GROUP, GROUP, dim=1).load(fp8_layout)
     gl.thread_barrier()
     dtype: gl.constexpr = keys.dtype
     keys.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
     keys.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
     keys.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
     keys.slice(3 * GROUP, GROUP, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
+
+
+@gluon.jit
+def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb, s_scd,
+              s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
+              FP8: gl.constexpr, fp8_layout: gl.constexpr, copy_layout: gl.constexpr):
+    """Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, copy_layout)) into stage
+    `stage` of k_nope [2, BLOCK_N, C] and k_pe [2, BLOCK_N, R]; masked rows are zero-filled. FP8: the e4m3 values
+    as bytes into the stage's first half (`_copy_fp8_keys`, for `_widen`), and returns the rows' four group
+    scales (`_load_scales`, SliceLayout(1, fp8_layout)); otherwise returns sc0..sc3 as given."""
+    SLAB: gl.constexpr = 64
+    if FP8:
+        BLOCK_N: gl.constexpr = k_nope.shape[1]
+        raw = k_nope._reinterpret(gl.float8e4nv, [2, 2 * BLOCK_N, KV_LORA_RANK],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+        page8 = gl.convert_layout(page, rows)
+        offset8 = gl.convert_layout(offset, rows)
+        valid8 = gl.convert_layout(valid, rows)
+        _copy_fp8_keys(raw.index(stage).slice(0, BLOCK_N, dim=0), k_pe.index(stage), v_ptr, r_ptr, page8, offset8,
+                       valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
+        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+    else:
+        _copy_keys(k_nope.index(stage), k_pe.index(stage), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn,
+                   s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    return sc0, sc1, sc2, sc3
 
 
 @gluon.jit
@@ -234,12 +265,9 @@ def _wgmma_split_kernel(
     k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
     # FP8: a tile's e4m3 values come by cp.async, 16 a copy, into the first half of its stage's bytes, and
-    # are widened from there into the whole stage (`_widen`), so the FP8 kernel takes no more shared memory.
+    # are widened from there into the whole stage (`copy_tile`, `_widen`): no more shared memory than 16 bits.
     fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
     fp8_rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
-    if FP8:
-        raw = k_nope._reinterpret(v_ptr.dtype.element_ty, [2, 2 * BLOCK_N, KV_LORA_RANK],
-                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     if SPARSE:
         slots = top_k
@@ -268,16 +296,9 @@ def _wgmma_split_kernel(
     sc1 = sc0
     sc2 = sc0
     sc3 = sc0
-    if FP8:
-        page8 = gl.convert_layout(page, fp8_rows)
-        offset8 = gl.convert_layout(offset, fp8_rows)
-        valid8 = gl.convert_layout(valid, fp8_rows)
-        _copy_fp8_keys(raw.index(0).slice(0, BLOCK_N, dim=0), k_pe.index(0), v_ptr, r_ptr, page8, offset8, valid8,
-                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
-        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
-    else:
-        _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
-                   s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 0, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd,
+                                   s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3, KV_LORA_RANK, ROPE_DIM,
+                                   FP8, fp8_layout, copy_layout)
     async_copy.commit_group()
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
@@ -315,7 +336,7 @@ def _wgmma_split_kernel(
             # Every thread's copy is in before any thread widens (the widened tile is written to shared
             # memory by the threads, hence the fence before the tensor cores read it).
             gl.thread_barrier()
-            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_nope.index(stage), sc0, sc1, sc2, sc3, fp8_layout)
+            _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -325,17 +346,9 @@ def _wgmma_split_kernel(
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         # Every warp is past its products over tile t - 1's stage: tile t + 1's copy may overwrite it.
         gl.thread_barrier()
-        if FP8:
-            page8 = gl.convert_layout(page, fp8_rows)
-            offset8 = gl.convert_layout(offset, fp8_rows)
-            valid8 = gl.convert_layout(copy_valid, fp8_rows)
-            _copy_fp8_keys(raw.index(1 - stage).slice(0, BLOCK_N, dim=0), k_pe.index(1 - stage), v_ptr, r_ptr,
-                           page8, offset8, valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM,
-                           fp8_layout, copy_layout)
-            sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
-        else:
-            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 1 - stage, v_ptr, sc_ptr, r_ptr, page, offset, copy_valid,
+                                       s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3,
+                                       KV_LORA_RANK, ROPE_DIM, FP8, fp8_layout, copy_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
 

@@ -35,8 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _copy_fp8_keys, _copy_keys, _load_scales, _locate, _pages, _widen,
-                         available, copyable)
+from .mla_decode import KV_LORA_RANK, ROPE_DIM, _locate, _pages, _widen, available, copy_tile, copyable
 
 # Heads a program (the products' N, 8 a warpgroup) and keys a tile (their M).
 BLOCK_H = 16
@@ -87,7 +86,6 @@ def _narrow_split_kernel(
     # Program (sequence b, split) over the split's share of b's keys.
     BLOCK_H: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
-    SLAB: gl.constexpr = 64
     LN2: gl.constexpr = 0.6931471805599453
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -141,9 +139,6 @@ def _narrow_split_kernel(
 
     k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
-    if FP8:
-        raw = k_nope._reinterpret(v_ptr.dtype.element_ty, [2, 2 * BLOCK_N, KV_LORA_RANK],
-                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them).
     pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
@@ -152,16 +147,9 @@ def _narrow_split_kernel(
     sc1 = sc0
     sc2 = sc0
     sc3 = sc0
-    if FP8:
-        page8 = gl.convert_layout(page, fp8_rows)
-        offset8 = gl.convert_layout(offset, fp8_rows)
-        valid8 = gl.convert_layout(valid, fp8_rows)
-        _copy_fp8_keys(raw.index(0).slice(0, BLOCK_N, dim=0), k_pe.index(0), v_ptr, r_ptr, page8, offset8, valid8,
-                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
-        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
-    else:
-        _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
-                   s_rd, KV_LORA_RANK, SLAB, copy_layout)
+    sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 0, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd,
+                                   s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3, KV_LORA_RANK, ROPE_DIM,
+                                   FP8, fp8_layout, copy_layout)
     async_copy.commit_group()
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
@@ -179,7 +167,7 @@ def _narrow_split_kernel(
         async_copy.wait_group(0)
         if FP8:
             gl.thread_barrier()
-            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_nope.index(stage), sc0, sc1, sc2, sc3, fp8_layout)
+            _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -189,17 +177,9 @@ def _narrow_split_kernel(
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         # Every warp is past its products over tile t - 1's stage and P^T: both may be overwritten.
         gl.thread_barrier()
-        if FP8:
-            page8 = gl.convert_layout(page, fp8_rows)
-            offset8 = gl.convert_layout(offset, fp8_rows)
-            valid8 = gl.convert_layout(copy_valid, fp8_rows)
-            _copy_fp8_keys(raw.index(1 - stage).slice(0, BLOCK_N, dim=0), k_pe.index(1 - stage), v_ptr, r_ptr,
-                           page8, offset8, valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM,
-                           fp8_layout, copy_layout)
-            sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
-        else:
-            _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid,
-                       s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+        sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 1 - stage, v_ptr, sc_ptr, r_ptr, page, offset, copy_valid,
+                                       s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3,
+                                       KV_LORA_RANK, ROPE_DIM, FP8, fp8_layout, copy_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
         # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.

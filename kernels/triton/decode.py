@@ -70,10 +70,11 @@ _GPU_CONFIGS = MappingProxyType({
     32: DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
     64: DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
 })
-# Over an FP8 latent cache (where the warpgroup-MMA kernel does not take it) a tile is dequantized in
-# registers before the products take it, so it wants other tiles; the heads a program takes stay the bf16 cache's. H100, B64 x 32K: at 16 heads 32-key tiles
-# unpipelined, 1.10 ms (0.88 for the bf16 cache: slower still, the dequantization bounds it); at 128
-# heads 64-key tiles over 8 warps in two stages, 2.40 ms (3.44 for the bf16 cache; 3.47 with its tiles).
+# Over an FP8 latent cache (where no Gluon kernel takes it) a tile is dequantized in registers before the
+# products take it, so it wants other tiles; the heads a program takes stay the bf16 cache's. H100, B64 x
+# 32K: at 16 heads 32-key tiles unpipelined, 1.10 ms (0.88 for the bf16 cache: slower still, the
+# dequantization bounds it); at 128 heads 64-key tiles over 8 warps in two stages, 2.40 ms (3.44 for the
+# bf16 cache; 3.47 with its tiles).
 # 32 heads were not measured and keep the bf16 cache's tiles. At 16 heads a split runs its unpipelined
 # tiles one after another, so splits as short as one tile pay at small batches: on an H200 with the W_UV
 # merge (bench/results/kernels/h200/logs-archive/decode-splits-small-batches-h200-2026-11-28.log),
@@ -444,34 +445,26 @@ def workspace_splits(workspace: tuple[torch.Tensor, torch.Tensor] | None) -> int
     return int(workspace[0].shape[2])
 
 
-def check_narrow_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
-    """Refuses, naming what does not fit, a decode a config sends to the keys-as-rows kernel that it cannot take
-    (`gluon.mla_decode_narrow.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
+def check_gluon_takes(q: torch.Tensor, parts: LatentParts, q_len: int, config: DecodeConfig) -> None:
+    """Refuses, naming what does not fit, a decode a config sends to a Gluon kernel that cannot take it: the
+    warpgroup-MMA kernel (`config.wgmma`: `gluon.mla_decode.applies`) or the keys-as-rows one (`config.narrow`:
+    `gluon.mla_decode_narrow.applies`), both needing rows `cp.async` can gather (`copyable`). q [rows, H, C + R];
+    parts: the cache's leaves."""
     num_heads, dim = q.shape[1], q.shape[2]
     kv_lora_rank = parts.values.shape[2]
-    if not (gluon_narrow.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, q.device)
-            and gluon_decode.copyable(parts.values, parts.rope)):
-        raise ValueError(f"config: the keys-as-rows kernel takes one bf16/fp16 query of at most "
-                         f"{gluon_narrow.BLOCK_H} heads a sequence over a cache with kv_lora_rank="
+    rope_dim = dim - kv_lora_rank
+    if config.wgmma:
+        name, takes = "warpgroup-MMA", gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, q.device)
+        rows = f"bf16/fp16 queries, at least {gluon_decode.BLOCK_M} rows (heads x queries) a sequence,"
+    else:
+        name, takes = "keys-as-rows", gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, q.device)
+        rows = f"one bf16/fp16 query of at most {gluon_narrow.BLOCK_H} heads a sequence,"
+    if not (takes and gluon_decode.copyable(parts.values, parts.rope)):
+        raise ValueError(f"config: the {name} kernel takes {rows} over a cache with kv_lora_rank="
                          f"{gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM} and rows of 16-byte aligned "
                          f"contiguous columns on a Hopper GPU, got {q.dtype}, {num_heads} heads x q_len={q_len}, "
-                         f"kv_lora_rank={kv_lora_rank}, rope {dim - kv_lora_rank}, cache strides "
-                         f"{tuple(parts.values.stride())} on {q.device}")
-
-
-def check_wgmma_takes(q: torch.Tensor, parts: LatentParts, q_len: int) -> None:
-    """Refuses, naming what does not fit, a decode a config sends to the warpgroup-MMA kernel that it cannot
-    take (`gluon.mla_decode.applies`, `copyable`). q [rows, H, C + R]; parts: the cache's leaves."""
-    num_heads, dim = q.shape[1], q.shape[2]
-    kv_lora_rank = parts.values.shape[2]
-    if not (gluon_decode.applies(num_heads, q_len, kv_lora_rank, dim - kv_lora_rank, q.dtype, q.device)
-            and gluon_decode.copyable(parts.values, parts.rope)):
-        raise ValueError(f"config: the warpgroup-MMA kernel takes bf16/fp16 queries over a cache with "
-                         f"kv_lora_rank={gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM}, rows of 16-byte "
-                         f"aligned contiguous columns and at least {gluon_decode.BLOCK_M} rows a sequence on a "
-                         f"Hopper GPU, got {q.dtype}, kv_lora_rank={kv_lora_rank}, "
-                         f"rope {dim - kv_lora_rank}, cache strides {tuple(parts.values.stride())}, {num_heads} "
-                         f"heads x q_len={q_len} on {q.device}")
+                         f"kv_lora_rank={kv_lora_rank}, rope {rope_dim}, cache strides {tuple(parts.values.stride())} "
+                         f"on {q.device}")
 
 
 def mla_decode(
@@ -544,12 +537,12 @@ def mla_decode(
     grid = (num_seqs, triton.cdiv(num_heads, heads_per_program), splits)
     use_pdl = pdl(device)
     if config.wgmma:
-        check_wgmma_takes(q, parts, q_len)
+        check_gluon_takes(q, parts, q_len, config)
         gluon_decode.wgmma_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out,
                                         partial_lse, softmax_scale_log2=softmax_scale * LOG2E, q_len=q_len,
                                         scales=parts.scales if parts.fp8 else None)
     elif config.narrow:
-        check_narrow_takes(q, parts, q_len)
+        check_gluon_takes(q, parts, q_len, config)
         gluon_narrow.narrow_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out, partial_lse,
                                          softmax_scale_log2=softmax_scale * LOG2E,
                                          scales=parts.scales if parts.fp8 else None)

@@ -35,7 +35,7 @@ from ..gluon import mla_decode as gluon_decode
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
 from ._common import LOG2E, dot_precision, next_pow2, pdl
-from .decode import (DecodeConfig, check_latent_attention_args, check_wgmma_takes, decode_config, fill_splits,
+from .decode import (DecodeConfig, check_gluon_takes, check_latent_attention_args, decode_config, fill_splits,
                      launch_config, workspace_splits)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
@@ -259,7 +259,7 @@ def sparse_mla_decode(
     chunks = 1 if config.block_h >= _WHOLE_ROW_MIN_BLOCK_H else _LATENT_CHUNKS
     grid = (num_rows, triton.cdiv(num_heads, config.block_h), splits)
     if config.wgmma:
-        check_wgmma_takes(q, parts, 1)
+        check_gluon_takes(q, parts, 1, config)
         gluon_decode.wgmma_sparse_split_decode(q, parts.values, parts.rope, block_table, indices, partial_out,
                                                partial_lse, softmax_scale_log2=softmax_scale * LOG2E,
                                                scales=parts.scales if parts.fp8 else None)
