@@ -139,7 +139,8 @@ def _narrow_split_kernel(
 
     k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
-    # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them).
+    # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them);
+    # a tile's key slots are the cache positions themselves (`_locate` without an index list).
     pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     # The group scales of the tile being widened, loaded with its copy (FP8 only; zeros otherwise, unused).

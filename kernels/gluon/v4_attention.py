@@ -265,9 +265,9 @@ def _window_entry_split_kernel(
                     PAGE, ENTRY_PAGE, HAS_ENTRIES)
     if FP8:
         scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb, s_esn,
-                             s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                          s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
         rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb, s_ern,
-                            s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                         s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
         # The scales of the tile the loop widens first.
         sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
     heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
@@ -286,9 +286,9 @@ def _window_entry_split_kernel(
                         s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
         if FP8:
             scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
-                                 s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                              s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
             rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
-                                s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                             s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
     # Now `row` / `ok`: tile NUM_STAGES - 1's; `pos`: tile NUM_STAGES's (its tables are read in the loop).
     pos, is_win, is_ent = _locate(start + NUM_STAGES * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
                                   entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
@@ -319,9 +319,9 @@ def _window_entry_split_kernel(
                         s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
         if FP8:
             scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
-                                 s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                              s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
             rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
-                                s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+                             s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
         pos, is_win, is_ent = _locate(n0 + (NUM_STAGES + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
                                       entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
         # Which of tile it's slots are keys, as the scores lay them out: read here, used after the score

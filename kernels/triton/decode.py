@@ -136,16 +136,20 @@ def decode_config(num_heads: int, device: torch.device, fp8: bool = False) -> De
 
 def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
                   dtype: torch.dtype, *, wgmma: bool = True, table_keys: int | None = None) -> DecodeConfig:
-    """`mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (Hopper, `_WGMMA_CONFIG`), over an FP8
-    cache with few heads the keys-as-rows kernel's (`_NARROW_CONFIG`), unless `wgmma` is False (the `tl.dot`
-    twins, which tests and benchmarks set beside them; `table_keys`, the batch's sequences times its block
-    table's capacity, keeps the `tl.dot` kernel below `_NARROW_MIN_TABLE_KEYS`; None: no bound); else the
-    chunked kernel's
-    where it was measured faster (one query a row in 16 bits over
-    a plain cache whose C is a power of two; float32 tiles of its three stages do not fit shared memory),
-    else `decode_config`'s. The two `tl.dot` kernels take the same heads a program, so the same split count;
-    the warpgroup-MMA kernel fills one wave of one program a multiprocessor, and so may take fewer (a
-    caller's workspace sets the count either way: `workspace_splits`)."""
+    """`mla_decode`'s tiles, from static shapes and the device:
+
+    * the warpgroup-MMA kernel's (`_WGMMA_CONFIG`) where it applies on Hopper (`gluon.mla_decode.applies`);
+    * over an FP8 cache, one query of at most 16 heads: the keys-as-rows kernel's (`_NARROW_CONFIG`,
+      `gluon.mla_decode_narrow.applies`), unless `table_keys` (the batch's sequences times its block table's
+      capacity; None: no bound) is below `_NARROW_MIN_TABLE_KEYS`;
+    * else the chunked kernel's where it was measured faster (one query a row in 16 bits over a plain cache
+      whose C is a power of two; float32 tiles of its three stages do not fit shared memory);
+    * else `decode_config`'s.
+
+    `wgmma` False keeps the `tl.dot` kernels (the Gluon kernels' twins, which tests and benchmarks set beside
+    them). The two `tl.dot` kernels take the same heads a program, so the same split count; the Gluon kernels
+    fill one wave of one program a multiprocessor, and so may take fewer (a caller's workspace sets the count
+    either way: `workspace_splits`)."""
     key = min(64, max(16, next_pow2(num_heads)))
     if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
         return _WGMMA_CONFIG
