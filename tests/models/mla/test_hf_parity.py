@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -34,7 +35,10 @@ def dtype(request):
 @pytest.fixture(scope="module")
 def pair(variant, dtype, tmp_path_factory):
     """(transformers model, the same checkpoint loaded by mla-func)."""
-    reference = make_reference(variant, dtype=dtype, seed=hash(variant) % 1000)
+    # A seed of the variant's name that every process draws alike: str's hash() is salted per process, so each
+    # test worker drew other weights, and 2 in 1000 of v2-group-yarn's draws route some token of PROMPT near a
+    # tie that float32 summation order flips (chunked against one-shot 0.14-0.17 apart, float64 1e-15).
+    reference = make_reference(variant, dtype=dtype, seed=zlib.crc32(variant.encode()) % 1000)
     path = save_reference(reference, tmp_path_factory.mktemp(variant))
     return reference, mf.load_model(path, dtype=dtype, device="cpu")
 
