@@ -178,8 +178,14 @@ def test_help_shows_every_default(command, capsys):
 def test_ctrl_c_prints_a_summary_and_exits_130():
     exe = shutil.which("mla-func")
     command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    # A terminal's Ctrl-C reaches a program whose SIGINT has its default action. Tests run in the background
+    # (a shell's `&` without job control) inherit SIGINT ignored, and a Python program started so never
+    # raises KeyboardInterrupt: the command starts from the default action, as at a terminal.
+    start_at_terminal = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                         "os.execv(sys.argv[1], sys.argv[1:])")
     process = subprocess.Popen(
-        [*command, "generate", "If the", "--max-tokens", "500", "--ignore-eos", "--seed", "1"],
+        [sys.executable, "-c", start_at_terminal, *command, "generate", "If the", "--max-tokens", "500",
+         "--ignore-eos", "--seed", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
     )
     assert process.stdout is not None
