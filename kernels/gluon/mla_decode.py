@@ -116,19 +116,26 @@ def _copy_keys(nope_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, 
 
 
 @gluon.jit
-def _copy_fp8_keys(raw_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
-                   KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, fp8_layout: gl.constexpr,
-                   copy_layout: gl.constexpr):
-    # Starts copying an FP8 cache's rows at (page, offset) [BLOCK_N] (SliceLayout(1, fp8_layout)) into one
-    # stage: their e4m3 values as bytes into raw_buf [BLOCK_N, C], 16 values a copy, and their RoPE values
-    # into pe_buf [BLOCK_N, R]; masked rows are zero-filled (0 x their scale, also loaded as 0, is 0).
+def copy_fp8_half(buf, half: gl.constexpr, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK: gl.constexpr,
+                  fp8_layout: gl.constexpr):
+    """Starts copying half `half` (0: columns 0 .. C / 2, 1: the rest) of an FP8 cache's e4m3 values of the rows at
+    (page, offset) [BLOCK_N] (SliceLayout(1, fp8_layout)) as bytes into buf [BLOCK_N, C / 2], 16 values a copy;
+    rows not in `valid` are zero-filled (0 x their scale, also loaded as 0, is 0)."""
     GROUP: gl.constexpr = 128
+    HALF_GROUPS: gl.constexpr = KV_LORA_RANK // GROUP // 2
     rows = gl.expand_dims(v_ptr + page * s_vn + offset * s_vb, 1)
     mask = gl.expand_dims(valid, 1)
     cols = gl.arange(0, GROUP, layout=gl.SliceLayout(0, fp8_layout))
-    for g in gl.static_range(KV_LORA_RANK // GROUP):
-        async_copy.async_copy_global_to_shared(raw_buf.slice(g * GROUP, GROUP, dim=1),
-                                               rows + gl.expand_dims((g * GROUP + cols) * s_vd, 0), mask)
+    for g in gl.static_range(HALF_GROUPS):
+        async_copy.async_copy_global_to_shared(buf.slice(g * GROUP, GROUP, dim=1),
+                                               rows + gl.expand_dims(((half * HALF_GROUPS + g) * GROUP + cols) * s_vd,
+                                                                     0), mask)
+
+
+@gluon.jit
+def copy_rope(pe_buf, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM: gl.constexpr, copy_layout: gl.constexpr):
+    """Starts copying the RoPE values of the rows at (page, offset) [BLOCK_N] (any layout) into pe_buf [BLOCK_N, R];
+    rows not in `valid` are zero-filled."""
     row_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
     pe_rows = gl.convert_layout(r_ptr + page * s_rn + offset * s_rb, row_layout)
     pe_cols = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, copy_layout))
@@ -137,9 +144,24 @@ def _copy_fp8_keys(raw_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_v
 
 
 @gluon.jit
-def _load_scales(sc_ptr, page, offset, valid, s_scn, s_scb, s_scd):
-    # The four group scales [BLOCK_N] each of an FP8 cache's rows at (page, offset), in their layout;
-    # 0 for rows not in `valid`.
+def _copy_fp8_keys(raw_buf, pe_buf, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+                   KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, fp8_layout: gl.constexpr,
+                   copy_layout: gl.constexpr):
+    # Starts copying an FP8 cache's rows at (page, offset) [BLOCK_N] (SliceLayout(1, fp8_layout)) into one
+    # stage: their e4m3 values as bytes into raw_buf [BLOCK_N, C] (`copy_fp8_half`), and their RoPE values
+    # into pe_buf [BLOCK_N, R]; masked rows are zero-filled.
+    HALF: gl.constexpr = KV_LORA_RANK // 2
+    copy_fp8_half(raw_buf.slice(0, HALF, dim=1), 0, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK,
+                  fp8_layout)
+    copy_fp8_half(raw_buf.slice(HALF, HALF, dim=1), 1, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK,
+                  fp8_layout)
+    copy_rope(pe_buf, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+
+
+@gluon.jit
+def load_scales(sc_ptr, page, offset, valid, s_scn, s_scb, s_scd):
+    """The four group scales [BLOCK_N] each of an FP8 cache's rows at (page, offset), in their layout; 0 for
+    rows not in `valid`."""
     rows = sc_ptr + page * s_scn + offset * s_scb
     return (gl.load(rows, mask=valid, other=0.0), gl.load(rows + s_scd, mask=valid, other=0.0),
             gl.load(rows + 2 * s_scd, mask=valid, other=0.0), gl.load(rows + 3 * s_scd, mask=valid, other=0.0))
@@ -176,7 +198,7 @@ def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_
     """Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, copy_layout)) into stage
     `stage` of k_nope [2, BLOCK_N, C] and k_pe [2, BLOCK_N, R]; masked rows are zero-filled. FP8: the e4m3 values
     as bytes into the stage's first half (`_copy_fp8_keys`, for `_widen`), and returns the rows' four group
-    scales (`_load_scales`, SliceLayout(1, fp8_layout)); otherwise returns sc0..sc3 as given."""
+    scales (`load_scales`, SliceLayout(1, fp8_layout)); otherwise returns sc0..sc3 as given."""
     SLAB: gl.constexpr = 64
     if FP8:
         BLOCK_N: gl.constexpr = k_nope.shape[1]
@@ -188,7 +210,7 @@ def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_
         valid8 = gl.convert_layout(valid, rows)
         _copy_fp8_keys(raw.index(stage).slice(0, BLOCK_N, dim=0), k_pe.index(stage), v_ptr, r_ptr, page8, offset8,
                        valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
-        sc0, sc1, sc2, sc3 = _load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+        sc0, sc1, sc2, sc3 = load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
     else:
         _copy_keys(k_nope.index(stage), k_pe.index(stage), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn,
                    s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)

@@ -8,23 +8,22 @@ the key tile is the M side and the heads the N side, so 16 heads fill an N of 16
     online softmax over S^T's rows (a head's keys), base 2, -inf past the split or the sequence
     O^T [C, H]  += K_nope^T P^T                    K_nope read transposed (A), P^T through shared memory (B)
 
-One program: the H <= BLOCK_H = 16 heads of one sequence (one query each) over one split of its keys, eight
-warps as two warpgroups, each the products of 8 heads (no exchange between them but the key tiles). Tiles of
-64 keys in two stages, gathered through the block table by `cp.async` while the current one is multiplied.
+One program: the H <= BLOCK_H = 16 heads of one sequence (one query each) over one split of its keys, one
+warpgroup, one stage of 64 keys gathered through the block table by `cp.async`; two programs share a
+multiprocessor, so one's copies run under the other's products.
 
-Its purpose is the FP8 latent cache (`FP8LatentCache`): a tile's e4m3 values come as bytes into the first half
-of their stage and are widened there to the dequantized rows (`mla_decode._widen`) while the previous tile's
-value product runs; the `tl.dot` kernels widen in registers, one tile at a time. Over a 16-bit cache (FP8
-False) it reads the tiles as they are, which the tests use to check the FP8 path bit for bit (the op keeps
-the chunked `tl.dot` kernel for a 16-bit cache, which streams it as fast).
+Its purpose is the FP8 latent cache (`FP8LatentCache`): a tile's e4m3 values come as bytes, the first half of
+each row's into a buffer of their own and the second half into the stage's first quarter, and are widened
+into the stage (`_widen`) to the dequantized rows, a group of 128 columns at a time. The next tile's
+first half is copied as soon as the widening has read this one's, its RoPE values after the score product, its
+second half after the value product. Over a 16-bit cache (FP8 False) it reads the tiles as they are, which the
+tests use to check the FP8 path bit for bit (the op keeps the chunked `tl.dot` kernel for a 16-bit cache,
+which streams it as fast).
 
-With 8 heads a warpgroup the products are narrow (wgmma's N = 8) and both warpgroups read the whole key tile,
-so a tile's products, its widening and the softmax's exchanges take about 3 us a program: the kernel runs at
-about 70% of the bf16 cache's chunked kernel's speed at B64 x 32K, 1.33 times the FP8 `tl.dot` kernel's.
-Three stages of bytes widened into one 16-bit tile (copies two tiles ahead) ran slower (bench/notes/fp8.md).
-
-Shared memory: two key stages (64 x 576 16-bit values each, 144 KiB), Q (16 x 576) and P^T (64 x 16):
-one program a multiprocessor. Its output is the `tl.dot` kernels' split partials, merged by `decode_merge`.
+Shared memory: the stage (64 x 576 16-bit values, 72 KiB), the first halves' bytes (16 KiB), Q (16 x 576) and
+P^T (64 x 16), 108 KiB: two programs a multiprocessor. An earlier form, two warpgroups of 8 heads each over two
+stages (one program a multiprocessor), read each tile twice in its products and ran 1.35 times slower at
+B64 x 32K (bench/notes/fp8.md). Its output is the `tl.dot` kernels' split partials, merged by `decode_merge`.
 """
 
 from __future__ import annotations
@@ -35,12 +34,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import KV_LORA_RANK, ROPE_DIM, _locate, _pages, _widen, available, copy_tile, copyable
+from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _copy_keys, _locate, _pages, available, copy_fp8_half, copy_rope,
+                         copyable, load_scales)
 
-# Heads a program (the products' N, 8 a warpgroup) and keys a tile (their M).
+# Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16
 BLOCK_N = 64
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 
 def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
@@ -54,21 +54,76 @@ def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype:
 @gluon.jit
 def _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, visible, scale_log2, o_layout: gl.constexpr):
     # One tile's online softmax over S^T [BLOCK_N, H] (keys `visible` [BLOCK_N] in S^T's row layout) and its
-    # value product O^T += K^T P^T, left in flight (the caller's next wait retires it); (m_i, l_i, acc).
+    # value product O^T += K^T P^T, left in flight (the caller waits for it); (m_i, l_i, acc). l_i [BLOCK_N, H]
+    # holds each thread's share of the sums, summed once at the end: no exchange between the warps a tile for
+    # them (H200, B64 x 32K: 591 against 615 us with the sums [H]).
     scores = gl.where(gl.expand_dims(visible, 1), s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, axis=0))
     # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
     shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - shift)
     p = gl.exp2(scores - gl.expand_dims(shift, 0))
-    l_i = l_i * alpha + gl.sum(p, axis=0)
+    l_i = l_i * gl.expand_dims(alpha, 0) + p
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    acc = warpgroup_mma(keys.permute((1, 0)), p_smem, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-    return m_new, l_i, acc
+    return m_new, l_i, warpgroup_mma(keys.permute((1, 0)), p_smem, acc, is_async=True)
+
+
+@gluon.jit
+def _high_bytes(k_nope):
+    # The stage's first quarter as e4m3 bytes [BLOCK_N, C / 2]: where the second half of each row's values lands.
+    # The stage's 128-byte swizzle keeps each 64-column slab of its rows together: these are the bytes of its
+    # 16-bit columns 0 .. C / 4 (the first group of 128).
+    BLOCK_N: gl.constexpr = k_nope.shape[0]
+    HALF: gl.constexpr = k_nope.shape[1] // 2
+    return k_nope._reinterpret(gl.float8e4nv, [4 * BLOCK_N, HALF],
+                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).slice(0, BLOCK_N, dim=0)
+
+
+@gluon.jit
+def _copy_low(low_bytes, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK: gl.constexpr,
+              fp8_layout: gl.constexpr):
+    # Starts copying the first C / 2 e4m3 values of the rows at (page, offset) [BLOCK_N] into low_bytes.
+    rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+    copy_fp8_half(low_bytes, 0, v_ptr, gl.convert_layout(page, rows), gl.convert_layout(offset, rows),
+                  gl.convert_layout(valid, rows), s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
+
+
+@gluon.jit
+def _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb, s_scd,
+               KV_LORA_RANK: gl.constexpr, fp8_layout: gl.constexpr):
+    # Starts copying the last C / 2 e4m3 values of the rows at (page, offset) [BLOCK_N] into the stage's first
+    # quarter (`_high_bytes`); returns the rows' four group scales (SliceLayout(1, fp8_layout)).
+    rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+    page8 = gl.convert_layout(page, rows)
+    offset8 = gl.convert_layout(offset, rows)
+    valid8 = gl.convert_layout(valid, rows)
+    copy_fp8_half(_high_bytes(k_nope), 1, v_ptr, page8, offset8, valid8, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
+    return load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+
+
+@gluon.jit
+def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
+    # The stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart: each e4m3 value times
+    # its group's scale [BLOCK_N] in float32, rounded once to k_nope's dtype (the rows `FP8LatentCache.rows`
+    # gives), a group of 128 columns at a time, so that one group's values alone are live (widening in place,
+    # as `mla_decode._widen` does, holds all four across its wait). Only the first group's 16-bit columns cover
+    # `_high_bytes`: the last two groups (read from there) are written at once, and the first two once every
+    # thread has read them.
+    GROUP: gl.constexpr = 128
+    high = _high_bytes(k_nope)
+    dtype: gl.constexpr = k_nope.dtype
+    f2 = high.slice(0, GROUP, dim=1).load(fp8_layout)
+    k_nope.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
+    f3 = high.slice(GROUP, GROUP, dim=1).load(fp8_layout)
+    k_nope.slice(3 * GROUP, GROUP, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
+    gl.thread_barrier()
+    f0 = low_bytes.slice(0, GROUP, dim=1).load(fp8_layout)
+    k_nope.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
+    f1 = low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout)
+    k_nope.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
 
 
 # The split count follows the batch size: as a specialised int it would compile a kernel per value.
@@ -86,28 +141,33 @@ def _narrow_split_kernel(
     # Program (sequence b, split) over the split's share of b's keys.
     BLOCK_H: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
+    SLAB: gl.constexpr = 64
     LN2: gl.constexpr = 0.6931471805599453
     b = gl.program_id(0)
     split = gl.program_id(1)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # Key copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-    # The queries' copies cover [16, C] and [16, R] exactly (no thread copies what another does).
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    q_pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 2], [1, 0])
-    # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: each warpgroup 8 heads (wgmma's N), its four warps the rows.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_H // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_H // 2, 16])
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    q_pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: the warpgroup's four warps the rows, the heads wgmma's N.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_H, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_H, 16])
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
 
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem_layout)
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], smem_layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)
+    k_nope = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA_RANK], smem_layout)
+    k_pe = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE_DIM], smem_layout)
+    # The first half of each row's e4m3 values (a token buffer over a 16-bit cache, which does not use it).
+    LOW_COLS: gl.constexpr = KV_LORA_RANK // 2 if FP8 else 16
+    low_bytes = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, LOW_COLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     fp8_rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
 
     seq_len = gl.load(seq_lens_ptr + b * s_sl)
@@ -133,34 +193,34 @@ def _narrow_split_kernel(
                                            gl.expand_dims(heads_pe < num_heads, 1))
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
     acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
 
-    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
-    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
     # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them);
     # a tile's key slots are the cache positions themselves (`_locate` without an index list).
     pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    # The group scales of the tile being widened, loaded with its copy (FP8 only; zeros otherwise, unused).
+    # The group scales of the tile being widened, loaded with its second half (FP8 only; zeros otherwise).
     sc0 = gl.zeros([BLOCK_N], gl.float32, layout=fp8_rows)
     sc1 = sc0
     sc2 = sc0
     sc3 = sc0
-    sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 0, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd,
-                                   s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3, KV_LORA_RANK, ROPE_DIM,
-                                   FP8, fp8_layout, copy_layout)
+    if FP8:
+        _copy_low(low_bytes, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
+        copy_rope(k_pe, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+        sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb,
+                                        s_scd, KV_LORA_RANK, fp8_layout)
+    else:
+        _copy_keys(k_nope, k_pe, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK,
+                   SLAB, copy_layout)
     async_copy.commit_group()
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     copy_valid = valid
     pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
 
-    # As in `mla_decode`: tile t - 1's value product runs while tile t is located, waited for and (FP8)
-    # widened; tile t + 1's copy goes into tile t - 1's stage once the score product's wait retired it.
     for t in range(num_tiles):
-        stage = t % 2
         n0 = start + t * BLOCK_N
         next_page, next_offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
         next_valid = valid
@@ -168,29 +228,39 @@ def _narrow_split_kernel(
         async_copy.wait_group(0)
         if FP8:
             gl.thread_barrier()
-            _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout)
+            _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout)
         fence_async_shared()
         gl.thread_barrier()
+        if FP8:
+            # Every thread has read tile t's first halves: tile t + 1's may come.
+            _copy_low(low_bytes, v_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
 
-        keys = k_nope.index(stage)
-        s = warpgroup_mma(keys, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_pe.index(stage), q_pe.permute((1, 0)), s, is_async=True)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
-        # Every warp is past its products over tile t - 1's stage and P^T: both may be overwritten.
+        s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        if FP8:
+            # The RoPE columns are the score product's alone.
+            gl.thread_barrier()
+            copy_rope(k_pe, r_ptr, page, offset, copy_valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+        # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.
+        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, k_nope, p_smem, n0 + offs_n < end, scale_log2,
+                                               o_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Every warp's value product over the stage has retired: the rest of tile t + 1 may come.
         gl.thread_barrier()
-        sc0, sc1, sc2, sc3 = copy_tile(k_nope, k_pe, 1 - stage, v_ptr, sc_ptr, r_ptr, page, offset, copy_valid,
-                                       s_vn, s_vb, s_vd, s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3,
-                                       KV_LORA_RANK, ROPE_DIM, FP8, fp8_layout, copy_layout)
+        if FP8:
+            sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_scn,
+                                            s_scb, s_scd, KV_LORA_RANK, fp8_layout)
+        else:
+            _copy_keys(k_nope, k_pe, v_ptr, r_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
+                       KV_LORA_RANK, SLAB, copy_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
-        # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.
-        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, n0 + offs_n < end, scale_log2,
-                                               o_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)
 
-    has_keys = l_i > 0.0
-    l_safe = gl.where(has_keys, l_i, 1.0)
+    l_sum = gl.sum(l_i, axis=0)
+    has_keys = l_sum > 0.0
+    l_safe = gl.where(has_keys, l_sum, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     heads_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
     gl.store(pl_ptr + b.to(gl.int64) * s_plb + heads_s * s_plh + split * s_pls, lse, mask=heads_s < num_heads)

@@ -51,7 +51,8 @@ class DecodeConfig:
     # 64-key tiles, 8 warps, two stages), where `gluon.mla_decode.applies`.
     wgmma: bool = False
     # The Gluon kernel for few heads (`gluon.mla_decode_narrow`: keys as the products' rows, up to 16 heads a
-    # program, 64-key tiles, 8 warps, two stages), where `gluon.mla_decode_narrow.applies`.
+    # program, 64-key tiles, 4 warps, one stage, two programs a multiprocessor), where
+    # `gluon.mla_decode_narrow.applies`.
     narrow: bool = False
     # Programs that run on a multiprocessor at once: splits fill one wave of them (`mla_decode_num_splits`).
     programs_per_sm: int = 2
@@ -104,13 +105,13 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
 # multiprocessor's count would give two splits and their float32 partials.
 _WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True, programs_per_sm=1)
 # One query of up to 16 heads a sequence over an FP8 cache takes the keys-as-rows kernel on Hopper
-# (`gluon.mla_decode_narrow`): B64 x 32K at 16 heads on an H200, 0.82 ms against the `tl.dot` kernel's 1.09 (a
-# plain cache keeps the chunked kernel: 0.58 against its 0.60). One program a multiprocessor (168 KiB of shared
-# memory); 2, 4 or 8 splits a sequence ran the same (bench/notes/fp8.md).
-_NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, narrow=True, programs_per_sm=1)
+# (`gluon.mla_decode_narrow`): B64 x 32K at 16 heads on an H200, 0.60 ms against the `tl.dot` kernel's 1.09 (a
+# plain cache keeps the chunked kernel, 0.57 ms). Two programs a multiprocessor (108 KiB of shared memory each):
+# at B64, 4 splits (256 programs) 0.59 ms, 8 splits 0.60; 3 or 6 splits, a wave and a part, 0.81 (bench/notes/fp8.md).
+_NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, narrow=True, programs_per_sm=2)
 # Below this many keys in all (sequences x the block table's capacity) the `tl.dot` kernel's shorter splits
-# win: with W_UV on an H200, B1 x 1K 10.3 us against 13.1, B4 x 1K 13.7 against 15.2, B1 x 4K even (14.5 / 14.7),
-# B4 x 4K 22.2 against 17.8 (bench/notes/fp8.md).
+# win: with W_UV on an H200, B1 x 1K 10.1 us against 12.8-13.4, B4 x 1K 13.6 against 15.1-15.3, B1 x 4K 14.4
+# against 14.8-14.9; from B4 x 4K (22.2 against 18.5) it loses (bench/notes/fp8.md).
 _NARROW_MIN_TABLE_KEYS = 8192
 # The interpreter's cost is per program and per step, not per element.
 _INTERPRETER_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)

@@ -175,7 +175,7 @@ def test_fp8_cache_graph_replay_with_new_lengths_equals_eager():
 
 # --- few heads over an FP8 cache: the keys-as-rows kernel (`gluon.mla_decode_narrow`) ----------------------
 
-_NARROW = tri.DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, narrow=True, programs_per_sm=1)
+_NARROW = tri.DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, narrow=True, programs_per_sm=2)
 
 
 @pytest.mark.parametrize("num_heads", [16, 12, 1])
