@@ -22,7 +22,7 @@ which streams it as fast).
 
 Shared memory: the stage (64 x 576 16-bit values, 72 KiB), the first halves' bytes (16 KiB), Q (16 x 576) and
 P^T (64 x 16), 108 KiB: two programs a multiprocessor. An earlier form, two warpgroups of 8 heads each over two
-stages (one program a multiprocessor), read each tile twice in its products and ran 1.35 times slower at
+stages (one program a multiprocessor), read each tile twice in its products and ran 1.38 times slower at
 B64 x 32K (bench/notes/fp8.md). Its output is the `tl.dot` kernels' split partials, merged by `decode_merge`.
 """
 
