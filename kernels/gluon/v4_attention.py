@@ -11,22 +11,32 @@ compressed entries (entries 0..n_e-1 for HCA, the first n_e slots of the index l
 if 0 <= e < key_len // rate and inside the entry table), through entry_table into the entries cache.
 Keys are the values (K = V, D = 512), all heads share them.
 
-One program: BLOCK_M = 64 heads of one row over one split of its list, eight warps as two warpgroups.
-Q [64, 512] and two stages of [64, 512] key tiles live in shared memory (128-byte swizzle; 192 KiB,
-with the compiler's scratch 196 KiB: one program a multiprocessor). For each tile:
+One program: BLOCK_M = 64 heads of one row over one split of its list, as two warpgroups that take its
+32-key tiles in turn (warp-specialized partitions: warpgroup w the tiles w, w + 2, ...), each with its own
+two stages and its own softmax state, so one warpgroup's softmax and copies run beside the other's
+products. Per tile, in one warpgroup:
 
-    S [64, 64]   = Q K^T      warpgroup MMA, both operands in shared memory; a warpgroup takes 32 keys
+    S [64, 32]   = Q K^T      warpgroup MMA, both operands in shared memory
     online softmax over S in registers (base 2, -inf on slots that are no key)
-    O [64, 512] += P K        warpgroup MMA, P from registers; a warpgroup takes 256 columns
+    O [64, 256] += P K        warpgroup MMA, P from registers, the program's half of K's columns
+
+At the end warpgroup 1 leaves its (m, l, O) in shared memory and warpgroup 0 merges them into its own.
+Each warpgroup copies half of Q beside its first tiles. Shared memory: Q [64, 512] and four [32, 512] stages
+(128-byte swizzle), 193 KiB with the scratch: one program a multiprocessor. An earlier form, the two
+warpgroups on one 64-key tile (each half of its keys in S, half of O's columns), exchanged the softmax's
+maxima, sums and P between them every tile: 1.14-1.17x this one's time at B64 x 64K on an H200 (HCA 31.5
+against 27.0 us, CSA 42.7 against 37.4; bench/notes/v4.md).
 
 A tile's rows are gathered with `cp.async` (16 bytes a thread a copy), each key from the window cache
-or the entries cache; where a tile's keys sit is located ahead of use: the index list (CSA) two tiles
-ahead and the block tables one tile ahead of the copy in flight. Slots that are no key are zero-filled
-by the copy (never read), so P K over them is 0, never NaN; their scores are -inf.
+or the entries cache; where a warpgroup's next tile sits is located (index list, block tables) under its
+current tile's products. Slots that are no key are zero-filled by the copy (never read), so P K over
+them is 0, never NaN; their scores are -inf. A split covers whole 64-key runs (the twin's tiles), so the
+partials are the twin's slot for slot.
 
 D_SPLIT = 2: two programs a (row, head group, split), neighbours in the grid, each computing the whole
 S but P K for one half of the output columns. Twice the programs without split partials (at batch 64
-one split then fills an H100), for 1.5x the products; the second read of a tile comes from L2.
+one split then fills an H100), for 1.5x the products; the second read of a tile comes from L2. (With
+all 512 columns a program, a warpgroup's O would take 256 registers a thread.)
 """
 
 from __future__ import annotations
@@ -36,14 +46,19 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from .mla_decode import available, copyable, store_through_stage
+from .mla_decode import available, copyable
 
 BLOCK_M = 64
-BLOCK_N = 64
-NUM_STAGES = 2
-NUM_WARPS = 8
+# Keys a warpgroup's tile, and the runs a split covers (the twin's tile).
+BLOCK_N = 32
+SPLIT_TILE = 64
+D_SPLIT = 2
+# Warps a warpgroup (each partition is one); registers a thread in either (ptxas's ceiling: O alone is 128).
+WARPGROUP_WARPS = 4
+WARPGROUP_REGISTERS = 256
 HEAD_DIM = 512
 # The FP8 caches the kernel reads (`FP8LatentCache`): V4's 448 latent values a key (three scale groups of 128
 # and one of 64) and 64 RoPE values.
@@ -173,6 +188,218 @@ def _widen(raw_buf, key_buf, sc0, sc1, sc2, sc3, KV_C: gl.constexpr, fp8_layout:
     key_buf.slice(3 * GROUP, TAIL, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
 
 
+@gluon.jit
+def _tile_rows(first, offs, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr,
+               es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn,
+               s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr,
+               HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, FP8: gl.constexpr):
+    # (row pointers into the values, is a key, row pointers into the scales, into the RoPE values) of the
+    # tile at virtual slot `first` (`offs` [N]); the last two are the first where the caches are 16-bit.
+    pos, is_win, is_ent = _locate(first + offs, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+    row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+                    PAGE, ENTRY_PAGE, HAS_ENTRIES)
+    scale_row = row
+    rope_row = row
+    if FP8:
+        scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb, s_esn,
+                          s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+        rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb, s_ern,
+                         s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
+    return row, ok, scale_row, rope_row
+
+
+@gluon.jit
+def _copy_tile(stage, row, ok, rope_row, s_wd, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, KV_C: gl.constexpr,
+               fp8_layout: gl.constexpr, tail_layout: gl.constexpr, copy_layout: gl.constexpr):
+    # Starts a tile's copy into `stage`: 16-bit rows as they are, or an FP8 tile's bytes into the stage's first
+    # half (`_raw`) and its RoPE values into their columns.
+    if FP8:
+        _copy_fp8_rows(_raw(stage, row.dtype.element_ty), stage, row, rope_row, ok, KV_C, HEAD_DIM, fp8_layout,
+                       tail_layout, copy_layout)
+    else:
+        _copy_rows(stage, row, ok, s_wd, HEAD_DIM, copy_layout)
+
+
+@gluon.jit
+def _raw(stage, fp8_dtype: gl.constexpr):
+    # A stage [N, D] 16-bit as the bytes of N FP8 rows of D (its first half): where a tile's e4m3 values land.
+    N: gl.constexpr = stage.shape[0]
+    D: gl.constexpr = stage.shape[1]
+    return stage._reinterpret(fp8_dtype, [2 * N, D], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).slice(0, N, dim=0)
+
+
+@gluon.jit
+def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr, ent_ptr,
+                     bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr,
+                     t64, head_group, d_part, split, num_heads, start, end, n_win, win_start, n_ent, entry_count,
+                     scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en, s_eb,
+                     s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
+                     s_pot, s_poh, s_pos, s_pod, s_plt, s_plh, s_pls,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr,
+                     HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, FOLD_SINK: gl.constexpr,
+                     FP8: gl.constexpr, KV_C: gl.constexpr, WG: gl.constexpr):
+    # Warpgroup WG's share of a program: its tiles WG, WG + 2, ... of the split, in its stages 2 WG and 2 WG + 1
+    # by turns, with its own softmax state. Warpgroup 1 leaves (m, l, O) in shared memory; warpgroup 0 merges
+    # them into its own and writes the program's outputs.
+    BLOCK_M: gl.constexpr = 64
+    OUT_D: gl.constexpr = HEAD_DIM // 2
+    LN2: gl.constexpr = 0.6931471805599453
+    LOG2E: gl.constexpr = 1.4426950408889634
+    dtype: gl.constexpr = q_smem.dtype
+    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    tail_layout: gl.constexpr = copy_layout
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, OUT_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # A stage's 64-column slabs lie one after another (128-byte swizzle), so each half of its columns is one
+    # [BLOCK_N, OUT_D] buffer: the program's half is taken by a runtime index.
+    halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    # Half of Q (its own group, the first), then the first two tiles.
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    heads_q = head_group * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, copy_layout))
+    _copy_rows(q_smem.slice(WG * HALF_M, HALF_M, dim=0), q_ptr + t64 * s_qt + heads_q.to(gl.int64) * s_qh,
+               heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
+    async_copy.commit_group()
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    if FP8:
+        # The scales of the tile the loop widens first.
+        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG + 1), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    # The scales of this warpgroup's second tile, loaded once its first is widened.
+    next_scale_row = scale_row
+    next_ok = ok
+    # This half of the queries is in (its group is the first), the other warpgroup's once both arrive.
+    async_copy.wait_group(2)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar, count=1)
+    mbarrier.wait(q_bar, 0)
+
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for i in range((num_tiles - WG + 1) // 2):
+        n0 = start + (2 * i + WG) * BLOCK_N
+        stage = k_smem.index(2 * WG + i % 2)
+        # The tile this stage takes next (this warpgroup's after next): located, its tables read under this
+        # tile's products.
+        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                                  entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
+                                                  wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
+                                                  s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE,
+                                                  ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+        # Which of this tile's slots are keys, as the scores lay them out: read here, used after the score
+        # product (whose wgmma hides the index list's read).
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+        is_key = win_s | ent_s
+        # This tile's copies are done in this thread (the next one's may still fly), made visible to the
+        # tensor cores' proxy, then done in every thread of the warpgroup.
+        async_copy.wait_group(1)
+        if FP8:
+            # Every thread's bytes are in before any thread widens over them.
+            gl.thread_barrier()
+            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, fp8_layout, tail_layout)
+            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, fp8_layout, tail_layout)
+            next_scale_row = scale_row
+            next_ok = ok
+        fence_async_shared()
+        gl.thread_barrier()
+
+        s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        scores = gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - shift)
+        p = gl.exp2(scores - gl.expand_dims(shift, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(d_part)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Every warp of this warpgroup is past its products over the stage: its next tile may come.
+        gl.thread_barrier()
+        _copy_tile(stage, row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout, copy_layout)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+
+    if WG == 1:
+        o_smem.index(1).store(acc)
+        ml_smem.index(0).store(m_i)
+        ml_smem.index(1).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done_bar, count=1)
+    else:
+        mbarrier.wait(done_bar, 0)
+        m_1 = ml_smem.index(0).load(gl.SliceLayout(1, s_layout))
+        l_1 = ml_smem.index(1).load(gl.SliceLayout(1, s_layout))
+        m_f = gl.maximum(m_i, m_1)
+        shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
+        a_0 = gl.exp2(m_i - shift_f)
+        a_1 = gl.exp2(m_1 - shift_f)
+        l_i = l_i * a_0 + l_1 * a_1
+        m_i = shift_f
+        heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        real_s = heads_s < num_heads
+        if FOLD_SINK:
+            # The only split: the sink joins here as one more logit with a zero value.
+            sink = gl.load(sink_ptr + heads_s * s_sink, mask=real_s, other=0.0).to(gl.float32) * LOG2E
+            m_f = gl.maximum(m_i, sink)
+            shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
+            alpha_f = gl.exp2(m_i - shift_f)
+            l_i = l_i * alpha_f + gl.exp2(sink - shift_f)
+            a_0 = a_0 * alpha_f
+            a_1 = a_1 * alpha_f
+            m_i = shift_f
+        has_keys = l_i > 0.0
+        l_safe = gl.where(has_keys, l_i, 1.0)
+        lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        # Both programs of a (row, split) computed the same LSE (the same scores): the first writes it.
+        gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s & (d_part == 0))
+        # O = (O_0 a_0 + O_1 a_1) / l, 64 columns at a time through shared memory (both O in registers at once
+        # would not fit), stored in 16-byte runs a thread.
+        o_smem.index(0).store(acc * gl.expand_dims(gl.convert_layout(a_0 / l_safe, gl.SliceLayout(1, o_layout)), 1))
+        gl.thread_barrier()
+        CHUNK: gl.constexpr = 64
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        w_1 = gl.expand_dims(gl.convert_layout(a_1 / l_safe, gl.SliceLayout(1, chunk_layout)), 1)
+        heads_k = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, chunk_layout))
+        cols_k = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+        po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_k.to(gl.int64) * s_poh + split * s_pos, 1)
+        for c in gl.static_range(OUT_D // CHUNK):
+            o_0 = o_smem.index(0).slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
+            o_1 = o_smem.index(1).slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
+            gl.store(po_rows + gl.expand_dims((d_part * OUT_D + c * CHUNK + cols_k) * s_pod, 0),
+                     (o_0 + o_1 * w_1).to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_k < num_heads, 1))
+
+
 # The split count and lengths follow the batch (eager steps vary them): as specialised ints they would
 # compile a kernel per value (the twin's list).
 @gluon.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
@@ -188,48 +415,37 @@ def _window_entry_split_kernel(
     s_pot, s_poh, s_pos, s_pod,
     s_plt, s_plh, s_pls,
     s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_TILE: gl.constexpr,
     PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
-    FOLD_SINK: gl.constexpr, GDC: gl.constexpr, D_SPLIT: gl.constexpr, STAGED_OUT: gl.constexpr,
-    FP8: gl.constexpr, KV_C: gl.constexpr,
+    FOLD_SINK: gl.constexpr, GDC: gl.constexpr, FP8: gl.constexpr, KV_C: gl.constexpr,
+    WORKER_WARPS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):
-    # Program (row t, head group, output part) along axis 0, the programs of a row neighbours (they read the
-    # same keys while they are in L2); split along axis 1. D_SPLIT = 2: two programs a (row, head group,
-    # split), each computing the whole scores but P K for one half of the output columns (no partials
-    # needed to fill the GPU at batch 64, at the cost of computing S twice).
+    # Program (row t, head group, output half) along axis 0, the programs of a row neighbours (they read the
+    # same keys while they are in L2); split along axis 1.
     BLOCK_M: gl.constexpr = 64
-    OUT_D: gl.constexpr = HEAD_DIM // D_SPLIT
-    LN2: gl.constexpr = 0.6931471805599453
-    LOG2E: gl.constexpr = 1.4426950408889634
+    OUT_D: gl.constexpr = HEAD_DIM // 2
     head_groups = gl.cdiv(num_heads, BLOCK_M)
     pid = gl.program_id(0)
-    d_part = pid % D_SPLIT
-    t = pid // D_SPLIT // head_groups
-    head_group = pid // D_SPLIT % head_groups
+    d_part = pid % 2
+    t = pid // 2 // head_groups
+    head_group = pid // 2 % head_groups
     split = gl.program_id(1)
     t64 = t.to(gl.int64)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    # Scores: the two warpgroups take BLOCK_N / 2 keys each; output: OUT_D / 2 columns each (wgmma's N).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, OUT_D // 2, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    # FP8 caches (leaves: values at win_ptr / ent_ptr, scales, RoPE values): a tile's e4m3 values come by
-    # cp.async as bytes into the first half of its stage and are widened from there (`_widen`); its RoPE
-    # values go straight to their columns; its scales into registers. No more shared memory than 16 bits.
-    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-    tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    if FP8:
-        raw = k_smem._reinterpret(win_ptr.dtype.element_ty, [NUM_STAGES, 2 * BLOCK_N, HEAD_DIM],
-                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # Two stages a warpgroup. FP8 caches (leaves: values at win_ptr / ent_ptr, scales, RoPE values): a tile's
+    # e4m3 values come as bytes into the first half of its stage and are widened there (`_widen`).
+    k_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HEAD_DIM], smem_layout)
+    # At the end: each warpgroup's O [64, OUT_D] float32 over its two stages, warpgroup 1's (m, l) apart.
+    o_smem = k_smem._reinterpret(gl.float32, [2, BLOCK_M, OUT_D], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ml_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # Both halves of Q are in (one arrival a warpgroup); warpgroup 1's state is in shared memory.
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=2)
+    mbarrier.init(done_bar, count=1)
 
     if GDC:
         _gdc_wait()
@@ -248,8 +464,8 @@ def _window_entry_split_kernel(
         else:
             n_ent = entry_count
     total = n_win + n_ent
-    # Whole tiles a split, so only a split's last tile is ragged.
-    per_split = gl.cdiv(gl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    # Whole runs of SPLIT_TILE slots a split, so only a split's last tile is ragged.
+    per_split = gl.cdiv(gl.cdiv(total, num_splits), SPLIT_TILE) * SPLIT_TILE
     start = split * per_split
     end = gl.minimum(start + per_split, total)
     win_start = key_len - n_win
@@ -257,149 +473,24 @@ def _window_entry_split_kernel(
     et_row = et_ptr + t64 * s_ett
     idx_row = idx_ptr + t64 * s_it
 
-    # The queries and the first NUM_STAGES - 1 tiles: the queries join tile 0's copy group.
-    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    pos, is_win, is_ent = _locate(start + offs_c, end, n_win, win_start, n_ent, entry_count,
-                                  idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
-    row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
-                    PAGE, ENTRY_PAGE, HAS_ENTRIES)
-    if FP8:
-        scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb, s_esn,
-                          s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-        rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb, s_ern,
-                         s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-        # The scales of the tile the loop widens first.
-        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
-    heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    q_rows = q_ptr + t64 * s_qt + heads_c.to(gl.int64) * s_qh
-    _copy_rows(q_smem, q_rows, heads_c < num_heads, s_qd, HEAD_DIM, copy_layout)
-    for i in gl.static_range(NUM_STAGES - 1):
-        if FP8:
-            _copy_fp8_rows(raw.index(i).slice(0, BLOCK_N, dim=0), k_smem.index(i), row, rope_row, ok, KV_C, HEAD_DIM,
-                           fp8_layout, tail_layout, copy_layout)
-        else:
-            _copy_rows(k_smem.index(i), row, ok, s_wd, HEAD_DIM, copy_layout)
-        async_copy.commit_group()
-        pos, is_win, is_ent = _locate(start + (i + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
-                                      entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
-        row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
-                        s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
-        if FP8:
-            scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
-                              s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-            rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
-                             s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-    # Now `row` / `ok`: tile NUM_STAGES - 1's; `pos`: tile NUM_STAGES's (its tables are read in the loop).
-    pos, is_win, is_ent = _locate(start + NUM_STAGES * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
-                                  entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
-
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    for it in range(num_tiles):
-        stage = it % NUM_STAGES
-        n0 = start + it * BLOCK_N
-        # Every warp is past its products over the stage the next copy overwrites (tile it - 1's).
-        gl.thread_barrier()
-        next_stage = (it + NUM_STAGES - 1) % NUM_STAGES
-        if FP8:
-            _copy_fp8_rows(raw.index(next_stage).slice(0, BLOCK_N, dim=0), k_smem.index(next_stage), row, rope_row,
-                           ok, KV_C, HEAD_DIM, fp8_layout, tail_layout, copy_layout)
-            # The scales of the tile just copied, loaded once this iteration's tile is widened.
-            copied_scale_row = scale_row
-            copied_ok = ok
-        else:
-            _copy_rows(k_smem.index(next_stage), row, ok, s_wd, HEAD_DIM, copy_layout)
-        async_copy.commit_group()
-        row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
-                        s_eb, PAGE, ENTRY_PAGE, HAS_ENTRIES)
-        if FP8:
-            scale_row = _rows(pos, is_win, is_ent, ws_ptr, es_ptr, bt_row, et_row, s_btw, s_etw, s_wsn, s_wsb,
-                              s_esn, s_esb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-            rope_row = _rows(pos, is_win, is_ent, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wrn, s_wrb,
-                             s_ern, s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES)[0]
-        pos, is_win, is_ent = _locate(n0 + (NUM_STAGES + 1) * BLOCK_N + offs_c, end, n_win, win_start, n_ent,
-                                      entry_count, idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
-        # Which of tile it's slots are keys, as the scores lay them out: read here, used after the score
-        # product (whose wgmma hides the index list's read, an L1 / L2 hit since the copy's locate).
-        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count,
-                                  idx_row, s_ik, HAS_ENTRIES, HAS_INDICES)
-        # Tile it's copies (and, the first time, the queries') are done in this thread, made visible to the
-        # tensor cores' proxy, then done in every thread.
-        async_copy.wait_group(NUM_STAGES - 1)
-        if FP8:
-            # Every thread's copy is in before any thread widens; the widened tile is written by the threads,
-            # hence the fence before the tensor cores read it.
-            gl.thread_barrier()
-            _widen(raw.index(stage).slice(0, BLOCK_N, dim=0), k_smem.index(stage), sc0, sc1, sc2, sc3, KV_C,
-                   fp8_layout, tail_layout)
-            sc0, sc1, sc2, sc3 = _load_fp8_scales(copied_scale_row, copied_ok, fp8_layout, tail_layout)
-        fence_async_shared()
-        gl.thread_barrier()
-
-        keys = k_smem.index(stage)
-        s = warpgroup_mma(q_smem, keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
-        scores = gl.where(gl.expand_dims(win_s | ent_s, 0), s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - shift)
-        p = gl.exp2(scores - gl.expand_dims(shift, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if D_SPLIT == 1:
-            acc = warpgroup_mma(p_op, keys, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        else:
-            # A shared-memory slice needs a constant start: one product a half, the program's taken.
-            if d_part == 0:
-                acc = warpgroup_mma(p_op, keys.slice(0, OUT_D, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            else:
-                acc = warpgroup_mma(p_op, keys.slice(OUT_D, OUT_D, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    async_copy.wait_group(0)
-
-    heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    real_s = heads_s < num_heads
-    if FOLD_SINK:
-        # The only split: the sink joins here as one more logit with a zero value.
-        sink = gl.load(sink_ptr + heads_s * s_sink, mask=real_s, other=0.0).to(gl.float32) * LOG2E
-        m_f = gl.maximum(m_i, sink)
-        shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
-        alpha_f = gl.exp2(m_i - shift_f)
-        l_i = l_i * alpha_f + gl.exp2(sink - shift_f)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha_f, gl.SliceLayout(1, o_layout)), 1)
-        m_i = shift_f
-    has_keys = l_i > 0.0
-    l_safe = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    # With D_SPLIT, every part computed the same LSE (the same scores): the first writes it.
-    gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s & (d_part == 0))
-
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    if STAGED_OUT:
-        # Outputs in q's dtype go through a key stage (both are free now): at B64, 8-18% of HCA's kernel
-        # (bench/notes/v4.md).
-        heads_c = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-        store_through_stage(k_smem.index(0), out.to(dtype),
-                            gl.expand_dims(po_ptr + t64 * s_pot + heads_c.to(gl.int64) * s_poh + split * s_pos, 1),
-                            gl.expand_dims(heads_c < num_heads, 1), d_part * OUT_D, s_pod, OUT_D, copy_layout)
-    else:
-        heads_o = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols_o = d_part * OUT_D + gl.arange(0, OUT_D, layout=gl.SliceLayout(0, o_layout))
-        po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_o.to(gl.int64) * s_poh + split * s_pos, 1)
-        gl.store(po_rows + gl.expand_dims(cols_o * s_pod, 0), out.to(po_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(heads_o < num_heads, 1))
+    # The same arguments for both warpgroups, written out in each tuple (a tuple built by concatenation would
+    # turn the constexprs into tensors).
+    gl.warp_specialize([
+        (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
+                            ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
+                            sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
+                            n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
+                            s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
+                            s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                            HAS_INDICES, FOLD_SINK, FP8, KV_C, 0)),
+        (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
+                            ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
+                            sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
+                            n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
+                            s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
+                            s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                            HAS_INDICES, FOLD_SINK, FP8, KV_C, 1)),
+    ], [WORKER_WARPS], [WORKER_REGISTERS])
 
 
 def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
@@ -416,8 +507,8 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     stand in, never read); sinks [H]; partial_out [n, H, S, D] and partial_lse [n, H, S] (or, fold_sink with
     S == 1, the outputs viewed as one split) are written: split s of row t covers its virtual key slots
     [s * k, min((s + 1) * k, total)), k = total / S rounded up to whole 64-key tiles (the twin's splits).
-    softmax_scale_log2 = softmax_scale * log2(e). d_split 2: two programs a (row, head group, split), each
-    the scores and half the output columns. FP8 caches: window_cache / entry_cache are their values [.., C]
+    softmax_scale_log2 = softmax_scale * log2(e). d_split: programs a (row, head group, split), D_SPLIT = 2
+    only (each the scores and half the output columns). FP8 caches: window_cache / entry_cache are their values [.., C]
     float8_e4m3fn (C = FP8_KV_C), and fp8_leaves = (window scales, entry scales, window rope, entry rope)
     [.., 4] float32 and [.., D - C] in q's dtype, each leaf's rows contiguous; the keys are the dequantized
     rows. Raises ValueError for what the kernel cannot take.
@@ -437,15 +528,17 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     if entry_cache.stride(2) != window_cache.stride(2):
         raise ValueError(f"window_entry_split: entry_cache's feature stride {entry_cache.stride(2)} differs from "
                          f"window_cache's {window_cache.stride(2)}")
-    if d_split not in (1, 2):
-        raise ValueError(f"window_entry_split: d_split {d_split}, expected 1 or 2")
+    if d_split != D_SPLIT:
+        raise ValueError(f"window_entry_split: d_split {d_split}; the kernel runs {D_SPLIT} programs a row (with "
+                         f"all {HEAD_DIM} output columns a program, a warpgroup's O would take 256 registers a "
+                         f"thread)")
     splits = partial_out.shape[2]
     if fold_sink and splits != 1:
         raise ValueError(f"window_entry_split: fold_sink needs one split, got {splits}")
     if num_rows == 0:
         return
     q = q if copyable(q) else q.contiguous()
-    grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * d_split, splits)
+    grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * D_SPLIT, splits)
     _window_entry_split_kernel[grid](
         q, window_cache, block_table, key_lens, entry_cache, entry_table, entry_indices, sinks,
         partial_out, partial_lse, *(fp8_leaves or (window_cache,) * 4),
@@ -454,9 +547,9 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
         *q.stride(), *window_cache.stride(), *block_table.stride(), *entry_cache.stride(), *entry_table.stride(),
         *entry_indices.stride(), *partial_out.stride(), *partial_lse.stride(),
         *(s for t in (fp8_leaves or (window_cache,) * 4) for s in t.stride()[:2]),
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, SPLIT_TILE=SPLIT_TILE,
         PAGE=window_cache.shape[1], ENTRY_PAGE=entry_cache.shape[1], HAS_ENTRIES=has_entries,
-        HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, D_SPLIT=d_split,
-        STAGED_OUT=partial_out.dtype == q.dtype, FP8=fp8_leaves is not None, KV_C=kv_c,
-        num_warps=NUM_WARPS, launch_pdl=use_pdl,
+        HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, FP8=fp8_leaves is not None,
+        KV_C=kv_c, WORKER_WARPS=WARPGROUP_WARPS, WORKER_REGISTERS=WARPGROUP_REGISTERS,
+        num_warps=WARPGROUP_WARPS, maxnreg=WARPGROUP_REGISTERS, launch_pdl=use_pdl,
     )

@@ -2,8 +2,8 @@
 float64 reference (`reference.v4_paged.window_entry_attention`) and its tl.dot twin (`triton.v4_attention`).
 
 The op takes it where `triton.v4_attention.wgmma_parts` says (one split, two programs a row, the sink folded
-in: batch 64 of the benchmark's shapes); `_wgmma` below runs the kernel at other split counts and with one
-program a row, merged by the op's own stage 2, so every way it can be launched is checked.
+in: batch 64 of the benchmark's shapes); `_wgmma` below runs the kernel at other split counts, merged by the
+op's own stage 2, so every way it can be launched is checked.
 
 Cases: the benchmark's shapes (64 heads of 512, window 128, block size 64, CSA top-512 of context / 4, HCA
 context / 128; batch 64 at 8K and 64K context, full and ragged lengths) through the op; small ragged rows
@@ -34,8 +34,9 @@ pytestmark = [pytest.mark.gpu,
 
 D = 512
 WINDOW = 128
-# (num_splits, d_split) the kernel is launched with besides the op's own choice (None: the op).
-VARIANTS = [None, (1, 1), (3, 2), (2, 1)]
+# (num_splits, d_split) the kernel is launched with besides the op's own choice (None: the op). It runs two
+# programs a row only (`gluon_v4.D_SPLIT`).
+VARIANTS = [None, (1, 2), (3, 2), (2, 2)]
 
 
 def _hopper() -> torch.device:
@@ -188,11 +189,10 @@ def test_the_op_keeps_the_twin_outside_one_half_full_wave(num_rows):
     assert tri.wgmma_parts(64, 32, D, torch.bfloat16, device) == 0    # fewer heads than a program's
 
 
-@pytest.mark.parametrize("d_split", [1, 2])
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_stage_one_partials_equal_the_twins(kind, ragged, d_split):
-    """Split by split (64-key tiles: the same slots a split): normalised partial and LSE."""
+def test_stage_one_partials_equal_the_twins(kind, ragged):
+    """Split by split (whole 64-key runs: the same slots a split as the twin's): normalised partial and LSE."""
     _hopper()
     args, kwargs = _bench_case(64, 64 * 1024, kind, ragged)
     splits = 3
@@ -203,7 +203,7 @@ def test_stage_one_partials_equal_the_twins(kind, ragged, d_split):
                 torch.full((num_rows, 64, splits), float("nan"), device="cuda"))
 
     got_out, got_lse = nan_workspace()
-    _wgmma(args, kwargs, num_splits=splits, d_split=d_split, workspace=(got_out, got_lse))
+    _wgmma(args, kwargs, num_splits=splits, d_split=2, workspace=(got_out, got_lse))
     want_out, want_lse = nan_workspace()
     tri.window_entry_attention(*args, **kwargs, num_splits=splits, workspace=(want_out, want_lse))
     assert not want_lse.isnan().any()
@@ -257,7 +257,7 @@ def _small_case(key_lens, heads, seed, *, rate=4, topk=None, entries=True, windo
 KEY_LENS = [0, 1, 3, 4, 13, 127, 128, 129, 700, 1000, 3000, 64]
 
 
-SMALL_VARIANTS = [(1, 2), (1, 1), (2, 2), (5, 1)]
+SMALL_VARIANTS = [(1, 2), (2, 2), (3, 2), (5, 2)]
 
 
 @pytest.mark.parametrize("variant", SMALL_VARIANTS, ids=str)
@@ -289,8 +289,24 @@ def test_csa_picks_past_the_table_are_no_keys():
     idx[0, -8:] = torch.arange(capacity, capacity + 8, dtype=torch.int32, device=idx.device)   # past, < count
     idx[0] = idx[0].sort().values
     for splits in (1, 3):
-        for d_split in (1, 2):
-            _compare(args, kwargs, variant=(splits, d_split))
+        _compare(args, kwargs, variant=(splits, 2))
+
+
+def test_rows_of_a_few_tiles_leave_the_second_warpgroup_idle_or_short():
+    """The warpgroups take a split's 32-key tiles in turn: rows (and splits) of 1 to 5 tiles, so the second
+    warpgroup has none, one or two, and the first one more or as many; its state merges into the first's."""
+    lens = [1, 31, 32, 33, 64, 65, 96, 97, 160]
+    args, kwargs = _small_case(lens, 64, seed=61, entries=False, window=300)
+    for splits in (1, 2, 3):
+        _compare(args, kwargs, variant=(splits, 2))
+
+
+def test_one_program_a_row_is_refused():
+    """With all 512 output columns a program a warpgroup's O would not fit its registers: d_split 1 is refused
+    by name."""
+    args, kwargs = _small_case([100], 64, seed=71, entries=False)
+    with pytest.raises(ValueError, match="d_split 1"):
+        _wgmma(args, kwargs, num_splits=1, d_split=1)
 
 
 @pytest.mark.parametrize("window", [8, 128, 300])
@@ -305,7 +321,7 @@ def test_fp16_strided_queries_and_page_size_64():
     q = strided(args[0], generator(22, args[0].device))
     assert not gluon_decode.copyable(q)
     _compare((q, *args[1:]), kwargs, torch.float16, variant=(3, 2))
-    _compare((q, *args[1:]), kwargs, torch.float16, variant=(1, 1))
+    _compare((q, *args[1:]), kwargs, torch.float16, variant=(1, 2))
 
 
 def test_garbage_past_a_rows_keys_is_never_read():
@@ -321,10 +337,9 @@ def test_garbage_past_a_rows_keys_is_never_read():
             window_cache[block_table[row, pos // bs], pos % bs] = float("nan")
         for e in range(key_len // 4, entry_table.shape[1] * bs_g):
             entry_cache[entry_table[row, e // bs_g], e % bs_g] = float("nan")
-    for splits in (1, 2):
-        for d_split in (1, 2):
-            out, lse = _wgmma(args, kwargs, num_splits=splits, d_split=d_split)
-            assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for splits in (1, 2, 3):
+        out, lse = _wgmma(args, kwargs, num_splits=splits, d_split=2)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 def test_nan_workspace_is_written_before_read():
