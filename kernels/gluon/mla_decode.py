@@ -218,6 +218,19 @@ def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_
 
 
 @gluon.jit
+def softmax_step(scores, m_i, l_i):
+    """One tile's online-softmax update: scores [M, N] (base 2, -inf where a slot is no key), the running maxima
+    m_i and sums l_i [M] (SliceLayout(1, scores' layout)) -> (m, l, alpha, p): the new maxima and sums, the factor
+    alpha [M] that rescales the output so far, and the weights p [M, N]."""
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    # A row may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - shift)
+    p = gl.exp2(scores - gl.expand_dims(shift, 1))
+    return m_new, l_i * alpha + gl.sum(p, axis=1), alpha, p
+
+
+@gluon.jit
 def store_through_stage(stage, out, row_ptrs, row_mask, col0, s_col, COLS: gl.constexpr, layout: gl.constexpr):
     """Stores out [M, COLS] (in the product's layout, already in the output's dtype) at row_ptrs [M, 1] +
     (col0 + j) * s_col, j < COLS, rows where row_mask [M, 1] (both in `layout`), through `stage`: a shared
@@ -383,14 +396,7 @@ def _wgmma_split_kernel(
             visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
         pos_s = next_pos_s
         valid_s = next_valid_s
-        scores = gl.where(visible, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        # A query may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - shift)
-        p = gl.exp2(scores - gl.expand_dims(shift, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, alpha, p = softmax_step(gl.where(visible, s * scale_log2, float("-inf")), m_i, l_i)
 
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), keys, acc, is_async=True)

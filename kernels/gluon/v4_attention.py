@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .mla_decode import available, copyable
+from .mla_decode import available, copyable, softmax_step
 
 BLOCK_M = 64
 # Keys a warpgroup's tile, and the runs a split covers (the twin's tile).
@@ -332,14 +332,8 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
 
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        scores = gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        # A head may see no key of a tile (or of its split) yet: shift by 0 then, so weights are 0.
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - shift)
-        p = gl.exp2(scores - gl.expand_dims(shift, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf")), m_i,
+                                          l_i)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(d_part)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), half, acc, is_async=True)
