@@ -33,10 +33,20 @@ current tile's products. Slots that are no key are zero-filled by the copy (neve
 them is 0, never NaN; their scores are -inf. A split covers whole 64-key runs (the twin's tiles), so the
 partials are the twin's slot for slot.
 
-D_SPLIT = 2: two programs a (row, head group, split), neighbours in the grid, each computing the whole
-S but P K for one half of the output columns. Twice the programs without split partials (at batch 64
-one split then fills an H100), for 1.5x the products; the second read of a tile comes from L2. (With
-all 512 columns a program, a warpgroup's O would take 256 registers a thread.)
+d_split = D_SPLIT = 2: two programs a (row, head group, split), neighbours in the grid, each computing the
+whole S but P K for one half of the output columns. Twice the programs without split partials (at batch
+64 one split then fills an H100), for 1.5x the products; the second read of a tile comes from L2. (With
+all 512 columns a warpgroup, its O would take 256 registers a thread.)
+
+d_split = 1 (where the rows alone fill the multiprocessors): one program a (row, head group, split) computes
+each tile's scores once (`_shared_scores_tiles`). The warpgroups still own the tiles in turn (each copies
+its own, computes their S and softmax), but each accumulates only its half of the output columns, over
+every tile: after its softmax a tile's owner publishes P [64, 32] and the new maxima in shared memory
+(an mbarrier a warpgroup), and the other, whose running maxima were the owner's starting ones, rescales
+its O to them and adds P K over its half of the tile, P read from shared memory, then frees the tile's
+stage and P (a second mbarrier) for the owner's next copy. Both end on the same maxima; the sums of
+their own tiles' weights add. H200, B = 128 x 64K: 1.2-1.3x faster than the `tl.dot` twin; at B = 64
+(64 programs, or two splits and their merge) slower than two programs a row (bench/notes/v4.md).
 """
 
 from __future__ import annotations
@@ -394,6 +404,202 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
                      (o_0 + o_1 * w_1).to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_k < num_heads, 1))
 
 
+@gluon.jit
+def _take_other_tile(acc, m_i, l_i, s, stage, p_buf, m_buf, pm_bar, free_bar, phase, WG: gl.constexpr,
+                     s_layout: gl.constexpr, o_layout: gl.constexpr, halves_layout: gl.constexpr,
+                     BLOCK_N: gl.constexpr, OUT_D: gl.constexpr):
+    # This warpgroup's columns of the other warpgroup's tile: its maxima and weights once published, the
+    # output so far rescaled to them, P K over this warpgroup's half of the tile's columns (P from shared
+    # memory). `s`, this warpgroup's own score product, ran under the wait; it is done before the output's
+    # registers are rescaled (ptxas would wait for it there anyway).
+    dtype: gl.constexpr = stage.dtype
+    mbarrier.wait(pm_bar, phase)
+    m_new = m_buf.load(gl.SliceLayout(1, s_layout))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - shift)
+    l_i = l_i * alpha
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(WG)
+    acc = warpgroup_mma(p_buf, half, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    # Every warp is past its product over the tile and its weights: the owner may reuse both.
+    gl.thread_barrier()
+    mbarrier.arrive(free_bar, count=1)
+    return acc, m_new, l_i, s
+
+
+@gluon.jit
+def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem, m_smem, l_smem, pm_bars,
+                         free_bars, end_bar, win_ptr, ent_ptr,
+                         bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr,
+                         t64, head_group, split, num_heads, start, end, n_win, win_start, n_ent, entry_count,
+                         scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en, s_eb,
+                         s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
+                         s_pot, s_poh, s_pos, s_pod, s_plt, s_plh, s_pls,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+                         ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
+                         FOLD_SINK: gl.constexpr, FP8: gl.constexpr, KV_C: gl.constexpr, WG: gl.constexpr):
+    # Warpgroup WG's share of a program that computes each tile's scores once: the split's 32-key tiles
+    # g = WG, WG + 2, ... are its own (copied into its stages 2 WG + j % 2, their scores and softmax its
+    # own, the weights P and new maxima published to the other through shared memory); of every tile, its
+    # own or the other's, it accumulates its half of the output columns. Both warpgroups keep the same
+    # running maxima (a tile's owner starts from the other's last); each sums the weights of its own tiles.
+    BLOCK_M: gl.constexpr = 64
+    OUT_D: gl.constexpr = HEAD_DIM // 2
+    LN2: gl.constexpr = 0.6931471805599453
+    LOG2E: gl.constexpr = 1.4426950408889634
+    OTHER: gl.constexpr = 1 - WG
+    dtype: gl.constexpr = q_smem.dtype
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    tail_layout: gl.constexpr = copy_layout
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, OUT_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    heads_q = head_group * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, copy_layout))
+    _copy_rows(q_smem.slice(WG * HALF_M, HALF_M, dim=0), q_ptr + t64 * s_qt + heads_q.to(gl.int64) * s_qh,
+               heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
+    async_copy.commit_group()
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    if FP8:
+        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG + 1), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    next_scale_row = scale_row
+    next_ok = ok
+    async_copy.wait_group(2)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar, count=1)
+    mbarrier.wait(q_bar, 0)
+
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for j in range((num_tiles - WG + 1) // 2):
+        g = 2 * j + WG
+        n0 = start + g * BLOCK_N
+        stage = k_smem.index(2 * WG + j % 2)
+        if j > 0:
+            # The other warpgroup is past this warpgroup's previous tile: its stage takes the tile after this.
+            mbarrier.wait(free_bars.index(WG), (j - 1) % 2)
+            row, ok, scale_row, rope_row = _tile_rows(n0 + 2 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                                      entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
+                                                      wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb,
+                                                      s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern,
+                                                      s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+            _copy_tile(k_smem.index(2 * WG + (j + 1) % 2), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C,
+                       fp8_layout, tail_layout, copy_layout)
+            async_copy.commit_group()
+            next_scale_row = scale_row
+            next_ok = ok
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+        is_key = win_s | ent_s
+        async_copy.wait_group(1)
+        if FP8:
+            gl.thread_barrier()
+            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, fp8_layout, tail_layout)
+            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, fp8_layout, tail_layout)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # The other's tile before this one, under this tile's score product.
+        if WG == 1:
+            acc, m_i, l_i, s_done = _take_other_tile(acc, m_i, l_i, s, k_smem.index(j % 2), p_smem.index(OTHER),
+                                                m_smem.index(OTHER), pm_bars.index(OTHER), free_bars.index(OTHER),
+                                                j % 2, WG, s_layout, o_layout, halves_layout, BLOCK_N, OUT_D)
+        else:
+            if j > 0:
+                acc, m_i, l_i, s_done = _take_other_tile(acc, m_i, l_i, s, k_smem.index(2 + (j - 1) % 2),
+                                                    p_smem.index(OTHER), m_smem.index(OTHER),
+                                                    pm_bars.index(OTHER), free_bars.index(OTHER), (j - 1) % 2, WG,
+                                                    s_layout, o_layout, halves_layout, BLOCK_N, OUT_D)
+            else:
+                s_done = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s_done * scale_log2, float("-inf")), m_i,
+                                          l_i)
+        p16 = p.to(dtype)
+        # The weights and maxima for the other warpgroup (which is past this warpgroup's previous ones).
+        p_smem.index(WG).store(p16)
+        m_smem.index(WG).store(m_i)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pm_bars.index(WG), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(WG)
+        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    # The split's last tile, where it is the other's.
+    if (num_tiles > 0) & ((num_tiles - 1) % 2 == OTHER):
+        jo = (num_tiles - 1) // 2
+        acc, m_i, l_i, _ = _take_other_tile(acc, m_i, l_i, s_zero, k_smem.index(2 * OTHER + jo % 2),
+                                            p_smem.index(OTHER), m_smem.index(OTHER), pm_bars.index(OTHER),
+                                            free_bars.index(OTHER), jo % 2, WG, s_layout, o_layout,
+                                            halves_layout, BLOCK_N, OUT_D)
+    async_copy.wait_group(0)
+
+    # Both warpgroups end on the same maxima; the sums are each one's own tiles'.
+    l_smem.index(WG).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(end_bar, count=1)
+    mbarrier.wait(end_bar, 0)
+    l_i = l_i + l_smem.index(OTHER).load(gl.SliceLayout(1, s_layout))
+    heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    real_s = heads_s < num_heads
+    if FOLD_SINK:
+        sink = gl.load(sink_ptr + heads_s * s_sink, mask=real_s, other=0.0).to(gl.float32) * LOG2E
+        m_f = gl.maximum(m_i, sink)
+        shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
+        alpha_f = gl.exp2(m_i - shift_f)
+        l_i = l_i * alpha_f + gl.exp2(sink - shift_f)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_f, gl.SliceLayout(1, o_layout)), 1)
+        m_i = shift_f
+    else:
+        m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    if WG == 0:
+        lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s)
+    # This warpgroup's columns, through its own two stages (no product reads them any more), in 16-byte runs.
+    o_buf = k_smem._reinterpret(gl.float32, [2, BLOCK_M, OUT_D], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).index(WG)
+    o_buf.store(acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1))
+    gl.thread_barrier()
+    CHUNK: gl.constexpr = 64
+    chunk_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    heads_k = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, chunk_layout))
+    cols_k = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+    po_rows = gl.expand_dims(po_ptr + t64 * s_pot + heads_k.to(gl.int64) * s_poh + split * s_pos, 1)
+    for c in gl.static_range(OUT_D // CHUNK):
+        o_c = o_buf.slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
+        gl.store(po_rows + gl.expand_dims((WG * OUT_D + c * CHUNK + cols_k) * s_pod, 0),
+                 o_c.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_k < num_heads, 1))
+
+
 # The split count and lengths follow the batch (eager steps vary them): as specialised ints they would
 # compile a kernel per value (the twin's list).
 @gluon.jit(do_not_specialize=["num_splits", "window", "rate", "entry_k", "entry_capacity", "s_plh"])
@@ -412,7 +618,7 @@ def _window_entry_split_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_TILE: gl.constexpr,
     PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
     FOLD_SINK: gl.constexpr, GDC: gl.constexpr, FP8: gl.constexpr, KV_C: gl.constexpr,
-    WORKER_WARPS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+    WORKER_WARPS: gl.constexpr, WORKER_REGISTERS: gl.constexpr, SHARED_SCORES: gl.constexpr,
 ):
     # Program (row t, head group, output half) along axis 0, the programs of a row neighbours (they read the
     # same keys while they are in L2); split along axis 1.
@@ -420,9 +626,14 @@ def _window_entry_split_kernel(
     OUT_D: gl.constexpr = HEAD_DIM // 2
     head_groups = gl.cdiv(num_heads, BLOCK_M)
     pid = gl.program_id(0)
-    d_part = pid % 2
-    t = pid // 2 // head_groups
-    head_group = pid // 2 % head_groups
+    if SHARED_SCORES:
+        d_part = pid * 0
+        t = pid // head_groups
+        head_group = pid % head_groups
+    else:
+        d_part = pid % 2
+        t = pid // 2 // head_groups
+        head_group = pid // 2 % head_groups
     split = gl.program_id(1)
     t64 = t.to(gl.int64)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -439,7 +650,8 @@ def _window_entry_split_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=2)
-    mbarrier.init(done_bar, count=1)
+    DONE_ARRIVALS: gl.constexpr = 2 if SHARED_SCORES else 1
+    mbarrier.init(done_bar, count=DONE_ARRIVALS)
 
     if GDC:
         _gdc_wait()
@@ -467,24 +679,50 @@ def _window_entry_split_kernel(
     et_row = et_ptr + t64 * s_ett
     idx_row = idx_ptr + t64 * s_it
 
-    # The same arguments for both warpgroups, written out in each tuple (a tuple built by concatenation would
-    # turn the constexprs into tensors).
-    gl.warp_specialize([
-        (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
-                            ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
-                            sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
-                            n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
-                            s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
-                            s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
-                            HAS_INDICES, FOLD_SINK, FP8, KV_C, 0)),
-        (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
-                            ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
-                            sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
-                            n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
-                            s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
-                            s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
-                            HAS_INDICES, FOLD_SINK, FP8, KV_C, 1)),
-    ], [WORKER_WARPS], [WORKER_REGISTERS])
+    if SHARED_SCORES:
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        pm_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(pm_bars.index(b), count=1)
+            mbarrier.init(free_bars.index(b), count=1)
+        gl.warp_specialize([
+            (_shared_scores_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem, m_smem, ml_smem, pm_bars,
+                                    free_bars, done_bar, win_ptr, ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr,
+                                    wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr, t64, head_group, split, num_heads,
+                                    start, end, n_win, win_start, n_ent, entry_count, scale_log2, s_sink, s_wd,
+                                    s_btw, s_etw, s_ik, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn,
+                                    s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos, s_pod, s_plt, s_plh, s_pls, HEAD_DIM,
+                                    BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FOLD_SINK, FP8, KV_C, 0)),
+            (_shared_scores_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem, m_smem, ml_smem, pm_bars,
+                                    free_bars, done_bar, win_ptr, ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr,
+                                    wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr, t64, head_group, split, num_heads,
+                                    start, end, n_win, win_start, n_ent, entry_count, scale_log2, s_sink, s_wd,
+                                    s_btw, s_etw, s_ik, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn,
+                                    s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos, s_pod, s_plt, s_plh, s_pls, HEAD_DIM,
+                                    BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FOLD_SINK, FP8, KV_C, 1)),
+        ], [WORKER_WARPS], [WORKER_REGISTERS])
+    else:
+        # The same arguments for both warpgroups, written out in each tuple (a tuple built by concatenation would
+        # turn the constexprs into tensors).
+        gl.warp_specialize([
+            (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
+                                ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
+                                sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
+                                n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
+                                s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
+                                s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                                HAS_INDICES, FOLD_SINK, FP8, KV_C, 0)),
+            (_warpgroup_tiles, (q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr,
+                                ent_ptr, bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr,
+                                sink_ptr, t64, head_group, d_part, split, num_heads, start, end, n_win, win_start,
+                                n_ent, entry_count, scale_log2, s_sink, s_wd, s_btw, s_etw, s_ik, s_wn, s_wb, s_en,
+                                s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_pot, s_poh, s_pos,
+                                s_pod, s_plt, s_plh, s_pls, HEAD_DIM, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                                HAS_INDICES, FOLD_SINK, FP8, KV_C, 1)),
+        ], [WORKER_WARPS], [WORKER_REGISTERS])
 
 
 def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table: torch.Tensor,
@@ -501,8 +739,8 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     stand in, never read); sinks [H]; partial_out [n, H, S, D] and partial_lse [n, H, S] (or, fold_sink with
     S == 1, the outputs viewed as one split) are written: split s of row t covers its virtual key slots
     [s * k, min((s + 1) * k, total)), k = total / S rounded up to whole 64-key tiles (the twin's splits).
-    softmax_scale_log2 = softmax_scale * log2(e). d_split: programs a (row, head group, split), D_SPLIT = 2
-    only (each the scores and half the output columns). FP8 caches: window_cache / entry_cache are their values [.., C]
+    softmax_scale_log2 = softmax_scale * log2(e). d_split: programs a (row, head group, split): D_SPLIT = 2
+    (each the scores and half the output columns) or 1 (the scores once, both halves). FP8 caches: window_cache / entry_cache are their values [.., C]
     float8_e4m3fn (C = FP8_KV_C), and fp8_leaves = (window scales, entry scales, window rope, entry rope)
     [.., 4] float32 and [.., D - C] in q's dtype, each leaf's rows contiguous; the keys are the dequantized
     rows. Raises ValueError for what the kernel cannot take.
@@ -522,17 +760,16 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     if entry_cache.stride(2) != window_cache.stride(2):
         raise ValueError(f"window_entry_split: entry_cache's feature stride {entry_cache.stride(2)} differs from "
                          f"window_cache's {window_cache.stride(2)}")
-    if d_split != D_SPLIT:
-        raise ValueError(f"window_entry_split: d_split {d_split}; the kernel runs {D_SPLIT} programs a row (with "
-                         f"all {HEAD_DIM} output columns a program, a warpgroup's O would take 256 registers a "
-                         f"thread)")
+    if d_split not in (1, D_SPLIT):
+        raise ValueError(f"window_entry_split: d_split {d_split}; the kernel runs 1 or {D_SPLIT} programs a row "
+                         f"and head group")
     splits = partial_out.shape[2]
     if fold_sink and splits != 1:
         raise ValueError(f"window_entry_split: fold_sink needs one split, got {splits}")
     if num_rows == 0:
         return
     q = q if copyable(q) else q.contiguous()
-    grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * D_SPLIT, splits)
+    grid = (num_rows * triton.cdiv(num_heads, BLOCK_M) * d_split, splits)
     _window_entry_split_kernel[grid](
         q, window_cache, block_table, key_lens, entry_cache, entry_table, entry_indices, sinks,
         partial_out, partial_lse, *(fp8_leaves or (window_cache,) * 4),
@@ -544,6 +781,6 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
         HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, SPLIT_TILE=SPLIT_TILE,
         PAGE=window_cache.shape[1], ENTRY_PAGE=entry_cache.shape[1], HAS_ENTRIES=has_entries,
         HAS_INDICES=has_entries and has_indices, FOLD_SINK=fold_sink, GDC=use_pdl, FP8=fp8_leaves is not None,
-        KV_C=kv_c, WORKER_WARPS=WARPGROUP_WARPS, WORKER_REGISTERS=WARPGROUP_REGISTERS,
+        KV_C=kv_c, WORKER_WARPS=WARPGROUP_WARPS, WORKER_REGISTERS=WARPGROUP_REGISTERS, SHARED_SCORES=d_split == 1,
         num_warps=WARPGROUP_WARPS, maxnreg=WARPGROUP_REGISTERS, launch_pdl=use_pdl,
     )

@@ -19,9 +19,10 @@ head's sink (a logit with a zero value). With one split, stage 1 folds the sink 
 itself and writes the outputs.
 
 On a Hopper GPU, where one split of 64-head programs makes one wave of work (`wgmma_parts`), stage 1
-is the warpgroup-MMA twin of this file's kernel (`gluon.v4_attention`), two programs a row and head
-group, each half the output columns, the sink folded in; this file's kernel stays the path the CPU
-interpreter checks and the one every other shape and GPU runs.
+is the warpgroup-MMA twin of this file's kernel (`gluon.v4_attention`), the sink folded in: two
+programs a row and head group (each the scores and half the output columns) where that fills the wave,
+one (the scores computed once, both halves of the columns) where the rows alone do; this file's kernel
+stays the path the CPU interpreter checks and the one every other shape and GPU runs.
 
 Either cache may be an `FP8LatentCache` (`kv_cache_dtype="fp8"`; both caches of one type): a key
 tile is then read from its three leaves (the C leading values in e4m3, their group scales, the R
@@ -84,20 +85,27 @@ _LOCATE_TILES = 16
 # one split and two programs a row (each the scores and half the output columns) against this file's
 # kernel at its two splits: HCA 36.1 against 46.9 us, CSA 46.6 against 48.3; at B = 128 (two waves of
 # such programs) it lost (HCA 67.3 against 59.4), as did one program a row at B = 64 (one wave half
-# full: HCA 49.4). So it runs where its programs make one wave at least half full.
+# full: HCA 49.4). So it runs where its programs make one wave at least half full. Where the rows alone
+# fill one (H200, B = 128 x 64K, bench/notes/v4.md), one program a row computing each tile's scores once
+# took 43.1 us against this file's kernel's 57.1 at HCA (CSA 54.6 against 65.3); at B = 64 it lost, over
+# two splits (34.8 against the two programs' 28.6) as over one (38.4).
 _WGMMA_PARTS = 2
 
 
 def wgmma_parts(num_rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Programs a (row, head group) of the warpgroup-MMA stage 1 (`gluon.v4_attention`), or 0 where this
     file's kernel runs stage 1: static shapes and the device only, so a captured graph keeps its kernel.
-    It runs on Hopper for 16-bit queries, D = 512, >= 64 heads, where its programs (one split, two a row and
-    head group) fill one wave at least half (at 64 heads on an H100's 132 multiprocessors: 34..66 rows)."""
+    It runs on Hopper for 16-bit queries, D = 512, >= 64 heads, where its programs (one split) fill one
+    wave at least half: two a row and head group where those do (at 64 heads on 132 multiprocessors:
+    34..66 rows), else one where those do (67..132 rows)."""
     if not gluon_v4.applies(num_heads, head_dim, dtype, device):
         return 0
-    programs = num_rows * triton.cdiv(num_heads, gluon_v4.BLOCK_M) * _WGMMA_PARTS
+    programs = num_rows * triton.cdiv(num_heads, gluon_v4.BLOCK_M)
     slots = sm_count(device)
-    return _WGMMA_PARTS if slots // 2 < programs <= slots else 0
+    for parts in (_WGMMA_PARTS, 1):
+        if slots // 2 < programs * parts <= slots:
+            return parts
+    return 0
 
 
 def v4_attention_config(num_heads: int, num_rows: int, device: torch.device) -> DecodeConfig:

@@ -1,14 +1,15 @@
 """The warpgroup-MMA stage 1 of V4's window + entry attention (`gluon.v4_attention`) on Hopper, against the
 float64 reference (`reference.v4_paged.window_entry_attention`) and its tl.dot twin (`triton.v4_attention`).
 
-The op takes it where `triton.v4_attention.wgmma_parts` says (one split, two programs a row, the sink folded
-in: batch 64 of the benchmark's shapes); `_wgmma` below runs the kernel at other split counts, merged by the
+The op takes it where `triton.v4_attention.wgmma_parts` says (one split, the sink folded in; two programs a
+row at batch 64 of the benchmark's shapes, one at batch 128); `_wgmma` below runs the kernel at other split counts, merged by the
 op's own stage 2, so every way it can be launched is checked.
 
 Cases: the benchmark's shapes (64 heads of 512, window 128, block size 64, CSA top-512 of context / 4, HCA
 context / 128; batch 64 at 8K and 64K context, full and ragged lengths) through the op; small ragged rows
 (padded rows, windows shorter than the sliding window, no complete entry yet, -1 tails, more complete
-entries than the table holds, CSA picks past the table); stage-1 partials against the twin's, split by
+entries than the table holds, CSA picks past the table), splits of 1 to 5 tiles; batch 128 through the op
+and a graph; stage-1 partials against the twin's, split by
 split; 128 and 100 heads (two head groups, a partial one); fp16 and strided queries; NaN past a row's keys
 and in the workspace; graph replay with new lengths; FP8 caches (V4's 448 values, 4 scales and 64 RoPE values
 a key), whose outputs equal the kernel's over their dequantized rows bit for bit.
@@ -34,9 +35,9 @@ pytestmark = [pytest.mark.gpu,
 
 D = 512
 WINDOW = 128
-# (num_splits, d_split) the kernel is launched with besides the op's own choice (None: the op). It runs two
-# programs a row only (`gluon_v4.D_SPLIT`).
-VARIANTS = [None, (1, 2), (3, 2), (2, 2)]
+# (num_splits, d_split) the kernel is launched with besides the op's own choice (None: the op): two programs a
+# row (`gluon_v4.D_SPLIT`, each the scores and half the columns) or one (the scores once).
+VARIANTS = [None, (1, 2), (3, 2), (2, 2), (1, 1), (2, 1), (3, 1)]
 
 
 def _hopper() -> torch.device:
@@ -179,19 +180,24 @@ def test_bench_shapes_equal_reference_and_twin(kind, context, ragged, variant):
     _compare(args, kwargs, want=want, variant=variant)
 
 
-@pytest.mark.parametrize("num_rows", [1, 16, 128])
+@pytest.mark.parametrize("num_rows", [1, 16, 64, 128, 200])
 def test_the_op_keeps_the_twin_outside_one_half_full_wave(num_rows):
+    """Two programs a row where they make one wave at least half full, else one where the rows do, else the
+    twin."""
     device = _hopper()
     slots = torch.cuda.get_device_properties(device).multi_processor_count
     parts = tri.wgmma_parts(num_rows, 64, D, torch.bfloat16, device)
-    assert parts == (2 if slots // 2 < 2 * num_rows <= slots else 0)
+    assert parts == (2 if slots // 2 < 2 * num_rows <= slots else 1 if slots // 2 < num_rows <= slots else 0)
+    assert tri.wgmma_parts(num_rows, 128, D, torch.bfloat16, device) == \
+        (2 if slots // 2 < 4 * num_rows <= slots else 1 if slots // 2 < 2 * num_rows <= slots else 0)
     assert tri.wgmma_parts(64, 64, D, torch.float32, device) == 0     # 32-bit queries: the twin
     assert tri.wgmma_parts(64, 32, D, torch.bfloat16, device) == 0    # fewer heads than a program's
 
 
+@pytest.mark.parametrize("d_split", [1, 2])
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_stage_one_partials_equal_the_twins(kind, ragged):
+def test_stage_one_partials_equal_the_twins(kind, ragged, d_split):
     """Split by split (whole 64-key runs: the same slots a split as the twin's): normalised partial and LSE."""
     _hopper()
     args, kwargs = _bench_case(64, 64 * 1024, kind, ragged)
@@ -203,7 +209,7 @@ def test_stage_one_partials_equal_the_twins(kind, ragged):
                 torch.full((num_rows, 64, splits), float("nan"), device="cuda"))
 
     got_out, got_lse = nan_workspace()
-    _wgmma(args, kwargs, num_splits=splits, d_split=2, workspace=(got_out, got_lse))
+    _wgmma(args, kwargs, num_splits=splits, d_split=d_split, workspace=(got_out, got_lse))
     want_out, want_lse = nan_workspace()
     tri.window_entry_attention(*args, **kwargs, num_splits=splits, workspace=(want_out, want_lse))
     assert not want_lse.isnan().any()
@@ -299,14 +305,7 @@ def test_rows_of_a_few_tiles_leave_the_second_warpgroup_idle_or_short():
     args, kwargs = _small_case(lens, 64, seed=61, entries=False, window=300)
     for splits in (1, 2, 3):
         _compare(args, kwargs, variant=(splits, 2))
-
-
-def test_one_program_a_row_is_refused():
-    """With all 512 output columns a program a warpgroup's O would not fit its registers: d_split 1 is refused
-    by name."""
-    args, kwargs = _small_case([100], 64, seed=71, entries=False)
-    with pytest.raises(ValueError, match="d_split 1"):
-        _wgmma(args, kwargs, num_splits=1, d_split=1)
+        _compare(args, kwargs, variant=(splits, 1))
 
 
 @pytest.mark.parametrize("window", [8, 128, 300])
@@ -370,6 +369,32 @@ def test_graph_replay_with_new_lengths_equals_eager():
         torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
         want, _ = _reference(args, kwargs)
         assert_close(out, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_one_program_a_row_at_batch_128_through_the_op_and_a_graph(kind):
+    """At 128 rows the op takes one program a row (each tile's scores computed once): ragged rows equal the
+    reference and the twin; captured, replayed on other lengths, equal to eager."""
+    args, kwargs = _bench_case(128, 8 * 1024, kind, True)
+    q, key_lens = args[0], args[3]
+    slots = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if not slots // 2 < 128 <= slots:
+        pytest.skip(f"128 rows do not make one wave of {slots} multiprocessors at least half full")
+    assert tri.wgmma_parts(128, 64, D, q.dtype, q.device) == 1
+    _compare(args, kwargs, variant=None)
+
+    def step():
+        return tri.window_entry_attention(*args, **kwargs)
+
+    graph, (out, lse) = captured(step)
+    key_lens.copy_(torch.randint(0, 8 * 1024 + 1, (128,), device=q.device, dtype=torch.int32))
+    graph.replay()
+    eager_out, eager_lse = step()
+    torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+    want_out, want_lse = _reference(args, kwargs)
+    assert_close(out, want_out, torch.bfloat16)
+    assert_close(lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
 
 
 # --- FP8 caches: e4m3 tiles widened in shared memory to the dequantized rows --------------------------------
