@@ -42,7 +42,8 @@ BENCHES = {
                      ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("% copy", "pct_copy", "{:.1f}")]),
     "v4-kernels": ("DeepSeek-V4 kernels (`bench/v4_kernels.py`)", "rows",
                    [dict(op=op, batch=64, context=65536)
-                    for op in ("csa_decode", "hca_attention", "hca_attention_fp8", "csa_attention_fp8")],
+                    for op in ("csa_decode", "hca_attention", "hca_attention_fp8", "csa_attention_fp8")]
+                   + [dict(op=op, batch=128, context=65536) for op in ("csa_decode", "hca_attention")],
                    [("µs", "us", "{:.0f}"), ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("% copy", "pct_copy", "{:.1f}"),
                     ("bf16 / FP8 cache", "bf16_over_fp8", "{:.2f}")]),
     "v4-attention-ceiling": ("V4 attention: the best `tl.dot` loop (`bench/v4_attention_ceiling.py`)", "rows", None,
