@@ -240,6 +240,58 @@ def _raw(stage, fp8_dtype: gl.constexpr):
 
 
 @gluon.jit
+def _start_warpgroup(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win,
+                     win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr,
+                     bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb,
+                     s_ern, s_erb, s_wd, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+                     ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr,
+                     FP8: gl.constexpr, KV_C: gl.constexpr, WG: gl.constexpr, copy_layout: gl.constexpr,
+                     fp8_layout: gl.constexpr, tail_layout: gl.constexpr):
+    # Warpgroup WG's start: copies its half of Q (its own commit group, the first), then its first two tiles
+    # (slots start + WG BLOCK_N and start + (WG + 2) BLOCK_N) into its stages 2 WG and 2 WG + 1; waits for its
+    # half of Q, then for the other's (q_bar). Returns the first tile's FP8 scales (zeros over 16-bit caches) and
+    # the second's scale rows and key mask, whose scales are loaded once the first tile is widened.
+    BLOCK_M: gl.constexpr = 64
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    heads_q = head_group * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, copy_layout))
+    _copy_rows(q_smem.slice(WG * HALF_M, HALF_M, dim=0), q_ptr + t64 * s_qt + heads_q.to(gl.int64) * s_qh,
+               heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
+    async_copy.commit_group()
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    if FP8:
+        # The scales of the tile the loop widens first.
+        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
+    else:
+        sc0 = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, fp8_layout))
+        sc1 = sc0
+        sc2 = sc0
+        sc3 = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, tail_layout))
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
+    _copy_tile(k_smem.index(2 * WG + 1), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
+               copy_layout)
+    async_copy.commit_group()
+    # This half of the queries is in (its group is the first), the other warpgroup's once both arrive.
+    async_copy.wait_group(2)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar, count=1)
+    mbarrier.wait(q_bar, 0)
+    return sc0, sc1, sc2, sc3, scale_row, ok
+
+
+@gluon.jit
 def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr, ent_ptr,
                      bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr,
                      t64, head_group, d_part, split, num_heads, start, end, n_win, win_start, n_ent, entry_count,
@@ -271,40 +323,12 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     # Half of Q (its own group, the first), then the first two tiles.
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    heads_q = head_group * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, copy_layout))
-    _copy_rows(q_smem.slice(WG * HALF_M, HALF_M, dim=0), q_ptr + t64 * s_qt + heads_q.to(gl.int64) * s_qh,
-               heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
-    async_copy.commit_group()
+    sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
+        q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win, win_start,
+        n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw,
+        s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_wd, HEAD_DIM,
+        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, copy_layout, fp8_layout, tail_layout)
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
-                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
-                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
-                                              HAS_ENTRIES, HAS_INDICES, FP8)
-    _copy_tile(k_smem.index(2 * WG), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
-               copy_layout)
-    async_copy.commit_group()
-    if FP8:
-        # The scales of the tile the loop widens first.
-        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
-    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
-                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
-                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
-                                              HAS_ENTRIES, HAS_INDICES, FP8)
-    _copy_tile(k_smem.index(2 * WG + 1), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
-               copy_layout)
-    async_copy.commit_group()
-    # The scales of this warpgroup's second tile, loaded once its first is widened.
-    next_scale_row = scale_row
-    next_ok = ok
-    # This half of the queries is in (its group is the first), the other warpgroup's once both arrive.
-    async_copy.wait_group(2)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(q_bar, count=1)
-    mbarrier.wait(q_bar, 0)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -461,37 +485,12 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    heads_q = head_group * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, copy_layout))
-    _copy_rows(q_smem.slice(WG * HALF_M, HALF_M, dim=0), q_ptr + t64 * s_qt + heads_q.to(gl.int64) * s_qh,
-               heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
-    async_copy.commit_group()
+    sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
+        q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win, win_start,
+        n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw,
+        s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_wd, HEAD_DIM,
+        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, copy_layout, fp8_layout, tail_layout)
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
-                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
-                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
-                                              HAS_ENTRIES, HAS_INDICES, FP8)
-    _copy_tile(k_smem.index(2 * WG), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
-               copy_layout)
-    async_copy.commit_group()
-    if FP8:
-        sc0, sc1, sc2, sc3 = _load_fp8_scales(scale_row, ok, fp8_layout, tail_layout)
-    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
-                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
-                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
-                                              HAS_ENTRIES, HAS_INDICES, FP8)
-    _copy_tile(k_smem.index(2 * WG + 1), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout,
-               copy_layout)
-    async_copy.commit_group()
-    next_scale_row = scale_row
-    next_ok = ok
-    async_copy.wait_group(2)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(q_bar, count=1)
-    mbarrier.wait(q_bar, 0)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
