@@ -498,18 +498,20 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    # (The loop locates each tile after next; this one, its third, the first iteration locates again.)
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 4) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+                                              HAS_ENTRIES, HAS_INDICES, FP8)
     for j in range((num_tiles - WG + 1) // 2):
         g = 2 * j + WG
         n0 = start + g * BLOCK_N
         stage = k_smem.index(2 * WG + j % 2)
         if j > 0:
-            # The other warpgroup is past this warpgroup's previous tile: its stage takes the tile after this.
+            # The other warpgroup is past this warpgroup's previous tile: its stage takes the tile after this
+            # (located under the previous tile's value product).
             mbarrier.wait(free_bars.index(WG), (j - 1) % 2)
-            row, ok, scale_row, rope_row = _tile_rows(n0 + 2 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                                      entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
-                                                      wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb,
-                                                      s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern,
-                                                      s_erb, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
             _copy_tile(k_smem.index(2 * WG + (j + 1) % 2), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C,
                        fp8_layout, tail_layout, copy_layout)
             async_copy.commit_group()
@@ -551,6 +553,13 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(WG)
         acc = warpgroup_mma(gl.convert_layout(p16, p_layout), half, acc, is_async=True)
+        # Where this warpgroup's tile after next sits (its tables read under this product and the next tile's
+        # wait for the other): the next iteration copies it.
+        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                                  entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
+                                                  wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
+                                                  s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
+                                                  PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     # The split's last tile, where it is the other's.
     if (num_tiles > 0) & ((num_tiles - 1) % 2 == OTHER):
