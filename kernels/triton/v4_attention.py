@@ -87,8 +87,8 @@ _LOCATE_TILES = 16
 # such programs) it lost (HCA 67.3 against 59.4), as did one program a row at B = 64 (one wave half
 # full: HCA 49.4). So it runs where its programs make one wave at least half full. Where the rows alone
 # fill one (H200, B = 128 x 64K, bench/notes/v4.md), one program a row computing each tile's scores once
-# took 43.1 us against this file's kernel's 57.1 at HCA (CSA 54.6 against 65.3); at B = 64 it lost, over
-# two splits (34.8 against the two programs' 28.6) as over one (38.4).
+# took 38.2 us against this file's kernel's 57.0 at HCA (CSA 45.0 against 65.3); at B = 64 it lost, over
+# two splits (33.8 against the two programs' 28.9) as over one (34.0).
 _WGMMA_PARTS = 2
 
 
