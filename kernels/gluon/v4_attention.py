@@ -77,6 +77,21 @@ HEAD_DIM = 512
 FP8_KV_C = 448
 
 
+# A warpgroup's layouts (4 warps) over the kernel's tiles. Copies: 16 bytes a thread, a warp 4 rows x 64
+# columns; FP8 bytes 16 a thread over 128 columns (the 64-column group's tail as the 16-bit copies).
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+# S [64, BLOCK_N] and O [64, HEAD_DIM / 2] as the warpgroup MMA leaves them; P as the value product's
+# register operand.
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_DIM // 2, 16]))
+P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+# A stage's 64-column slabs lie one after another (128-byte swizzle), so each half of its columns is one
+# [BLOCK_N, HEAD_DIM / 2] buffer: a half is taken by index.
+HALVES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
 def applies(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel can take the op: 16-bit queries, D = 512, at least 64 heads (one full program a
     row), a Hopper GPU. (The caches must also be `copyable`.)"""
@@ -311,18 +326,13 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     LN2: gl.constexpr = 0.6931471805599453
     LOG2E: gl.constexpr = 1.4426950408889634
     dtype: gl.constexpr = q_smem.dtype
-    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    tail_layout: gl.constexpr = copy_layout
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, OUT_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # A stage's 64-column slabs lie one after another (128-byte swizzle), so each half of its columns is one
-    # [BLOCK_N, OUT_D] buffer: the program's half is taken by a runtime index.
-    halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    copy_layout: gl.constexpr = COPY_LAYOUT
+    fp8_layout: gl.constexpr = FP8_LAYOUT
+    tail_layout: gl.constexpr = COPY_LAYOUT
+    s_layout: gl.constexpr = S_LAYOUT
+    o_layout: gl.constexpr = O_LAYOUT
+    p_layout: gl.constexpr = P_LAYOUT
+    halves_layout: gl.constexpr = HALVES_LAYOUT
 
     # Half of Q (its own group, the first), then the first two tiles.
     sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
@@ -477,15 +487,13 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     LOG2E: gl.constexpr = 1.4426950408889634
     OTHER: gl.constexpr = 1 - WG
     dtype: gl.constexpr = q_smem.dtype
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    tail_layout: gl.constexpr = copy_layout
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, OUT_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    halves_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    copy_layout: gl.constexpr = COPY_LAYOUT
+    fp8_layout: gl.constexpr = FP8_LAYOUT
+    tail_layout: gl.constexpr = COPY_LAYOUT
+    s_layout: gl.constexpr = S_LAYOUT
+    o_layout: gl.constexpr = O_LAYOUT
+    p_layout: gl.constexpr = P_LAYOUT
+    halves_layout: gl.constexpr = HALVES_LAYOUT
 
     sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
         q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win, win_start,
