@@ -540,19 +540,20 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # The other's tile before this one, under this tile's score product.
         if WG == 1:
-            acc, m_i, l_i, s_done = _take_other_tile(acc, m_i, l_i, s, k_smem.index(j % 2), p_smem.index(OTHER),
-                                                m_smem.index(OTHER), pm_bars.index(OTHER), free_bars.index(OTHER),
-                                                j % 2, WG, s_layout, o_layout, halves_layout, BLOCK_N, OUT_D)
+            acc, m_i, l_i, s_done = _take_other_tile(
+                acc, m_i, l_i, s, k_smem.index(j % 2), p_smem.index(OTHER), m_smem.index(OTHER),
+                pm_bars.index(OTHER), free_bars.index(OTHER), j % 2, WG, s_layout, o_layout, halves_layout, BLOCK_N,
+                OUT_D)
         else:
             if j > 0:
-                acc, m_i, l_i, s_done = _take_other_tile(acc, m_i, l_i, s, k_smem.index(2 + (j - 1) % 2),
-                                                    p_smem.index(OTHER), m_smem.index(OTHER),
-                                                    pm_bars.index(OTHER), free_bars.index(OTHER), (j - 1) % 2, WG,
-                                                    s_layout, o_layout, halves_layout, BLOCK_N, OUT_D)
+                acc, m_i, l_i, s_done = _take_other_tile(
+                    acc, m_i, l_i, s, k_smem.index(2 + (j - 1) % 2), p_smem.index(OTHER), m_smem.index(OTHER),
+                    pm_bars.index(OTHER), free_bars.index(OTHER), (j - 1) % 2, WG, s_layout, o_layout,
+                    halves_layout, BLOCK_N, OUT_D)
             else:
                 s_done = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s_done * scale_log2, float("-inf")), m_i,
-                                          l_i)
+        scores = gl.where(gl.expand_dims(is_key, 0), s_done * scale_log2, float("-inf"))
+        m_i, l_i, alpha, p = softmax_step(scores, m_i, l_i)
         p16 = p.to(dtype)
         # The weights and maxima for the other warpgroup (which is past this warpgroup's previous ones).
         p_smem.index(WG).store(p16)
@@ -758,10 +759,10 @@ def window_entry_split(q: torch.Tensor, window_cache: torch.Tensor, block_table:
     S == 1, the outputs viewed as one split) are written: split s of row t covers its virtual key slots
     [s * k, min((s + 1) * k, total)), k = total / S rounded up to whole 64-key tiles (the twin's splits).
     softmax_scale_log2 = softmax_scale * log2(e). d_split: programs a (row, head group, split): D_SPLIT = 2
-    (each the scores and half the output columns) or 1 (the scores once, both halves). FP8 caches: window_cache / entry_cache are their values [.., C]
-    float8_e4m3fn (C = FP8_KV_C), and fp8_leaves = (window scales, entry scales, window rope, entry rope)
-    [.., 4] float32 and [.., D - C] in q's dtype, each leaf's rows contiguous; the keys are the dequantized
-    rows. Raises ValueError for what the kernel cannot take.
+    (each the scores and half the output columns) or 1 (the scores once, both halves). FP8 caches:
+    window_cache / entry_cache are their values [.., C] float8_e4m3fn (C = FP8_KV_C), and fp8_leaves =
+    (window scales, entry scales, window rope, entry rope) [.., 4] float32 and [.., D - C] in q's dtype, each
+    leaf's rows contiguous; the keys are the dequantized rows. Raises ValueError for what the kernel cannot take.
     """
     num_rows, num_heads, head_dim = q.shape
     if not applies(num_heads, head_dim, q.dtype, q.device):

@@ -2,8 +2,9 @@
 float64 reference (`reference.v4_paged.window_entry_attention`) and its tl.dot twin (`triton.v4_attention`).
 
 The op takes it where `triton.v4_attention.wgmma_parts` says (one split, the sink folded in; two programs a
-row at batch 64 of the benchmark's shapes, one at batch 128); `_wgmma` below runs the kernel at other split counts, merged by the
-op's own stage 2, so every way it can be launched is checked.
+row at batch 64 of the benchmark's shapes, one at batch 128); `_wgmma` below runs the kernel at other split
+counts and either number of programs a row, merged by the op's own stage 2, so every way it can be launched
+is checked.
 
 Cases: the benchmark's shapes (64 heads of 512, window 128, block size 64, CSA top-512 of context / 4, HCA
 context / 128; batch 64 at 8K and 64K context, full and ragged lengths) through the op; small ragged rows
