@@ -351,18 +351,6 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     for i in range((num_tiles - WG + 1) // 2):
         n0 = start + (2 * i + WG) * BLOCK_N
         stage = k_smem.index(2 * WG + i % 2)
-        # The tile this stage takes next (this warpgroup's after next): located, its tables read under this
-        # tile's products.
-        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
-                                                  entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
-                                                  wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
-                                                  s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE,
-                                                  ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
-        # Which of this tile's slots are keys, as the scores lay them out: read here, used after the score
-        # product (whose wgmma hides the index list's read).
-        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
-                                  HAS_ENTRIES, HAS_INDICES)
-        is_key = win_s | ent_s
         # This tile's copies are done in this thread (the next one's may still fly), made visible to the
         # tensor cores' proxy, then done in every thread of the warpgroup.
         async_copy.wait_group(1)
@@ -371,12 +359,23 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
             gl.thread_barrier()
             _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, fp8_layout, tail_layout)
             sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, fp8_layout, tail_layout)
-            next_scale_row = scale_row
-            next_ok = ok
         fence_async_shared()
         gl.thread_barrier()
 
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # The tile this stage takes next (this warpgroup's after next), and which of this tile's slots are keys:
+        # their tables and index list read under the score product (the first consumers wait after it).
+        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+                                                  entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
+                                                  wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
+                                                  s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE,
+                                                  ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+        is_key = win_s | ent_s
+        # Its scales, loaded once the next tile is widened.
+        next_scale_row = scale_row
+        next_ok = ok
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf")), m_i,
                                           l_i)
@@ -527,9 +526,6 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
             async_copy.commit_group()
             next_scale_row = scale_row
             next_ok = ok
-        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
-                                  HAS_ENTRIES, HAS_INDICES)
-        is_key = win_s | ent_s
         async_copy.wait_group(1)
         if FP8:
             gl.thread_barrier()
@@ -538,6 +534,10 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         fence_async_shared()
         gl.thread_barrier()
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # Which of this tile's slots are keys (the index list read under the score product).
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+        is_key = win_s | ent_s
         # The other's tile before this one, under this tile's score product.
         if WG == 1:
             acc, m_i, l_i, s_done = _take_other_tile(
