@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,11 +14,18 @@ from pathlib import Path
 import pytest
 
 import mla_func as mf
-from support.cli_process import ENV, before_the_load, mla_func
+from support.cli_process import ENV, before_the_load, installed_script, mla_func, mla_func_command
 
 
 def test_console_script_is_installed():
-    assert shutil.which("mla-func") is not None
+    """`pip install` put the `mla-func` script into the environment's scripts folder (on PATH once it is
+    activated); `python -m mla_func.cli` is the same command."""
+    script = installed_script()
+    assert script is not None
+    by_module = subprocess.run([sys.executable, "-m", "mla_func.cli", "--version"], capture_output=True, text=True,
+                               env=ENV, timeout=120)
+    by_script = subprocess.run([str(script), "--version"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert (by_module.returncode, by_module.stderr) == (0, "") and by_module.stdout == by_script.stdout
 
 
 def test_generate_streams_text_from_the_demo_model_and_summarises():
@@ -176,8 +182,7 @@ def test_help_shows_every_default(command, capsys):
 
 
 def test_ctrl_c_prints_a_summary_and_exits_130():
-    exe = shutil.which("mla-func")
-    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    command = mla_func_command()
     # A terminal's Ctrl-C reaches a program whose SIGINT has its default action. Tests run in the background
     # (a shell's `&` without job control) inherit SIGINT ignored, and a Python program started so never
     # raises KeyboardInterrupt: the command starts from the default action, as at a terminal.

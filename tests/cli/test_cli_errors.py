@@ -11,9 +11,7 @@ import math
 import os
 import re
 import resource
-import shutil
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import transformers
 
 from mla_func.models.presets import v32_lite
 from mla_func.models.tensor_shapes import hf_tensor_shapes
-from support.cli_process import before_the_load
+from support.cli_process import before_the_load, mla_func_command
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, as on a fresh machine
 MISSING = "/nonexistent/model"  # a model that would fail to load: an error about it means the load came first
@@ -30,8 +28,7 @@ MISSING = "/nonexistent/model"  # a model that would fail to load: an error abou
 
 def mla_func(*args: str, timeout: int = 240, limit_memory: int | None = None) -> subprocess.CompletedProcess:
     """`mla-func ARGS` in a subprocess; `limit_memory` caps its address space (bytes)."""
-    exe = shutil.which("mla-func")
-    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    command = mla_func_command()
 
     def cap() -> None:
         if limit_memory is not None:

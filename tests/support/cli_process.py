@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -15,9 +17,22 @@ import mla_func.cli.commands as cli
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, as on a fresh machine
 
 
+def installed_script() -> Path | None:
+    """The `mla-func` script the test interpreter's environment installed (its scripts folder, whether or not
+    it is on PATH), or None."""
+    script = Path(sysconfig.get_path("scripts")) / "mla-func"
+    return script if script.is_file() else None
+
+
+def mla_func_command() -> list[str]:
+    """The command a user types: the environment's `mla-func` script, else one on PATH, else
+    `python -m mla_func.cli` (a source tree on PYTHONPATH)."""
+    exe = installed_script() or shutil.which("mla-func")
+    return [str(exe)] if exe else [sys.executable, "-m", "mla_func.cli"]
+
+
 def mla_func(*args: str, timeout: int = 240, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    exe = shutil.which("mla-func")
-    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    command = mla_func_command()
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV,
                           input=stdin if stdin is not None else "")
 

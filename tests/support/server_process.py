@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from support.cli_process import ENV
+from support.cli_process import ENV, mla_func_command
 
 
 def free_port() -> int:
@@ -58,8 +56,7 @@ class ServerProcess:
 def start_server(*args: str, timeout: float = 120) -> ServerProcess:
     """`mla-func serve ARGS --device cpu --port <free>`, once /health answers 200."""
     port = free_port()
-    exe = shutil.which("mla-func")
-    command = [exe] if exe else [sys.executable, "-m", "mla_func.cli.commands"]
+    command = mla_func_command()
     log = Path(tempfile.mkstemp(prefix="mla-func-serve-", suffix=".log")[1])
     env = {**ENV, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([*command, "serve", *args, "--device", "cpu", "--port", str(port)],
