@@ -88,7 +88,7 @@ _LOCATE_TILES = 16
 # full: HCA 49.4). So it runs where its programs make one wave at least half full. Where the rows alone
 # fill one (H200, B = 128 x 64K, bench/notes/v4.md), one program a row computing each tile's scores once
 # took 38.2 us against this file's kernel's 57.0 at HCA (CSA 45.0 against 65.3); at B = 64 it lost, over
-# two splits (33.8 against the two programs' 28.9) as over one (34.0).
+# two splits (33.8 against the two programs' 28.9 then, 27.4 since 5b7715f) as over one (34.0).
 _WGMMA_PARTS = 2
 
 
