@@ -343,27 +343,20 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     LN2: gl.constexpr = 0.6931471805599453
     LOG2E: gl.constexpr = 1.4426950408889634
     dtype: gl.constexpr = q_smem.dtype
-    copy_layout: gl.constexpr = COPY_LAYOUT
-    fp8_layout: gl.constexpr = FP8_LAYOUT
-    tail_layout: gl.constexpr = COPY_LAYOUT
-    s_layout: gl.constexpr = S_LAYOUT
-    o_layout: gl.constexpr = O_LAYOUT
-    p_layout: gl.constexpr = P_LAYOUT
-    halves_layout: gl.constexpr = HALVES_LAYOUT
 
     # Half of Q (its own group, the first), then the first two tiles.
     sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
         q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win, win_start,
         n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw,
         s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_wd, HEAD_DIM,
-        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, copy_layout, fp8_layout, tail_layout)
-    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, COPY_LAYOUT, FP8_LAYOUT, COPY_LAYOUT)
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
 
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range((num_tiles - WG + 1) // 2):
         n0 = start + (2 * i + WG) * BLOCK_N
@@ -380,8 +373,8 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         if FP8:
             # Every thread's bytes are in before any thread widens over them.
             gl.thread_barrier()
-            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, fp8_layout, tail_layout)
-            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, fp8_layout, tail_layout)
+            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, FP8_LAYOUT, COPY_LAYOUT)
+            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, FP8_LAYOUT, COPY_LAYOUT)
             next_scale_row = scale_row
             next_ok = ok
         fence_async_shared()
@@ -400,13 +393,13 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf")), m_i,
                                           l_i)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(d_part)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), half, acc, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], HALVES_LAYOUT).index(d_part)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), half, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # Every warp of this warpgroup is past its products over the stage: its next tile may come.
         gl.thread_barrier()
-        _copy_tile(stage, row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, fp8_layout, tail_layout, copy_layout)
+        _copy_tile(stage, row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C, FP8_LAYOUT, COPY_LAYOUT, COPY_LAYOUT)
         async_copy.commit_group()
     async_copy.wait_group(0)
 
@@ -418,15 +411,15 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         mbarrier.arrive(done_bar, count=1)
     else:
         mbarrier.wait(done_bar, 0)
-        m_1 = ml_smem.index(0).load(gl.SliceLayout(1, s_layout))
-        l_1 = ml_smem.index(1).load(gl.SliceLayout(1, s_layout))
+        m_1 = ml_smem.index(0).load(gl.SliceLayout(1, S_LAYOUT))
+        l_1 = ml_smem.index(1).load(gl.SliceLayout(1, S_LAYOUT))
         m_f = gl.maximum(m_i, m_1)
         shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
         a_0 = gl.exp2(m_i - shift_f)
         a_1 = gl.exp2(m_1 - shift_f)
         l_i = l_i * a_0 + l_1 * a_1
         m_i = shift_f
-        heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
         real_s = heads_s < num_heads
         if FOLD_SINK:
             # The only split: the sink joins here as one more logit with a zero value.
@@ -445,7 +438,7 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s & (d_part == 0))
         # O = (O_0 a_0 + O_1 a_1) / l, 64 columns at a time through shared memory (both O in registers at once
         # would not fit), stored in 16-byte runs a thread.
-        o_smem.index(0).store(acc * gl.expand_dims(gl.convert_layout(a_0 / l_safe, gl.SliceLayout(1, o_layout)), 1))
+        o_smem.index(0).store(acc * gl.expand_dims(gl.convert_layout(a_0 / l_safe, gl.SliceLayout(1, O_LAYOUT)), 1))
         gl.thread_barrier()
         CHUNK: gl.constexpr = 64
         chunk_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -507,26 +500,19 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     LOG2E: gl.constexpr = 1.4426950408889634
     OTHER: gl.constexpr = 1 - WG
     dtype: gl.constexpr = q_smem.dtype
-    copy_layout: gl.constexpr = COPY_LAYOUT
-    fp8_layout: gl.constexpr = FP8_LAYOUT
-    tail_layout: gl.constexpr = COPY_LAYOUT
-    s_layout: gl.constexpr = S_LAYOUT
-    o_layout: gl.constexpr = O_LAYOUT
-    p_layout: gl.constexpr = P_LAYOUT
-    halves_layout: gl.constexpr = HALVES_LAYOUT
 
     sc0, sc1, sc2, sc3, next_scale_row, next_ok = _start_warpgroup(
         q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_group, num_heads, start, end, n_win, win_start,
         n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw,
         s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, s_wd, HEAD_DIM,
-        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, copy_layout, fp8_layout, tail_layout)
-    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, COPY_LAYOUT, FP8_LAYOUT, COPY_LAYOUT)
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
 
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # (The loop locates each tile after next; this one, its third, the first iteration locates again.)
     row, ok, scale_row, rope_row = _tile_rows(start + (WG + 4) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
@@ -543,15 +529,15 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
             # (located under the previous tile's value product).
             mbarrier.wait(free_bars.index(WG), (j - 1) % 2)
             _copy_tile(k_smem.index(2 * WG + (j + 1) % 2), row, ok, rope_row, s_wd, HEAD_DIM, FP8, KV_C,
-                       fp8_layout, tail_layout, copy_layout)
+                       FP8_LAYOUT, COPY_LAYOUT, COPY_LAYOUT)
             async_copy.commit_group()
             next_scale_row = scale_row
             next_ok = ok
         async_copy.wait_group(1)
         if FP8:
             gl.thread_barrier()
-            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, fp8_layout, tail_layout)
-            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, fp8_layout, tail_layout)
+            _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, FP8_LAYOUT, COPY_LAYOUT)
+            sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, FP8_LAYOUT, COPY_LAYOUT)
         fence_async_shared()
         gl.thread_barrier()
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -563,14 +549,14 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         if WG == 1:
             acc, m_i, l_i, s_done = _take_other_tile(
                 acc, m_i, l_i, s, k_smem.index(j % 2), p_smem.index(OTHER), m_smem.index(OTHER),
-                pm_bars.index(OTHER), free_bars.index(OTHER), j % 2, WG, s_layout, o_layout, halves_layout, BLOCK_N,
+                pm_bars.index(OTHER), free_bars.index(OTHER), j % 2, WG, S_LAYOUT, O_LAYOUT, HALVES_LAYOUT, BLOCK_N,
                 OUT_D)
         else:
             if j > 0:
                 acc, m_i, l_i, s_done = _take_other_tile(
                     acc, m_i, l_i, s, k_smem.index(2 + (j - 1) % 2), p_smem.index(OTHER), m_smem.index(OTHER),
-                    pm_bars.index(OTHER), free_bars.index(OTHER), (j - 1) % 2, WG, s_layout, o_layout,
-                    halves_layout, BLOCK_N, OUT_D)
+                    pm_bars.index(OTHER), free_bars.index(OTHER), (j - 1) % 2, WG, S_LAYOUT, O_LAYOUT,
+                    HALVES_LAYOUT, BLOCK_N, OUT_D)
             else:
                 s_done = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         scores = gl.where(gl.expand_dims(is_key, 0), s_done * scale_log2, float("-inf"))
@@ -582,9 +568,9 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(pm_bars.index(WG), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], halves_layout).index(WG)
-        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), half, acc, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+        half = stage._reinterpret(dtype, [2, BLOCK_N, OUT_D], HALVES_LAYOUT).index(WG)
+        acc = warpgroup_mma(gl.convert_layout(p16, P_LAYOUT), half, acc, is_async=True)
         # Where this warpgroup's tile after next sits (its tables read under this product and the next tile's
         # wait for the other): the next iteration copies it.
         row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
@@ -598,8 +584,8 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         jo = (num_tiles - 1) // 2
         acc, m_i, l_i, _ = _take_other_tile(acc, m_i, l_i, s_zero, k_smem.index(2 * OTHER + jo % 2),
                                             p_smem.index(OTHER), m_smem.index(OTHER), pm_bars.index(OTHER),
-                                            free_bars.index(OTHER), jo % 2, WG, s_layout, o_layout,
-                                            halves_layout, BLOCK_N, OUT_D)
+                                            free_bars.index(OTHER), jo % 2, WG, S_LAYOUT, O_LAYOUT,
+                                            HALVES_LAYOUT, BLOCK_N, OUT_D)
     async_copy.wait_group(0)
 
     # Both warpgroups end on the same maxima; the sums are each one's own tiles'.
@@ -607,8 +593,8 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     gl.thread_barrier()
     mbarrier.arrive(end_bar, count=1)
     mbarrier.wait(end_bar, 0)
-    l_i = l_i + l_smem.index(OTHER).load(gl.SliceLayout(1, s_layout))
-    heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    l_i = l_i + l_smem.index(OTHER).load(gl.SliceLayout(1, S_LAYOUT))
+    heads_s = head_group * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
     real_s = heads_s < num_heads
     if FOLD_SINK:
         sink = gl.load(sink_ptr + heads_s * s_sink, mask=real_s, other=0.0).to(gl.float32) * LOG2E
@@ -616,7 +602,7 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         shift_f = gl.where(m_f == float("-inf"), 0.0, m_f)
         alpha_f = gl.exp2(m_i - shift_f)
         l_i = l_i * alpha_f + gl.exp2(sink - shift_f)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha_f, gl.SliceLayout(1, o_layout)), 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_f, gl.SliceLayout(1, O_LAYOUT)), 1)
         m_i = shift_f
     else:
         m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -627,7 +613,7 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         gl.store(pl_ptr + t64 * s_plt + heads_s * s_plh + split * s_pls, lse, mask=real_s)
     # This warpgroup's columns, through its own two stages (no product reads them any more), in 16-byte runs.
     o_buf = k_smem._reinterpret(gl.float32, [2, BLOCK_M, OUT_D], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).index(WG)
-    o_buf.store(acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1))
+    o_buf.store(acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_LAYOUT)), 1))
     gl.thread_barrier()
     CHUNK: gl.constexpr = 64
     chunk_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
