@@ -29,7 +29,8 @@ against 27.0 us, CSA 42.7 against 37.4; bench/notes/v4.md).
 
 A tile's rows are gathered with `cp.async` (16 bytes a thread a copy), each key from the window cache
 or the entries cache; where a warpgroup's next tile sits is located (index list, block tables) under its
-current tile's products. Slots that are no key are zero-filled by the copy (never read), so P K over
+current tile's products, and with an index list which of a tile's slots are keys is read two tiles ahead
+and carried as the bits of one register (`_key_bits`). Slots that are no key are zero-filled by the copy (never read), so P K over
 them is 0, never NaN; their scores are -inf. A split covers whole 64-key runs (the twin's tiles), so the
 partials are the twin's slot for slot.
 
@@ -133,6 +134,27 @@ def _locate(j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
         pos = gl.where(is_win, pos, e)
     pos = gl.where(is_win | is_ent, pos, 0)
     return pos, is_win, is_ent
+
+
+@gluon.jit
+def _key_bits(first, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N: gl.constexpr,
+              HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr):
+    # Which of the BLOCK_N virtual slots from `first` are keys, as the bits of one int32 (bit j: slot first + j),
+    # a slot a lane (the sum is a warp's shuffles): with an index list a tile's keys are then read two tiles
+    # ahead and carried in a register, not read under the tile's own score product, whose wait they lengthened
+    # (H200, B64 x 64K: the loop without its copies, products and softmax took 14.7 us over CSA's list against
+    # 8.8 over HCA's arithmetic; with the bits ahead CSA 34.0 -> 30.3 us, over FP8 caches 54.0 -> 47.7).
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    j = gl.arange(0, BLOCK_N, layout=layout)
+    _, is_win, is_ent = _locate(first + j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, HAS_ENTRIES,
+                                HAS_INDICES)
+    return gl.sum(gl.where(is_win | is_ent, 1 << j, 0), axis=0)
+
+
+@gluon.jit
+def _keys_of(bits, offs):
+    # `_key_bits`' bits as a mask over offs (slot offsets from its first).
+    return ((bits >> offs) & 1) != 0
 
 
 @gluon.jit
@@ -257,20 +279,28 @@ def _raw(stage, fp8_dtype: gl.constexpr):
 
 
 @gluon.jit
-def _next_rows(n0, offs_c, offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr,
-               es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn,
-               s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+def _next_rows(n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
+               ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, FP8: gl.constexpr):
-    # `_tile_rows` of a warpgroup's tile after next (slot n0 + 4 BLOCK_N, offs_c [BLOCK_N]), and which slots of
-    # its tile at n0 are keys (offs_n [BLOCK_N], as the scores lay them out).
+    # `_tile_rows` of a warpgroup's tile after next (slot n0 + 4 BLOCK_N, offs_c [BLOCK_N]), which slots of its
+    # tile at n0 are keys (offs_n [BLOCK_N], as the scores lay them out), and the key bits the loop carries on.
+    # With an index list the tile's keys come from `key_bits` (its `_key_bits`, read two tiles before) and the
+    # bits returned are the tile after next's; without one they are arithmetic, and `key_bits` passes through.
     row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent, entry_count,
                                               idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr,
                                               bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb,
                                               s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
                                               HAS_ENTRIES, HAS_INDICES, FP8)
-    _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
-                              HAS_ENTRIES, HAS_INDICES)
-    return row, ok, scale_row, rope_row, win_s | ent_s
+    if HAS_INDICES:
+        is_key = _keys_of(key_bits, offs_n)
+        key_bits = _key_bits(n0 + 4 * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
+                             HAS_ENTRIES, HAS_INDICES)
+    else:
+        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  HAS_ENTRIES, HAS_INDICES)
+        is_key = win_s | ent_s
+    return row, ok, scale_row, rope_row, is_key, key_bits
 
 
 @gluon.jit
@@ -326,6 +356,21 @@ def _start_warpgroup(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_g
 
 
 @gluon.jit
+def _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N: gl.constexpr,
+                    HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, WG: gl.constexpr):
+    # With an index list, `_key_bits` of warpgroup WG's first two tiles (slots start + WG BLOCK_N and
+    # start + (WG + 2) BLOCK_N), which the loop carries on; zeros without one (never read).
+    key_bits = 0
+    next_bits = 0
+    if HAS_INDICES:
+        key_bits = _key_bits(start + WG * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                             BLOCK_N, HAS_ENTRIES, HAS_INDICES)
+        next_bits = _key_bits(start + (WG + 2) * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row,
+                              s_ik, BLOCK_N, HAS_ENTRIES, HAS_INDICES)
+    return key_bits, next_bits
+
+
+@gluon.jit
 def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_smem, done_bar, win_ptr, ent_ptr,
                      bt_row, et_row, idx_row, ws_ptr, es_ptr, wr_ptr, er_ptr, po_ptr, pl_ptr, sink_ptr,
                      t64, head_group, d_part, split, num_heads, start, end, n_win, win_start, n_ent, entry_count,
@@ -358,15 +403,19 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    # With an index list: the key bits of this warpgroup's tile and of its next (`_next_rows`).
+    key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
+                                          HAS_ENTRIES, HAS_INDICES, WG)
     for i in range((num_tiles - WG + 1) // 2):
         n0 = start + (2 * i + WG) * BLOCK_N
         stage = k_smem.index(2 * WG + i % 2)
         if FP8:
             # Where this stage's next tile sits, read before the widening (see below).
-            row, ok, scale_row, rope_row, is_key = _next_rows(
-                n0, offs_c, offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr,
-                ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb,
-                s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+            row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
+                n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
+                ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+                s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                HAS_INDICES, FP8)
         # This tile's copies are done in this thread (the next one's may still fly), made visible to the
         # tensor cores' proxy, then done in every thread of the warpgroup.
         async_copy.wait_group(1)
@@ -382,14 +431,17 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
 
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if not FP8:
-            # Where this stage's next tile sits (this warpgroup's after next) and which of this tile's slots
-            # are keys: their tables and index list read under the score product (H200, B64 x 64K: CSA 38.2 ->
-            # 34.2 us, HCA 28.7 -> 27.4). Over FP8 caches they are read before the widening, as before: under
-            # the product CSA over FP8 caches ran 56.4 us against 53.4 (bench/v4_kernels.py at 5b7715f, d8bce13).
-            row, ok, scale_row, rope_row, is_key = _next_rows(
-                n0, offs_c, offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr,
-                ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb,
-                s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+            # Where this stage's next tile sits (this warpgroup's after next): its tables and index list read
+            # under the score product (H200, B64 x 64K: CSA 38.2 -> 34.2 us, HCA 28.7 -> 27.4). Over FP8 caches
+            # they are read before the widening, as before: under the product CSA over FP8 caches ran 56.4 us
+            # against 53.4 (bench/v4_kernels.py at 5b7715f, d8bce13).
+            row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
+                n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
+                ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+                s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
+                HAS_INDICES, FP8)
+        key_bits = next_bits
+        next_bits = after_bits
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf")), m_i,
                                           l_i)
@@ -520,6 +572,8 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
                                               er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
                                               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
                                               HAS_ENTRIES, HAS_INDICES, FP8)
+    key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
+                                          HAS_ENTRIES, HAS_INDICES, WG)
     for j in range((num_tiles - WG + 1) // 2):
         g = 2 * j + WG
         n0 = start + g * BLOCK_N
@@ -541,10 +595,13 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         fence_async_shared()
         gl.thread_barrier()
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # Which of this tile's slots are keys (the index list read under the score product).
-        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
-                                  HAS_ENTRIES, HAS_INDICES)
-        is_key = win_s | ent_s
+        # Which of this tile's slots are keys: with an index list, bits read two tiles before (`_key_bits`).
+        if HAS_INDICES:
+            is_key = _keys_of(key_bits, offs_n)
+        else:
+            _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                      HAS_ENTRIES, HAS_INDICES)
+            is_key = win_s | ent_s
         # The other's tile before this one, under this tile's score product.
         if WG == 1:
             acc, m_i, l_i, s_done = _take_other_tile(
@@ -578,6 +635,10 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
                                                   wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
                                                   s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
                                                   PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8)
+        if HAS_INDICES:
+            key_bits = next_bits
+            next_bits = _key_bits(n0 + 4 * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+                                  BLOCK_N, HAS_ENTRIES, HAS_INDICES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     # The split's last tile, where it is the other's.
     if (num_tiles > 0) & ((num_tiles - 1) % 2 == OTHER):
