@@ -406,10 +406,13 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     # With an index list: the key bits of this warpgroup's tile and of its next (`_next_rows`).
     key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
                                           HAS_ENTRIES, HAS_INDICES, WG)
+    # Where the loop reads its tables: under the score product, but before the widening over FP8 caches with an
+    # index list (see below).
+    READ_EARLY: gl.constexpr = FP8 and HAS_INDICES
     for i in range((num_tiles - WG + 1) // 2):
         n0 = start + (2 * i + WG) * BLOCK_N
         stage = k_smem.index(2 * WG + i % 2)
-        if FP8:
+        if READ_EARLY:
             # Where this stage's next tile sits, read before the widening (see below).
             row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
                 n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
@@ -424,17 +427,15 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
             gl.thread_barrier()
             _widen(_raw(stage, win_ptr.dtype.element_ty), stage, sc0, sc1, sc2, sc3, KV_C, FP8_LAYOUT, COPY_LAYOUT)
             sc0, sc1, sc2, sc3 = _load_fp8_scales(next_scale_row, next_ok, FP8_LAYOUT, COPY_LAYOUT)
-            next_scale_row = scale_row
-            next_ok = ok
         fence_async_shared()
         gl.thread_barrier()
 
         s = warpgroup_mma(q_smem, stage.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if not FP8:
+        if not READ_EARLY:
             # Where this stage's next tile sits (this warpgroup's after next): its tables and index list read
-            # under the score product (H200, B64 x 64K: CSA 38.2 -> 34.2 us, HCA 28.7 -> 27.4). Over FP8 caches
-            # they are read before the widening, as before: under the product CSA over FP8 caches ran 56.4 us
-            # against 53.4 (bench/v4_kernels.py at 5b7715f, d8bce13).
+            # under the score product (H200, B64 x 64K: CSA 38.2 -> 34.2 us, HCA 28.7 -> 27.4, over FP8 caches
+            # HCA 40.6 -> 39.0). Over FP8 caches with an index list they are read before the widening: under the
+            # product CSA ran 50.5 us against 47.7 (62d16ae; 56.4 against 53.4 at 5b7715f / d8bce13).
             row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
                 n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
                 ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
@@ -442,6 +443,10 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
                 HAS_INDICES, FP8)
         key_bits = next_bits
         next_bits = after_bits
+        if FP8:
+            # The next tile's scales were loaded after its widening: the stage's next tile's come after it.
+            next_scale_row = scale_row
+            next_ok = ok
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_i, l_i, alpha, p = softmax_step(gl.where(gl.expand_dims(is_key, 0), s * scale_log2, float("-inf")), m_i,
                                           l_i)
