@@ -113,12 +113,21 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _locate(j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+def _entry_ids(j, end, n_win, n_ent, idx_row, s_ik):
+    # The index list's entries at virtual slots j, -1 where a slot is no entry slot: what `_locate` reads, which
+    # a loop reads a tile before the rest of that tile's location (the block tables it then reads depend on it).
+    slot = j - n_win
+    return gl.load(idx_row + slot * s_ik, mask=(j < end) & (slot >= 0) & (slot < n_ent), other=-1)
+
+
+@gluon.jit
+def _locate(j, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
             HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr):
     # (position in its cache, is a window key, is an entry key) of virtual key slots j: slot j < n_win is
     # window position win_start + j; slot n_win + i is entry i (HCA) or the entry the index list holds at
     # slot i (CSA: -1, or not below entry_count, the complete entries inside the table, is no key). The
-    # position is 0 where the slot is no key.
+    # position is 0 where the slot is no key. ids: with an index list, its entries at j read ahead
+    # (`_entry_ids`), or None to read them here.
     in_range = j < end
     is_win = in_range & (j < n_win)
     pos = win_start + j
@@ -127,7 +136,10 @@ def _locate(j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
         slot = j - n_win
         is_ent = in_range & (slot >= 0) & (slot < n_ent)
         if HAS_INDICES:
-            e = gl.load(idx_row + slot * s_ik, mask=is_ent, other=-1)
+            if ids is None:
+                e = gl.load(idx_row + slot * s_ik, mask=is_ent, other=-1)
+            else:
+                e = ids
         else:
             e = slot
         is_ent = is_ent & (e >= 0) & (e < entry_count)
@@ -146,7 +158,7 @@ def _key_bits(first, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, B
     # 8.8 over HCA's arithmetic; with the bits ahead CSA 34.0 -> 30.3 us, over FP8 caches 54.0 -> 47.7).
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     j = gl.arange(0, BLOCK_N, layout=layout)
-    _, is_win, is_ent = _locate(first + j, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, HAS_ENTRIES,
+    _, is_win, is_ent = _locate(first + j, None, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, HAS_ENTRIES,
                                 HAS_INDICES)
     return gl.sum(gl.where(is_win | is_ent, 1 << j, 0), axis=0)
 
@@ -238,13 +250,14 @@ def _widen(raw_buf, key_buf, sc0, sc1, sc2, sc3, KV_C: gl.constexpr, fp8_layout:
 
 
 @gluon.jit
-def _tile_rows(first, offs, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr,
+def _tile_rows(first, offs, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr,
                es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb, s_esn,
                s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE: gl.constexpr, ENTRY_PAGE: gl.constexpr,
                HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, FP8: gl.constexpr):
     # (row pointers into the values, is a key, row pointers into the scales, into the RoPE values) of the
-    # tile at virtual slot `first` (`offs` [N]); the last two are the first where the caches are 16-bit.
-    pos, is_win, is_ent = _locate(first + offs, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+    # tile at virtual slot `first` (`offs` [N]); the last two are the first where the caches are 16-bit. ids:
+    # `_locate`'s.
+    pos, is_win, is_ent = _locate(first + offs, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
                                   HAS_ENTRIES, HAS_INDICES)
     row, ok = _rows(pos, is_win, is_ent, win_ptr, ent_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
                     PAGE, ENTRY_PAGE, HAS_ENTRIES)
@@ -279,28 +292,31 @@ def _raw(stage, fp8_dtype: gl.constexpr):
 
 
 @gluon.jit
-def _next_rows(n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
-               ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
-               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+def _next_rows(n0, offs_c, offs_n, key_bits, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+               win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
+               s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                ENTRY_PAGE: gl.constexpr, HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, FP8: gl.constexpr):
     # `_tile_rows` of a warpgroup's tile after next (slot n0 + 4 BLOCK_N, offs_c [BLOCK_N]), which slots of its
-    # tile at n0 are keys (offs_n [BLOCK_N], as the scores lay them out), and the key bits the loop carries on.
-    # With an index list the tile's keys come from `key_bits` (its `_key_bits`, read two tiles before) and the
-    # bits returned are the tile after next's; without one they are arithmetic, and `key_bits` passes through.
-    row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent, entry_count,
-                                              idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr,
-                                              bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn, s_wsb,
-                                              s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
+    # tile at n0 are keys (offs_n [BLOCK_N], as the scores lay them out), and what the loop carries on: key bits
+    # and entry ids. With an index list the tile's keys come from `key_bits` (its `_key_bits`, read two tiles
+    # before) and the tile after next's rows from `ids` (its `_entry_ids`, read a tile before), and the bits and
+    # ids returned are those of the tile after next and of the one after it; without one the keys are arithmetic,
+    # and both pass through.
+    row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, ids, end, n_win, win_start, n_ent,
+                                              entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
+                                              er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
+                                              s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
                                               HAS_ENTRIES, HAS_INDICES, FP8)
     if HAS_INDICES:
         is_key = _keys_of(key_bits, offs_n)
         key_bits = _key_bits(n0 + 4 * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
                              HAS_ENTRIES, HAS_INDICES)
+        ids = _entry_ids(n0 + 6 * BLOCK_N + offs_c, end, n_win, n_ent, idx_row, s_ik)
     else:
-        _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+        _, win_s, ent_s = _locate(n0 + offs_n, None, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
                                   HAS_ENTRIES, HAS_INDICES)
         is_key = win_s | ent_s
-    return row, ok, scale_row, rope_row, is_key, key_bits
+    return row, ok, scale_row, rope_row, is_key, key_bits, ids
 
 
 @gluon.jit
@@ -322,7 +338,7 @@ def _start_warpgroup(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_g
                heads_q < num_heads, s_qd, HEAD_DIM, copy_layout)
     async_copy.commit_group()
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+    row, ok, scale_row, rope_row = _tile_rows(start + WG * BLOCK_N, offs_c, None, end, n_win, win_start, n_ent,
                                               entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
                                               er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
                                               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
@@ -338,7 +354,7 @@ def _start_warpgroup(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_g
         sc1 = sc0
         sc2 = sc0
         sc3 = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, tail_layout))
-    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 2) * BLOCK_N, offs_c, None, end, n_win, win_start, n_ent,
                                               entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
                                               er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
                                               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
@@ -368,6 +384,17 @@ def _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s
         next_bits = _key_bits(start + (WG + 2) * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row,
                               s_ik, BLOCK_N, HAS_ENTRIES, HAS_INDICES)
     return key_bits, next_bits
+
+
+@gluon.jit
+def _third_ids(start, offs_c, end, n_win, n_ent, idx_row, s_ik, BLOCK_N: gl.constexpr, HAS_INDICES: gl.constexpr,
+               WG: gl.constexpr):
+    # With an index list, `_entry_ids` of warpgroup WG's third tile (slots start + (WG + 4) BLOCK_N + offs_c),
+    # where its loop's first location starts; 0 without one (never read).
+    ids = 0
+    if HAS_INDICES:
+        ids = _entry_ids(start + (WG + 4) * BLOCK_N + offs_c, end, n_win, n_ent, idx_row, s_ik)
+    return ids
 
 
 @gluon.jit
@@ -406,6 +433,7 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     # With an index list: the key bits of this warpgroup's tile and of its next (`_next_rows`).
     key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
                                           HAS_ENTRIES, HAS_INDICES, WG)
+    ids = _third_ids(start, offs_c, end, n_win, n_ent, idx_row, s_ik, BLOCK_N, HAS_INDICES, WG)
     # Where the loop reads its tables: under the score product, but before the widening over FP8 caches with an
     # index list (see below).
     READ_EARLY: gl.constexpr = FP8 and HAS_INDICES
@@ -414,8 +442,8 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         stage = k_smem.index(2 * WG + i % 2)
         if READ_EARLY:
             # Where this stage's next tile sits, read before the widening (see below).
-            row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
-                n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
+            row, ok, scale_row, rope_row, is_key, after_bits, ids = _next_rows(
+                n0, offs_c, offs_n, key_bits, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
                 ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
                 s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
                 HAS_INDICES, FP8)
@@ -436,8 +464,8 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
             # under the score product (H200, B64 x 64K: CSA 38.2 -> 34.2 us, HCA 28.7 -> 27.4, over FP8 caches
             # HCA 40.6 -> 39.0). Over FP8 caches with an index list they are read before the widening: under the
             # product CSA ran 50.5 us against 47.7 (62d16ae; 56.4 against 53.4 at 5b7715f / d8bce13).
-            row, ok, scale_row, rope_row, is_key, after_bits = _next_rows(
-                n0, offs_c, offs_n, key_bits, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
+            row, ok, scale_row, rope_row, is_key, after_bits, ids = _next_rows(
+                n0, offs_c, offs_n, key_bits, ids, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, win_ptr,
                 ent_ptr, ws_ptr, es_ptr, wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb,
                 s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES,
                 HAS_INDICES, FP8)
@@ -572,13 +600,19 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # (The loop locates each tile after next; this one, its third, the first iteration locates again.)
-    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 4) * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+    row, ok, scale_row, rope_row = _tile_rows(start + (WG + 4) * BLOCK_N, offs_c, None, end, n_win, win_start, n_ent,
                                               entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr, wr_ptr,
                                               er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en, s_eb, s_wsn,
                                               s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb, PAGE, ENTRY_PAGE,
                                               HAS_ENTRIES, HAS_INDICES, FP8)
     key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
                                           HAS_ENTRIES, HAS_INDICES, WG)
+    # With an index list over 16-bit caches, the entry ids of the tile the loop locates next, read a tile ahead
+    # (H200, B128 x 64K CSA 45.6 -> 43.7 us); over FP8 caches it stays in the location (68.0 against 64.8).
+    IDS_AHEAD: gl.constexpr = HAS_INDICES and not FP8
+    ids = None
+    if IDS_AHEAD:
+        ids = _third_ids(start, offs_c, end, n_win, n_ent, idx_row, s_ik, BLOCK_N, HAS_INDICES, WG)
     for j in range((num_tiles - WG + 1) // 2):
         g = 2 * j + WG
         n0 = start + g * BLOCK_N
@@ -604,7 +638,7 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         if HAS_INDICES:
             is_key = _keys_of(key_bits, offs_n)
         else:
-            _, win_s, ent_s = _locate(n0 + offs_n, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
+            _, win_s, ent_s = _locate(n0 + offs_n, None, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
                                       HAS_ENTRIES, HAS_INDICES)
             is_key = win_s | ent_s
         # The other's tile before this one, under this tile's score product.
@@ -635,7 +669,7 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         acc = warpgroup_mma(gl.convert_layout(p16, P_LAYOUT), half, acc, is_async=True)
         # Where this warpgroup's tile after next sits (its tables read under this product and the next tile's
         # wait for the other): the next iteration copies it.
-        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, end, n_win, win_start, n_ent,
+        row, ok, scale_row, rope_row = _tile_rows(n0 + 4 * BLOCK_N, offs_c, ids, end, n_win, win_start, n_ent,
                                                   entry_count, idx_row, s_ik, win_ptr, ent_ptr, ws_ptr, es_ptr,
                                                   wr_ptr, er_ptr, bt_row, et_row, s_btw, s_etw, s_wn, s_wb, s_en,
                                                   s_eb, s_wsn, s_wsb, s_esn, s_esb, s_wrn, s_wrb, s_ern, s_erb,
@@ -644,6 +678,8 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
             key_bits = next_bits
             next_bits = _key_bits(n0 + 4 * BLOCK_N, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik,
                                   BLOCK_N, HAS_ENTRIES, HAS_INDICES)
+            if IDS_AHEAD:
+                ids = _entry_ids(n0 + 6 * BLOCK_N + offs_c, end, n_win, n_ent, idx_row, s_ik)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     # The split's last tile, where it is the other's.
     if (num_tiles > 0) & ((num_tiles - 1) % 2 == OTHER):
