@@ -29,9 +29,10 @@ against 27.0 us, CSA 42.7 against 37.4; bench/notes/v4.md).
 
 A tile's rows are gathered with `cp.async` (16 bytes a thread a copy), each key from the window cache
 or the entries cache; where a warpgroup's next tile sits is located (index list, block tables) under its
-current tile's products, and with an index list which of a tile's slots are keys is read two tiles ahead
-and carried as the bits of one register (`_key_bits`). Slots that are no key are zero-filled by the copy (never read), so P K over
-them is 0, never NaN; their scores are -inf. A split covers whole 64-key runs (the twin's tiles), so the
+current tile's products. With an index list, a tile's entry ids are read a tile before its block tables
+(`_entry_ids`), and which of its slots are keys two tiles before its scores, carried as the bits of one
+register (`_key_bits`). Slots that are no key are zero-filled by the copy (never read), so P K over them
+is 0, never NaN; their scores are -inf. A split covers whole 64-key runs (the twin's tiles), so the
 partials are the twin's slot for slot.
 
 d_split = D_SPLIT = 2: two programs a (row, head group, split), neighbours in the grid, each computing the
@@ -472,7 +473,7 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         key_bits = next_bits
         next_bits = after_bits
         if FP8:
-            # The next tile's scales were loaded after its widening: the stage's next tile's come after it.
+            # The next widening's scales are read after this one from the rows located last: now this iteration's.
             next_scale_row = scale_row
             next_ok = ok
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
