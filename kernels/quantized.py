@@ -6,10 +6,11 @@ one scale per bn x bk block (partial at the bottom and right edges), and
 
     w[..., i, j] = values[..., i, j] * scale_inv[..., i // bn, j // bk]
 
-Both tensors are pytree leaves; the block is tree metadata. Ops whose contract says they take a
-`Weight` accept a tensor or this pair (`contracts`); the reference defines the pair's math as the
-product with the dequantized weight (`dequantize`), and `reference.w8a8` the variant with
-activations quantized too.
+Both tensors are pytree leaves; the block is tree metadata, and so is `activation_scale_fmt`, how the
+w8a8 products scale the activations they quantize for this weight (the checkpoint's `scale_fmt`:
+"ue8m0" where it declares one, else "fp32"). Ops whose contract says they take a `Weight` accept a
+tensor or this pair (`contracts`); the reference defines the pair's math as the product with the
+dequantized weight (`dequantize`), and `reference.w8a8` the variant with activations quantized too.
 
 Loading builds one matrix from several checkpoint projections (rows of one GEMM) and cuts the
 shared MLP into experts. A block boundary of one piece need not fall on a boundary of the whole,
@@ -33,6 +34,7 @@ import torch
 from mla_func.pytree import register_dataclass, static_field
 
 from .fp4_weight import BlockFP4Weight, fp4_cat_rows, fp4_stack
+from .reference.fp8 import check_scale_fmt
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -41,13 +43,16 @@ FP8_DTYPE = torch.float8_e4m3fn
 @dataclass(frozen=True, slots=True)
 class BlockFP8Weight:
     """A block-scaled FP8 weight: values [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N / bn),
-    ceil(K / bk)] float32, block = (bn, bk). Leading dimensions (experts) are shared by both."""
+    ceil(K / bk)] float32, block = (bn, bk). Leading dimensions (experts) are shared by both.
+    activation_scale_fmt: `reference.fp8.SCALE_FORMATS`, how w8a8 products with it scale activations."""
 
     values: torch.Tensor
     scale_inv: torch.Tensor
     block: tuple[int, int] = static_field()
+    activation_scale_fmt: str = static_field(default="fp32")
 
     def __post_init__(self) -> None:
+        check_scale_fmt(self.activation_scale_fmt)
         if self.values.dtype != FP8_DTYPE:
             raise ValueError(f"BlockFP8Weight: values have dtype {self.values.dtype}, expected {FP8_DTYPE}")
         if self.scale_inv.dtype != torch.float32:
@@ -74,11 +79,12 @@ class BlockFP8Weight:
         """Experts `index` of a stacked weight [E, N, K]: the same slice of values and scales."""
         if self.values.ndim < 3:
             raise ValueError(f"BlockFP8Weight: only a stacked weight [E, N, K] is indexed, got {list(self.shape)}")
-        return BlockFP8Weight(self.values[index], self.scale_inv[index], self.block)
+        return BlockFP8Weight(self.values[index], self.scale_inv[index], self.block, self.activation_scale_fmt)
 
     def to(self, device: torch.device | str) -> BlockFP8Weight:
         """The pair on `device` (values stay FP8, scales float32)."""
-        return BlockFP8Weight(self.values.to(device), self.scale_inv.to(device), self.block)
+        return BlockFP8Weight(self.values.to(device), self.scale_inv.to(device), self.block,
+                              self.activation_scale_fmt)
 
     def expanded_scales(self) -> torch.Tensor:
         """scale_inv repeated over its blocks: [..., N, K] float32."""
@@ -113,7 +119,16 @@ def regrouped(w: BlockFP8Weight, block: tuple[int, int]) -> BlockFP8Weight:
     n, k = w.values.shape[-2:]
     scales = w.scale_inv.repeat_interleave(bn // gn, dim=-2)[..., :math.ceil(n / gn), :]
     scales = scales.repeat_interleave(bk // gk, dim=-1)[..., :math.ceil(k / gk)]
-    return BlockFP8Weight(w.values, scales.contiguous(), (gn, gk))
+    return BlockFP8Weight(w.values, scales.contiguous(), (gn, gk), w.activation_scale_fmt)
+
+
+def shared_scale_fmt(user: str, pairs: Sequence[BlockFP8Weight]) -> str:
+    """The `activation_scale_fmt` every pair shares (ValueError naming `user` and the formats otherwise): the
+    pieces of one matrix, or the two expert stacks of one MoE, come from one checkpoint."""
+    formats = {p.activation_scale_fmt for p in pairs}
+    if len(formats) != 1:
+        raise ValueError(f"{user}: the weights scale their w8a8 activations differently ({sorted(formats)})")
+    return formats.pop()
 
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
@@ -131,12 +146,13 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
     blocks = {p.block for p in pairs}
     if len(blocks) != 1:
         raise ValueError(f"cat_rows: parts have different blocks {sorted(blocks)}")
+    scale_fmt = shared_scale_fmt("cat_rows", pairs)
     bn, bk = pairs[0].block
     starts = [sum(p.values.shape[-2] for p in pairs[:i]) for i in range(1, len(pairs))]
     height = math.gcd(bn, *starts)
     grouped = [regrouped(p, (height, bk)) for p in pairs]
     return BlockFP8Weight(torch.cat([p.values for p in grouped], dim=-2),
-                          torch.cat([p.scale_inv for p in grouped], dim=-2), (height, bk))
+                          torch.cat([p.scale_inv for p in grouped], dim=-2), (height, bk), scale_fmt)
 
 
 def slice_block(w: Weight, dim: int, start: int, stop: int) -> Weight:
@@ -154,7 +170,7 @@ def slice_block(w: Weight, dim: int, start: int, stop: int) -> Weight:
     values = w.values.narrow(dim, start, stop - start).contiguous()
     first, last = start // g, math.ceil(stop / g)
     scales = grouped.scale_inv.narrow(dim, first, last - first).contiguous()
-    return BlockFP8Weight(values, scales, grouped.block)
+    return BlockFP8Weight(values, scales, grouped.block, w.activation_scale_fmt)
 
 
 def split_heads(w: BlockFP8Weight, heads: int, parts: Sequence[int]) -> list[BlockFP8Weight]:
@@ -176,7 +192,8 @@ def split_heads(w: BlockFP8Weight, heads: int, parts: Sequence[int]) -> list[Blo
     pieces, start = [], 0
     for rows in parts:
         pieces.append(BlockFP8Weight(values[:, start:start + rows].contiguous(),
-                                     scales[:, start // height:(start + rows) // height].contiguous(), grouped.block))
+                                     scales[:, start // height:(start + rows) // height].contiguous(), grouped.block,
+                                     w.activation_scale_fmt))
         start += rows
     return pieces
 
@@ -194,4 +211,5 @@ def stack_experts(weights: Sequence[Weight]) -> Weight:
         raise ValueError("stack_experts: experts must all be FP8 pairs, or all plain tensors")
     block = (math.gcd(*(p.block[0] for p in pairs)), math.gcd(*(p.block[1] for p in pairs)))
     grouped = [regrouped(p, block) for p in pairs]
-    return BlockFP8Weight(torch.stack([p.values for p in grouped]), torch.stack([p.scale_inv for p in grouped]), block)
+    return BlockFP8Weight(torch.stack([p.values for p in grouped]), torch.stack([p.scale_inv for p in grouped]), block,
+                          shared_scale_fmt("stack_experts", pairs))

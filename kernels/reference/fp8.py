@@ -31,6 +31,11 @@ FP8_MAX = 448.0
 # scale instead of a division by zero (its values quantize to zeros whatever the scale).
 AMAX_FLOOR = 1e-10
 DEFAULT_BLOCK = (128, 128)
+# How a group of activations is scaled (the checkpoints' `scale_fmt`): "fp32", its largest magnitude / 448 as
+# it falls; "ue8m0" (DeepSeek-V3.1 and later), the power of two at or above its largest magnitude times 1/448,
+# that magnitude taken as at least UE8M0_AMAX_FLOOR: DeepSeek's own `act_quant` with its scales rounded.
+SCALE_FORMATS = ("fp32", "ue8m0")
+UE8M0_AMAX_FLOOR = 1e-4
 
 
 def scale_blocks(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -50,26 +55,48 @@ def check_fp8_weight(name: str, values: torch.Tensor, scale_inv: torch.Tensor, b
                 (*values.shape[:-2], *scale_blocks(values.shape[-2], values.shape[-1], block)))
 
 
-def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def check_scale_fmt(scale_fmt: object) -> None:
+    """ValueError naming the value unless it is one of `SCALE_FORMATS`."""
+    if not isinstance(scale_fmt, str) or scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
+
+
+def ue8m0_scales(amax: torch.Tensor) -> torch.Tensor:
+    """amax [...] float32 (largest magnitudes) -> [...] float32: the power of two at or above
+    max(amax, UE8M0_AMAX_FLOOR) * (1/448 in float32), rounded up by its bits (a mantissa that is not zero
+    carries into the exponent); an infinite or NaN product gives itself."""
+    scales = amax.clamp(min=UE8M0_AMAX_FLOOR) * torch.full((), 1.0 / FP8_MAX, device=amax.device)
+    powers = ((scales.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    return torch.where(torch.isfinite(scales), powers, scales)
+
+
+def quantize_activations(x: torch.Tensor, group: int = 128, *,
+                         scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] float -> (x_fp8 [T, K] float8_e4m3fn, scales [T, ceil(K / group)] float32), x ~ x_fp8 * scale.
 
     Each token's columns are cut into groups of `group` (the last one partial when K is not a
-    multiple); a group's scale is max(|x|, AMAX_FLOOR) / 448 in float32, so the group's largest
-    magnitude maps onto e4m3's largest value. Rounding: x (widened to float32) / scale by IEEE
-    division, clamped to +-448 (the division may step just past it), then rounded to the nearest
-    e4m3 value, ties to even (torch's cast); small values become e4m3 subnormals or zero.
+    multiple). A group's scale (`SCALE_FORMATS`): "fp32", max(|x|, AMAX_FLOOR) / 448 in float32, so the
+    group's largest magnitude maps onto e4m3's largest value; "ue8m0", `ue8m0_scales`, so it maps into
+    (224, 448]. Rounding: x (widened to float32) / scale by IEEE division (exact for a power of two),
+    clamped to +-448 (the division may step just past it), then rounded to the nearest e4m3 value, ties
+    to even (torch's cast); small values become e4m3 subnormals or zero.
     """
     if x.ndim != 2:
         raise ValueError(f"x: expected [T, K], got shape {tuple(x.shape)}")
     if group < 1:
         raise ValueError(f"group: expected a positive size, got {group}")
+    check_scale_fmt(scale_fmt)
     num_tokens, k_in = x.shape
     num_groups = -(-k_in // group)
     # Zero padding to whole groups leaves each group's largest magnitude unchanged.
     groups = F.pad(x.float(), (0, num_groups * group - k_in)).view(num_tokens, num_groups, group)
     # A tensor divisor, not the number: on CUDA torch divides by a Python scalar as a product with its
     # reciprocal, one rounding more than the IEEE division the kernels and the CPU take.
-    scales = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX, device=x.device)
+    amax = groups.abs().amax(dim=-1)
+    if scale_fmt == "ue8m0":
+        scales = ue8m0_scales(amax)
+    else:
+        scales = amax.clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX, device=x.device)
     scaled = (groups / scales[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return scaled.view(num_tokens, num_groups * group)[:, :k_in].to(FP8_DTYPE), scales
 
@@ -108,11 +135,12 @@ def _w8a8_product(x_fp8: torch.Tensor, x_scales: torch.Tensor, values: torch.Ten
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *,
                block: tuple[int, int] = DEFAULT_BLOCK, w8a8: bool = False,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, scale_fmt: str = "fp32") -> torch.Tensor:
     """y = x @ w^T for a block-scaled FP8 weight (see the module docstring for both products).
 
     x [T, K] float; values [N, K] float8_e4m3fn; scale_inv [ceil(N/bn), ceil(K/bk)] float32
-    -> y [T, N] in out_dtype (x's by default). w8a8 quantizes x per token and group of bk columns.
+    -> y [T, N] in out_dtype (x's by default). w8a8 quantizes x per token and group of bk columns,
+    scaled as `scale_fmt` says (`quantize_activations`).
     """
     num_tokens, k_in = x.shape
     check_fp8_weight("values", values, scale_inv, block)
@@ -122,20 +150,20 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
     if not w8a8:
         w = dequantize_weight(values, scale_inv, block, acc_dtype)
         return (x.to(acc_dtype) @ w.T).to(out_dtype)
-    x_fp8, x_scales = quantize_activations(x, block[1])
+    x_fp8, x_scales = quantize_activations(x, block[1], scale_fmt=scale_fmt)
     w_rows = row_scales(scale_inv, values.shape[0], block[0])
     return _w8a8_product(x_fp8, x_scales, values, w_rows, block[1], acc_dtype).to(out_dtype)
 
 
 def _expert_products(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     w8a8: bool) -> torch.Tensor:
+                     w8a8: bool, scale_fmt: str) -> torch.Tensor:
     """x [T, K] times every expert's weight [E, N, K] -> [T, E, N] in promote(x's dtype, float32)."""
     num_experts, n, k = values.shape
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     if not w8a8:
         w = dequantize_weight(values, scale_inv, block, acc_dtype)
         return (x.to(acc_dtype) @ w.flatten(0, 1).T).view(-1, num_experts, n)
-    x_fp8, x_scales = quantize_activations(x, block[1])
+    x_fp8, x_scales = quantize_activations(x, block[1], scale_fmt=scale_fmt)
     w_rows = row_scales(scale_inv, n, block[0]).flatten(0, 1)
     return _w8a8_product(x_fp8, x_scales, values.flatten(0, 1), w_rows, block[1], acc_dtype).view(-1, num_experts, n)
 
@@ -167,6 +195,7 @@ def fp8_fused_moe(
     block: tuple[int, int] = DEFAULT_BLOCK,
     w8a8: bool = False,
     out_dtype: torch.dtype | None = None,
+    scale_fmt: str = "fp32",
 ) -> torch.Tensor:
     """`reference.moe.fused_moe` with block-scaled FP8 experts.
 
@@ -178,14 +207,15 @@ def fp8_fused_moe(
 
     Each expert's gate/up product is `fp8_linear`'s (w8a8: of x quantized once per token); the
     activation silu(gate) * up is rounded to x's dtype, as the bf16 MoE keeps it, then (w8a8)
-    quantized per token and group for the down product. The down products and their weighted
-    sum over experts are taken in promote(x's dtype, float32). Every expert runs on every token.
+    quantized per token and group for the down product (both quantizations scaled as `scale_fmt` says).
+    The down products and their weighted sum over experts are taken in promote(x's dtype, float32).
+    Every expert runs on every token.
     """
     num_tokens, hidden = x.shape
     num_experts = check_fp8_moe(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, block)
-    gate, up = _expert_products(x, w13, w13_scale_inv, block, w8a8).chunk(2, dim=-1)
+    gate, up = _expert_products(x, w13, w13_scale_inv, block, w8a8, scale_fmt).chunk(2, dim=-1)
     act = (F.silu(gate) * up).to(x.dtype)                                              # [T, E, I]
-    down = torch.stack([_expert_products(act[:, e], w2[e:e + 1], w2_scale_inv[e:e + 1], block, w8a8)[:, 0]
+    down = torch.stack([_expert_products(act[:, e], w2[e:e + 1], w2_scale_inv[e:e + 1], block, w8a8, scale_fmt)[:, 0]
                         for e in range(num_experts)], dim=1)                           # [T, E, D]
     # -1 goes to a spare column that is dropped, so padded rows combine nothing.
     ids = torch.where(topk_ids >= 0, topk_ids, num_experts).long()

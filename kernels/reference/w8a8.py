@@ -1,8 +1,9 @@
 """The w8a8 variant of the FP8 products as ops: activations quantized too, as the checkpoints' "dynamic" scheme does.
 
 DeepSeek's FP8 linear layers quantize each token's activations at run time, per group of input
-features (one float32 scale a group: its largest magnitude / 448), multiply FP8 by FP8, and apply
-both scales to each group's partial sum. `reference.fp8` defines that math on raw tensors
+features (one float32 scale a group: its largest magnitude / 448, rounded up to a power of two where the
+checkpoint's `scale_fmt` is "ue8m0", as each weight's `activation_scale_fmt` records), multiply FP8 by FP8,
+and apply both scales to each group's partial sum. `reference.fp8` defines that math on raw tensors
 (`fp8_linear(..., w8a8=True)`, `fp8_fused_moe(..., w8a8=True)`); here it takes the params' leaf
 pairs, with the activation groups as wide as the pair's column block (128 as loaded from a
 checkpoint; narrower only where loading regrouped a cut matrix, see `kernels.quantized`).
@@ -23,7 +24,7 @@ from typing import overload
 import torch
 
 from ..ops import Ops
-from ..quantized import BlockFP8Weight, Weight, regrouped
+from ..quantized import BlockFP8Weight, Weight, regrouped, shared_scale_fmt
 from . import linear as ref_linear
 from . import moe as ref_moe
 from .fp8 import fp8_fused_moe, fp8_linear
@@ -35,7 +36,8 @@ def linear(x: torch.Tensor, weight: Weight, *, out_dtype: torch.dtype | None = N
     out_dtype (x's by default); a plain weight takes `reference.linear.linear`."""
     if not isinstance(weight, BlockFP8Weight):
         return ref_linear.linear(x, weight, out_dtype=out_dtype)
-    return fp8_linear(x, weight.values, weight.scale_inv, block=weight.block, w8a8=True, out_dtype=out_dtype)
+    return fp8_linear(x, weight.values, weight.scale_inv, block=weight.block, w8a8=True, out_dtype=out_dtype,
+                      scale_fmt=weight.activation_scale_fmt)
 
 
 @overload
@@ -66,7 +68,8 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tens
     block = (math.gcd(w13.block[0], w2.block[0]), math.gcd(w13.block[1], w2.block[1]))
     w13, w2 = regrouped(w13, block), regrouped(w2, block)
     return fp8_fused_moe(x, w13.values, w13.scale_inv, w2.values, w2.scale_inv, topk_weights, topk_ids,
-                         block=block, w8a8=True, out_dtype=out_dtype)
+                         block=block, w8a8=True, out_dtype=out_dtype,
+                         scale_fmt=shared_scale_fmt("fused_moe", (w13, w2)))
 
 
 def w8a8_ops(base: Ops) -> Ops:

@@ -51,7 +51,7 @@ def _write_fp8_key_kernel(
         d_mask = d < head_dim
         key = tl.load(key_ptr + row.to(tl.int64) * s_kt + d * s_kd, mask=d_mask, other=0.0).to(tl.float32)
         # One group a key: the columns past Di are zeros, which change no largest magnitude.
-        values, scale = quantize_tile(key[None, :])
+        values, scale = quantize_tile(key[None, :], False)
         page, offset = slot // block_size, slot % block_size
         tl.store(values_ptr + page * s_vn + offset * s_vb + d[None, :] * s_vd, values, mask=d_mask[None, :])
         tl.store(scales_ptr + page * s_sn + offset * s_sb, tl.sum(scale, axis=0))

@@ -238,7 +238,7 @@ def head_rows(latent: Tensor, w: Weight) -> Tensor:
     heads, dim, kv_lora_rank = w.shape
     if isinstance(w, BlockFP8Weight):
         flat = BlockFP8Weight(w.values.reshape(heads * dim, kv_lora_rank),
-                              w.scale_inv.reshape(heads * w.scale_inv.shape[1], -1), w.block)
+                              w.scale_inv.reshape(heads * w.scale_inv.shape[1], -1), w.block, w.activation_scale_fmt)
         if (pair := fp8_pair(flat)) is not None:
             rows = fp8_linear(latent.reshape(-1, kv_lora_rank), pair.values, pair.scale_inv, block=pair.block)
             return rows.view(*latent.shape[:-1], heads * dim)

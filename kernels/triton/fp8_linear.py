@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checks import check_same_device, check_shape
 from ..hardware import hopper
-from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight
+from ..reference.fp8 import DEFAULT_BLOCK, check_fp8_weight, check_scale_fmt
 from ._common import FLOAT_DTYPES, check_float, dot_precision, h200, next_pow2, pdl, sm_count
 from .fp16_lift import lift_to_fp16
 from .fp8_quant import quantize_activations
@@ -486,13 +486,14 @@ def check_block_k(block: tuple[int, int]) -> None:
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *,
                block: tuple[int, int] = DEFAULT_BLOCK, w8a8: bool = False, out_dtype: torch.dtype | None = None,
                gemm: GemmTiles | None = None, stream: StreamTiles | None = None,
-               row: RowTiles | None = None, batch_invariant: bool = False) -> torch.Tensor:
+               row: RowTiles | None = None, batch_invariant: bool = False,
+               scale_fmt: str = "fp32") -> torch.Tensor:
     """Contract of `reference.fp8.fp8_linear`: y = x @ w^T for a block-scaled FP8 weight.
 
     x [T, K] bf16 / fp16 / fp32 (any strides); values [N, K] float8_e4m3fn; scale_inv
     [ceil(N/bn), ceil(K/bk)] float32 (bk a power of two >= 32) -> y [T, N] in out_dtype (x's
-    by default). w8a8 quantizes x per token and group of bk (`fp8_quant`) and multiplies FP8 by
-    FP8; otherwise x's dtype meets the widened weight. One row without w8a8 takes the one-row
+    by default). w8a8 quantizes x per token and group of bk (`fp8_quant`, its scales as `scale_fmt`
+    says) and multiplies FP8 by FP8; otherwise x's dtype meets the widened weight. One row without w8a8 takes the one-row
     product (up to ROW_MAX_ROWS rows over small weights: `takes_rows`), up to STREAM_MAX_ROWS rows the
     weight stream, more the block GEMM. `gemm` / `stream` / `row` override the tiles (sweeps; `stream`
     also takes the one-row product's rows through the stream).
@@ -506,6 +507,7 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
     check_shape("values", values, (n_out, k_in))
     check_same_device(x=x, values=values, scale_inv=scale_inv)
     check_block_k(block)
+    check_scale_fmt(scale_fmt)
     out_dtype = out_dtype or x.dtype
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
@@ -514,9 +516,9 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, *
     if takes_rows(num_rows, n_out, k_in) and not w8a8 and stream is None and not batch_invariant:
         return _row(x, values, scale_inv, block, out_dtype, row)
     if num_rows <= STREAM_MAX_ROWS and not batch_invariant:
-        return _stream(x, values, scale_inv, block, w8a8, out_dtype, stream)
+        return _stream(x, values, scale_inv, block, w8a8, out_dtype, stream, scale_fmt)
     if w8a8:
-        a, a_scales = quantize_activations(x, block[1])
+        a, a_scales = quantize_activations(x, block[1], scale_fmt=scale_fmt)
     else:
         a, a_scales = x, scale_inv
     return block_gemm(a, a_scales, values, scale_inv, block, w8a8, out_dtype, x.dtype, gemm)
@@ -547,7 +549,7 @@ def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, values: torch.Tensor, sc
 
 
 def _stream(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], w8a8: bool,
-            out_dtype: torch.dtype, tiles: StreamTiles | None) -> torch.Tensor:
+            out_dtype: torch.dtype, tiles: StreamTiles | None, scale_fmt: str) -> torch.Tensor:
     """The weight stream for x [T <= STREAM_MAX_ROWS, K] -> y [T, N]. Under w8a8 its rows meet the FP8 weight
     quantized; bf16 rows meet it as two exact FP8 parts (`fp8_split`) where the tiles say `fp8_rows`, else
     lifted to fp16; fp16 and float32 rows meet the weight widened to their dtype."""
@@ -555,7 +557,7 @@ def _stream(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, bloc
     n_out = values.shape[0]
     c = tiles or stream_tiles(n_out, k_in, block[1], x.device)
     if w8a8:
-        a, a_scales = quantize_activations(x, block[1])
+        a, a_scales = quantize_activations(x, block[1], scale_fmt=scale_fmt)
         a, a_scales, fp8_parts = a[None], a_scales[None], 1
     elif x.dtype == torch.bfloat16 and c.fp8_rows:
         a, a_scales = split_rows(x, block[1])

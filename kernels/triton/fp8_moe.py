@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device
-from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe
+from ..reference.fp8 import DEFAULT_BLOCK, FP8_DTYPE, check_fp8_moe, check_scale_fmt
 from ._common import FLOAT_DTYPES, TL_DTYPES, check_float, dot_precision, h200, next_pow2, pdl
 from .fp16_lift import lift_to_fp16
 from .fp8_linear import check_block_k, scaled_dot
@@ -149,7 +149,7 @@ def _gate_up_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, W8A8: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, X_DTYPE: tl.constexpr,
-    GDC: tl.constexpr, CLAMP: tl.constexpr, LIFT: tl.constexpr,
+    GDC: tl.constexpr, CLAMP: tl.constexpr, LIFT: tl.constexpr, UE8M0: tl.constexpr,
 ):
     if GDC:
         gdc_wait()
@@ -190,7 +190,7 @@ def _gate_up_kernel(
         if W8A8:
             # One program's columns are one quantization group of the down product's input:
             # columns past I (read from row 0) are zeroed so that they do not count in its scale.
-            values, scales = quantize_tile(tl.where(col_mask[None, :], act.to(tl.float32), 0.0))
+            values, scales = quantize_tile(tl.where(col_mask[None, :], act.to(tl.float32), 0.0), UE8M0)
             tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai, values, mask=out_mask)
             tl.store(act_scale_ptr + rows * s_asr + tl.program_id(1) * s_asg, scales, mask=row_mask)
         else:
@@ -252,6 +252,7 @@ def fp8_fused_moe(
     out_dtype: torch.dtype | None = None,
     config: Fp8MoeConfig | PairConfig | None = None,
     limit: float | None = None,
+    scale_fmt: str = "fp32",
 ) -> torch.Tensor:
     """Contract of `reference.fp8.fp8_fused_moe`: the sum over each token's chosen experts of
     weight * down(silu(gate(x)) * up(x)) with block-scaled FP8 expert weights.
@@ -269,10 +270,12 @@ def fp8_fused_moe(
     limit:         DeepSeek-V4's `swiglu_limit`, or None: the gate and up pre-activations, rounded to x's
                    dtype, are clamped (gate from above, up both ways) before the SwiGLU, as
                    `reference.v4_moe.clamped_experts` does (its contract on FP8 experts).
+    scale_fmt:     how w8a8 scales the activations it quantizes (`reference.fp8.quantize_activations`).
     """
     num_tokens, hidden = x.shape
     num_experts = check_fp8_moe(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, block)
     check_block_k(block)
+    check_scale_fmt(scale_fmt)
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     check_float("x", x)
@@ -299,7 +302,7 @@ def fp8_fused_moe(
     num_blocks, inline_align, sorted_pairs, block_expert = sorted_rows(topk_ids, num_experts, bm)
     num_rows = num_blocks * bm
 
-    a, a_scales = quantize_activations(x, block[1]) if w8a8 else (x, w13_scale_inv[0])
+    a, a_scales = quantize_activations(x, block[1], scale_fmt=scale_fmt) if w8a8 else (x, w13_scale_inv[0])
     precision = dot_precision(x.dtype)
     lift = c.lift and not w8a8 and x.dtype == torch.bfloat16
     use_pdl = pdl(device)
@@ -320,7 +323,8 @@ def fp8_fused_moe(
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
         BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, X_DTYPE=TL_DTYPES[x.dtype], GDC=use_pdl,
-        CLAMP=limit is not None, LIFT=lift, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        CLAMP=limit is not None, LIFT=lift, UE8M0=w8a8 and scale_fmt == "ue8m0", num_warps=c.num_warps,
+        num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     d_scales = act_scales if w8a8 else w2_scale_inv[0]
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)

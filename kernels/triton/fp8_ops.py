@@ -31,7 +31,7 @@ from typing import Any, overload
 import torch
 
 from ..ops import Ops
-from ..quantized import BlockFP8Weight, Weight, dequantized
+from ..quantized import BlockFP8Weight, Weight, dequantized, shared_scale_fmt
 from .fp8_dequant import fp8_dequantize
 from .fp8_linear import fp8_linear
 from .fp8_moe import Fp8MoeConfig, fp8_fused_moe
@@ -69,7 +69,7 @@ def _product(x: Tensor, weight: Weight, dense: Callable[..., Tensor], out_dtype:
     pair = fp8_pair(weight)
     if pair is not None and (w8a8 or batch_invariant or x.shape[0] < FP8_DEQUANTIZE_ROWS):
         return fp8_linear(x, pair.values, pair.scale_inv, block=pair.block, out_dtype=out_dtype,
-                          batch_invariant=batch_invariant, w8a8=w8a8)
+                          batch_invariant=batch_invariant, w8a8=w8a8, scale_fmt=pair.activation_scale_fmt)
     if isinstance(weight, BlockFP8Weight):
         return dense(x, fp8_dequantize(weight, out_dtype or x.dtype), out_dtype=out_dtype)
     return dense(x, dequantized(weight, out_dtype or x.dtype), out_dtype=out_dtype)
@@ -138,7 +138,8 @@ class Fp8FusedMoe:
                                                                                                    topk_ids):
             config = None if self.config is None else self.config(x, up.values, topk_ids)
             return fp8_fused_moe(x, up.values, up.scale_inv, down.values, down.scale_inv, topk_weights, topk_ids,
-                                 block=up.block, out_dtype=out_dtype, config=config, w8a8=self.w8a8)
+                                 block=up.block, out_dtype=out_dtype, config=config, w8a8=self.w8a8,
+                                 scale_fmt=shared_scale_fmt("fused_moe", (up, down)))
         return self.dense(x, _dense(w13, x.dtype), _dense(w2, x.dtype), topk_weights, topk_ids, out_dtype=out_dtype)
 
     def _dequantizes(self, x: Tensor, w13: BlockFP8Weight, w2: BlockFP8Weight, topk_ids: Tensor) -> bool:

@@ -139,7 +139,7 @@ def store_latent_values(v_dst, sc_dst, x, s_vd, s_scd, KV_LORA_RANK: tl.constexp
     if FP8:
         groups = tl.arange(0, BLOCK_C // QUANT_GROUP)
         cols = groups[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
-        values, scales = quantize_tile(tl.reshape(x, [BLOCK_C // QUANT_GROUP, QUANT_GROUP]))
+        values, scales = quantize_tile(tl.reshape(x, [BLOCK_C // QUANT_GROUP, QUANT_GROUP]), False)
         tl.store(v_dst + cols * s_vd, values, mask=cols < KV_LORA_RANK)
         tl.store(sc_dst + groups * s_scd, scales, mask=groups * QUANT_GROUP < KV_LORA_RANK)
     else:

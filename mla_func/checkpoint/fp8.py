@@ -44,7 +44,8 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
     "weight_block_size": list(DEFAULT_BLOCK),
 }
 # Optional fields that change nothing about the stored weights: later releases add
-# `scale_fmt: "ue8m0"`, which rounds the scales of activations at run time to powers of two.
+# `scale_fmt: "ue8m0"`, which rounds the scales of activations at run time to powers of two
+# (what the w8a8 products then do: `activation_scale_fmt`).
 _OPTIONAL_FIELDS: dict[str, tuple[Any, ...]] = {"scale_fmt": ("ue8m0",)}
 
 # The last module name of every projection whose weight the released layout stores in FP8:
@@ -96,6 +97,14 @@ def block_size(config: Mapping[str, Any], label: str = "config.json") -> tuple[i
             f"{label}: quantization_config.weight_block_size is {block!r}; expected two positive integers such as [128, 128]"
         )
     return block[0], block[1]
+
+
+def activation_scale_fmt(config: Mapping[str, Any]) -> str:
+    """How the w8a8 products of a checkpoint's FP8 weights scale the activations they quantize
+    (`reference.fp8.SCALE_FORMATS`): its quantization_config's `scale_fmt` ("ue8m0"), else "fp32". The
+    field's value is checked by `block_size`."""
+    quant = config.get("quantization_config")
+    return quant.get("scale_fmt", "fp32") if isinstance(quant, dict) else "fp32"
 
 
 def is_quantized_name(name: str, config: Mapping[str, Any]) -> bool:

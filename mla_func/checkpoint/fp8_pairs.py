@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from mla_func.checkpoint.fp8 import SCALE_SUFFIX, block_size, is_quantized_name
+from mla_func.checkpoint.fp8 import SCALE_SUFFIX, activation_scale_fmt, block_size, is_quantized_name
 from mla_func.checkpoint.quant_layout import QuantLayout, StoredFormat, fp8_format
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 def released_fp8_layout(config: ModelConfig | None, raw: Mapping[str, Any], label: str) -> QuantLayout | None:
     """The layout of a folder whose config.json is `raw`: None without a `quantization_config`, else
-    every weight `is_quantized_name` names as float8_e4m3fn with a float32 `_scale_inv` per block.
+    every weight `is_quantized_name` names as float8_e4m3fn with a float32 `_scale_inv` per block, its w8a8
+    activations scaled as the config's `scale_fmt` says (`fp8.activation_scale_fmt`).
     CheckpointError naming the field for any other quantization_config (`fp8.block_size`)."""
     block = block_size(raw, label)
     if block is None:
@@ -29,4 +30,5 @@ def released_fp8_layout(config: ModelConfig | None, raw: Mapping[str, Any], labe
     def format_of(name: str) -> StoredFormat | None:
         return fmt if is_quantized_name(name, raw) else None
 
-    return QuantLayout(block=block, format_of=format_of, scale_suffix=SCALE_SUFFIX)
+    return QuantLayout(block=block, format_of=format_of, scale_suffix=SCALE_SUFFIX,
+                       activation_scale_fmt=activation_scale_fmt(raw))

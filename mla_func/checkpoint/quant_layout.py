@@ -87,6 +87,8 @@ class QuantLayout:
     weight_suffix: the part of a weight's name its scale's replaces (".weight" where `<module>.scale`
                   sits beside `<module>.weight`; "" where scales append "_scale_inv")
     held_dense:   weight name -> whether the family dequantizes it at load (held in the model dtype)
+    activation_scale_fmt: how w8a8 products scale the activations they quantize, the quantization_config's
+                  `scale_fmt` ("ue8m0") or "fp32" where it has none (`BlockFP8Weight.activation_scale_fmt`)
     """
 
     block: tuple[int, int]
@@ -94,6 +96,7 @@ class QuantLayout:
     scale_suffix: str
     weight_suffix: str = ""
     held_dense: Callable[[str], bool] = lambda name: False
+    activation_scale_fmt: str = "fp32"
 
     def scale_name(self, weight: str) -> str:
         """`<module>.weight` -> the name of its scale."""
@@ -177,7 +180,7 @@ def paired(read: Callable[[str], torch.Tensor], label: Callable[[str], str],
         try:
             if fmt.pack == 2:
                 return BlockFP4Weight(values, scales.to(torch.float8_e8m0fnu), fmt.block)
-            return BlockFP8Weight(values, wide, fmt.block)
+            return BlockFP8Weight(values, wide, fmt.block, layout.activation_scale_fmt)
         except ValueError as e:  # the pair's own shape check, for a caller that skipped `stored_shapes`
             raise CheckpointError(f"{label(name)}: {name!r} and its scale {scale!r}: {e}") from None
 

@@ -258,6 +258,44 @@ def test_another_quantization_config_is_refused(pair, tmp_path):
         mf.load_model(bad, dtype=torch.float32, device="cpu")
 
 
+def _pairs(model: mf.Model) -> list[BlockFP8Weight]:
+    """Every layer's attention and MLP pairs (`test_projections_stay_fp8_pairs`' list, the dense MLP's too)."""
+    pairs = []
+    for layer in model.params.layers:
+        a = layer.attn
+        pairs += [a.qkv_a_proj, a.q_b_proj, a.w_uk, a.w_uv, a.o_proj]
+        pairs += [layer.mlp.w13, layer.mlp.w2] if isinstance(layer.mlp, MoEParams) else [layer.mlp.gate_up, layer.mlp.down]
+    assert all(isinstance(w, BlockFP8Weight) for w in pairs)
+    return pairs
+
+
+def test_scale_fmt_ue8m0_reaches_every_pair_and_the_w8a8_products(pair, tmp_path):
+    """A quantization_config with `scale_fmt: ue8m0` (V3.1 and later): every pair's w8a8 products round the
+    activations' scales up to powers of two, as DeepSeek's own code does; without it they keep them as they fall.
+    The dequantized-weight math (the default) does not read the field."""
+    _, model, folder = pair
+    ue8m0 = _copy_with(folder, tmp_path / "ue8m0", lambda t: None)
+    config = json.loads((ue8m0 / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    (ue8m0 / "config.json").write_text(json.dumps(config))
+    rounded = mf.load_model(ue8m0, dtype=torch.float32, device="cpu")
+    assert {w.activation_scale_fmt for w in _pairs(model)} == {"fp32"}
+    assert {w.activation_scale_fmt for w in _pairs(rounded)} == {"ue8m0"}
+
+    def logits(m: mf.Model, w8a8: bool) -> torch.Tensor:
+        step = mf.make_step(m, w8a8=w8a8)
+        state = _state(m)
+        tokens = list(range(3, 3 + PROMPT))
+        batch, mode = step.prepare(state, mf.StepPlan(prefill=(mf.SeqPlan(tuple(tokens), 0, blocks(0, 6),
+                                                                          len(tokens)),)))
+        return step(state, batch, mode)[1].logits
+
+    assert torch.equal(logits(model, False), logits(rounded, False))
+    # (How close each stays to the dequantized-weight logits is the ops' tests' business: on these random tiny
+    # models a routing or top-k flip moves whole rows either way.)
+    assert not torch.equal(logits(model, True), logits(rounded, True))
+
+
 def test_a_float_folder_refuses_quantization_fp8(tmp_path):
     make_reference("v3-qlora-noaux", seed=1).save_pretrained(tmp_path / "float")
     with pytest.raises(CheckpointError, match="as it is stored"):

@@ -49,6 +49,32 @@ def test_quantize_activations(shape):
     assert torch.all(values[1:].float().abs().amax(dim=1) == ref.FP8_MAX)
 
 
+@pytest.mark.parametrize("shape", [(3, 200), (4, 128)])
+def test_quantize_activations_ue8m0(shape):
+    """DeepSeek's "ue8m0" scales: the power of two at or above max(|x|, 1e-4) times 1/448 (in float32)."""
+    gen = generator(2, torch.device("cpu"))
+    x = randn(shape, torch.float32, "cpu", gen) * torch.logspace(-6, 3, shape[1])
+    x[0, :128] = 0.0                              # all zeros: the floor's scale
+    x[1, :128] = 5e-5                             # below the floor: the floor's scale too
+    values, scales = ref.quantize_activations(x, scale_fmt="ue8m0")
+    groups = -(-shape[1] // 128)
+    assert scales.shape == (shape[0], groups)
+    mantissa, _ = torch.frexp(scales)
+    assert torch.all(mantissa == 0.5)             # every scale a power of two
+    amax = torch.nn.functional.pad(x.abs(), (0, groups * 128 - shape[1])).view(shape[0], groups, 128).amax(-1)
+    floor = amax.clamp(min=1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+    assert torch.all(scales >= floor) and torch.all(scales / 2 < floor)
+    assert scales[0, 0] == scales[1, 0] == 2.0 ** -22
+    back = values.float() * scales.repeat_interleave(128, dim=1)[:, :shape[1]]
+    bound = torch.maximum(x.abs() * 2 ** -4, scales.repeat_interleave(128, dim=1)[:, :shape[1]] * 2 ** -10)
+    assert torch.all((back - x).abs() <= bound * (1 + 1e-6))
+    # A group's largest value lands in [224, 448] (224 once rounded), where "fp32" scales put it on 448.
+    top = values[2:].float().abs().amax(dim=1)
+    assert torch.all((top >= 224) & (top <= 448))
+    with pytest.raises(ValueError, match="scale_fmt"):
+        ref.quantize_activations(x, scale_fmt="ue4m3")
+
+
 @pytest.mark.parametrize("block", [(128, 128), (64, 32)])
 def test_dequantize_weight_is_the_checkpoint_format(block):
     values, scale_inv = _weight(200, 328, generator(1, torch.device("cpu")), block)

@@ -45,6 +45,34 @@ def test_quantize_activations_is_the_reference_bit_for_bit(dtype, device):
     assert torch.equal(rows.view(torch.uint8), want_values.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_activations_ue8m0_is_the_reference_bit_for_bit(dtype, device):
+    gen = generator(1, device)
+    x = (randn((5, 328), torch.float32, device, gen) * torch.logspace(-7, 3, 328, device=device)).to(dtype)
+    x[1, :128] = 0.0                                                # the floor's group
+    x[2, 128:256] = 0.0
+    x[2, 130] = 448.0 * 2.0 ** -5                                   # largest magnitude / 448 exactly a power of two
+    values, scales = fp8_quant.quantize_activations(x, scale_fmt="ue8m0")
+    want_values, want_scales = ref.quantize_activations(x, scale_fmt="ue8m0")
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert scales[2, 1] == 2.0 ** -5
+    with pytest.raises(ValueError, match="scale_fmt"):
+        fp8_quant.quantize_activations(x, scale_fmt="e8m0")
+
+
+@pytest.mark.parametrize("num_tokens", [3, 24, 80])             # the stream (16 and 32 rows), the GEMM
+def test_fp8_linear_w8a8_ue8m0(num_tokens, device):
+    gen = generator(num_tokens + 7, device)
+    x = randn((num_tokens, 200), torch.float32, device, gen)
+    values, scale_inv = _weight((136, 200), gen, device)
+    y = fp8_linear.fp8_linear(x, values, scale_inv, w8a8=True, scale_fmt="ue8m0")
+    want = ref.fp8_linear(x.double(), values, scale_inv, w8a8=True, scale_fmt="ue8m0")
+    assert_close(y, want, torch.float32, w8a8_tolerance(torch.float32, True, x.device))
+    # Not the "fp32" scales' products: the activations were quantized otherwise.
+    assert not torch.equal(y, fp8_linear.fp8_linear(x, values, scale_inv, w8a8=True))
+
+
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 # The one-row product (1-4 rows without w8a8 over this small weight; with w8a8 the stream), the weight stream
@@ -158,12 +186,12 @@ def _moe_inputs(num_tokens, hidden, inter, num_experts, top_k, dtype, device, se
     return x, w13, s13, w2, s2, (weights / weights.sum(1, keepdim=True)).float(), ids
 
 
-def _check_moe(inputs, dtype, w8a8, config=None, table=None):
+def _check_moe(inputs, dtype, w8a8, config=None, table=None, scale_fmt="fp32"):
     x, *weights, topk_weights, topk_ids = inputs
-    out = fp8_moe.fp8_fused_moe(*inputs, w8a8=w8a8, config=config)
+    out = fp8_moe.fp8_fused_moe(*inputs, w8a8=w8a8, config=config, scale_fmt=scale_fmt)
     # w8a8 quantizes the activation as rounded to x's dtype: the oracle runs in that dtype too.
     oracle_x = x if w8a8 else x.double()
-    expected = ref.fp8_fused_moe(oracle_x, *weights, topk_weights, topk_ids, w8a8=w8a8)
+    expected = ref.fp8_fused_moe(oracle_x, *weights, topk_weights, topk_ids, w8a8=w8a8, scale_fmt=scale_fmt)
     assert out.dtype == dtype and out.shape == x.shape
     assert_close(out, expected, dtype, **({"table": table} if table else {}))
     if x.shape[0] > 1:
@@ -177,6 +205,13 @@ def _check_moe(inputs, dtype, w8a8, config=None, table=None):
 def test_fp8_fused_moe(num_tokens, dtype, w8a8, device):
     inputs = _moe_inputs(num_tokens, 160, 96, 6, 3, dtype, device, seed=num_tokens)
     _check_moe(inputs, dtype, w8a8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_fused_moe_w8a8_ue8m0(dtype, device):
+    inputs = _moe_inputs(12, 160, 96, 6, 3, dtype, device, seed=5)
+    out = _check_moe(inputs, dtype, True, scale_fmt="ue8m0")
+    assert not torch.equal(out, fp8_moe.fp8_fused_moe(*inputs, w8a8=True))
 
 
 @pytest.mark.parametrize("limit", [None, 0.75])

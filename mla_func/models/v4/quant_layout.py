@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mla_func.checkpoint.fp8 import activation_scale_fmt
 from mla_func.checkpoint.quant_layout import FP4_FORMAT, QuantLayout, StoredFormat, fp8_format
 from mla_func.core.config import ModelConfig
 from mla_func.models.v4.config import SLIDING, v4_fields
@@ -68,4 +69,4 @@ def v4_quant_layout(config: ModelConfig, raw: Mapping[str, Any], label: str) -> 
         return module == "wo_a" or compressed
 
     return QuantLayout(block=block, format_of=format_of, scale_suffix=".scale", weight_suffix=".weight",
-                       held_dense=held_dense)
+                       held_dense=held_dense, activation_scale_fmt=activation_scale_fmt(raw))
