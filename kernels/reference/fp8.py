@@ -90,12 +90,12 @@ def quantize_activations(x: torch.Tensor, group: int = 128, *,
     num_groups = -(-k_in // group)
     # Zero padding to whole groups leaves each group's largest magnitude unchanged.
     groups = F.pad(x.float(), (0, num_groups * group - k_in)).view(num_tokens, num_groups, group)
-    # A tensor divisor, not the number: on CUDA torch divides by a Python scalar as a product with its
-    # reciprocal, one rounding more than the IEEE division the kernels and the CPU take.
     amax = groups.abs().amax(dim=-1)
     if scale_fmt == "ue8m0":
         scales = ue8m0_scales(amax)
     else:
+        # A tensor divisor, not the number: on CUDA torch divides by a Python scalar as a product with its
+        # reciprocal, one rounding more than the IEEE division the kernels and the CPU take.
         scales = amax.clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX, device=x.device)
     scaled = (groups / scales[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return scaled.view(num_tokens, num_groups * group)[:, :k_in].to(FP8_DTYPE), scales
