@@ -373,6 +373,18 @@ def _start_warpgroup(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, t64, head_g
 
 
 @gluon.jit
+def _softmax_start(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, OUT_D: gl.constexpr):
+    # A warpgroup's loop state before its first tile: the slot offsets its scores lay out (offs_n [BLOCK_N]),
+    # the running maxima (-inf) and sums, its output [BLOCK_M, OUT_D] and the zero scores its products start from.
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    return offs_n, m_i, l_i, acc, s_zero
+
+
+@gluon.jit
 def _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N: gl.constexpr,
                     HAS_ENTRIES: gl.constexpr, HAS_INDICES: gl.constexpr, WG: gl.constexpr):
     # With an index list, `_key_bits` of warpgroup WG's first two tiles (slots start + WG BLOCK_N and
@@ -425,11 +437,7 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
         BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, COPY_LAYOUT, FP8_LAYOUT, COPY_LAYOUT)
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
 
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    offs_n, m_i, l_i, acc, s_zero = _softmax_start(BLOCK_M, BLOCK_N, OUT_D)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # With an index list: the key bits of this warpgroup's tile and of its next (`_next_rows`).
     key_bits, next_bits = _first_key_bits(start, end, n_win, win_start, n_ent, entry_count, idx_row, s_ik, BLOCK_N,
@@ -594,11 +602,7 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
         BLOCK_N, PAGE, ENTRY_PAGE, HAS_ENTRIES, HAS_INDICES, FP8, KV_C, WG, COPY_LAYOUT, FP8_LAYOUT, COPY_LAYOUT)
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
 
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    acc = gl.zeros([BLOCK_M, OUT_D], gl.float32, layout=O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    offs_n, m_i, l_i, acc, s_zero = _softmax_start(BLOCK_M, BLOCK_N, OUT_D)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     # (The loop locates each tile after next; this one, its third, the first iteration locates again.)
     row, ok, scale_row, rope_row = _tile_rows(start + (WG + 4) * BLOCK_N, offs_c, None, end, n_win, win_start, n_ent,
