@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_func.checkpoint.fp8 import block_quantize
-from mla_func.kernels.quantized import BlockFP8Weight, cat_rows, slice_block, stack_experts
+from mla_func.kernels.quantized import BlockFP8Weight, cat_rows, slice_block, split_heads, stack_experts
 from mla_func.kernels.reference import linear as ref_linear
 from mla_func.kernels.reference import moe as ref_moe
 from mla_func.kernels.reference import w8a8
@@ -61,6 +61,27 @@ def test_joined_and_cut_pairs_keep_every_value(rows):
     assert torch.equal(cut.dequantize(torch.float32), torch.cat([d for _, d in parts])[start:stop])
     cols = slice_block(joined, -1, 67, 140)
     assert torch.equal(cols.dequantize(torch.float32), torch.cat([d for _, d in parts])[:, 67:140])
+
+
+def test_the_activation_scale_format_travels_with_the_pair_and_mixed_ones_are_refused():
+    """`activation_scale_fmt` is tree metadata that every joining, cutting and stacking keeps; pieces of one matrix
+    or of one expert stack that disagree are refused by name, as is a format that does not exist."""
+    pair, _ = _pair(200, 300, seed=3)
+    assert pair.activation_scale_fmt == "fp32"
+    rounded = BlockFP8Weight(pair.values, pair.scale_inv, BLOCK, "ue8m0")
+    second, _ = _pair(72, 300, seed=4)
+    second = BlockFP8Weight(second.values, second.scale_inv, BLOCK, "ue8m0")
+    joined = cat_rows([rounded, second])
+    stacked = stack_experts([rounded, rounded])
+    pieces = [joined, slice_block(joined, -2, 100, 230), slice_block(joined, -1, 67, 140), stacked, stacked[1],
+              rounded.to("cpu"), *split_heads(rounded, 2, (40, 60))]
+    assert [p.activation_scale_fmt for p in pieces] == ["ue8m0"] * len(pieces)
+    with pytest.raises(ValueError, match=r"cat_rows: .*\['fp32', 'ue8m0'\]"):
+        cat_rows([pair, second])
+    with pytest.raises(ValueError, match="stack_experts"):
+        stack_experts([pair, rounded])
+    with pytest.raises(ValueError, match="scale_fmt.*'e8m0'"):
+        BlockFP8Weight(pair.values, pair.scale_inv, BLOCK, "e8m0")
 
 
 def test_reference_linear_is_the_dequantized_product():
