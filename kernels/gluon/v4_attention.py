@@ -79,6 +79,9 @@ HEAD_DIM = 512
 FP8_KV_C = 448
 
 
+# ln 2 and log2 e: the softmax runs in base 2; the sinks come in, and the LSE goes out, in base e.
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 # A warpgroup's layouts (4 warps) over the kernel's tiles. Copies: 16 bytes a thread, a warp 4 rows x 64
 # columns; FP8 bytes 16 a thread over 128 columns (the 64-column group's tail as the 16-bit copies).
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -425,8 +428,6 @@ def _warpgroup_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, o_smem, ml_
     # them into its own and writes the program's outputs.
     BLOCK_M: gl.constexpr = 64
     OUT_D: gl.constexpr = HEAD_DIM // 2
-    LN2: gl.constexpr = 0.6931471805599453
-    LOG2E: gl.constexpr = 1.4426950408889634
     dtype: gl.constexpr = q_smem.dtype
 
     # Half of Q (its own group, the first), then the first two tiles.
@@ -590,8 +591,6 @@ def _shared_scores_tiles(q_ptr, s_qt, s_qh, s_qd, q_bar, q_smem, k_smem, p_smem,
     # running maxima (a tile's owner starts from the other's last); each sums the weights of its own tiles.
     BLOCK_M: gl.constexpr = 64
     OUT_D: gl.constexpr = HEAD_DIM // 2
-    LN2: gl.constexpr = 0.6931471805599453
-    LOG2E: gl.constexpr = 1.4426950408889634
     OTHER: gl.constexpr = 1 - WG
     dtype: gl.constexpr = q_smem.dtype
 
