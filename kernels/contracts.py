@@ -29,6 +29,7 @@ from typing import Protocol, overload
 
 import torch
 
+from .held_experts import HeldExperts
 from .index_cache import FP8IndexCache, IndexCache
 from .latent_cache import FP8LatentCache, LatentCache
 from .quantized import Weight
@@ -187,13 +188,15 @@ class Route(Protocol):
     def __call__(self, x: Tensor, gate: Tensor, e_score_correction_bias: Tensor | None, valid: Tensor, /, *,
                  top_k: int, scoring_func: str, topk_method: str, n_group: int | None, topk_group: int | None,
                  norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0,
-                 fixed_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 fixed_ids: Tensor | None = None, held: HeldExperts | None = None) -> tuple[Tensor, Tensor]:
         """Each token's top_k experts, then num_shared shared experts E .. E + S - 1 of weight 1.
         x [T, D]; gate [E, D] float32; e_score_correction_bias [E] or None (steers the choice
         only); valid [T] bool; fixed_ids [T, k] or None: experts chosen beforehand (hash
-        routing), weighted by their scores as a choice would be -> topk_weights [T, k + S]
-        float32, topk_ids [T, k + S] int64; padded rows get id -1 and weight 0. Methods and
-        scoring: `checks.TOPK_METHODS`, `checks.SCORING_FUNCS`."""
+        routing), weighted by their scores as a choice would be; held: an expert-parallel rank's
+        experts (`held_experts`: chosen ids renumbered among those it holds, -1 and weight 0 for
+        the others, shared ids from its count, on its share of the rows), or None for all ->
+        topk_weights [T, k + S] float32, topk_ids [T, k + S] int64; padded rows get id -1 and
+        weight 0. Methods and scoring: `checks.TOPK_METHODS`, `checks.SCORING_FUNCS`."""
         ...
 
 

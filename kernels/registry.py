@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from .held_experts import HeldExperts
 from .ops import Ops
 from .reference.table import REFERENCE
 
@@ -99,11 +100,12 @@ def record_expert_choice(ops: Ops) -> tuple[Ops, list[torch.Tensor]]:
                         valid: torch.Tensor, /, *, top_k: int, scoring_func: str, topk_method: str,
                         n_group: int | None, topk_group: int | None, norm_topk_prob: bool,
                         routed_scaling_factor: float, num_shared: int = 0,
-                        fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        fixed_ids: torch.Tensor | None = None,
+                        held: HeldExperts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         topk_weights, topk_ids = route(
             x, gate, e_score_correction_bias, valid, top_k=top_k, scoring_func=scoring_func,
             topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-            routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed_ids)
+            routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed_ids, held=held)
         chosen.append(topk_ids[:, :top_k])
         return topk_weights, topk_ids
 

@@ -22,6 +22,7 @@ from typing import overload
 import torch
 
 from ..checks import as_dtype, check_shape
+from ..held_experts import HeldExperts
 from ..dequantizing import (DequantizingAbsorbQuery, DequantizingFusedMoe, DequantizingLinear, DequantizingMlaDecode,
                             DequantizingRmsNormLinear, DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
 from ..latent_cache import LatentCache, latent_rows
@@ -85,16 +86,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 def route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None, valid: torch.Tensor, *,
           top_k: int, scoring_func: str, topk_method: str, n_group: int | None, topk_group: int | None,
           norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int = 0,
-          fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          fixed_ids: torch.Tensor | None = None, held: HeldExperts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.routing.route` on ROW_TILE-row tiles (the router logits are a product)."""
+    # A tile's rows are numbered from 0: each tile gives every row the shared experts, and the rows
+    # of other ranks lose them below, counted on the whole batch.
+    tile_held = held if held is None else dataclasses.replace(held, rank=0, ranks=1)
+
     def tile(xt: torch.Tensor, vt: torch.Tensor, *fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ref_routing.route(xt, gate, e_score_correction_bias, vt, top_k=top_k, scoring_func=scoring_func,
                                  topk_method=topk_method, n_group=n_group, topk_group=topk_group,
                                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-                                 num_shared=num_shared, fixed_ids=fixed[0] if fixed else None)
+                                 num_shared=num_shared, fixed_ids=fixed[0] if fixed else None, held=tile_held)
 
     rows = (x, valid) if fixed_ids is None else (x, valid, fixed_ids)
     weights, ids = by_row_tiles(tile, *rows)
+    if held is not None and held.ranks > 1 and num_shared:
+        others = (torch.arange(x.shape[0], device=x.device) % held.ranks != held.rank).unsqueeze(-1)
+        weights[:, top_k:].masked_fill_(others, 0.0)
+        ids[:, top_k:].masked_fill_(others, -1)
     return weights, ids
 
 

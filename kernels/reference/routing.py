@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import GROUP_LIMITED_METHODS, as_dtype, check_route_args, check_shape
+from ..held_experts import HeldExperts
 
 
 def route(
@@ -23,6 +24,7 @@ def route(
     routed_scaling_factor: float,
     num_shared: int = 0,
     fixed_ids: torch.Tensor | None = None,
+    held: HeldExperts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each token's top_k experts (and, with num_shared, the shared experts after them).
 
@@ -37,6 +39,10 @@ def route(
                              hash routing from the token id), or None to choose them here;
                              with them the bias and the method play no part, and the weights
                              are the chosen experts' scores as below
+    held:                    an expert-parallel rank's experts (`held_experts`), or None for all:
+                             a chosen expert it holds gets its id among them (e - first), one it
+                             does not id -1 and weight 0, and the shared experts (ids count ..)
+                             go to rows t with t % ranks == rank only (id -1 and weight 0 elsewhere)
     returns                  topk_weights [T, k + S] (float32, or float64 for float64 x) and
                              topk_ids [T, k + S] int64; padded rows get id -1 and weight 0,
                              so they take no expert.
@@ -60,6 +66,8 @@ def route(
                      n_group=n_group, topk_group=topk_group, num_shared=num_shared)
     if fixed_ids is not None:
         check_shape("fixed_ids", fixed_ids, (num_tokens, top_k))
+    if held is not None:
+        held.check(num_experts)
     acc = torch.promote_types(x.dtype, torch.float32)
     logits = F.linear(as_dtype(x, acc), as_dtype(gate, acc))  # [T, E]
     scores = _scores(logits, scoring_func)
@@ -76,10 +84,21 @@ def route(
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
+    first, count = (0, num_experts) if held is None else (held.first, held.count)
+    if held is not None:
+        local = topk_ids - first
+        kept = (local >= 0) & (local < count)
+        topk_ids = torch.where(kept, local, -1)
+        topk_weights = topk_weights.masked_fill(~kept, 0.0)
     if num_shared:
-        shared_ids = torch.arange(num_experts, num_experts + num_shared, device=x.device)
-        topk_ids = torch.cat([topk_ids, shared_ids.expand(num_tokens, num_shared)], dim=1)
-        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(num_tokens, num_shared)], dim=1)
+        shared_ids = torch.arange(count, count + num_shared, device=x.device).expand(num_tokens, num_shared)
+        shared_weights = topk_weights.new_ones(num_tokens, num_shared)
+        if held is not None:
+            others = (torch.arange(num_tokens, device=x.device) % held.ranks != held.rank).unsqueeze(-1)
+            shared_ids = shared_ids.masked_fill(others, -1)
+            shared_weights = shared_weights.masked_fill(others, 0.0)
+        topk_ids = torch.cat([topk_ids, shared_ids], dim=1)
+        topk_weights = torch.cat([topk_weights, shared_weights], dim=1)
     padded = ~valid.unsqueeze(-1)                                       # [T, 1]
     topk_weights = topk_weights.masked_fill(padded, 0.0)
     topk_ids = topk_ids.masked_fill(padded, -1)

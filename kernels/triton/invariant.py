@@ -47,6 +47,7 @@ import torch
 
 from ..dequantizing import (DequantizingAbsorbQuery, DequantizingClampedExperts, DequantizingMlaDecode,
                            DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
+from ..held_experts import HeldExperts
 from ..latent_cache import LatentCache
 from ..ops import Ops
 from ..reference.linear import logits_of
@@ -152,7 +153,8 @@ def invariant_clamped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
                     valid: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str, n_group: int | None,
                     topk_group: int | None, norm_topk_prob: bool, routed_scaling_factor: float,
-                    num_shared: int = 0, fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_shared: int = 0, fixed_ids: torch.Tensor | None = None,
+                    held: HeldExperts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.routing.route`: one launch configuration for every batch size."""
     # The decode configuration (the kernel's own logits, D split in a fixed order),
     # whose sizes follow the model's shapes only: a token's sums over D and its
@@ -162,7 +164,7 @@ def invariant_route(x: torch.Tensor, gate: torch.Tensor, e_score_correction_bias
     return route(x, gate, e_score_correction_bias, valid, top_k=top_k, scoring_func=scoring_func,
                  topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                  routed_scaling_factor=routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed_ids,
-                 config=config)
+                 held=held, config=config)
 
 
 # Selected keys a split of the sparse decode covers: top-k 2048 takes 4 splits at any batch size.

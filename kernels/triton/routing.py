@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_route_args, check_same_device, check_shape
+from ..held_experts import HeldExperts
 from ._common import check_float, next_pow2, pdl
 from .fill import zeros
 from .linear import linear
@@ -143,12 +144,13 @@ def _sum_partials(partial_ptr, tile_offs, tile_mask, split_d, stride_s,
 @triton.jit(do_not_specialize=["num_tokens", "split_d", "d_per_split"])
 def _route_kernel(
     x_ptr, gate_ptr, logits_ptr, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr, partial_ptr, arrived_ptr,
-    num_tokens, hidden, split_d, d_per_split, scaling,
+    num_tokens, hidden, split_d, d_per_split, scaling, held_first, held_count, held_rank, held_ranks,
     s_xt, s_xd, s_ge, s_gd, s_lt, s_le, s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk,
     KERNEL_LOGITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FIXED: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_BLOCK: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
+    HELD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -196,9 +198,9 @@ def _route_kernel(
                          mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     if last:
         route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr,
-                    s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling,
-                    TOP_K, SCORING, HAS_BIAS, HAS_FIXED, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP, TOPK_GROUP,
-                    NORM, NUM_SHARED, BLOCK_T, BLOCK_K, BLOCK_G)
+                    s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling, held_first, held_count, held_rank,
+                    held_ranks, TOP_K, SCORING, HAS_BIAS, HAS_FIXED, GROUPED, TOP2, GROUP_SIZE, GROUP_BLOCK, N_GROUP,
+                    TOPK_GROUP, NORM, NUM_SHARED, HELD, BLOCK_T, BLOCK_K, BLOCK_G)
 
 
 def route(
@@ -216,6 +218,7 @@ def route(
     routed_scaling_factor: float,
     num_shared: int = 0,
     fixed_ids: torch.Tensor | None = None,
+    held: HeldExperts | None = None,
     config: RouteConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.routing.route`, in the routing kernel (see the module docstring).
@@ -226,6 +229,7 @@ def route(
     valid:                   [T] bool
     num_shared:              S shared experts appended to every row (ids E .., weight 1)
     fixed_ids:               [T, k] int32 / int64 experts chosen beforehand, or None
+    held:                    an expert-parallel rank's experts (`HeldExperts`), or None for all
     returns                  topk_weights [T, k + S] float32, topk_ids [T, k + S] int64 (-1
                              and weight 0 in rows where valid is False)
     Logits, scores and weights are float32 throughout.
@@ -250,6 +254,8 @@ def route(
         check_shape("fixed_ids", fixed_ids, (num_tokens, top_k))
         check_dtype("fixed_ids", fixed_ids, (torch.int32, torch.int64))
         check_same_device(x=x, fixed_ids=fixed_ids)
+    if held is not None:
+        held.check(num_experts)
     device = x.device
     topk_weights = torch.empty((num_tokens, top_k + num_shared), dtype=torch.float32, device=device)
     topk_ids = torch.empty((num_tokens, top_k + num_shared), dtype=torch.int64, device=device)
@@ -260,14 +266,14 @@ def route(
     config = config or route_config(num_tokens, num_experts, groups, top_k, hidden)
     _launch(x, gate, bias, valid, fixed_ids, topk_weights, topk_ids, config, groups=groups, top_k=top_k,
             num_shared=num_shared, scoring_func=scoring_func, topk_method=topk_method, topk_group=topk_group,
-            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor, held=held)
     return topk_weights, topk_ids
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, valid: torch.Tensor,
             fixed_ids: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: RouteConfig, *, groups: int, top_k: int,
             num_shared: int, scoring_func: str, topk_method: str, topk_group: int | None, norm_topk_prob: bool,
-            routed_scaling_factor: float) -> None:
+            routed_scaling_factor: float, held: HeldExperts | None) -> None:
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     device = x.device
@@ -294,13 +300,14 @@ def _launch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, vali
         x, gate, logits, bias if bias is not None else gate, valid, topk_weights, topk_ids,
         fixed_ids if fixed_ids is not None else topk_ids, partial, arrived,
         num_tokens, hidden, split_d, d_per_split, float(routed_scaling_factor),
+        *((held.first, held.count, held.rank, held.ranks) if held is not None else (0, num_experts, 0, 1)),
         *x.stride(), *gate.stride(), *logits.stride(), bias.stride(0) if bias is not None else 0, valid.stride(0),
         *topk_weights.stride(), *topk_ids.stride(), *(fixed_ids.stride() if fixed_ids is not None else (0, 0)),
         KERNEL_LOGITS=config.kernel_logits, SPLIT=split_d > 1 or block_c < block_e, BLOCK_C=block_c,
         TOP_K=top_k, SCORING=scoring_func, HAS_BIAS=bias is not None, HAS_FIXED=fixed_ids is not None,
         GROUPED=grouped, TOP2=topk_method == "noaux_tc", GROUP_SIZE=num_experts // groups,
         GROUP_BLOCK=_group_block(num_experts, groups), N_GROUP=groups, TOPK_GROUP=topk_group if grouped else 1,
-        NORM=bool(norm_topk_prob), NUM_SHARED=num_shared,
+        NORM=bool(norm_topk_prob), NUM_SHARED=num_shared, HELD=held is not None,
         BLOCK_T=config.block_t, BLOCK_D=config.block_d, BLOCK_K=max(2, next_pow2(top_k)),
         BLOCK_G=next_pow2(groups),
         # The last program sums a [BLOCK_S, BLOCK_T, BLOCK_E] tile of at most 8K partials per step.

@@ -109,15 +109,18 @@ def _fixed(fixed_ptr, rows, row_mask, scores, cols, s_ft, s_fk,
 
 @triton.jit
 def route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_ptr, ids_ptr, fixed_ptr,
-                s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling,
+                s_b, s_v, s_wt, s_wk, s_it, s_ik, s_ft, s_fk, scaling, held_first, held_count, held_rank, held_ranks,
                 TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FIXED: tl.constexpr,
                 GROUPED: tl.constexpr, TOP2: tl.constexpr, GROUP_SIZE: tl.constexpr,
                 GROUP_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORM: tl.constexpr, NUM_SHARED: tl.constexpr,
+                NORM: tl.constexpr, NUM_SHARED: tl.constexpr, HELD: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
     """Steps 2-4 of the module docstring for one tile of logits; writes the tile's weights and ids.
 
-    Slots [TOP_K, TOP_K + NUM_SHARED) take the shared experts, ids E.., weight 1.
+    Slots [TOP_K, TOP_K + NUM_SHARED) take the shared experts, ids E.., weight 1. With HELD (an
+    expert-parallel rank's `HeldExperts`): a chosen expert in [held_first, held_first + held_count)
+    gets id e - held_first, any other id -1 and weight 0; the shared experts' ids start at
+    held_count and go to rows t with t % held_ranks == held_rank only.
     """
     experts, _ = expert_of(cols, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
     scores = _scores(logits, col_mask, SCORING)
@@ -138,14 +141,23 @@ def route_tile(logits, rows, row_mask, cols, col_mask, bias_ptr, valid_ptr, w_pt
     ids, _ = expert_of(picked, GROUP_SIZE, GROUP_BLOCK, N_GROUP)
 
     valid = tl.load(valid_ptr + rows * s_v, mask=row_mask, other=0) != 0
-    weights = tl.where(valid[:, None], weights, 0.0)
-    ids = tl.where(valid[:, None], ids, -1)
+    kept = valid[:, None]
+    shared_rows = valid
+    first_shared = N_GROUP * GROUP_SIZE
+    if HELD:
+        ids = ids - held_first
+        kept = kept & (ids >= 0) & (ids < held_count)
+        shared_rows = shared_rows & (rows % held_ranks == held_rank)
+        first_shared = held_count
+    weights = tl.where(kept, weights, 0.0)
+    ids = tl.where(kept, ids, -1)
     slots = tl.arange(0, BLOCK_K)
     out_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
     rows64 = rows[:, None].to(tl.int64)
     tl.store(w_ptr + rows64 * s_wt + slots[None, :] * s_wk, weights, mask=out_mask)
     tl.store(ids_ptr + rows64 * s_it + slots[None, :] * s_ik, ids.to(tl.int64), mask=out_mask)
     for j in tl.static_range(NUM_SHARED):
-        shared_id = tl.where(valid, N_GROUP * GROUP_SIZE + j, -1).to(tl.int64)
-        tl.store(w_ptr + rows.to(tl.int64) * s_wt + (TOP_K + j) * s_wk, tl.where(valid, 1.0, 0.0), mask=row_mask)
+        shared_id = tl.where(shared_rows, first_shared + j, -1).to(tl.int64)
+        tl.store(w_ptr + rows.to(tl.int64) * s_wt + (TOP_K + j) * s_wk, tl.where(shared_rows, 1.0, 0.0),
+                 mask=row_mask)
         tl.store(ids_ptr + rows.to(tl.int64) * s_it + (TOP_K + j) * s_ik, shared_id, mask=row_mask)

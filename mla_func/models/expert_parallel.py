@@ -1,10 +1,11 @@
 """What expert parallelism is the same for in every MoE family: a rank's range of whole experts,
-which of a token's chosen experts it holds, and the shared experts every token takes.
+and the shared experts every token takes.
 
 Rank r of n holds routed experts [r E / n, (r + 1) E / n) whole. The router is whole on every
 rank and sees the same bits everywhere (the all-reduce gives every rank the same sum), so every
-rank chooses the same experts; each runs those it holds and the layer's all-reduce adds the
-ranks' partial sums. No token moves: every rank holds every token already.
+rank chooses the same experts; each runs those it holds (the route op's `held`,
+`kernels.held_experts`) and the layer's all-reduce adds the ranks' partial sums. No token moves:
+every rank holds every token already.
 """
 
 from __future__ import annotations
@@ -23,13 +24,6 @@ def expert_range(config: ModelConfig, rank: int, ranks: int) -> range:
                      f"must be a multiple of {ranks}")
     per_rank = experts // ranks
     return range(rank * per_rank, (rank + 1) * per_rank)
-
-
-def held_expert_ids(topk_ids: torch.Tensor, held: range) -> torch.Tensor:
-    """topk_ids [T, k] int64 (ids among all E experts, -1 none) -> [T, k]: the index into this rank's
-    experts `held` (w13[0] is expert held.start), -1 where another rank holds the expert (it takes none here)."""
-    local = topk_ids - held.start
-    return torch.where((local >= 0) & (local < len(held)), local, -1)
 
 
 def every_shared_expert(valid: torch.Tensor, num_shared: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

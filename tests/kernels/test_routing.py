@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from support.kernel_cases import generator, randn, strided
+from mla_func.kernels.held_experts import HeldExperts
+from mla_func.kernels.reference import invariant as ref_invariant
 from mla_func.kernels.reference import routing as ref
+from mla_func.kernels.triton import invariant as tri_invariant
 from mla_func.kernels.triton import routing as tri
 
 # (num_experts, routing arguments) of the three methods, shaped like the models that use them.
@@ -185,6 +188,65 @@ def test_fixed_ids_take_their_scores(num_tokens, dtype, device):
     want = scores / scores.sum(dim=1, keepdim=True) * 1.5
     torch.testing.assert_close(weights[valid, :6], want[valid])
     assert torch.all(ids[~valid] == -1) and torch.all(weights[~valid] == 0.0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9, 40])  # logits in the kernel, from a matmul
+@pytest.mark.parametrize("rank", [0, 1, 2])
+@pytest.mark.parametrize("method", [V2_LITE, V3_TINY], ids=["greedy", "noaux_tc"])
+def test_held_experts_renumber_the_choice_and_deal_the_shared_rows(method, rank, num_tokens, device):
+    """An expert-parallel rank of 3: its chosen experts numbered among those it holds, the others -1
+    and weight 0; the shared experts after its own, on rows t % 3 == rank only. Over the ranks every
+    (row, expert) pair of the whole choice is taken exactly once."""
+    num_experts, args = method
+    per_rank, k, ranks = num_experts // 4, args["top_k"], 3  # 3 ranks holding a quarter each: one quarter unheld
+    held = HeldExperts(first=rank * per_rank, count=per_rank, rank=rank, ranks=ranks)
+    inputs = _inputs(num_tokens, 64, num_experts, torch.float32, device, seed=26,
+                     bias=args["topk_method"] == "noaux_tc", padded_rows=1)
+    all_weights, all_ids = ref.route(*inputs, **args, num_shared=2)
+    weights, ids = tri.route(*inputs, **args, num_shared=2, held=held)
+    expected_weights, expected_ids = ref.route(*inputs, **args, num_shared=2, held=held)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+    mine = (all_ids[:, :k] >= held.first) & (all_ids[:, :k] < held.first + per_rank)
+    assert torch.equal(ids[:, :k], torch.where(mine, all_ids[:, :k] - held.first, -1))
+    torch.testing.assert_close(weights[:, :k], torch.where(mine, all_weights[:, :k], 0.0))
+    valid = inputs[3]
+    rows = torch.arange(num_tokens, device=device)
+    takes_shared = valid & (rows % ranks == rank)
+    shared = torch.tensor([per_rank, per_rank + 1], device=device)
+    assert torch.equal(ids[:, k:], torch.where(takes_shared[:, None], shared, -1))
+    assert torch.equal(weights[:, k:], takes_shared[:, None].float().expand(-1, 2))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 70])  # one row tile, two (ROW_TILE rows a tile)
+def test_held_experts_in_the_batch_invariant_tables(num_tokens, device):
+    """The invariant tables' route takes `held` alike: the shared rows are counted on the whole batch,
+    not a tile's."""
+    num_experts, args = V2_LITE
+    held = HeldExperts(first=16, count=16, rank=1, ranks=2)
+    inputs = _inputs(num_tokens, 64, num_experts, torch.float32, device, seed=27, padded_rows=1)
+    expected_weights, expected_ids = ref.route(*inputs, **args, num_shared=2, held=held)
+    weights, ids = ref_invariant.route(*inputs, **args, num_shared=2, held=held)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+    weights, ids = tri_invariant.invariant_route(*inputs, **args, num_shared=2, held=held)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights)
+
+
+def test_held_experts_refuse_bad_values(device):
+    num_experts, args = V2_LITE
+    inputs = _inputs(2, 64, num_experts, torch.float32, device, seed=28)
+    with pytest.raises(ValueError, match=r"held: experts \[60, 68\)"):
+        tri.route(*inputs, **args, held=HeldExperts(first=60, count=8))
+    with pytest.raises(ValueError, match=r"held: experts \[60, 68\)"):
+        ref.route(*inputs, **args, held=HeldExperts(first=60, count=8))
+    with pytest.raises(ValueError, match="rank=2, ranks=2"):
+        HeldExperts(first=0, count=8, rank=2, ranks=2)
+    with pytest.raises(ValueError, match="count=0"):
+        HeldExperts(first=0, count=0)
+    with pytest.raises(ValueError, match="HeldExperts.first: expected an int"):
+        HeldExperts(first=1.5, count=8)
 
 
 def test_no_tokens(device):

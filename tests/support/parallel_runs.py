@@ -29,7 +29,7 @@ from mla_func.kernels.collectives import CollectiveError
 from mla_func.parallel import Parallel, join, leave
 from mla_func.parallel.data_parallel import plan_rank_step
 from mla_func.parallel.workers import free_local_port
-from mla_func.models.v4.params import V4AttentionParams
+from mla_func.models.v4.params import V4AttentionParams, V4ExpertShardParams
 from support.hand_plans import Seq, blocks, decode_plan, prefill_in_chunks, prefill_plan, prefill_then_decode, run
 
 WORLD = 2  # ranks of every spawned group of the parallel tests
@@ -159,8 +159,11 @@ def held(model: mf.Model) -> dict[str, int]:
     attn = model.params.layers[0].attn
     # V4's attention holds a sink a head; MLA's attention a key up-projection a head.
     heads = attn.sinks.shape[0] if isinstance(attn, V4AttentionParams) else attn.w_uk.shape[0]
-    return {"heads": heads, "vocab_rows": model.params.embed.shape[0],
-            "experts": model.params.layers[-1].mlp.w2.shape[0],
+    mlp = model.params.layers[-1].mlp
+    # An expert-parallel V4 rank holds its routed experts alone in w13 (the shared ones apart); a MoE
+    # block of the other families and modes says how many of its experts are routed.
+    routed = mlp.w13.shape[0] if isinstance(mlp, V4ExpertShardParams) else mlp.num_routed
+    return {"heads": heads, "vocab_rows": model.params.embed.shape[0], "experts": routed,
             "elements": sum(t.numel() for t in mf.pytree.tree_leaves(model.params))}
 
 

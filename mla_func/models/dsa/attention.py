@@ -26,7 +26,7 @@ from mla_func.kernels.index_cache import IndexCache
 from mla_func.kernels.latent_cache import LatentCache
 from mla_func.models.dsa.indexer import index_query_key, index_weight_scale
 from mla_func.models.mla.attention import LATENT_NORM_EPS
-from mla_func.models.mla.expert_shard import feed_forward_of
+from mla_func.models.mla.moe import feed_forward
 from mla_func.models.mla.params import LayerParams
 from mla_func.state.kv_cache import zeroed_dsa_cache
 from mla_func.state.layer_cache import CacheGroup, DSALayerCache
@@ -130,7 +130,7 @@ class DSADecoderLayer:
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         same = kv is cache.kv and index_k is cache.index_k
         new_cache = cache if same else DSALayerCache(kv=kv, index_k=index_k, group=cache.group)
-        out = shared_block(lambda rows, valid: feed_forward_of(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
+        out = shared_block(lambda rows, valid: feed_forward(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
                            ctx.mode, ctx.ops.collectives)
         return out, residual, new_cache
 

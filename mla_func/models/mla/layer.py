@@ -10,7 +10,7 @@ from mla_func.core.config import ModelConfig
 from mla_func.core.exchange import attention_output, shared_block
 from mla_func.core.layers import LayerContext
 from mla_func.models.mla.attention import mla_attention
-from mla_func.models.mla.expert_shard import feed_forward_of
+from mla_func.models.mla.moe import feed_forward
 from mla_func.models.mla.params import LayerParams
 from mla_func.state.kv_cache import zeroed_mla_caches
 from mla_func.state.layer_cache import CacheGroup, MLALayerCache
@@ -57,7 +57,7 @@ class MLADecoderLayer:
         x, residual = ctx.ops.dense.rms_norm(attn_out, p.post_attention_norm, ctx.config.rms_norm_eps, residual=residual)
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
-        out = shared_block(lambda rows, valid: feed_forward_of(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
+        out = shared_block(lambda rows, valid: feed_forward(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
                            ctx.mode, ctx.ops.collectives)
         return out, residual, new_cache
 

@@ -32,7 +32,9 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
     x [T, D]; valid [T] bool (False for padded rows)
     returns topk_weights [T, k + num_shared] (float32, or float64 for a float64 model) and topk_ids
     [T, k + num_shared] int64; padded rows get id -1 and weight 0, so they take no expert. The
-    last num_shared columns are the shared experts (ids E.., weight 1).
+    last num_shared columns are the shared experts (ids E.., weight 1). An expert-parallel
+    rank's block (`p.held`) gets ids among the experts it holds, and the shared experts on its
+    share of the rows (`kernels.held_experts`).
 
     Routing runs in at least float32 whatever the model dtype (bf16 scores would
     tie and flip experts); a float64 model routes in float64 (torch backend only).
@@ -45,7 +47,7 @@ def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfi
         x, p.gate, p.e_score_correction_bias, valid,
         top_k=c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
         n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-        routed_scaling_factor=c.routed_scaling_factor, num_shared=num_shared,
+        routed_scaling_factor=c.routed_scaling_factor, num_shared=num_shared, held=p.held,
     )
 
 
@@ -67,7 +69,8 @@ def shared_experts(p: MoEParams, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
-    """Routed experts plus shared experts: x [T, D] -> [T, D] in at least float32.
+    """Routed experts plus shared experts: x [T, D] -> [T, D] in at least float32 (an
+    expert-parallel rank's partial sum: its experts, its rows' shared experts).
 
     The sum over experts stays in float32 up to the residual add (`rms_norm`
     rounds once, to the residual's dtype), which spares the fused MoE a pass
@@ -75,8 +78,9 @@ def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig,
     """
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     # A batch-invariant table keeps the shared experts in the fused call at every size: the
-    # dense GEMMs and the separate add would give a token other bits in a larger step.
-    if p.num_shared and (ops.batch_invariant or x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS):
+    # dense GEMMs and the separate add would give a token other bits in a larger step. So does
+    # an expert-parallel rank, which runs them for its share of the rows only.
+    if p.num_shared and (ops.batch_invariant or p.held is not None or x.shape[0] <= SHARED_IN_FUSED_MAX_TOKENS):
         topk_weights, topk_ids = route(p, x, valid, config, ops, num_shared=p.num_shared)
         return ops.moe.fused_moe(x, p.w13, p.w2, topk_weights, topk_ids, out_dtype=out_dtype)
     topk_weights, topk_ids = route(p, x, valid, config, ops)

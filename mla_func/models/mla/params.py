@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -29,13 +29,11 @@ from tqdm.auto import tqdm
 from mla_func.core.config import ModelConfig
 from mla_func.core.params import Params, TensorFetch, TensorGet, checked_fetch
 from mla_func.core.rope_tables import rope_positions, rope_tables
+from mla_func.kernels.held_experts import HeldExperts
 from mla_func.kernels.quantized import (BlockFP8Weight, Weight, cat_rows, dequantized, slice_block, split_heads,
                                         stack_experts)
 from mla_func.models.mla.indexer_params import IndexerParams, indexer_params, indexer_projections
-from mla_func.pytree import register_dataclass
-
-if TYPE_CHECKING:  # annotation only: `expert_shard` builds on this module
-    from mla_func.models.mla.expert_shard import ExpertShardParams
+from mla_func.pytree import register_dataclass, static_field
 
 
 @register_dataclass
@@ -76,20 +74,25 @@ class MoEParams:
     Experts [0, E) are routed; [E, E + S) are the shared experts, slices of I
     columns of the checkpoint's shared MLP, which every token takes with weight 1.
     Stacked with the routed ones, a decode step runs them in the same fused call.
+    An expert-parallel rank (`held`, `expert_shard`) holds R = held.count of the routed
+    experts whole, from the router's held.first, then every shared expert whole, which it
+    runs for its share of the rows (`kernels.held_experts`).
     """
 
     gate: torch.Tensor                    # [E, D] router weight, float32 (or float64 in a float64 model)
-    w13: Weight                           # [E + S, 2I, D]
-    w2: Weight                            # [E + S, D, I]
+    w13: Weight                           # [R + S, 2I, D] (R = E with one rank)
+    w2: Weight                            # [R + S, D, I]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32, noaux_tc only
+    held: HeldExperts | None = static_field(default=None)  # an expert-parallel rank's experts; None: all
 
     @property
     def num_routed(self) -> int:
-        return self.gate.shape[0]
+        """R: the routed experts w13 holds (all the router's E, or an expert-parallel rank's)."""
+        return self.gate.shape[0] if self.held is None else self.held.count
 
     @property
     def num_shared(self) -> int:
-        return self.w13.shape[0] - self.gate.shape[0]
+        return self.w13.shape[0] - self.num_routed
 
 
 @register_dataclass
@@ -98,7 +101,7 @@ class LayerParams:
     input_norm: torch.Tensor              # [D]
     attn: AttentionParams
     post_attention_norm: torch.Tensor     # [D]
-    mlp: MLPParams | MoEParams | ExpertShardParams  # the last: an expert-parallel rank's share (`expert_shard`)
+    mlp: MLPParams | MoEParams
     indexer: IndexerParams | None = None  # DeepSeek-V3.2's sparse-attention indexer
 
 

@@ -18,7 +18,7 @@ only its bytes:
   then see the same bits everywhere and agree by construction.
 
 With expert parallelism the experts' tensors are read whole (a rank reads only its own routed
-experts, and cuts the shared ones in memory: `expert_shard`). With data-parallel attention the
+experts, and every shared expert: `expert_shard`). With data-parallel attention the
 attention and the embedding and LM head are whole on every rank (each attends for its own
 requests); the MLPs and experts are cut as above.
 """
@@ -45,7 +45,7 @@ def mla_tensor_split(config: ModelConfig, sharding: Sharding) -> SplitRule:
     """The rule of the module docstring for `sharding`, after checking every split width divides."""
     c = config
     mlp_widths = {"intermediate_size": c.intermediate_size}
-    if c.n_routed_experts:
+    if c.n_routed_experts and not sharding.expert_parallel:  # expert-parallel: every expert whole
         mlp_widths["moe_intermediate_size"] = c.moe_intermediate_size
     # The MTP layer (`models.mtp.params`) follows the decoder layers; its copies are cut as the originals.
     mtp = f"model.layers.{c.num_hidden_layers}."

@@ -21,7 +21,7 @@ from mla_func.core.exchange import shared_token_block
 from mla_func.core.layers import LayerContext
 from mla_func.core.params import Params, TensorFetch
 from mla_func.kernels import Ops
-from mla_func.models.expert_parallel import expert_range, held_expert_ids
+from mla_func.models.expert_parallel import expert_range
 from mla_func.models.v4.config import v4_fields
 from mla_func.models.v4.hash_moe import route, shared_apart, v4_moe
 from mla_func.models.v4.params import V4ExpertShardParams, V4LayerParams, V4MoEParams
@@ -32,9 +32,8 @@ def expert_shard_moe(p: V4ExpertShardParams, x: torch.Tensor, input_ids: torch.T
                      config: ModelConfig, ops: Ops) -> torch.Tensor:
     """This rank's partial sum of the MoE block: x [T, D], input_ids [T], valid [T] bool -> [T, D]."""
     v = v4_fields(config)
-    weights, ids = route(p, x, input_ids, valid, config, ops)                             # [T, k], ids of all E
-    held = range(p.first_expert, p.first_expert + p.w13.shape[0])
-    out = ops.v4.clamped_experts(x, p.w13, p.w2, weights, held_expert_ids(ids, held), limit=v.swiglu_limit)
+    weights, ids = route(p, x, input_ids, valid, config, ops)                   # [T, k], ids of the rank's own
+    out = ops.v4.clamped_experts(x, p.w13, p.w2, weights, ids, limit=v.swiglu_limit)
     shared = shared_apart(p, x, valid, v.swiglu_limit, ops)
     return out if shared is None else out + shared
 

@@ -14,6 +14,7 @@ import torch
 
 from mla_func.core.config import ModelConfig
 from mla_func.kernels import Ops
+from mla_func.kernels.held_experts import HeldExperts
 from mla_func.models.v4.config import v4_fields
 from mla_func.models.expert_parallel import every_shared_expert
 from mla_func.models.v4.params import V4ExpertShardParams, V4MoEParams
@@ -25,14 +26,18 @@ def route(p: V4MoEParams | V4ExpertShardParams, x: torch.Tensor, input_ids: torc
 
     The routed experts come first (from `tid2eid` for a hash layer, else the top-k of
     score + bias), then num_shared = S shared experts (stacked after the routed ones in
-    w13 / w2) with weight 1. Padded rows get id -1 and weight 0: they take no expert. One op,
+    w13 / w2) with weight 1. Padded rows get id -1 and weight 0: they take no expert. An
+    expert-parallel rank's ids are among the experts it holds (the others' -1). One op,
     `moe.route`, the routing of every MoE model here, with V4's scoring and fixed ids.
     """
     fixed = p.tid2eid[input_ids] if p.tid2eid is not None else None
+    # An expert-parallel rank's ids come numbered among the experts it holds, -1 for the others'.
+    held = HeldExperts(p.first_expert, p.w13.shape[0]) if isinstance(p, V4ExpertShardParams) else None
     return ops.moe.route(x, p.gate, p.e_score_correction_bias if fixed is None else None, valid,
                          top_k=config.num_experts_per_tok, scoring_func=config.scoring_func, topk_method="greedy",
                          n_group=None, topk_group=None, norm_topk_prob=True,
-                         routed_scaling_factor=config.routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed)
+                         routed_scaling_factor=config.routed_scaling_factor, num_shared=num_shared, fixed_ids=fixed,
+                         held=held)
 
 
 def shared_apart(p: V4MoEParams | V4ExpertShardParams, x: torch.Tensor, valid: torch.Tensor, limit: float,
