@@ -4,6 +4,9 @@ where they do not. On the GPU, a whole FP8 model: Triton = torch backend, graphs
 
 from __future__ import annotations
 
+import dataclasses
+
+import optree
 import pytest
 import torch
 
@@ -60,17 +63,36 @@ def test_fused_moe_takes_stacked_pairs(num_tokens, device):
     assert_close(got, want, torch.float32)
 
 
+def _is_pair(node: object) -> bool:
+    return isinstance(node, BlockFP8Weight)
+
+
+def _activation_scales_as(model: mf.Model, scale_fmt: str) -> mf.Model:
+    """The model with every FP8 pair's w8a8 activation scales in `scale_fmt` (as a checkpoint's
+    quantization_config `scale_fmt` sets them on load)."""
+    params = optree.tree_map(lambda w: dataclasses.replace(w, activation_scale_fmt=scale_fmt) if _is_pair(w) else w,
+                             model.params, is_leaf=_is_pair, namespace=mf.pytree.NAMESPACE)
+    return dataclasses.replace(model, params=params)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("w8a8", [False, True], ids=["dequantized", "w8a8"])
-def test_an_fp8_model_on_triton_equals_torch_and_its_graphs_equal_eager(w8a8):
+@pytest.mark.parametrize("w8a8, scale_fmt", [(False, "fp32"), (True, "fp32"), (True, "ue8m0")],
+                         ids=["dequantized", "w8a8", "w8a8-ue8m0"])
+def test_an_fp8_model_on_triton_equals_torch_and_its_graphs_equal_eager(w8a8, scale_fmt):
     """A V3-shaped toy in FP8 (the `tiny` preset's projections as pairs, the same values in both dtypes),
-    bf16 activations, engines with and without w8a8 steps: the Triton table's prompt logits near a float32
-    run of the same scheme, within a bound of the torch table's own distance, and graph replays give eager's
-    tokens. This random toy amplifies rounding (on an H100 the torch table's bf16 run is 0.12 from float32,
-    the Triton table's 0.23): the bound is loose, the kernels' own tests (`test_fp8_triton`) hold each
-    product to bf16 tolerance."""
-    model = mf.load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=0, quantization="fp8")
-    truth_model = mf.load_model("tiny", dtype=torch.float32, device="cuda", seed=0, quantization="fp8")
+    bf16 activations, engines with and without w8a8 steps (and w8a8 with power-of-two activation scales,
+    `scale_fmt: ue8m0`): the Triton table's prompt logits near a float32 run of the same scheme, within a
+    bound of the torch table's own distance, and graph replays give eager's tokens. This random toy
+    amplifies rounding (on an H100 the torch table's bf16 run is 0.12 from float32, the Triton table's
+    0.23): the bound is loose, the kernels' own tests (`test_fp8_triton`) hold each product to bf16
+    tolerance."""
+    model = _activation_scales_as(
+        mf.load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=0, quantization="fp8"), scale_fmt)
+    truth_model = _activation_scales_as(
+        mf.load_model("tiny", dtype=torch.float32, device="cuda", seed=0, quantization="fp8"), scale_fmt)
+    pairs = [w for w in optree.tree_leaves(model.params, is_leaf=_is_pair, namespace=mf.pytree.NAMESPACE)
+             if _is_pair(w)]
+    assert pairs and {w.activation_scale_fmt for w in pairs} == {scale_fmt}
     assert any(isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float8_e4m3fn
                for leaf in mf.pytree.tree_leaves(model.params))
     prompts = [list(range(3, 40)), list(range(50, 61))]
