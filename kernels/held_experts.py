@@ -4,10 +4,11 @@ Rank r of n holds routed experts [first, first + count) whole. The router scores
 every rank and sees the same bits everywhere, so every rank makes the same choice; the route op keeps
 the chosen experts the rank holds, numbered from 0 (its w13[0] is expert `first`), and gives the
 others id -1 and weight 0, so they take no expert here. Shared experts, which every token takes, are
-held whole on every rank and run on one rank a token: rank r takes them for rows t with
-t % n == r. The ranks' partial sums then add up to every token's routed and shared outputs once, in
-one fused call a rank with no id arithmetic of its own, and the shared experts' work is dealt evenly
-at any batch (at batch 1 one rank takes it).
+held whole on every rank (DeepSeek-V2/V3/V3.2's, stacked after the routed ones) and run on one rank a
+token: rank r takes them for rows t with t % n == r. The ranks' partial sums then add up to every
+token's routed and shared outputs once, in one fused call a rank with no id arithmetic of its own,
+and the shared experts' work is dealt evenly at any batch (at batch 1 one rank takes it). V4 holds its
+shared experts apart, cut by columns, and routes with no shared experts here (rank 0 of 1).
 """
 
 from __future__ import annotations

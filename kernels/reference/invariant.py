@@ -22,9 +22,9 @@ from typing import overload
 import torch
 
 from ..checks import as_dtype, check_shape
-from ..held_experts import HeldExperts
 from ..dequantizing import (DequantizingAbsorbQuery, DequantizingFusedMoe, DequantizingLinear, DequantizingMlaDecode,
                             DequantizingRmsNormLinear, DequantizingSparseMlaDecode, DequantizingWriteLatentAbsorb)
+from ..held_experts import HeldExperts
 from ..latent_cache import LatentCache, latent_rows
 from ..ops import Ops
 from . import attention as ref_attention
