@@ -7,8 +7,10 @@ others id -1 and weight 0, so they take no expert here. Shared experts, which ev
 held whole on every rank (DeepSeek-V2/V3/V3.2's, stacked after the routed ones) and run on one rank a
 token: rank r takes them for rows t with t % n == r. The ranks' partial sums then add up to every
 token's routed and shared outputs once, in one fused call a rank with no id arithmetic of its own,
-and the shared experts' work is dealt evenly at any batch (at batch 1 one rank takes it). V4 holds its
-shared experts apart, cut by columns, and routes with no shared experts here (rank 0 of 1).
+and the shared experts' work is dealt evenly at any batch (at batch 1 one rank takes it). Which rank's
+partial sum carries a token's shared output follows the token's row, so the sum's rounding does too
+(batch invariance is promised for one process only). V4 holds its shared experts apart, cut by
+columns, and routes with no shared experts here (rank 0 of 1).
 """
 
 from __future__ import annotations

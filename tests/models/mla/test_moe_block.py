@@ -73,3 +73,35 @@ def test_export_rebuilds_the_shared_mlp(pair):
     for name, want in reference.state_dict().items():
         if "shared_experts" in name or "q_proj" in name or "kv_a_proj" in name or "q_a_proj" in name:
             assert torch.equal(tensors[name], want), name
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 7, SHARED_IN_FUSED_MAX_TOKENS + 3])
+def test_expert_parallel_ranks_partial_sums_add_up_to_the_block(pair, num_tokens, ranks):
+    """Each expert-parallel rank's block as `expert_shard` holds it (its routed experts whole, every shared
+    expert whole, `held` saying which): its partial sum takes its own routed experts' share of every token
+    and the shared experts of its rows only, so the ranks' sums add up to the whole block, above the size
+    where one process takes the dense shared GEMMs too; a padded row takes nothing on any rank."""
+    from mla_func.kernels.held_experts import HeldExperts
+    from mla_func.models.expert_parallel import expert_range
+
+    _, model = pair
+    p, config, ops = model.params.layers[1].mlp, model.config, ops_for("torch")
+    x = torch.randn(num_tokens, config.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(num_tokens))
+    valid = torch.ones(num_tokens, dtype=torch.bool)
+    valid[-1] = num_tokens == 1  # a padded last row, but for the one-row step
+    whole = moe(p, x, valid, config, ops)
+    shared = slice(p.num_routed, p.num_routed + p.num_shared)
+    partials = []
+    for rank in range(ranks):
+        held = expert_range(config, rank, ranks)
+        keep = torch.cat([torch.arange(held.start, held.stop), torch.arange(shared.start, shared.stop)])
+        share = MoEParams(gate=p.gate, w13=p.w13[keep], w2=p.w2[keep], e_score_correction_bias=p.e_score_correction_bias,
+                          held=HeldExperts(first=held.start, count=len(held), rank=rank, ranks=ranks))
+        assert share.num_routed == len(held) and share.num_shared == p.num_shared
+        partials.append(moe(share, x, valid, config, ops))
+    # (One process's dense shared GEMMs, above SHARED_IN_FUSED_MAX_TOKENS, also fill padded rows, which
+    # no one reads: the real rows are the block's.)
+    assert rel_err(sum(partials)[valid], whole[valid]) < 1e-12
+    assert all(torch.all(part[~valid] == 0) for part in partials)
