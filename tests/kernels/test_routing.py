@@ -194,9 +194,9 @@ def test_fixed_ids_take_their_scores(num_tokens, dtype, device):
 @pytest.mark.parametrize("rank", [0, 1, 2])
 @pytest.mark.parametrize("method", [V2_LITE, V3_TINY], ids=["greedy", "noaux_tc"])
 def test_held_experts_renumber_the_choice_and_deal_the_shared_rows(method, rank, num_tokens, device):
-    """An expert-parallel rank of 3: its chosen experts numbered among those it holds, the others -1
-    and weight 0; the shared experts after its own, on rows t % 3 == rank only. Over the ranks every
-    (row, expert) pair of the whole choice is taken exactly once."""
+    """An expert-parallel rank of 3 (each holding a quarter of the experts, so some choices fall on experts
+    no rank here holds): the chosen experts it holds numbered among its own with the whole choice's
+    weights, every other -1 and weight 0; the shared experts after its own, on rows t % 3 == rank only."""
     num_experts, args = method
     per_rank, k, ranks = num_experts // 4, args["top_k"], 3  # 3 ranks holding a quarter each: one quarter unheld
     held = HeldExperts(first=rank * per_rank, count=per_rank, rank=rank, ranks=ranks)
