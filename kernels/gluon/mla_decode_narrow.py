@@ -1,29 +1,36 @@
-"""Absorbed MLA decode of few heads on Hopper's warpgroup MMA, keys as the products' rows.
+"""Absorbed MLA decode of few heads over an FP8 latent cache on Hopper's warpgroup MMA, keys as the products' rows.
 
 `mla_decode` puts 64 query rows a program on the warpgroup MMA's M; a sequence of 16 heads (DeepSeek-V2-Lite,
 or V3 under eight-way tensor parallelism) has 16 rows, a quarter of that. Here the products run transposed:
 the key tile is the M side and the heads the N side, so 16 heads fill an N of 16 and nothing is padded:
 
-    S^T [64, H]  = K_nope Q_nope^T + K_pe Q_pe^T   keys (A) and queries (B) from shared memory
+    S^T [64, H]  = K_nope Q_nope^T x q_scale + K_pe Q_pe^T   keys (A) and queries (B) from shared memory
     online softmax over S^T's rows (a head's keys), base 2, -inf past the split or the sequence
-    O^T [C, H]  += K_nope^T P^T                    K_nope read transposed (A), P^T through shared memory (B)
+    O^T [C, H]  += K_nope^T P^T                               K_nope read transposed (A), P^T through shared memory (B)
 
 One program: the H <= BLOCK_H = 16 heads of one sequence (one query each) over one split of its keys, one
 warpgroup, one stage of 64 keys gathered through the block table by `cp.async`; two programs share a
 multiprocessor, so one's copies run under the other's products.
 
-Its purpose is the FP8 latent cache (`FP8LatentCache`): a tile's e4m3 values come as bytes, the first half of
-each row's into a buffer of their own and the second half into the stage's first quarter, and are widened
-into the stage (`_widen`) to the dequantized rows, a group of 128 columns at a time. The next tile's
-first half is copied as soon as the widening has read this one's, its RoPE values after the score product, its
-second half after the value product. Over a 16-bit cache (FP8 False) it reads the tiles as they are, which the
-tests use to check the FP8 path bit for bit (the op keeps the chunked `tl.dot` kernel for a 16-bit cache,
-which streams it as fast).
+It reads the FP8 latent cache (`FP8LatentCache`): a tile's e4m3 values come as bytes, the first half of each
+row's into a buffer of their own and the second half into the stage's first quarter, and are widened into the
+stage (`_widen`), a group of 128 columns at a time. The latent products run in float16, not in the queries'
+dtype: an e4m3 value is exact in float16, so widening is one conversion (two values an instruction) and one
+float16 product by the group's scale (rounded to float16), where the queries' bf16 took a float32 product and a
+rounding (B64 x 32K at 16 heads on an H200: 549 us against 594-607, bench/notes/fp8.md), and the widened rows
+keep 11 significant bits, not bf16's 8: the outputs are nearer the float32-dequantized rows than the bf16 rows
+`FP8LatentCache.rows` gives are. So that float16 holds them, Q_nope is divided by a power of two a head
+(`q_scale`, 1 unless a head's largest magnitude reaches 2^15; exact) and the score multiplied back, and a scale
+above 65504 / 448 (a latent group of larger magnitudes, which float16 cannot hold) is clipped to it. The RoPE
+product stays in the queries' dtype; P is float16 (its weights are at most 1). The next tile's first half is
+copied as soon as the widening has read this one's, its RoPE values after the score product, its second half
+after the value product. (A plain cache keeps the chunked `tl.dot` kernel, which streams it as fast.)
 
-Shared memory: the stage (64 x 576 16-bit values, 72 KiB), the first halves' bytes (16 KiB), Q (16 x 576) and
-P^T (64 x 16), 108 KiB: two programs a multiprocessor. An earlier form, two warpgroups of 8 heads each over two
-stages (one program a multiprocessor), read each tile twice in its products and ran 1.38 times slower at
-B64 x 32K (bench/notes/fp8.md). Its output is the `tl.dot` kernels' split partials, merged by `decode_merge`.
+Shared memory: the stage (64 x 512 float16 values and 64 x 64 RoPE values, 72 KiB), the first halves' bytes
+(16 KiB), Q (16 x 576) and P^T (64 x 16), 108 KiB: two programs a multiprocessor. An earlier form, two
+warpgroups of 8 heads each over two stages (one program a multiprocessor), read each tile twice in its products
+and ran 1.38 times slower at B64 x 32K (bench/notes/fp8.md). Its output is the `tl.dot` kernels' split
+partials, merged by `decode_merge`.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _copy_keys, _locate, _pages, available, copy_fp8_half, copy_rope,
-                         copyable, load_scales)
+from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _locate, _pages, available, copy_fp8_half, copy_rope, copyable,
+                         load_scales)
 
 # Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16
@@ -43,11 +50,15 @@ BLOCK_N = 64
 NUM_WARPS = 4
 
 
-def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+# The largest group scale the float16 stage takes: 448 times it is float16's largest finite value, 65504.
+SCALE_MAX = 146.0
+
+
+def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8: bool,
             device: torch.device) -> bool:
-    """Whether the kernel takes a decode: one query of at most BLOCK_H heads a sequence, 16-bit, over a cache of
-    DeepSeek's widths (C = 512, R = 64) on a Hopper GPU."""
-    return (dtype in (torch.bfloat16, torch.float16) and q_len == 1 and num_heads <= BLOCK_H
+    """Whether the kernel takes a decode: one 16-bit query of at most BLOCK_H heads a sequence over an FP8 cache
+    of DeepSeek's widths (C = 512, R = 64) on a Hopper GPU."""
+    return (fp8 and dtype in (torch.bfloat16, torch.float16) and q_len == 1 and num_heads <= BLOCK_H
             and kv_lora_rank == KV_LORA_RANK and rope_dim == ROPE_DIM and available(device))
 
 
@@ -105,25 +116,48 @@ def _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_s
 
 
 @gluon.jit
-def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
-    # The stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart: each e4m3 value times
-    # its group's scale [BLOCK_N] in float32, rounded once to k_nope's dtype (the rows `FP8LatentCache.rows`
-    # gives), a group of 128 columns at a time, so that one group's values alone are live (widening in place,
-    # as `mla_decode._widen` does, holds all four across its wait). Only the first group's 16-bit columns cover
+def _widened(values, scale, SCALE_MAX: gl.constexpr):
+    # e4m3 values [BLOCK_N, 128] times their row's group scale [BLOCK_N], in float16: the conversion is exact, the
+    # product rounded once (the scale first rounded to float16, clipped to SCALE_MAX).
+    return values.to(gl.float16) * gl.expand_dims(gl.minimum(scale, SCALE_MAX).to(gl.float16), 1)
+
+
+@gluon.jit
+def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr, SCALE_MAX: gl.constexpr):
+    # The float16 stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart (`_widened`), a
+    # group of 128 columns at a time, so that one group's values alone are live (widening in place, as
+    # `mla_decode._widen` does, holds all four across its wait). Only the first group's 16-bit columns cover
     # `_high_bytes`: the last two groups (read from there) are written at once, and the first two once every
     # thread has read them.
     GROUP: gl.constexpr = 128
     high = _high_bytes(k_nope)
-    dtype: gl.constexpr = k_nope.dtype
-    f2 = high.slice(0, GROUP, dim=1).load(fp8_layout)
-    k_nope.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
-    f3 = high.slice(GROUP, GROUP, dim=1).load(fp8_layout)
-    k_nope.slice(3 * GROUP, GROUP, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
+    k_nope.slice(2 * GROUP, GROUP, dim=1).store(_widened(high.slice(0, GROUP, dim=1).load(fp8_layout), sc2,
+                                                         SCALE_MAX))
+    k_nope.slice(3 * GROUP, GROUP, dim=1).store(_widened(high.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc3,
+                                                         SCALE_MAX))
     gl.thread_barrier()
-    f0 = low_bytes.slice(0, GROUP, dim=1).load(fp8_layout)
-    k_nope.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
-    f1 = low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout)
-    k_nope.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
+    k_nope.slice(0, GROUP, dim=1).store(_widened(low_bytes.slice(0, GROUP, dim=1).load(fp8_layout), sc0,
+                                                 SCALE_MAX))
+    k_nope.slice(GROUP, GROUP, dim=1).store(_widened(low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc1,
+                                                     SCALE_MAX))
+
+
+@gluon.jit
+def _store_query(q_nope, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK: gl.constexpr, q_layout: gl.constexpr):
+    # Sequence b's Q_nope [BLOCK_H, C] into the float16 q_nope, each head divided by a power of two that brings
+    # its largest magnitude to at most 2^15 (1 below that; exact either way); returns the powers [BLOCK_H]
+    # (SliceLayout(1, q_layout)), by which the scores are multiplied back. Heads past num_heads are 0.
+    BLOCK_H: gl.constexpr = q_nope.shape[0]
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+    rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads * s_qh, 1)
+    q = gl.load(rows + gl.expand_dims(cols * s_qd, 0), mask=gl.expand_dims(heads < num_heads, 1), other=0.0)
+    q = q.to(gl.float32)
+    largest = gl.max(gl.abs(q), axis=1)
+    # A head of zeros (or a padded one): log2 is -inf, the power 1.
+    q_scale = gl.exp2(gl.maximum(gl.ceil(gl.log2(largest)) - 15.0, 0.0))
+    q_nope.store((q * gl.expand_dims(1.0 / q_scale, 1)).to(gl.float16))
+    return q_scale
 
 
 # The split count follows the batch size: as a specialised int it would compile a kernel per value.
@@ -136,18 +170,17 @@ def _narrow_split_kernel(
     s_btb, s_btw,
     s_pob, s_poh, s_pos, s_pod,
     s_plb, s_plh, s_pls,
-    KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8: gl.constexpr,
+    KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MAX: gl.constexpr,
 ):
     # Program (sequence b, split) over the split's share of b's keys.
     BLOCK_H: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
-    SLAB: gl.constexpr = 64
     LN2: gl.constexpr = 0.6931471805599453
     b = gl.program_id(0)
     split = gl.program_id(1)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    # Key copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
+    # RoPE copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -158,17 +191,16 @@ def _narrow_split_kernel(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_H, 16])
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
 
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem_layout)
+    q_nope = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA_RANK], smem_layout)
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], smem_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)
-    k_nope = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA_RANK], smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_smem_layout)
+    k_nope = gl.allocate_shared_memory(gl.float16, [BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE_DIM], smem_layout)
-    # The first half of each row's e4m3 values (a token buffer over a 16-bit cache, which does not use it).
-    LOW_COLS: gl.constexpr = KV_LORA_RANK // 2 if FP8 else 16
-    low_bytes = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, LOW_COLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    fp8_rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
+    # The first half of each row's e4m3 values.
+    low_bytes = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, KV_LORA_RANK // 2],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     seq_len = gl.load(seq_lens_ptr + b * s_sl)
     # Whole tiles a split, so only a split's last tile is ragged.
@@ -180,45 +212,33 @@ def _narrow_split_kernel(
     offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
 
-    # The queries join the first tile's copy group.
-    heads_q = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    q_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_q * s_qh, 1)
-    cols_q = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
-    async_copy.async_copy_global_to_shared(q_nope, q_rows + gl.expand_dims(cols_q * s_qd, 0),
-                                           gl.expand_dims(heads_q < num_heads, 1))
+    # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them);
+    # a tile's key slots are the cache positions themselves (`_locate` without an index list).
+    pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    _copy_low(low_bytes, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
+    copy_rope(k_pe, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+    # The group scales of the tile being widened, loaded with its second half.
+    sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb,
+                                    s_scd, KV_LORA_RANK, fp8_layout)
+    # Q_pe joins the first tile's copy group; Q_nope is converted under it.
     heads_pe = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_pe_layout))
     cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_pe_layout))
     pe_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_pe * s_qh, 1)
     async_copy.async_copy_global_to_shared(q_pe, pe_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0),
                                            gl.expand_dims(heads_pe < num_heads, 1))
+    async_copy.commit_group()
+    q_scale = gl.convert_layout(_store_query(q_nope, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK, q_layout),
+                                gl.SliceLayout(0, s_layout))
+    pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
+    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
+    copy_valid = valid
+    pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
     acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
-
-    # Tiles are located two ahead (their block-table reads a loop iteration before the copy that needs them);
-    # a tile's key slots are the cache positions themselves (`_locate` without an index list).
-    pos, valid = _locate(start + offs_copy, end, bt_row, 0, 0, False)
-    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    # The group scales of the tile being widened, loaded with its second half (FP8 only; zeros otherwise).
-    sc0 = gl.zeros([BLOCK_N], gl.float32, layout=fp8_rows)
-    sc1 = sc0
-    sc2 = sc0
-    sc3 = sc0
-    if FP8:
-        _copy_low(low_bytes, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
-        copy_rope(k_pe, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
-        sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb,
-                                        s_scd, KV_LORA_RANK, fp8_layout)
-    else:
-        _copy_keys(k_nope, k_pe, v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK,
-                   SLAB, copy_layout)
-    async_copy.commit_group()
-    pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
-    page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    copy_valid = valid
-    pos, valid = _locate(start + 2 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
 
     for t in range(num_tiles):
         n0 = start + t * BLOCK_N
@@ -226,34 +246,28 @@ def _narrow_split_kernel(
         next_valid = valid
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
         async_copy.wait_group(0)
-        if FP8:
-            gl.thread_barrier()
-            _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout)
+        gl.thread_barrier()
+        _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout, SCALE_MAX)
         fence_async_shared()
         gl.thread_barrier()
-        if FP8:
-            # Every thread has read tile t's first halves: tile t + 1's may come.
-            _copy_low(low_bytes, v_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
+        # Every thread has read tile t's first halves: tile t + 1's may come.
+        _copy_low(low_bytes, v_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
 
-        s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        if FP8:
-            # The RoPE columns are the score product's alone.
-            gl.thread_barrier()
-            copy_rope(k_pe, r_ptr, page, offset, copy_valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+        s_nope = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_pe = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_nope, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_nope, s_pe))
+        # The RoPE columns are the score product's alone.
+        gl.thread_barrier()
+        copy_rope(k_pe, r_ptr, page, offset, copy_valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
+        s = s_nope * gl.expand_dims(q_scale, 0) + s_pe
         # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.
         m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, k_nope, p_smem, n0 + offs_n < end, scale_log2,
                                                o_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # Every warp's value product over the stage has retired: the rest of tile t + 1 may come.
         gl.thread_barrier()
-        if FP8:
-            sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_scn,
-                                            s_scb, s_scd, KV_LORA_RANK, fp8_layout)
-        else:
-            _copy_keys(k_nope, k_pe, v_ptr, r_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd,
-                       KV_LORA_RANK, SLAB, copy_layout)
+        sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_scn,
+                                        s_scb, s_scd, KV_LORA_RANK, fp8_layout)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
     async_copy.wait_group(0)
@@ -273,27 +287,26 @@ def _narrow_split_kernel(
              out.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_o < num_heads, 0))
 
 
-def narrow_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
-                        softmax_scale_log2: float, scales: torch.Tensor | None = None) -> None:
+def narrow_split_decode(q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, partial_out: torch.Tensor,
+                        partial_lse: torch.Tensor, *, softmax_scale_log2: float) -> None:
     """Stage 1 of the split decode (`triton.decode.mla_decode`) for at most BLOCK_H heads and one query a
-    sequence, on the warpgroup MMA.
+    sequence over an FP8 cache, on the warpgroup MMA.
 
-    q [B, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two views,
-    in q's dtype), or an FP8 cache's leaves (values float8_e4m3fn, scales [nb, bs, C / 128] float32, rope in q's
-    dtype); block_table [B, W] int32; seq_lens [B] int32; partial_out [B, H, S, C] and partial_lse [B, H, S]
-    (float32 partials, or the outputs viewed as one split) are written: split s of sequence b covers its keys
-    [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S rounded up to whole 64-key tiles. Shapes are
-    the caller's to check (`applies`, `mla_decode.copyable`, `triton.decode.mla_decode`).
+    q [B, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] float8_e4m3fn, scales [nb, bs, C / 128] float32
+    and rope [nb, bs, R] in q's dtype (an `FP8LatentCache`'s leaves); block_table [B, W] int32; seq_lens [B]
+    int32; partial_out [B, H, S, C] and partial_lse [B, H, S] (float32 partials, or the outputs viewed as one
+    split) are written: split s of sequence b covers its keys [s * k, min((s + 1) * k, seq_lens[b])),
+    k = seq_lens[b] / S rounded up to whole 64-key tiles. Shapes are the caller's to check (`applies`,
+    `mla_decode.copyable`, `triton.decode.mla_decode`).
     """
     num_seqs = q.shape[0]
     q = q if copyable(q) else q.contiguous()
-    sc = values if scales is None else scales
     _narrow_split_kernel[(num_seqs, partial_out.shape[2])](
-        q, values, sc, rope, block_table, seq_lens, partial_out, partial_lse,
+        q, values, scales, rope, block_table, seq_lens, partial_out, partial_lse,
         q.shape[1], partial_out.shape[2], softmax_scale_log2, seq_lens.stride(0),
-        *q.stride(), *values.stride(), *sc.stride(), *rope.stride(), *block_table.stride(),
+        *q.stride(), *values.stride(), *scales.stride(), *rope.stride(), *block_table.stride(),
         *partial_out.stride(), *partial_lse.stride(),
-        KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1], FP8=scales is not None,
+        KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, PAGE_SIZE=values.shape[1], SCALE_MAX=SCALE_MAX,
         num_warps=NUM_WARPS,
     )

@@ -106,7 +106,7 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
 _WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True, programs_per_sm=1)
 # One query of up to 16 heads a sequence over an FP8 cache takes the keys-as-rows kernel on Hopper
 # (`gluon.mla_decode_narrow`): B64 x 32K at 16 heads on an H200, 0.60 ms against the `tl.dot` kernel's 1.09 (a
-# plain cache keeps the chunked kernel, 0.57 ms). Two programs a multiprocessor (108 KiB of shared memory each):
+# plain cache keeps the chunked kernel, 0.57 ms; widened into float16 since, 0.55 ms). Two programs a multiprocessor (108 KiB of shared memory each):
 # at B64, 4 splits (256 programs for 264 places) 0.59 ms, 8 splits 0.60; 3 splits (192) or 6 (384) 0.81
 # (bench/notes/fp8.md).
 _NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, narrow=True, programs_per_sm=2)
@@ -155,7 +155,7 @@ def launch_config(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, 
     key = min(64, max(16, next_pow2(num_heads)))
     if wgmma and gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device):
         return _WGMMA_CONFIG
-    if (wgmma and fp8 and gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, device)
+    if (wgmma and gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, dtype, fp8, device)
             and (table_keys is None or table_keys >= _NARROW_MIN_TABLE_KEYS)):
         return _NARROW_CONFIG
     chunkable = (q_len == 1 and not fp8 and dtype != torch.float32 and kv_lora_rank >= 64
@@ -461,14 +461,16 @@ def check_gluon_takes(q: torch.Tensor, parts: LatentParts, q_len: int, config: D
     rope_dim = dim - kv_lora_rank
     if config.wgmma:
         name, takes = "warpgroup-MMA", gluon_decode.applies(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, q.device)
-        rows = f"bf16/fp16 queries, at least {gluon_decode.BLOCK_M} rows (heads x queries) a sequence,"
+        rows = f"bf16/fp16 queries, at least {gluon_decode.BLOCK_M} rows (heads x queries) a sequence, over a cache"
     else:
-        name, takes = "keys-as-rows", gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, q.device)
-        rows = f"one bf16/fp16 query of at most {gluon_narrow.BLOCK_H} heads a sequence,"
+        name, takes = "keys-as-rows", gluon_narrow.applies(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype,
+                                                           parts.fp8, q.device)
+        rows = f"one bf16/fp16 query of at most {gluon_narrow.BLOCK_H} heads a sequence, over an FP8 cache"
     if not (takes and gluon_decode.copyable(parts.values, parts.rope)):
-        raise ValueError(f"config: the {name} kernel takes {rows} over a cache with kv_lora_rank="
+        raise ValueError(f"config: the {name} kernel takes {rows} with kv_lora_rank="
                          f"{gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM} and rows of 16-byte aligned "
                          f"contiguous columns on a Hopper GPU, got {q.dtype}, {num_heads} heads x q_len={q_len}, "
+                         f"{'an FP8' if parts.fp8 else 'a plain'} cache, "
                          f"kv_lora_rank={kv_lora_rank}, rope {rope_dim}, cache strides {tuple(parts.values.stride())} "
                          f"on {q.device}")
 
@@ -549,9 +551,8 @@ def mla_decode(
                                         scales=parts.scales if parts.fp8 else None)
     elif config.narrow:
         check_gluon_takes(q, parts, q_len, config)
-        gluon_narrow.narrow_split_decode(q, parts.values, parts.rope, block_table, seq_lens, partial_out, partial_lse,
-                                         softmax_scale_log2=softmax_scale * LOG2E,
-                                         scales=parts.scales if parts.fp8 else None)
+        gluon_narrow.narrow_split_decode(q, parts.values, parts.scales, parts.rope, block_table, seq_lens, partial_out,
+                                         partial_lse, softmax_scale_log2=softmax_scale * LOG2E)
     elif config.chunks == 4:
         if q_len != 1 or kv_lora_rank < 64 or next_pow2(kv_lora_rank) != kv_lora_rank:
             raise ValueError(f"config: four chunks take one query a row and a power-of-two kv_lora_rank of at least "
