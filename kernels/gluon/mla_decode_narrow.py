@@ -4,7 +4,7 @@
 or V3 under eight-way tensor parallelism) has 16 rows, a quarter of that. Here the products run transposed:
 the key tile is the M side and the heads the N side, so 16 heads fill an N of 16 and nothing is padded:
 
-    S^T [64, H]  = K_nope Q_nope^T x q_scale + K_pe Q_pe^T   keys (A) and queries (B) from shared memory
+    S^T [64, H]  = (K_nope Q_nope'^T + K_pe Q_pe'^T) q_scale  keys (A) and queries (B) from shared memory
     online softmax over S^T's rows (a head's keys), base 2, -inf past the split or the sequence
     O^T [C, H]  += K_nope^T P^T                               K_nope read transposed (A), P^T through shared memory (B)
 
@@ -19,8 +19,8 @@ dtype: an e4m3 value is exact in float16, so widening is one conversion (two val
 float16 product by the group's scale (rounded to float16), where the queries' bf16 took a float32 product and a
 rounding (B64 x 32K at 16 heads on an H200: 549 us against 594-607, bench/notes/fp8.md), and the widened rows
 keep 11 significant bits, not bf16's 8: the outputs are nearer the float32-dequantized rows than the bf16 rows
-`FP8LatentCache.rows` gives are. So that float16 holds them, Q_nope is divided by a power of two a head
-(`q_scale`, 1 unless a head's largest magnitude reaches 2^15; exact) and the score multiplied back, and a scale
+`FP8LatentCache.rows` gives are. So that float16 holds them, a head's query is divided by a power of two
+(`q_scale`, 1 unless its largest Q_nope magnitude passes 2^15; exact) and its scores multiplied back, and a scale
 above 65504 / 448 (a latent group of larger magnitudes, which float16 cannot hold) is clipped to it. The RoPE
 product stays in the queries' dtype; P is float16 (its weights are at most 1). The next tile's first half is
 copied as soon as the widening has read this one's, its RoPE values after the score product, its second half
@@ -104,26 +104,30 @@ def _copy_low(low_bytes, v_ptr, page, offset, valid, s_vn, s_vb, s_vd, KV_LORA_R
 
 @gluon.jit
 def _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb, s_scd,
-               KV_LORA_RANK: gl.constexpr, fp8_layout: gl.constexpr):
+               KV_LORA_RANK: gl.constexpr, fp8_layout: gl.constexpr, SCALE_MAX: gl.constexpr):
     # Starts copying the last C / 2 e4m3 values of the rows at (page, offset) [BLOCK_N] into the stage's first
-    # quarter (`_high_bytes`); returns the rows' four group scales (SliceLayout(1, fp8_layout)).
+    # quarter (`_high_bytes`); returns the rows' four group scales (SliceLayout(1, fp8_layout)), clipped to
+    # SCALE_MAX as they load (clipped as they widen, the compares cost registers: B64 x 32K at 601 us against
+    # 553 on an H200).
     rows: gl.constexpr = gl.SliceLayout(1, fp8_layout)
     page8 = gl.convert_layout(page, rows)
     offset8 = gl.convert_layout(offset, rows)
     valid8 = gl.convert_layout(valid, rows)
     copy_fp8_half(_high_bytes(k_nope), 1, v_ptr, page8, offset8, valid8, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
-    return load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+    sc0, sc1, sc2, sc3 = load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
+    return (gl.minimum(sc0, SCALE_MAX), gl.minimum(sc1, SCALE_MAX), gl.minimum(sc2, SCALE_MAX),
+            gl.minimum(sc3, SCALE_MAX))
 
 
 @gluon.jit
-def _widened(values, scale, SCALE_MAX: gl.constexpr):
-    # e4m3 values [BLOCK_N, 128] times their row's group scale [BLOCK_N], in float16: the conversion is exact, the
-    # product rounded once (the scale first rounded to float16, clipped to SCALE_MAX).
-    return values.to(gl.float16) * gl.expand_dims(gl.minimum(scale, SCALE_MAX).to(gl.float16), 1)
+def _widened(values, scale):
+    # e4m3 values [BLOCK_N, 128] times their row's group scale [BLOCK_N] (`_copy_high`'s), in float16: the
+    # conversion is exact, the product rounded once (the scale first rounded to float16).
+    return values.to(gl.float16) * gl.expand_dims(scale.to(gl.float16), 1)
 
 
 @gluon.jit
-def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr, SCALE_MAX: gl.constexpr):
+def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
     # The float16 stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart (`_widened`), a
     # group of 128 columns at a time, so that one group's values alone are live (widening in place, as
     # `mla_decode._widen` does, holds all four across its wait). Only the first group's 16-bit columns cover
@@ -131,23 +135,22 @@ def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr, SCAL
     # thread has read them.
     GROUP: gl.constexpr = 128
     high = _high_bytes(k_nope)
-    k_nope.slice(2 * GROUP, GROUP, dim=1).store(_widened(high.slice(0, GROUP, dim=1).load(fp8_layout), sc2,
-                                                         SCALE_MAX))
-    k_nope.slice(3 * GROUP, GROUP, dim=1).store(_widened(high.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc3,
-                                                         SCALE_MAX))
+    k_nope.slice(2 * GROUP, GROUP, dim=1).store(_widened(high.slice(0, GROUP, dim=1).load(fp8_layout), sc2))
+    k_nope.slice(3 * GROUP, GROUP, dim=1).store(_widened(high.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc3))
     gl.thread_barrier()
-    k_nope.slice(0, GROUP, dim=1).store(_widened(low_bytes.slice(0, GROUP, dim=1).load(fp8_layout), sc0,
-                                                 SCALE_MAX))
-    k_nope.slice(GROUP, GROUP, dim=1).store(_widened(low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc1,
-                                                     SCALE_MAX))
+    k_nope.slice(0, GROUP, dim=1).store(_widened(low_bytes.slice(0, GROUP, dim=1).load(fp8_layout), sc0))
+    k_nope.slice(GROUP, GROUP, dim=1).store(_widened(low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc1))
 
 
 @gluon.jit
-def _store_query(q_nope, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK: gl.constexpr, q_layout: gl.constexpr):
-    # Sequence b's Q_nope [BLOCK_H, C] into the float16 q_nope, each head divided by a power of two that brings
-    # its largest magnitude to at most 2^15 (1 below that; exact either way); returns the powers [BLOCK_H]
-    # (SliceLayout(1, q_layout)), by which the scores are multiplied back. Heads past num_heads are 0.
+def _store_query(q_nope, q_pe, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK: gl.constexpr,
+                 q_layout: gl.constexpr, q_pe_layout: gl.constexpr):
+    # Sequence b's query into q_nope [BLOCK_H, C] (float16) and q_pe [BLOCK_H, R] (q's dtype), each head divided
+    # by a power of two that brings its largest Q_nope magnitude to at most 2^15 (1 below that; exact either
+    # way); returns the powers [BLOCK_H] (SliceLayout(1, q_layout)), by which the scores are multiplied back.
+    # Heads past num_heads are 0.
     BLOCK_H: gl.constexpr = q_nope.shape[0]
+    ROPE_DIM: gl.constexpr = q_pe.shape[1]
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
     cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
     rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads * s_qh, 1)
@@ -157,6 +160,13 @@ def _store_query(q_nope, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK: gl
     # A head of zeros (or a padded one): log2 is -inf, the power 1.
     q_scale = gl.exp2(gl.maximum(gl.ceil(gl.log2(largest)) - 15.0, 0.0))
     q_nope.store((q * gl.expand_dims(1.0 / q_scale, 1)).to(gl.float16))
+    heads_pe = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_pe_layout))
+    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_pe_layout))
+    pe_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_pe * s_qh, 1)
+    pe = gl.load(pe_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0),
+                 mask=gl.expand_dims(heads_pe < num_heads, 1), other=0.0)
+    pe_scale = gl.convert_layout(1.0 / q_scale, gl.SliceLayout(1, q_pe_layout))
+    q_pe.store((pe.to(gl.float32) * gl.expand_dims(pe_scale, 1)).to(q_pe.dtype))
     return q_scale
 
 
@@ -220,16 +230,11 @@ def _narrow_split_kernel(
     copy_rope(k_pe, r_ptr, page, offset, valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
     # The group scales of the tile being widened, loaded with its second half.
     sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_scn, s_scb,
-                                    s_scd, KV_LORA_RANK, fp8_layout)
-    # Q_pe joins the first tile's copy group; Q_nope is converted under it.
-    heads_pe = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_pe_layout))
-    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_pe_layout))
-    pe_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_pe * s_qh, 1)
-    async_copy.async_copy_global_to_shared(q_pe, pe_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0),
-                                           gl.expand_dims(heads_pe < num_heads, 1))
+                                    s_scd, KV_LORA_RANK, fp8_layout, SCALE_MAX)
     async_copy.commit_group()
-    q_scale = gl.convert_layout(_store_query(q_nope, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK, q_layout),
-                                gl.SliceLayout(0, s_layout))
+    # The query is scaled and stored under the first tile's copy.
+    q_scale = gl.convert_layout(_store_query(q_nope, q_pe, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK,
+                                             q_layout, q_pe_layout), gl.SliceLayout(0, s_layout))
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     copy_valid = valid
@@ -247,27 +252,26 @@ def _narrow_split_kernel(
         pos, valid = _locate(n0 + 3 * BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout, SCALE_MAX)
+        _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout)
         fence_async_shared()
         gl.thread_barrier()
         # Every thread has read tile t's first halves: tile t + 1's may come.
         _copy_low(low_bytes, v_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, KV_LORA_RANK, fp8_layout)
 
-        s_nope = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_pe = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_nope, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_nope, s_pe))
+        s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # The RoPE columns are the score product's alone.
         gl.thread_barrier()
         copy_rope(k_pe, r_ptr, page, offset, copy_valid, s_rn, s_rb, s_rd, ROPE_DIM, copy_layout)
-        s = s_nope * gl.expand_dims(q_scale, 0) + s_pe
         # The one query of sequence b stands at seq_len - 1 and sees every key below seq_len.
-        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, k_nope, p_smem, n0 + offs_n < end, scale_log2,
-                                               o_layout)
+        m_i, l_i, acc = _softmax_value_product(s * gl.expand_dims(q_scale, 0), m_i, l_i, acc, k_nope, p_smem,
+                                               n0 + offs_n < end, scale_log2, o_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # Every warp's value product over the stage has retired: the rest of tile t + 1 may come.
         gl.thread_barrier()
         sc0, sc1, sc2, sc3 = _copy_high(k_nope, v_ptr, sc_ptr, page, offset, copy_valid, s_vn, s_vb, s_vd, s_scn,
-                                        s_scb, s_scd, KV_LORA_RANK, fp8_layout)
+                                        s_scb, s_scd, KV_LORA_RANK, fp8_layout, SCALE_MAX)
         async_copy.commit_group()
         page, offset, copy_valid = next_page, next_offset, next_valid
     async_copy.wait_group(0)

@@ -12,6 +12,7 @@ import torch
 from support.fp8_cache_cases import dequantized, fp8_cache_of
 from support.kernel_cases import LSE_TOLERANCE, assert_close, captured, generator, paged_cache, randn, strided
 from mla_func.kernels.gluon import mla_decode as gluon_decode
+from mla_func.kernels.gluon import mla_decode_narrow as gluon_narrow
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.reference import dsa as ref_dsa
 from mla_func.kernels.triton import decode as tri
@@ -195,8 +196,9 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_narrow_fp8_cache_is_nearer_its_float32_rows_than_the_bf16_rows(num_heads, block_size, num_splits):
     """At up to 16 heads and one query the op takes the keys-as-rows kernel over an FP8 cache, which widens the
     latent into float16: its outputs equal the float64 reference's over the float32-dequantized rows and the
-    `tl.dot` kernel's (which reads the bf16 rows `FP8LatentCache.rows` gives) within bf16's tolerance, and lie
-    nearer the float32 rows' answer than the `tl.dot` kernel's do."""
+    `tl.dot` kernel's (which reads the bf16 rows `FP8LatentCache.rows` gives) within bf16's tolerance, and its
+    float32 LSE (the scores, before the outputs' rounding to bf16) lies nearer the float32 rows' than the
+    `tl.dot` kernel's does."""
     lens = [1, 63, 64, 65, 1000, 4096, 0, 3000, 129]
     q, kv_cache, table, seq_lens = _case(lens, num_heads, 1, block_size, torch.bfloat16,
                                          seed=7 * num_heads + block_size)
@@ -215,7 +217,7 @@ def test_narrow_fp8_cache_is_nearer_its_float32_rows_than_the_bf16_rows(num_head
     assert_close(got, twin, torch.bfloat16)
     assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
     live = seq_lens > 0
-    assert _relative_error(got[live], want[live]) < _relative_error(twin[live], want[live])
+    assert _relative_error(got_lse[live], want_lse[live]) < _relative_error(twin_lse[live], want_lse[live])
     padded = seq_lens == 0
     assert torch.all(got[padded] == 0) and torch.all(got_lse[padded] == float("-inf"))
 
@@ -234,6 +236,24 @@ def test_narrow_takes_queries_beyond_float16():
     want, want_lse = ref.mla_decode(q.double(), _float32_rows(fp8).double(), table, seq_lens,
                                     softmax_scale=SCALE / 65536, kv_lora_rank=C)
     assert not got.isnan().any()
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+
+
+def test_narrow_clips_scales_float16_cannot_hold():
+    """A latent group of magnitudes beyond float16's range (a scale above `SCALE_MAX`) reads as its values times
+    SCALE_MAX: finite outputs, the reference's over the rows with the scales so clipped."""
+    lens = [3000, 700]
+    q, kv_cache, table, seq_lens = _case(lens, 16, 1, 64, torch.bfloat16, seed=37)
+    kv_cache[1::3, :, 128:256] *= 2 ** 17
+    fp8 = fp8_cache_of(kv_cache, C)
+    assert fp8.scales.max() > gluon_narrow.SCALE_MAX
+    scale = SCALE / 2 ** 17
+    got, got_lse = tri.mla_decode(q, fp8, table, seq_lens, softmax_scale=scale, kv_lora_rank=C, config=_NARROW)
+    clipped = dataclasses.replace(fp8, scales=fp8.scales.clamp(max=gluon_narrow.SCALE_MAX))
+    want, want_lse = ref.mla_decode(q.double(), _float32_rows(clipped).double(), table, seq_lens,
+                                    softmax_scale=scale, kv_lora_rank=C)
+    assert got.isfinite().all()
     assert_close(got, want, torch.bfloat16)
     assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
 
