@@ -254,6 +254,11 @@ def test_narrow_clips_scales_float16_cannot_hold():
     want, want_lse = ref.mla_decode(q.double(), _float32_rows(clipped).double(), table, seq_lens,
                                     softmax_scale=scale, kv_lora_rank=C)
     assert got.isfinite().all()
+    # The clipped group's outputs are averages of values up to 448 x SCALE_MAX: compared on their own scale.
+    group = slice(128, 256)
+    got, want = got.double(), want.clone()
+    got[..., group] /= 2 ** 14
+    want[..., group] /= 2 ** 14
     assert_close(got, want, torch.bfloat16)
     assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
 
