@@ -20,15 +20,10 @@ twin's split partials (normalised output and natural-log LSE), merged by `decode
 Over an FP8 latent cache (`FP8LatentCache`, FP8 constexpr) a tile's e4m3 values come by `cp.async` as
 bytes into the first half of their stage, its RoPE values into their own stage as before, and its four
 group scales into registers with the copy. Before the score product every thread reads its share of
-the bytes, all threads meet, and each writes its values widened into float16 over the whole stage
-(`_widen`): an e4m3 value is exact in float16, so a widened value is its product with its group's scale
-(rounded to float16) rounded once, 11 significant bits where the bf16 rows `FP8LatentCache.rows` gives
-keep 8, for one conversion and one float16 product a value (a float32 product and a rounding before).
-The latent products then run in float16: each query row is divided by a power of two so that float16
-holds it (`store_scaled_query`: 1 unless its largest magnitude passes 2^15; exact), its scores multiplied
-back, and the weights P are float16 (at most 1); a group scale above SCALE_MAX, which float16 could not
-hold times 448, is clipped to it as it loads (`copy_tile`). The widening runs while the previous tile's
-value product is still on the tensor cores.
+the bytes, all threads meet, and each writes its values times their scale in float32, rounded once to
+the queries' dtype, over the whole stage (`_widen`): the rows `FP8LatentCache.rows` gives, so the outputs
+equal the kernel's over those rows as a plain cache bit for bit, in the same shared memory. The widening
+runs while the previous tile's value product is still on the tensor cores.
 """
 
 from __future__ import annotations
@@ -50,10 +45,6 @@ NUM_WARPS = 8
 # The shapes the kernel's tiles are laid out for: DeepSeek's latent and RoPE widths.
 KV_LORA_RANK = 512
 ROPE_DIM = 64
-# The largest FP8-cache group scale the float16 widening takes: 448 times it is float16's largest finite
-# value, 65504. A larger scale (a latent group of magnitudes float16 cannot hold) is clipped to it.
-SCALE_MAX = 146.0
-_SCALE_MAX = gl.constexpr(SCALE_MAX)      # the same, as the kernels read it
 
 
 def available(device: torch.device) -> bool:
@@ -177,17 +168,11 @@ def load_scales(sc_ptr, page, offset, valid, s_scn, s_scb, s_scd):
 
 
 @gluon.jit
-def widened(values, scale):
-    """e4m3 values [N, 128] times their row's group scale [N] (SliceLayout(1, values' layout)), in float16: the
-    conversion is exact, the product (by the scale rounded to float16) rounded once."""
-    return values.to(gl.float16) * gl.expand_dims(scale.to(gl.float16), 1)
-
-
-@gluon.jit
 def _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
-    # Widens stage `stage` of the float16 k_nope [2, BLOCK_N, 512] in place: the e4m3 values `copy_tile` put in
-    # the stage's first half times their group's scale [BLOCK_N] (`widened`), over the whole stage. Every thread
-    # reads its values before any thread writes, since the two views share bytes.
+    # Dequantizes stage `stage` of k_nope [2, BLOCK_N, 512] in place: the e4m3 values `copy_tile` put in the
+    # stage's first half times their group's scale [BLOCK_N] in float32, rounded once to k_nope's dtype, over
+    # the whole stage: the rows `FP8LatentCache.rows` gives. Every thread reads its values before any thread
+    # writes, since the two views share bytes.
     GROUP: gl.constexpr = 128
     BLOCK_N: gl.constexpr = k_nope.shape[1]
     KV_LORA_RANK: gl.constexpr = k_nope.shape[2]
@@ -199,41 +184,11 @@ def _widen(k_nope, stage, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
     f2 = raw.slice(2 * GROUP, GROUP, dim=1).load(fp8_layout)
     f3 = raw.slice(3 * GROUP, GROUP, dim=1).load(fp8_layout)
     gl.thread_barrier()
-    keys.slice(0, GROUP, dim=1).store(widened(f0, sc0))
-    keys.slice(GROUP, GROUP, dim=1).store(widened(f1, sc1))
-    keys.slice(2 * GROUP, GROUP, dim=1).store(widened(f2, sc2))
-    keys.slice(3 * GROUP, GROUP, dim=1).store(widened(f3, sc3))
-
-
-@gluon.jit
-def store_scaled_query(q_nope, q_pe, q_rows, real, s_qd, layout: gl.constexpr):
-    """Query rows q_rows [M] (pointers to each row's first value, any layout; rows not in `real` [M] are 0) into
-    q_nope [M, C] float16 and q_pe [M, R] (its own dtype), each row divided by the power of two that brings its
-    largest Q_nope magnitude to at most 2^15 (1 below that; exact either way), so that float16 holds it; returns
-    those powers [M] (SliceLayout(1, layout)), by which the row's scores are multiplied back. Two passes over
-    column slabs of 128 values in `layout`, a [M, 128] tile (the second reads from L1 / L2)."""
-    SLAB: gl.constexpr = 128
-    M: gl.constexpr = q_nope.shape[0]
-    C: gl.constexpr = q_nope.shape[1]
-    R: gl.constexpr = q_pe.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    rows = gl.expand_dims(gl.convert_layout(q_rows, row_layout), 1)
-    mask = gl.expand_dims(gl.convert_layout(real, row_layout), 1)
-    cols = gl.arange(0, SLAB, layout=gl.SliceLayout(0, layout))
-    largest = gl.zeros([M], gl.float32, layout=row_layout)
-    for c in gl.static_range(C // SLAB):
-        x = gl.load(rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), mask=mask, other=0.0)
-        largest = gl.maximum(largest, gl.max(gl.abs(x.to(gl.float32)), axis=1))
-    # A row of zeros (or a padded one): log2 is -inf, the power 1.
-    q_scale = gl.exp2(gl.maximum(gl.ceil(gl.log2(largest)) - 15.0, 0.0))
-    inverse = gl.expand_dims(1.0 / q_scale, 1)
-    for c in gl.static_range(C // SLAB):
-        x = gl.load(rows + gl.expand_dims((c * SLAB + cols) * s_qd, 0), mask=mask, other=0.0)
-        q_nope.slice(c * SLAB, SLAB, dim=1).store((x.to(gl.float32) * inverse).to(gl.float16))
-    pe_cols = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
-    pe = gl.load(rows + gl.expand_dims((C + pe_cols) * s_qd, 0), mask=mask, other=0.0)
-    q_pe.store((pe.to(gl.float32) * inverse).to(q_pe.dtype))
-    return q_scale
+    dtype: gl.constexpr = keys.dtype
+    keys.slice(0, GROUP, dim=1).store((f0.to(gl.float32) * gl.expand_dims(sc0, 1)).to(dtype))
+    keys.slice(GROUP, GROUP, dim=1).store((f1.to(gl.float32) * gl.expand_dims(sc1, 1)).to(dtype))
+    keys.slice(2 * GROUP, GROUP, dim=1).store((f2.to(gl.float32) * gl.expand_dims(sc2, 1)).to(dtype))
+    keys.slice(3 * GROUP, GROUP, dim=1).store((f3.to(gl.float32) * gl.expand_dims(sc3, 1)).to(dtype))
 
 
 @gluon.jit
@@ -243,8 +198,7 @@ def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_
     """Starts copying the latent rows at (page, offset) [BLOCK_N] (SliceLayout(1, copy_layout)) into stage
     `stage` of k_nope [2, BLOCK_N, C] and k_pe [2, BLOCK_N, R]; masked rows are zero-filled. FP8: the e4m3 values
     as bytes into the stage's first half (`_copy_fp8_keys`, for `_widen`), and returns the rows' four group
-    scales (`load_scales`, SliceLayout(1, fp8_layout)), clipped to SCALE_MAX; otherwise returns sc0..sc3 as
-    given."""
+    scales (`load_scales`, SliceLayout(1, fp8_layout)); otherwise returns sc0..sc3 as given."""
     SLAB: gl.constexpr = 64
     if FP8:
         BLOCK_N: gl.constexpr = k_nope.shape[1]
@@ -257,12 +211,6 @@ def copy_tile(k_nope, k_pe, stage, v_ptr, sc_ptr, r_ptr, page, offset, valid, s_
         _copy_fp8_keys(raw.index(stage).slice(0, BLOCK_N, dim=0), k_pe.index(stage), v_ptr, r_ptr, page8, offset8,
                        valid8, s_vn, s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, ROPE_DIM, fp8_layout, copy_layout)
         sc0, sc1, sc2, sc3 = load_scales(sc_ptr, page8, offset8, valid8, s_scn, s_scb, s_scd)
-        # Clipped here, as they load: clipped as they widen, the compares cost registers (the keys-as-rows
-        # kernel, B64 x 32K on an H200: 601 us against 553).
-        sc0 = gl.minimum(sc0, _SCALE_MAX)
-        sc1 = gl.minimum(sc1, _SCALE_MAX)
-        sc2 = gl.minimum(sc2, _SCALE_MAX)
-        sc3 = gl.minimum(sc3, _SCALE_MAX)
     else:
         _copy_keys(k_nope.index(stage), k_pe.index(stage), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn,
                    s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
@@ -346,14 +294,10 @@ def _wgmma_split_kernel(
                                                        instr_shape=[16, KV_LORA_RANK // 2, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # FP8's query rows, a [64, 128] slab at a time (`store_scaled_query`).
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
 
-    # FP8: the latent products run in float16 (the module docstring says why).
-    wide: gl.constexpr = gl.float16 if FP8 else dtype
-    q_nope = gl.allocate_shared_memory(wide, [BLOCK_M, KV_LORA_RANK], smem_layout)
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_M, KV_LORA_RANK], smem_layout)
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE_DIM], smem_layout)
-    k_nope = gl.allocate_shared_memory(wide, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
     # FP8: a tile's e4m3 values come by cp.async, 16 a copy, into the first half of its stage's bytes, and
     # are widened from there into the whole stage (`copy_tile`, `_widen`): no more shared memory than 16 bits.
@@ -377,13 +321,11 @@ def _wgmma_split_kernel(
     # no copy waits on a load: the loads for tile t + 2 and t + 3 are in flight while tile t is multiplied.
     pos, valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
-    # The queries and the first tile come in one copy group, every copy in flight at once (FP8: the queries are
-    # scaled into float16 under the first tile's copy, below).
+    # The queries and the first tile come in one copy group, every copy in flight at once.
     rows, heads, real, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M, gl.SliceLayout(1, copy_layout))
-    q_rows = q_ptr + rows * s_qb + heads * s_qh
-    if not FP8:
-        _copy_rows(q_nope, q_pe, gl.expand_dims(q_rows, 1), gl.expand_dims(q_rows + KV_LORA_RANK * s_qd, 1),
-                   gl.expand_dims(real, 1), s_qd, s_qd, KV_LORA_RANK, SLAB, copy_layout)
+    q_rows = gl.expand_dims(q_ptr + rows * s_qb + heads * s_qh, 1)
+    _copy_rows(q_nope, q_pe, q_rows, q_rows + KV_LORA_RANK * s_qd, gl.expand_dims(real, 1), s_qd, s_qd,
+               KV_LORA_RANK, SLAB, copy_layout)
     # The group scales of the tile being widened, loaded with its copy (FP8 only; zeros otherwise, unused).
     sc0 = gl.zeros([BLOCK_N], gl.float32, layout=fp8_rows)
     sc1 = sc0
@@ -393,11 +335,6 @@ def _wgmma_split_kernel(
                                    s_scn, s_scb, s_scd, s_rn, s_rb, s_rd, sc0, sc1, sc2, sc3, KV_LORA_RANK, ROPE_DIM,
                                    FP8, fp8_layout, copy_layout)
     async_copy.commit_group()
-    if FP8:
-        q_scale = gl.convert_layout(store_scaled_query(q_nope, q_pe, q_rows, real, s_qd, q_layout),
-                                    gl.SliceLayout(1, s_layout))
-    else:
-        q_scale = gl.full([BLOCK_M], 1.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, SPARSE)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     copy_valid = valid
@@ -459,12 +396,10 @@ def _wgmma_split_kernel(
             visible = gl.expand_dims(valid_s, 0) & (gl.expand_dims(pos_s, 0) < key_end)
         pos_s = next_pos_s
         valid_s = next_valid_s
-        if FP8:
-            s = s * gl.expand_dims(q_scale, 1)
         m_i, l_i, alpha, p = softmax_step(gl.where(visible, s * scale_log2, float("-inf")), m_i, l_i)
 
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(wide), p_layout), keys, acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), keys, acc, is_async=True)
         # Returns at once (the product stays in flight; the next score product's wait retires it) and keeps
         # acc one type around the loop.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -484,9 +419,7 @@ def _wgmma_split_kernel(
         # program (bench/notes/kernels.md).
         rows_c, heads_c, real_c, _ = _program_rows(b, row_group, num_heads, Q_LEN, BLOCK_M,
                                                    gl.SliceLayout(1, copy_layout))
-        # (An FP8 cache's float16 stage holds them as q's dtype.)
-        stage = k_nope._reinterpret(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout).index(0)
-        store_through_stage(stage, out.to(dtype),
+        store_through_stage(k_nope.index(0), out.to(dtype),
                             gl.expand_dims(po_ptr + rows_c * s_pob + heads_c * s_poh + split * s_pos, 1),
                             gl.expand_dims(real_c, 1), 0, s_pod, KV_LORA_RANK, copy_layout)
     else:
@@ -505,8 +438,7 @@ def wgmma_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor
 
     q [B * q_len, H, C + R] bf16/fp16 (any strides); values [nb, bs, C] and rope [nb, bs, R] (a plain cache's two
     views, in q's dtype), or an FP8 cache's leaves: values [nb, bs, C] float8_e4m3fn, scales [nb, bs, C / 128]
-    float32 and rope [nb, bs, R] in q's dtype (its latent read widened into float16, the module docstring says how);
-    block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
+    float32 and rope [nb, bs, R] in q's dtype (the keys are its dequantized rows); block_table [B, W] int32; seq_lens [B] int32; partial_out [B * q_len, H, S, C]
     and partial_lse [B * q_len, H, S] (float32 partials, or the outputs viewed as one split) are written:
     split s of sequence b covers its keys [s * k, min((s + 1) * k, seq_lens[b])), k = seq_lens[b] / S
     rounded up to whole 64-key tiles. Shapes are the caller's to check (`applies`, `copyable`, `mla_decode`).

@@ -17,7 +17,7 @@ row's into a buffer of their own and the second half into the stage's first quar
 stage (`_widen`), a group of 128 columns at a time. The latent products run in float16, not in the queries'
 dtype: an e4m3 value is exact in float16, so widening is one conversion (two values an instruction) and one
 float16 product by the group's scale (rounded to float16), where the queries' bf16 took a float32 product and a
-rounding (B64 x 32K at 16 heads on an H200: 554 us against 594-607, bench/notes/fp8.md), and the widened rows
+rounding (B64 x 32K at 16 heads on an H200: 549 us against 594-607, bench/notes/fp8.md), and the widened rows
 keep 11 significant bits, not bf16's 8: the outputs are nearer the float32-dequantized rows than the bf16 rows
 `FP8LatentCache.rows` gives are. So that float16 holds them, a head's query is divided by a power of two
 (`q_scale`, 1 unless its largest Q_nope magnitude passes 2^15; exact) and its scores multiplied back, and a scale
@@ -41,13 +41,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import (KV_LORA_RANK, ROPE_DIM, SCALE_MAX, _locate, _pages, available, copy_fp8_half, copy_rope,
-                         copyable, load_scales, store_scaled_query, widened)
+from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _locate, _pages, available, copy_fp8_half, copy_rope, copyable,
+                         load_scales)
 
 # Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16
 BLOCK_N = 64
 NUM_WARPS = 4
+
+
+# The largest group scale the float16 stage takes: 448 times it is float16's largest finite value, 65504.
+SCALE_MAX = 146.0
 
 
 def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8: bool,
@@ -116,19 +120,54 @@ def _copy_high(k_nope, v_ptr, sc_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_s
 
 
 @gluon.jit
+def _widened(values, scale):
+    # e4m3 values [BLOCK_N, 128] times their row's group scale [BLOCK_N] (`_copy_high`'s), in float16: the
+    # conversion is exact, the product rounded once (the scale first rounded to float16).
+    return values.to(gl.float16) * gl.expand_dims(scale.to(gl.float16), 1)
+
+
+@gluon.jit
 def _widen(k_nope, low_bytes, sc0, sc1, sc2, sc3, fp8_layout: gl.constexpr):
-    # The float16 stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart (`widened`), a
+    # The float16 stage k_nope [BLOCK_N, C] from the bytes `_copy_low` and `_copy_high` put apart (`_widened`), a
     # group of 128 columns at a time, so that one group's values alone are live (widening in place, as
     # `mla_decode._widen` does, holds all four across its wait). Only the first group's 16-bit columns cover
     # `_high_bytes`: the last two groups (read from there) are written at once, and the first two once every
     # thread has read them.
     GROUP: gl.constexpr = 128
     high = _high_bytes(k_nope)
-    k_nope.slice(2 * GROUP, GROUP, dim=1).store(widened(high.slice(0, GROUP, dim=1).load(fp8_layout), sc2))
-    k_nope.slice(3 * GROUP, GROUP, dim=1).store(widened(high.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc3))
+    k_nope.slice(2 * GROUP, GROUP, dim=1).store(_widened(high.slice(0, GROUP, dim=1).load(fp8_layout), sc2))
+    k_nope.slice(3 * GROUP, GROUP, dim=1).store(_widened(high.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc3))
     gl.thread_barrier()
-    k_nope.slice(0, GROUP, dim=1).store(widened(low_bytes.slice(0, GROUP, dim=1).load(fp8_layout), sc0))
-    k_nope.slice(GROUP, GROUP, dim=1).store(widened(low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc1))
+    k_nope.slice(0, GROUP, dim=1).store(_widened(low_bytes.slice(0, GROUP, dim=1).load(fp8_layout), sc0))
+    k_nope.slice(GROUP, GROUP, dim=1).store(_widened(low_bytes.slice(GROUP, GROUP, dim=1).load(fp8_layout), sc1))
+
+
+@gluon.jit
+def _store_query(q_nope, q_pe, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK: gl.constexpr,
+                 q_layout: gl.constexpr, q_pe_layout: gl.constexpr):
+    # Sequence b's query into q_nope [BLOCK_H, C] (float16) and q_pe [BLOCK_H, R] (q's dtype), each head divided
+    # by a power of two that brings its largest Q_nope magnitude to at most 2^15 (1 below that; exact either
+    # way); returns the powers [BLOCK_H] (SliceLayout(1, q_layout)), by which the scores are multiplied back.
+    # Heads past num_heads are 0.
+    BLOCK_H: gl.constexpr = q_nope.shape[0]
+    ROPE_DIM: gl.constexpr = q_pe.shape[1]
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+    rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads * s_qh, 1)
+    q = gl.load(rows + gl.expand_dims(cols * s_qd, 0), mask=gl.expand_dims(heads < num_heads, 1), other=0.0)
+    q = q.to(gl.float32)
+    largest = gl.max(gl.abs(q), axis=1)
+    # A head of zeros (or a padded one): log2 is -inf, the power 1.
+    q_scale = gl.exp2(gl.maximum(gl.ceil(gl.log2(largest)) - 15.0, 0.0))
+    q_nope.store((q * gl.expand_dims(1.0 / q_scale, 1)).to(gl.float16))
+    heads_pe = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_pe_layout))
+    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_pe_layout))
+    pe_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads_pe * s_qh, 1)
+    pe = gl.load(pe_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0),
+                 mask=gl.expand_dims(heads_pe < num_heads, 1), other=0.0)
+    pe_scale = gl.convert_layout(1.0 / q_scale, gl.SliceLayout(1, q_pe_layout))
+    q_pe.store((pe.to(gl.float32) * gl.expand_dims(pe_scale, 1)).to(q_pe.dtype))
+    return q_scale
 
 
 # The split count follows the batch size: as a specialised int it would compile a kernel per value.
@@ -154,7 +193,8 @@ def _narrow_split_kernel(
     # RoPE copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    q_pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: the warpgroup's four warps the rows, the heads wgmma's N.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_H, 16])
@@ -193,10 +233,8 @@ def _narrow_split_kernel(
                                     s_scd, KV_LORA_RANK, fp8_layout, SCALE_MAX)
     async_copy.commit_group()
     # The query is scaled and stored under the first tile's copy.
-    heads_q = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    q_scale = store_scaled_query(q_nope, q_pe, q_ptr + b.to(gl.int64) * s_qb + heads_q * s_qh, heads_q < num_heads,
-                                 s_qd, q_layout)
-    q_scale = gl.convert_layout(q_scale, gl.SliceLayout(0, s_layout))
+    q_scale = gl.convert_layout(_store_query(q_nope, q_pe, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RANK,
+                                             q_layout, q_pe_layout), gl.SliceLayout(0, s_layout))
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, bt_row, 0, 0, False)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     copy_valid = valid
