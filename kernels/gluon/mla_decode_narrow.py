@@ -17,7 +17,7 @@ row's into a buffer of their own and the second half into the stage's first quar
 stage (`_widen`), a group of 128 columns at a time. The latent products run in float16, not in the queries'
 dtype: an e4m3 value is exact in float16, so widening is one conversion (two values an instruction) and one
 float16 product by the group's scale (rounded to float16), where the queries' bf16 took a float32 product and a
-rounding (B64 x 32K at 16 heads on an H200: 549 us against 594-607, bench/notes/fp8.md), and the widened rows
+rounding (B64 x 32K at 16 heads on an H200: 554 us against 594-607, bench/notes/fp8.md), and the widened rows
 keep 11 significant bits, not bf16's 8: the outputs are nearer the float32-dequantized rows than the bf16 rows
 `FP8LatentCache.rows` gives are. So that float16 holds them, a head's query is divided by a power of two
 (`q_scale`, 1 unless its largest Q_nope magnitude passes 2^15; exact) and its scores multiplied back, and a scale

@@ -106,9 +106,9 @@ _GPU_CHUNKED_CONFIGS = MappingProxyType({
 _WGMMA_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True, programs_per_sm=1)
 # One query of up to 16 heads a sequence over an FP8 cache takes the keys-as-rows kernel on Hopper
 # (`gluon.mla_decode_narrow`): B64 x 32K at 16 heads on an H200, 0.60 ms against the `tl.dot` kernel's 1.09 (a
-# plain cache keeps the chunked kernel, 0.57 ms; widened into float16 since, 0.55 ms). Two programs a multiprocessor (108 KiB of shared memory each):
-# at B64, 4 splits (256 programs for 264 places) 0.59 ms, 8 splits 0.60; 3 splits (192) or 6 (384) 0.81
-# (bench/notes/fp8.md).
+# plain cache keeps the chunked kernel, 0.57 ms); 0.55 ms since it widens into float16. Two programs a
+# multiprocessor (108 KiB of shared memory each): at B64, 4 splits (256 programs for 264 places) 0.59 ms,
+# 8 splits 0.60; 3 splits (192) or 6 (384) 0.81 (bench/notes/fp8.md).
 _NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, narrow=True, programs_per_sm=2)
 # Below this many keys in all (sequences x the block table's capacity) the `tl.dot` kernel's shorter splits
 # win: with W_UV on an H200, B1 x 1K 10.1 us against 12.8-13.4, B4 x 1K 13.6 against 15.1-15.3, B1 x 4K 14.4
