@@ -75,7 +75,7 @@ def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num
     indices = _selected(num_rows, context)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
     config = config or dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False,
-                                                       BF16)
+                                                       BF16, slots=num_rows * TOP_K)
     splits = num_splits or dsa_decode.sparse_mla_decode_num_splits(num_rows, num_heads, TOP_K, q.device, config)
     workspace = (torch.empty(num_rows, num_heads, splits, KV_LORA_RANK, device="cuda"),
                  torch.empty(num_rows, num_heads, splits, device="cuda"))
@@ -90,10 +90,14 @@ def bench_sparse_decode(num_rows, context, num_heads, ceilings, config=None, num
     flops = decode_flops(num_heads, num_rows * TOP_K, KV_LORA_RANK, DIM - KV_LORA_RANK)
     row = _row("sparse_mla_decode", ms, num_bytes, ceilings, batch=num_rows, context=context, heads=num_heads,
                top_k=TOP_K, splits=splits, bytes_counted="selected latent rows + queries + outputs",
-               kernel="wgmma" if config.wgmma else "tl.dot", flops=flops, tflop_s=flops / ms / 1e9)
+               kernel=_kernel(config), flops=flops, tflop_s=flops / ms / 1e9)
     if eager:
         row["eager_ms"] = common.time_eager(lambda: call(tables[0]))
     return row
+
+
+def _kernel(config):
+    return "wgmma" if config.wgmma else "narrow" if config.narrow else "tl.dot"
 
 
 def bench_sparse_prefill(num_tokens, context, num_heads, ceilings, config=None):
@@ -112,7 +116,7 @@ def bench_sparse_prefill(num_tokens, context, num_heads, ceilings, config=None):
     indices = scores.topk(TOP_K, dim=1).indices.sort(dim=1).values.to(torch.int32)
     q = torch.randn(num_tokens, num_heads, DIM, device="cuda", dtype=BF16)
     config = config or dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False,
-                                                       BF16)
+                                                       BF16, slots=num_tokens * TOP_K)
     splits = dsa_decode.sparse_mla_decode_num_splits(num_tokens, num_heads, TOP_K, q.device, config)
     workspace = dsa_decode.sparse_mla_decode_workspace(num_tokens, num_heads, KV_LORA_RANK, TOP_K, q.device, config)
 
@@ -192,7 +196,10 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True, ragged=
     kv_cache = torch.randn(num_blocks, BLOCK_SIZE, DIM, device="cuda", dtype=BF16)
     tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
-    workspace = dsa_decode.sparse_mla_decode_workspace(num_rows, num_heads, KV_LORA_RANK, TOP_K, q.device)
+    # The workspace's splits are those of the kernel the op takes at these shapes.
+    config = dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False, BF16,
+                                             slots=num_rows * TOP_K)
+    workspace = dsa_decode.sparse_mla_decode_workspace(num_rows, num_heads, KV_LORA_RANK, TOP_K, q.device, config)
     topk_workspace = _topk_workspace(num_rows, context)
 
     def call(table):
@@ -256,6 +263,21 @@ def sweep(ceilings):
     return rows
 
 
+def narrow_rows(ceilings):
+    """16 heads, top-2048, B64 x 32K and x 128K: the sparse decode the op takes (on Hopper the keys-as-rows kernel)
+    beside its `tl.dot` twin."""
+    rows = []
+    twin = dsa_decode.sparse_launch_config(16, KV_LORA_RANK, DIM - KV_LORA_RANK, torch.device("cuda"), False, BF16,
+                                           wgmma=False)
+    for context in (32 * 1024, 128 * 1024):
+        pair = [bench_sparse_decode(64, context, 16, ceilings, config=config, eager=config is None)
+                for config in (None, twin)]
+        pair[0]["speedup_vs_twin"] = pair[1]["ms"] / pair[0]["ms"]
+        rows += pair
+        torch.cuda.empty_cache()
+    return rows
+
+
 def wgmma_rows(ceilings):
     """128 heads, top-2048: the warpgroup-MMA sparse decode beside its `tl.dot` twin, B64 and B128 x 32K, and the
     prefill of 1024 and 4096 tokens of one 32K sequence (the same op, every row its own top-k)."""
@@ -294,9 +316,7 @@ def main(argv=None) -> None:
         _report(result, args.out)
         return
 
-    for context in (32 * 1024, 128 * 1024):
-        result["rows"].append(bench_sparse_decode(64, context, 16, ceilings))
-        torch.cuda.empty_cache()
+    result["rows"] += narrow_rows(ceilings)
     result["rows"] += wgmma_rows(ceilings)
     for num_rows, context in ((64, 32 * 1024), (64, 128 * 1024), (8, 128 * 1024)):
         result["rows"].append(bench_index_topk(num_rows, context, ceilings))

@@ -129,6 +129,12 @@ BENCHES = {
                              for t in (1024, 4096) for k in ("wgmma", "tl.dot")],
                           [("µs", "us", "{:.0f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% bf16 mm", "pct_matmul", "{:.1f}"),
                            ("t / t_copy", "copy_time_ratio", "{:.2f}"), ("× twin", "speedup_vs_twin", "{:.2f}")]),
+    "dsa-kernels:narrow": ("V3.2's sparse MLA decode at 16 heads, top-2048, B64: the keys-as-rows kernel on Hopper's "
+                           "warpgroup MMA beside its `tl.dot` twin, same run (`bench/dsa_kernels.py`)", "rows",
+                           [dict(op="sparse_mla_decode", heads=16, batch=64, context=c, kernel=k)
+                            for c in (32768, 131072) for k in ("narrow", "tl.dot")],
+                           [("µs", "us", "{:.1f}"), ("t / t_copy", "copy_time_ratio", "{:.2f}"),
+                            ("% copy", "pct_copy", "{:.1f}"), ("× twin", "speedup_vs_twin", "{:.2f}")]),
     "kernels:fp8-cache": ("MLA decode over the FP8 latent cache against the bf16 cache, same run "
                           "(`bench/kernels.py --fp8-cache`)", "rows",
                           [dict(op="mla_decode", batch=64, context=32768, heads=h, cache="fp8") for h in (16, 128)],

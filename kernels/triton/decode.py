@@ -50,9 +50,9 @@ class DecodeConfig:
     # The Gluon kernel on Hopper's warpgroup MMA (`gluon.mla_decode`; its tiles are its own: 64 rows,
     # 64-key tiles, 8 warps, two stages), where `gluon.mla_decode.applies`.
     wgmma: bool = False
-    # The Gluon kernel for few heads (`gluon.mla_decode_narrow`: keys as the products' rows, up to 16 heads a
-    # program, 64-key tiles, 4 warps, one stage, two programs a multiprocessor), where
-    # `gluon.mla_decode_narrow.applies`.
+    # The Gluon kernel for few heads: keys as the products' rows, up to 16 heads a program, 64-key tiles, 4 warps;
+    # dense over an FP8 cache `gluon.mla_decode_narrow` (one stage, two programs a multiprocessor) where its
+    # `applies`, sparse over a 16-bit cache `gluon.dsa_decode_narrow` (two stages, one program a multiprocessor).
     narrow: bool = False
     # Programs that run on a multiprocessor at once: splits fill one wave of them (`mla_decode_num_splits`).
     programs_per_sm: int = 2

@@ -12,6 +12,10 @@ product and an accumulator of its own); stage 2 merges the splits by LSE
 (`decode_merge`, the kernels of dense decode, W_UV included at up to 2 rows, a 16-bit
 weight or a stacked FP8 pair alike).
 
+On Hopper, Gluon kernels take stage 1 where they apply (`sparse_launch_config`): the warpgroup-MMA
+decode from 64 heads a row (`gluon.mla_decode`), and the keys-as-rows one up to 16 heads over a 16-bit
+cache (`gluon.dsa_decode_narrow`); this kernel is their twin.
+
 An FP8 latent cache is read by the same kernel, each chunk of latent values
 dequantized as it is loaded (`latent_parts.latent_values`); the RoPE values are
 read as stored.
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..gluon import dsa_decode_narrow as gluon_narrow
 from ..gluon import mla_decode as gluon_decode
 from ..latent_cache import LatentCache
 from ..quantized import BlockFP8Weight
@@ -39,6 +44,7 @@ from .decode import (DecodeConfig, check_gluon_takes, check_latent_attention_arg
                      launch_config, workspace_splits)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
+from .latent_parts import LatentParts
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -55,6 +61,14 @@ _GPU_CONFIGS = MappingProxyType({16: DecodeConfig(block_h=16, block_n=64, num_wa
 # the warpgroup MMA takes the whole row: chunked, 64 heads at B64 x 32K took 124 us against 108,
 # 128 heads 203 against 182 (bench/results/dsa-kernels/h200/logs-archive/sparse-chunks-ab-h200-2026-11-26.log).
 _LATENT_CHUNKS = 4
+# Up to 16 heads over a 16-bit cache on Hopper: the keys-as-rows kernel (`gluon.dsa_decode_narrow`; its tiles
+# are its own: 16 heads, 64-key tiles, one warpgroup, two stages, one program a multiprocessor), from
+# _NARROW_MIN_SLOTS index slots in all (rows x k). H200, 16 heads, top-2048 over 128K, both stages, us, this
+# kernel / the `tl.dot` one: 1 row 9.0-9.2 / 8.3-8.5, 4 rows 10.6-10.8 / 9.9-10.0 (a split of one tile each),
+# 8 rows 14.3-14.5 / 15.2-15.3, 16 rows 20.1-20.3 / 24.1-24.2, 64 rows 49.0-49.2 / 54.2-54.4, 128 rows 85.7 /
+# 93.1-94.9, 1024 rows 632 / 619-634 (bench/results/dsa-kernels/h200/logs-archive/sparse-narrow-h200-2026-11-29.log).
+_NARROW_CONFIG = DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, narrow=True, programs_per_sm=1)
+_NARROW_MIN_SLOTS = 8 * 2048
 _WHOLE_ROW_MIN_BLOCK_H = 64
 # Splits fill about two programs per multiprocessor and no more (a partial second
 # wave runs at a fraction of the bandwidth); no split takes fewer than
@@ -77,12 +91,22 @@ _LOCATE_TILES = 8
 
 
 def sparse_launch_config(num_heads: int, kv_lora_rank: int, rope_dim: int, device: torch.device, fp8: bool,
-                         dtype: torch.dtype, *, wgmma: bool = True) -> DecodeConfig:
-    """`sparse_mla_decode`'s tiles: the warpgroup-MMA kernel's where it applies (`gluon.mla_decode.applies`,
-    at 64 heads a row and more: the dense decode's `decode._WGMMA_CONFIG`) unless `wgmma` is False (its
-    `tl.dot` twin, which tests and benchmarks set beside it); else `sparse_decode_config`'s."""
+                         dtype: torch.dtype, *, wgmma: bool = True, slots: int | None = None) -> DecodeConfig:
+    """`sparse_mla_decode`'s tiles, from static shapes and the device:
+
+    * the warpgroup-MMA kernel's where it applies (`gluon.mla_decode.applies`, at 64 heads a row and more: the
+      dense decode's `decode._WGMMA_CONFIG`);
+    * up to 16 heads a row over a 16-bit cache, the keys-as-rows kernel's (`_NARROW_CONFIG`,
+      `gluon.dsa_decode_narrow.applies`), unless `slots` (rows x k; None: no bound) is below `_NARROW_MIN_SLOTS`;
+    * else `sparse_decode_config`'s (the `tl.dot` kernel's).
+
+    wgmma False takes the `tl.dot` kernel in every case (the twin, which tests and benchmarks set beside the
+    Gluon kernels)."""
     if wgmma and gluon_decode.applies(num_heads, 1, kv_lora_rank, rope_dim, dtype, device):
         return launch_config(num_heads, 1, kv_lora_rank, rope_dim, device, fp8, dtype)
+    if (wgmma and gluon_narrow.applies(num_heads, kv_lora_rank, rope_dim, dtype, fp8, device)
+            and (slots is None or slots >= _NARROW_MIN_SLOTS)):
+        return _NARROW_CONFIG
     return sparse_decode_config(num_heads, device)
 
 
@@ -242,7 +266,8 @@ def sparse_mla_decode(
     top_k = indices.shape[1]
     device = q.device
     config = config or sparse_launch_config(num_heads, kv_lora_rank, dim - kv_lora_rank, device, parts.fp8,
-                                            q.dtype, wgmma=gluon_decode.copyable(parts.values, parts.rope))
+                                            q.dtype, wgmma=gluon_decode.copyable(parts.values, parts.rope),
+                                            slots=num_rows * top_k)
     splits = num_splits or workspace_splits(workspace) or sparse_mla_decode_num_splits(num_rows, num_heads, top_k,
                                                                                     device, config)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_ROWS
@@ -263,6 +288,10 @@ def sparse_mla_decode(
         gluon_decode.wgmma_sparse_split_decode(q, parts.values, parts.rope, block_table, indices, partial_out,
                                                partial_lse, softmax_scale_log2=softmax_scale * LOG2E,
                                                scales=parts.scales if parts.fp8 else None)
+    elif config.narrow:
+        _check_narrow_takes(q, parts)
+        gluon_narrow.narrow_sparse_split_decode(q, parts.values, parts.rope, block_table, indices, partial_out,
+                                                partial_lse, softmax_scale_log2=softmax_scale * LOG2E)
     else:
         _sparse_split_kernel[grid](
             q, *parts.pointers(), block_table, indices, partial_out, partial_lse,
@@ -286,6 +315,22 @@ def sparse_mla_decode(
     if w_uv is not None:
         out = project_values(out, w_uv)
     return out, lse
+
+
+def _check_narrow_takes(q: torch.Tensor, parts: LatentParts) -> None:
+    # Refuses, naming what does not fit, a sparse decode a config sends to the keys-as-rows kernel that cannot
+    # take it (`gluon.dsa_decode_narrow.applies`, rows `cp.async` can gather). q [T, H, C + R]; parts: the cache's
+    # leaves.
+    num_heads, dim = q.shape[1], q.shape[2]
+    kv_lora_rank = parts.values.shape[2]
+    if not (gluon_narrow.applies(num_heads, kv_lora_rank, dim - kv_lora_rank, q.dtype, parts.fp8, q.device)
+            and gluon_decode.copyable(parts.values, parts.rope)):
+        raise ValueError(f"config: the keys-as-rows sparse kernel takes bf16/fp16 queries of at most "
+                         f"{gluon_narrow.BLOCK_H} heads a row over a 16-bit cache with kv_lora_rank="
+                         f"{gluon_decode.KV_LORA_RANK}, rope {gluon_decode.ROPE_DIM} and rows of 16-byte aligned "
+                         f"contiguous columns on a Hopper GPU, got {q.dtype}, {num_heads} heads, "
+                         f"{'an FP8' if parts.fp8 else 'a plain'} cache, kv_lora_rank={kv_lora_rank}, rope "
+                         f"{dim - kv_lora_rank}, cache strides {tuple(parts.values.stride())} on {q.device}")
 
 
 def sparse_decode_bytes(num_rows: int, num_heads: int, top_k: int, dim: int, kv_lora_rank: int,

@@ -428,3 +428,97 @@ def test_sparse_fp8_cache_equals_its_dequantized_rows_bit_for_bit(num_heads, top
     assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
     assert_close(got, twin, torch.bfloat16)
     assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+
+
+# --- sparse at up to 16 heads over a 16-bit cache: keys as the products' rows (`gluon.dsa_decode_narrow`) -------
+
+_SPARSE_NARROW = tri.DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, narrow=True, programs_per_sm=1)
+
+
+def _sparse_narrow_config(num_heads: int, device: torch.device) -> tri.DecodeConfig:
+    config = tri_dsa.sparse_launch_config(num_heads, C, R, device, False, torch.bfloat16)
+    assert config.narrow, "the Hopper default for a sparse decode of <= 16 heads is the keys-as-rows kernel"
+    return config
+
+
+@pytest.mark.parametrize("num_heads", [16, 12, 1])
+@pytest.mark.parametrize("top_k,block_size", [(2048, 64), (100, 16), (700, 64)])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_narrow_sparse_equals_reference_and_twin(num_heads, top_k, block_size, num_splits):
+    key_lens = [3000, 50, 4096, 0, 2100, 64, 129, 5000]
+    q, kv_cache, table, indices = _sparse_case(key_lens, top_k, num_heads, block_size,
+                                               seed=7 * num_heads + top_k + block_size)
+    kw = dict(softmax_scale=SCALE, kv_lora_rank=C, num_splits=num_splits)
+    out = torch.full((len(key_lens), num_heads, C), float("nan"), dtype=q.dtype, device=q.device)
+    got, got_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices,
+                                             config=_sparse_narrow_config(num_heads, q.device), **kw)
+    out.copy_(got)
+    twin_config = tri_dsa.sparse_launch_config(num_heads, C, R, q.device, False, q.dtype, wgmma=False)
+    twin, twin_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, config=twin_config, **kw)
+    want, want_lse = ref_dsa.sparse_mla_decode(q.double(), kv_cache.double(), table, indices, softmax_scale=SCALE,
+                                               kv_lora_rank=C)
+    assert not out.isnan().any()
+    assert_close(out, want, torch.bfloat16)
+    assert_close(got_lse, want_lse, torch.bfloat16, LSE_TOLERANCE)
+    assert_close(out, twin, torch.bfloat16)
+    assert_close(got_lse, twin_lse, torch.bfloat16, LSE_TOLERANCE)
+    empty = (indices < 0).all(dim=1)
+    assert empty.any() and torch.all(out[empty] == 0) and torch.all(got_lse[empty] == float("-inf"))
+
+
+def test_narrow_sparse_is_the_op_from_eight_rows_of_2048_slots():
+    """The op takes the keys-as-rows kernel by itself where it was measured faster (8 rows x 2048 slots and
+    more), with the splits of one program a multiprocessor, and keeps the `tl.dot` kernel below that, for FP8
+    caches, fp32 queries and more than 16 heads."""
+    device = _hopper()
+    assert tri_dsa.sparse_launch_config(16, C, R, device, False, torch.bfloat16, slots=8 * 2048) == _SPARSE_NARROW
+    assert tri_dsa.sparse_launch_config(16, C, R, device, False, torch.float16, slots=64 * 2048).narrow
+    assert not tri_dsa.sparse_launch_config(16, C, R, device, False, torch.bfloat16, slots=4 * 2048).narrow
+    assert not tri_dsa.sparse_launch_config(16, C, R, device, True, torch.bfloat16).narrow
+    assert not tri_dsa.sparse_launch_config(16, C, R, device, False, torch.float32).narrow
+    assert not tri_dsa.sparse_launch_config(32, C, R, device, False, torch.bfloat16).narrow
+    assert tri_dsa.sparse_mla_decode_num_splits(64, 16, 2048, device, _SPARSE_NARROW) == 2
+    key_lens = [9000] * 8
+    q, kv_cache, table, indices = _sparse_case(key_lens, 2048, 16, 64, seed=51)
+    got, got_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=SCALE, kv_lora_rank=C)
+    forced, forced_lse = tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, softmax_scale=SCALE, kv_lora_rank=C,
+                                                   config=_SPARSE_NARROW)
+    torch.testing.assert_close(got, forced, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, forced_lse, atol=0, rtol=0)
+
+
+def test_narrow_sparse_with_value_projection_and_in_a_graph():
+    """V3.2's decode at 16 heads as the model calls it (W_UV merged at 2 rows, projected after the merge at 8),
+    captured and replayed on new index lists: equal to eager, and to the reference."""
+    key_lens = [4096] * 8
+    q, kv_cache, table, indices = _sparse_case(key_lens, 2048, 16, 64, seed=53)
+    w_uv = randn((16, 128, C), torch.bfloat16, q.device, generator(54, q.device), scale=C ** -0.5)
+    gen = generator(55, q.device)
+    for rows in (2, 8):
+        q_rows, table_rows, indices_rows = q[:rows], table[:rows], indices[:rows]
+        workspace = tri_dsa.sparse_mla_decode_workspace(rows, 16, C, 2048, q.device, _SPARSE_NARROW)
+
+        def step():
+            return tri_dsa.sparse_mla_decode(q_rows, kv_cache, table_rows, indices_rows, softmax_scale=SCALE,
+                                             kv_lora_rank=C, w_uv=w_uv, workspace=workspace, config=_SPARSE_NARROW)
+
+        graph, (out, lse) = captured(step)
+        for new_lens in ([100, 4096, 0, 700, 64, 65, 1999, 3][:rows], key_lens[:rows]):
+            indices_rows.copy_(random_indices(new_lens, 2048, q.device, gen))
+            graph.replay()
+            eager_out, eager_lse = step()
+            torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+            torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+            want, _ = ref_dsa.sparse_mla_decode(q_rows.double(), kv_cache.double(), table_rows, indices_rows,
+                                                softmax_scale=SCALE, kv_lora_rank=C)
+            want = torch.einsum("bhc,hvc->bhv", want.to(torch.bfloat16).double(), w_uv.double())
+            assert_close(out, want, torch.bfloat16)
+
+
+def test_narrow_sparse_refuses_what_it_cannot_take():
+    q, kv_cache, table, indices = _sparse_case([300, 70], 128, 32, 64, seed=57)
+    kw = dict(softmax_scale=SCALE, kv_lora_rank=C, config=_SPARSE_NARROW)
+    with pytest.raises(ValueError, match="keys-as-rows sparse kernel.*32 heads"):
+        tri_dsa.sparse_mla_decode(q, kv_cache, table, indices, **kw)
+    with pytest.raises(ValueError, match="keys-as-rows sparse kernel.*an FP8 cache"):
+        tri_dsa.sparse_mla_decode(q[:, :16], fp8_cache_of(kv_cache, C), table, indices, **kw)
