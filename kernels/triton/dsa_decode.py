@@ -44,7 +44,7 @@ from .decode import (DecodeConfig, check_gluon_takes, check_latent_attention_arg
                      launch_config, workspace_splits)
 from .decode_merge import merge_splits, merge_splits_value, project_values, split_partials
 from .latent_chunks import attend_tile, chunked_queries, store_split
-from .latent_parts import LatentParts
+from .latent_parts import LatentParts, latent_parts
 
 # 16 heads: 64-key tiles in two stages (H200, C=512, R=64, top-2048, latent in four chunks:
 # B64 x 32K 53.5 us, against 55.5 with 32-key tiles in three stages and 59.2 for the kernel
@@ -110,6 +110,21 @@ def sparse_launch_config(num_heads: int, kv_lora_rank: int, rope_dim: int, devic
     return sparse_decode_config(num_heads, device)
 
 
+def sparse_op_config(q: torch.Tensor, kv_cache: LatentCache, kv_lora_rank: int, *,
+                     slots: int | None) -> DecodeConfig:
+    """The tiles `sparse_mla_decode` takes when it is given none, for the queries q [T, H, C + R] over kv_cache:
+    `sparse_launch_config` with the Gluon kernels only over rows `cp.async` can gather. slots: rows x k, as the op
+    passes it; None picks one kernel for every row count (the batch-invariant op's choice, so that a row's answer
+    does not depend on how many rows share its step)."""
+    return _op_config(q, latent_parts(kv_cache, kv_lora_rank), slots)
+
+
+def _op_config(q: torch.Tensor, parts: LatentParts, slots: int | None) -> DecodeConfig:
+    kv_lora_rank = parts.values.shape[2]
+    return sparse_launch_config(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank, q.device, parts.fp8, q.dtype,
+                                wgmma=gluon_decode.copyable(parts.values, parts.rope), slots=slots)
+
+
 def sparse_decode_config(num_heads: int, device: torch.device) -> DecodeConfig:
     """The `tl.dot` kernel's tiles for `num_heads` heads a row on `device`."""
     if device.type == "cuda":
@@ -134,8 +149,9 @@ def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `sparse_mla_decode(..., workspace=...)`, to allocate once per static shape.
 
-    config: the tiles `sparse_mla_decode` will take (`sparse_launch_config` when it is given none); None:
-    `sparse_decode_config`'s
+    config: the tiles `sparse_mla_decode` will take: when it is given none, `sparse_launch_config(...,
+    slots=T * k)` for the queries and cache it will get (the split count follows the kernel, so a workspace sized
+    for another kernel's splits runs those splits); None: `sparse_decode_config`'s
     returns (partial_out [T, H, S, C] float32, partial_lse [T, H, S] float32),
     S = sparse_mla_decode_num_splits(T, H, k, device, config).
     """
@@ -265,9 +281,7 @@ def sparse_mla_decode(
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
     top_k = indices.shape[1]
     device = q.device
-    config = config or sparse_launch_config(num_heads, kv_lora_rank, dim - kv_lora_rank, device, parts.fp8,
-                                            q.dtype, wgmma=gluon_decode.copyable(parts.values, parts.rope),
-                                            slots=num_rows * top_k)
+    config = config or _op_config(q, parts, num_rows * top_k)
     splits = num_splits or workspace_splits(workspace) or sparse_mla_decode_num_splits(num_rows, num_heads, top_k,
                                                                                     device, config)
     fused_value = w_uv is not None and num_rows <= _FUSED_VALUE_MAX_ROWS

@@ -15,8 +15,9 @@ What changes against the default table, and why:
   never its per-pair path (`invariant_fp8_moe_config`);
 * `route`: one launch configuration (token tile, split of the router logits over D)
   for every batch size, instead of one chosen by the token count;
-* `sparse_mla_decode` (DeepSeek-V3.2): a split count set by top-k alone and W_UV by
-  the invariant `bmm`, instead of splits and a fused projection by the row count;
+* `sparse_mla_decode` (DeepSeek-V3.2): one kernel, a split count set by top-k alone and
+  W_UV by the invariant `bmm`, instead of a kernel, splits and a fused projection by the
+  row count;
 * `index_scores` (V3.2's and V4's indexer): one tile configuration, instead of one
   chosen by the chunk length, which follows the row count (`v4_invariant`);
 * DeepSeek-V4 (`v4_invariant`): `window_entry_attention` with one split a row and one
@@ -53,7 +54,7 @@ from ..ops import Ops
 from ..reference.linear import logits_of
 from . import v4_invariant
 from .decode_invariant import mla_decode
-from .dsa_decode import sparse_mla_decode
+from .dsa_decode import sparse_mla_decode, sparse_op_config
 from .fp8_moe import Fp8MoeConfig
 from .fp8_ops import Fp8FusedMoe, Fp8Linear, Fp8RmsNormLinear
 from .invariant_matmul import bmm, linear
@@ -174,13 +175,16 @@ _SPARSE_SPLIT_KEYS = 512
 def invariant_sparse_mla_decode(q: torch.Tensor, kv_cache: LatentCache, block_table: torch.Tensor,
                                 indices: torch.Tensor, *, softmax_scale: float, kv_lora_rank: int,
                                 w_uv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of `reference.dsa.sparse_mla_decode`: splits by top-k alone, then the invariant W_UV.
+    """Contract of `reference.dsa.sparse_mla_decode`: one kernel and splits by top-k alone at any row count, then
+    the invariant W_UV.
 
     q [T, H, C + R]; indices [T, k] -> out [T, H, C] (with w_uv [H, Dv, C]: [T, H, Dv]), lse [T, H].
     """
     splits = max(1, indices.shape[1] // _SPARSE_SPLIT_KEYS)
+    # One kernel at every row count: the op's own choice would follow the step's rows x k.
     out, lse = sparse_mla_decode(q, kv_cache, block_table, indices, softmax_scale=softmax_scale,
-                                 kv_lora_rank=kv_lora_rank, num_splits=splits)
+                                 kv_lora_rank=kv_lora_rank, num_splits=splits,
+                                 config=sparse_op_config(q, kv_cache, kv_lora_rank, slots=None))
     if w_uv is None:
         return out, lse
     value = torch.empty((out.shape[0], out.shape[1], w_uv.shape[1]), dtype=out.dtype, device=out.device)

@@ -217,7 +217,10 @@ def test_gpu_graph_replay_equals_eager():
     x["key_lens"].fill_(3)
     scores = torch.empty(num_rows, x["block_table"].shape[1] * block_size, device=device)
     indices = torch.empty(num_rows, top_k, dtype=torch.int32, device=device)
-    workspace = tri.sparse_mla_decode_workspace(num_rows, 16, 512, top_k, device)
+    # The workspace's splits are those of the kernel the eager op takes at these shapes (on Hopper the
+    # keys-as-rows kernel's), so graph and eager run the same splits.
+    config = tri.sparse_launch_config(16, 512, 64, device, False, torch.bfloat16, slots=num_rows * top_k)
+    workspace = tri.sparse_mla_decode_workspace(num_rows, 16, 512, top_k, device, config)
     topk_workspace = dsa_topk.top_k_workspace(num_rows, scores.shape[1], device, k=top_k)
 
     def step():
