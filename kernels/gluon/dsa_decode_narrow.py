@@ -12,8 +12,8 @@ One program: the H <= BLOCK_H heads of one row over one split of its index list,
 64 latent rows gathered by `cp.async` (index list, then block table, each a loop iteration ahead of the copy
 that needs it): tile t + 1 is copied while tile t is multiplied. Shared memory: two stages (72 KiB each), Q and
 P^T, 164 KiB, so one program runs on a multiprocessor and the splits fill one wave of them
-(`dsa_decode._NARROW_CONFIG`). H200, 16 heads, top-2048, both stages: B64 48.5-49.6 us against the twin's
-53.0-54.3; below 8 rows, where a split is one tile, the twin is faster (bench/notes/dsa.md). A second program a
+(`dsa_decode._NARROW_CONFIG`). H200, 16 heads, top-2048, both stages: B64 x 32K 47.7-48.6 us against the
+twin's 53.0-54.1; below 8 rows, where a split is one tile, the twin is faster (bench/notes/dsa.md). A second program a
 multiprocessor of one stage each (92 KiB) ran as fast as the twin; L2 prefetches of the tile after next slowed
 both.
 """
