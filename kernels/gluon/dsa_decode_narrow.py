@@ -27,7 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .mla_decode import KV_LORA_RANK, ROPE_DIM, _copy_keys, _locate, _pages, available, copyable
-from .mla_decode_narrow import _softmax_value_product
+from .mla_decode_narrow import (ACC_LAYOUT, COPY_LAYOUT, Q_LAYOUT, STAGE_LAYOUT, _softmax_value_product,
+                                _store_partials)
 
 # Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16
@@ -60,20 +61,15 @@ def _narrow_sparse_split_kernel(
     BLOCK_H: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
     SLAB: gl.constexpr = 64
-    LN2: gl.constexpr = 0.6931471805599453
     b = gl.program_id(0)
     split = gl.program_id(1)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    # Copies: 16 bytes a thread, a warp 4 rows x 64 columns.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: the warpgroup's four warps the rows, the heads wgmma's N.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_H, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_H, 16])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    copy_layout: gl.constexpr = COPY_LAYOUT
+    q_layout: gl.constexpr = Q_LAYOUT
+    s_layout: gl.constexpr = ACC_LAYOUT
+    o_layout: gl.constexpr = ACC_LAYOUT
+    smem_layout: gl.constexpr = STAGE_LAYOUT
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
 
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem_layout)
@@ -147,19 +143,8 @@ def _narrow_sparse_split_kernel(
         key_s = next_key_s
     async_copy.wait_group(0)
 
-    l_sum = gl.sum(l_i, axis=0)
-    has_keys = l_sum > 0.0
-    l_safe = gl.where(has_keys, l_sum, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    heads_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
-    gl.store(pl_ptr + b.to(gl.int64) * s_plb + heads_s * s_plh + split * s_pls, lse, mask=heads_s < num_heads)
-
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(0, o_layout)), 0)
-    heads_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
-    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
-    po = po_ptr + b.to(gl.int64) * s_pob + split * s_pos
-    gl.store(po + gl.expand_dims(heads_o * s_poh, 0) + gl.expand_dims(cols_o * s_pod, 1),
-             out.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_o < num_heads, 0))
+    _store_partials(po_ptr, pl_ptr, b, split, num_heads, m_i, l_i, acc, s_pob, s_poh, s_pos, s_pod, s_plb, s_plh,
+                    s_pls)
 
 
 def narrow_sparse_split_decode(q: torch.Tensor, values: torch.Tensor, rope: torch.Tensor, block_table: torch.Tensor,

@@ -53,6 +53,16 @@ NUM_WARPS = 4
 # The largest group scale the float16 stage takes: 448 times it is float16's largest finite value, 65504.
 SCALE_MAX = 146.0
 
+# A warpgroup's layouts over the keys-as-rows kernels' tiles (here and in `dsa_decode_narrow`). Copies: 16 bytes a
+# thread, a warp 4 rows x 64 columns; queries: a warp a head's row. S^T [64 keys, 16 heads] and O^T [C, 16 heads]
+# as the warpgroup MMA leaves them: its four warps the rows, the heads its N. Stages: the 128-byte swizzle of
+# 16-bit values.
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+Q_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_H, 16]))
+STAGE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
 
 def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, fp8: bool,
             device: torch.device) -> bool:
@@ -170,6 +180,32 @@ def _store_query(q_nope, q_pe, q_ptr, b, num_heads, s_qb, s_qh, s_qd, KV_LORA_RA
     return q_scale
 
 
+@gluon.jit
+def _store_partials(po_ptr, pl_ptr, b, split, num_heads, m_i, l_i, acc, s_pob, s_poh, s_pos, s_pod, s_plb, s_plh,
+                    s_pls):
+    # A keys-as-rows program's split partials for sequence (or row) b: the LSE (natural log; -inf for a head
+    # that saw no key) from the maxima m_i [H] and the per-thread sums l_i [BLOCK_N, H] in S^T's layout, and the
+    # normalised output from acc = O^T [C, H]; heads past num_heads are not written.
+    LN2: gl.constexpr = 0.6931471805599453
+    BLOCK_H: gl.constexpr = acc.shape[1]
+    KV_LORA_RANK: gl.constexpr = acc.shape[0]
+    s_layout: gl.constexpr = l_i.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    l_sum = gl.sum(l_i, axis=0)
+    has_keys = l_sum > 0.0
+    l_safe = gl.where(has_keys, l_sum, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    heads_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+    gl.store(pl_ptr + b.to(gl.int64) * s_plb + heads_s * s_plh + split * s_pls, lse, mask=heads_s < num_heads)
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(0, o_layout)), 0)
+    heads_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
+    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
+    po = po_ptr + b.to(gl.int64) * s_pob + split * s_pos
+    gl.store(po + gl.expand_dims(heads_o * s_poh, 0) + gl.expand_dims(cols_o * s_pod, 1),
+             out.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_o < num_heads, 0))
+
+
 # The split count follows the batch size: as a specialised int it would compile a kernel per value.
 @gluon.jit(do_not_specialize=["num_splits", "s_plh"])
 def _narrow_split_kernel(
@@ -185,22 +221,18 @@ def _narrow_split_kernel(
     # Program (sequence b, split) over the split's share of b's keys.
     BLOCK_H: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
-    LN2: gl.constexpr = 0.6931471805599453
     b = gl.program_id(0)
     split = gl.program_id(1)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    # RoPE copies: 16 bytes a thread, a warp 4 rows x 64 columns; FP8 bytes 16 a thread over 128 columns.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # RoPE copies: COPY_LAYOUT's; FP8 bytes 16 a thread over 128 columns.
+    copy_layout: gl.constexpr = COPY_LAYOUT
     fp8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    q_layout: gl.constexpr = Q_LAYOUT
     q_pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    # S^T [64 keys, 16 heads] and O^T [C, 16 heads]: the warpgroup's four warps the rows, the heads wgmma's N.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_H, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_H, 16])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    s_layout: gl.constexpr = ACC_LAYOUT
+    o_layout: gl.constexpr = ACC_LAYOUT
+    smem_layout: gl.constexpr = STAGE_LAYOUT
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
 
     q_nope = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA_RANK], smem_layout)
@@ -276,19 +308,8 @@ def _narrow_split_kernel(
         page, offset, copy_valid = next_page, next_offset, next_valid
     async_copy.wait_group(0)
 
-    l_sum = gl.sum(l_i, axis=0)
-    has_keys = l_sum > 0.0
-    l_safe = gl.where(has_keys, l_sum, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    heads_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
-    gl.store(pl_ptr + b.to(gl.int64) * s_plb + heads_s * s_plh + split * s_pls, lse, mask=heads_s < num_heads)
-
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(0, o_layout)), 0)
-    heads_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
-    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
-    po = po_ptr + b.to(gl.int64) * s_pob + split * s_pos
-    gl.store(po + gl.expand_dims(heads_o * s_poh, 0) + gl.expand_dims(cols_o * s_pod, 1),
-             out.to(po_ptr.dtype.element_ty), mask=gl.expand_dims(heads_o < num_heads, 0))
+    _store_partials(po_ptr, pl_ptr, b, split, num_heads, m_i, l_i, acc, s_pob, s_poh, s_pos, s_pod, s_plb, s_plh,
+                    s_pls)
 
 
 def narrow_split_decode(q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor,
