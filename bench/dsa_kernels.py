@@ -197,8 +197,7 @@ def bench_dsa_decode(num_rows, context, num_heads, ceilings, eager=True, ragged=
     tables = _tables(num_rows, context, num_blocks, TABLE_COPIES)
     q = torch.randn(num_rows, num_heads, DIM, device="cuda", dtype=BF16)
     # The workspace's splits are those of the kernel the op takes at these shapes.
-    config = dsa_decode.sparse_launch_config(num_heads, KV_LORA_RANK, DIM - KV_LORA_RANK, q.device, False, BF16,
-                                             slots=num_rows * TOP_K)
+    config = dsa_decode.sparse_op_config(q, kv_cache, KV_LORA_RANK, slots=num_rows * TOP_K)
     workspace = dsa_decode.sparse_mla_decode_workspace(num_rows, num_heads, KV_LORA_RANK, TOP_K, q.device, config)
     topk_workspace = _topk_workspace(num_rows, context)
 

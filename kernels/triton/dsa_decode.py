@@ -149,9 +149,9 @@ def sparse_mla_decode_workspace(num_rows: int, num_heads: int, kv_lora_rank: int
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials for `sparse_mla_decode(..., workspace=...)`, to allocate once per static shape.
 
-    config: the tiles `sparse_mla_decode` will take: when it is given none, `sparse_launch_config(...,
-    slots=T * k)` for the queries and cache it will get (the split count follows the kernel, so a workspace sized
-    for another kernel's splits runs those splits); None: `sparse_decode_config`'s
+    config: the tiles `sparse_mla_decode` will take: when it is given none, `sparse_op_config(q, kv_cache,
+    kv_lora_rank, slots=T * k)` for the queries and cache it will get (the split count follows the kernel, so a
+    workspace sized for another kernel's splits runs those splits); None: `sparse_decode_config`'s
     returns (partial_out [T, H, S, C] float32, partial_lse [T, H, S] float32),
     S = sparse_mla_decode_num_splits(T, H, k, device, config).
     """

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from support.kernel_cases import LSE_TOLERANCE, assert_close, generator, paged_cache, randn, strided
+from mla_func.kernels.gluon import mla_decode as gluon_decode
 from mla_func.kernels.reference import attention as ref
 from mla_func.kernels.triton import dsa_decode as tri
 from mla_func.kernels.triton import dsa_indexer, dsa_topk
@@ -130,6 +131,18 @@ def test_split_count_is_static(device):
     assert tri.sparse_mla_decode_num_splits(1, 16, 4, device) == 1
 
 
+def test_op_config_without_the_gluon_kernels_is_the_tl_dot_kernels(device):
+    """Where the Hopper kernels are not (the CPU, or a GPU without them), the op's kernel is the `tl.dot` one at
+    every row count, the batch-invariant op's (slots None) too."""
+    if gluon_decode.available(device):
+        pytest.skip("a Hopper GPU takes the Gluon kernels (test_gluon_decode_gpu.py)")
+    q = torch.zeros(8, 16, 576, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=device)
+    for slots in (None, 1, 8 * 2048):
+        config = tri.sparse_op_config(q, cache, 512, slots=slots)
+        assert config == tri.sparse_decode_config(16, device) and not (config.narrow or config.wgmma)
+
+
 def test_rejects_bad_inputs(device):
     q = torch.zeros(2, 4, 48, device=device)
     cache = torch.zeros(5, 16, 48, device=device)
@@ -219,7 +232,7 @@ def test_gpu_graph_replay_equals_eager():
     indices = torch.empty(num_rows, top_k, dtype=torch.int32, device=device)
     # The workspace's splits are those of the kernel the eager op takes at these shapes (on Hopper the
     # keys-as-rows kernel's), so graph and eager run the same splits.
-    config = tri.sparse_launch_config(16, 512, 64, device, False, torch.bfloat16, slots=num_rows * top_k)
+    config = tri.sparse_op_config(x["q"], x["kv_cache"], 512, slots=num_rows * top_k)
     workspace = tri.sparse_mla_decode_workspace(num_rows, 16, 512, top_k, device, config)
     topk_workspace = dsa_topk.top_k_workspace(num_rows, scores.shape[1], device, k=top_k)
 
