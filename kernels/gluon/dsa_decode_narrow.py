@@ -65,18 +65,13 @@ def _narrow_sparse_split_kernel(
     split = gl.program_id(1)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    copy_layout: gl.constexpr = COPY_LAYOUT
-    q_layout: gl.constexpr = Q_LAYOUT
-    s_layout: gl.constexpr = ACC_LAYOUT
-    o_layout: gl.constexpr = ACC_LAYOUT
-    smem_layout: gl.constexpr = STAGE_LAYOUT
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
 
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem_layout)
-    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], smem_layout)
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], STAGE_LAYOUT)
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], STAGE_LAYOUT)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)
-    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem_layout)
-    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], smem_layout)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], STAGE_LAYOUT)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], STAGE_LAYOUT)
 
     # Whole tiles a split, so only a split's last tile is ragged.
     slots_per_split = gl.cdiv(gl.cdiv(top_k, num_splits), BLOCK_N) * BLOCK_N
@@ -85,22 +80,22 @@ def _narrow_sparse_split_kernel(
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * s_btb
     idx_row = idx_ptr + b.to(gl.int64) * s_it
-    offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_copy = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
 
     # The first tile's rows are copied before the queries are read; the rows of each later tile are located
     # two tiles ahead (its index slots an iteration before its block-table reads), so no copy waits on a load.
     pos, valid = _locate(start + offs_copy, end, idx_row, num_positions, s_ik, True)
     page, offset = _pages(pos, valid, bt_row, s_btw, PAGE_SIZE)
     _copy_keys(k_nope.index(0), k_pe.index(0), v_ptr, r_ptr, page, offset, valid, s_vn, s_vb, s_vd, s_rn, s_rb,
-               s_rd, KV_LORA_RANK, SLAB, copy_layout)
+               s_rd, KV_LORA_RANK, SLAB, COPY_LAYOUT)
     async_copy.commit_group()
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_LAYOUT))
     q_rows = gl.expand_dims(q_ptr + b.to(gl.int64) * s_qb + heads * s_qh, 1)
     q_mask = gl.expand_dims(heads < num_heads, 1)
-    cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+    cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, Q_LAYOUT))
     q_nope.store(gl.load(q_rows + gl.expand_dims(cols * s_qd, 0), mask=q_mask, other=0.0))
-    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, q_layout))
+    cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, Q_LAYOUT))
     q_pe.store(gl.load(q_rows + gl.expand_dims((KV_LORA_RANK + cols_pe) * s_qd, 0), mask=q_mask, other=0.0))
 
     pos, valid = _locate(start + BLOCK_N + offs_copy, end, idx_row, num_positions, s_ik, True)
@@ -111,10 +106,10 @@ def _narrow_sparse_split_kernel(
     # below the table's end (`_locate`): no causal bound to apply.
     _, key_s = _locate(start + offs_n, end, idx_row, num_positions, s_ik, True)
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
-    acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_LAYOUT))
+    l_i = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ACC_LAYOUT)
+    acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=ACC_LAYOUT)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ACC_LAYOUT)
 
     for t in range(num_tiles):
         n0 = start + t * BLOCK_N
@@ -127,7 +122,7 @@ def _narrow_sparse_split_kernel(
         # the first time, the queries' stores) done in this thread, made visible to the tensor cores' proxy,
         # then done in every thread.
         _copy_keys(k_nope.index(1 - stage), k_pe.index(1 - stage), v_ptr, r_ptr, page, offset, copy_valid, s_vn,
-                   s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, copy_layout)
+                   s_vb, s_vd, s_rn, s_rb, s_rd, KV_LORA_RANK, SLAB, COPY_LAYOUT)
         async_copy.commit_group()
         async_copy.wait_group(1)
         fence_async_shared()
@@ -136,7 +131,7 @@ def _narrow_sparse_split_kernel(
         s = warpgroup_mma(keys, q_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(k_pe.index(stage), q_pe.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, key_s, scale_log2, o_layout)
+        m_i, l_i, acc = _softmax_value_product(s, m_i, l_i, acc, keys, p_smem, key_s, scale_log2, ACC_LAYOUT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         page, offset, copy_valid = next_page, next_offset, next_valid
