@@ -64,9 +64,14 @@ class _GroupGather:
 
     def __call__(self, x: torch.Tensor, /, *, dim: int) -> torch.Tensor:
         x = x.contiguous()
-        # A list of buffers rather than one tensor: gloo has no gather into one tensor.
-        parts = [torch.empty_like(x) for _ in range(self.size)]
         try:
+            if dist.get_backend(self.group) == "nccl":
+                # Into one tensor, rank-major: along dim 0 that is the result, with no copy after.
+                every = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+                dist.all_gather_into_tensor(every, x, group=self.group)
+                return every if dim == 0 else torch.cat(every.chunk(self.size), dim=dim)
+            # gloo gathers into a list of buffers
+            parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x, group=self.group)
         except RuntimeError as e:
             raise _failed("all_gather", self.group, e) from e

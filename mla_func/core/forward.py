@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mla_func.core.batch import Batch, check_batch
+from mla_func.core.exchange import row_exchange
 from mla_func.core.layers import FinalResidual, LayerContext, LayerKind, layer_kinds
 from mla_func.core.mode import ForwardMode, SegmentKind
 from mla_func.core.params import Params
@@ -95,8 +96,11 @@ def _run(name: str, params: Params, state: KVCacheState, batch: Batch, mode: For
     config = params.config
     kinds = layer_kinds(config) if layers is None else tuple(layers)
     ops = _check(name, params, state, batch, mode, kinds, ops)
+    valid = batch.real_rows()
     ctx = LayerContext(batch=batch, mode=mode, config=config, ops=ops, rope_cos=params.rope_cos,
-                       rope_sin=params.rope_sin, valid=batch.real_rows(), inplace=not copy,
+                       rope_sin=params.rope_sin, valid=valid, inplace=not copy,
+                       # Every rank's real rows and token ids, gathered once here for all layers' exchanges.
+                       exchange=row_exchange(batch.input_ids, valid, mode, ops.collectives),
                        # Every row's own key count and block tables, made once here for all layers (on the device,
                        # so a captured graph makes it too and replays copy nothing more in).
                        rows=row_metadata(batch, mode) if rows_needed(config, mode) else None)

@@ -41,6 +41,7 @@ import torch
 
 from mla_func.core.batch import Batch
 from mla_func.core.config import ModelConfig
+from mla_func.core.exchange import RowExchange
 from mla_func.core.mode import ForwardMode
 from mla_func.core.rows import RowMetadata
 from mla_func.kernels import Ops
@@ -56,6 +57,9 @@ class LayerContext:
            block_table [T, W], group_tables [T, W_g] per group 1..), made once a step by the forward
            when `rows.rows_needed` (batch-invariant steps, `Family.attends_by_row`, cache groups past 0);
            None otherwise. A kind that reads it raises ValueError when it is None: it is never rebuilt.
+    exchange: under data-parallel attention, every rank's real rows and token ids, gathered once a
+           step by the forward for every layer's row exchange (`core.exchange.row_exchange`); None
+           otherwise.
     """
 
     batch: Batch
@@ -67,6 +71,7 @@ class LayerContext:
     valid: torch.Tensor
     inplace: bool
     rows: RowMetadata | None = None
+    exchange: RowExchange | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ A run that raised on a rank fails its own tests with that rank's traceback; the 
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -86,7 +87,8 @@ def folders(tmp_path_factory):
 
 class Lazily:
     """Results by key, computed a group at a time on first use (the group: the key's first `width` fields),
-    so that `-k` starts only the groups its tests read."""
+    so that `-k` starts only the groups its tests read. A group whose computation raised is not run
+    again: each of its tests fails with that traceback."""
 
     def __init__(self, compute: Any, width: int) -> None:
         self._compute, self._width, self._done = compute, width, {}
@@ -94,8 +96,14 @@ class Lazily:
     def __getitem__(self, key: tuple[str, ...]) -> Any:
         group = key[:self._width]
         if group not in self._done:
-            self._done[group] = self._compute(*group)
-        return self._done[group][key]
+            try:
+                self._done[group] = self._compute(*group)
+            except Exception:  # every test of the group fails with it, not only the first to ask
+                self._done[group] = traceback.format_exc()
+        done = self._done[group]
+        if isinstance(done, str):
+            pytest.fail(f"the runs of {group} failed:\n{done}")
+        return done[key]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +169,8 @@ def test_sharded_fp32_greedy_tokens_and_logits_equal_one_process_s(sharded, whol
         assert got["greedy"] == want["greedy"], f"rank {rank}"
         for kind in STEP_KINDS:
             assert got[kind].shape == want[kind].shape
-            assert rel_err(got[kind], want[kind]) <= FP32_TOL, f"rank {rank}, {kind}"
+            error = rel_err(got[kind], want[kind])
+            assert error <= FP32_TOL, f"rank {rank}, {kind}: fp32 error {error:.2e}"
 
 
 @pytest.mark.parametrize("mode", DP_MODES)
@@ -180,7 +189,9 @@ def test_data_parallel_attention_equals_each_rank_alone(sharded, whole, checkpoi
         assert len(got) == len(exact) == len(fp32)
         assert_bf16_near(torch.cat(got), torch.cat(alone), torch.cat(fp32), f"rank {rank}")
         for step, (e, want) in enumerate(zip(exact, fp32)):
-            assert e.shape == want.shape and rel_err(e, want) <= FP32_TOL, f"rank {rank}, step {step}"
+            assert e.shape == want.shape, f"rank {rank}, step {step}: {tuple(e.shape)} != {tuple(want.shape)}"
+            error = rel_err(e, want)
+            assert error <= FP32_TOL, f"rank {rank}, step {step}: fp32 error {error:.2e} against its run alone"
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

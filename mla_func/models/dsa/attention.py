@@ -131,7 +131,7 @@ class DSADecoderLayer:
         same = kv is cache.kv and index_k is cache.index_k
         new_cache = cache if same else DSALayerCache(kv=kv, index_k=index_k, group=cache.group)
         out = shared_block(lambda rows, valid: feed_forward(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
-                           ctx.mode, ctx.ops.collectives)
+                           ctx.exchange, ctx.ops.collectives)
         return out, residual, new_cache
 
 

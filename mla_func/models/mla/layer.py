@@ -58,7 +58,7 @@ class MLADecoderLayer:
         # In place, the cache value is unchanged: keep it rather than build one per layer per step.
         new_cache = cache if kv is cache.kv else MLALayerCache(kv=kv, group=cache.group)
         out = shared_block(lambda rows, valid: feed_forward(p.mlp, rows, valid, ctx.config, ctx.ops), x, ctx.valid,
-                           ctx.mode, ctx.ops.collectives)
+                           ctx.exchange, ctx.ops.collectives)
         return out, residual, new_cache
 
 

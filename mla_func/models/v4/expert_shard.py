@@ -46,7 +46,7 @@ def v4_feed_forward(p: V4MoEParams | V4ExpertShardParams, x: torch.Tensor, ctx: 
             return expert_shard_moe(p, rows, token_ids, valid, ctx.config, ctx.ops)
         return v4_moe(p, rows, token_ids, valid, ctx.config, ctx.ops)
 
-    return shared_token_block(block, x, ctx.batch.input_ids, ctx.valid, ctx.mode, ctx.ops.collectives)
+    return shared_token_block(block, x, ctx.batch.input_ids, ctx.valid, ctx.exchange, ctx.ops.collectives)
 
 
 def _expert_shard(p: V4MoEParams, held: range) -> V4ExpertShardParams:
