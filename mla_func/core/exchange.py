@@ -68,9 +68,10 @@ def _gathered(x: torch.Tensor, exchange: RowExchange, collectives: CollectiveOps
     return collectives.all_gather(x if pad == 0 else F.pad(x, (0, 0, 0, pad)), dim=0)
 
 
-def _own_rows(sums: torch.Tensor, rows: int, collectives: CollectiveOps) -> torch.Tensor:
-    """This rank's rows of every rank's summed rows: [size * rows', D] -> [rows, D]."""
-    return collectives.reduce_scatter(sums, dim=0)[:rows]
+def _own_rows(sums: torch.Tensor, own: int, collectives: CollectiveOps) -> torch.Tensor:
+    """This rank's `own` rows of every rank's rows summed over the ranks: sums [size * R, D] (R, the
+    exchange's rows a rank) -> [own, D]."""
+    return collectives.reduce_scatter(sums, dim=0)[:own]
 
 
 def _required(exchange: RowExchange | None, collectives: CollectiveOps) -> RowExchange:
