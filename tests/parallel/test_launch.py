@@ -1,5 +1,5 @@
-"""Launching ranks: the README's torchrun example and `mla-func generate --tensor-parallel N` print once,
-what one process prints; a rank that fails is named."""
+"""Launching ranks: the README's torchrun example (on one host and on two) and `mla-func generate
+--tensor-parallel N` print once, what one process prints; a rank that fails is named."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from mla_func.parallel.workers import free_local_port
 from support.cli_process import mla_func
@@ -30,6 +32,40 @@ def test_torchrun_example_prints_what_one_process_prints(tmp_path, capsys):
     alone = capsys.readouterr().out
     assert alone.strip()
     assert result.stdout == alone  # printed once (by rank 0), the same text
+
+
+def _host_launcher(rendezvous: str, node: int, port: str) -> list[str]:
+    """Host `node`'s torchrun of a two-host group, one rank a host, meeting at 127.0.0.1:port."""
+    if rendezvous == "static":  # host 0 holds the store and global rank 0
+        meet = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port]
+    else:  # elastic: the hosts are ranked as they arrive
+        meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *meet]
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_hosts_torchrun_launchers_print_what_one_process_prints(tmp_path, capsys, rendezvous):
+    """The README's several-hosts launch: one torchrun a host (one rank each, so both ranks are LOCAL_RANK 0
+    of their host), meeting at host 0's address; here both hosts are this machine."""
+    script = tmp_path / "generate_tp.py"
+    script.write_text(EXAMPLE)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    port = str(free_local_port())
+    hosts = [subprocess.Popen([*_host_launcher(rendezvous, node, port), str(script)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    try:
+        outputs = [host.communicate(timeout=240) for host in hosts]
+    finally:
+        for host in hosts:
+            host.kill()
+    for host, (_, stderr) in zip(hosts, outputs):
+        assert host.returncode == 0, stderr[:6000]
+    exec(compile(EXAMPLE, str(script), "exec"), {"__name__": "__main__"})  # one rank, in this process
+    alone = capsys.readouterr().out
+    assert alone.strip()
+    printed = [stdout for stdout, _ in outputs]
+    # Global rank 0 printed it, once: host 0's under the static rendezvous, either host's under c10d.
+    assert (printed == [alone, ""]) if rendezvous == "static" else (sorted(printed) == ["", alone])
 
 
 def test_cli_tensor_parallel_prints_what_one_process_prints():
