@@ -24,6 +24,13 @@ def mlp(p: MLPParams, x: torch.Tensor, ops: Ops) -> torch.Tensor:
 # tokens (64: 315 vs 335 us; 256: 367 vs 382 us). Prefill chunks above it take the GEMMs.
 SHARED_IN_FUSED_MAX_TOKENS = 256
 
+# From this many rows a sharded block's partial sum leaves the fused MoE in the model's dtype
+# (`sum_dtype`): the ranks' all-reduce or reduce-scatter then moves half float32's bytes. On two
+# H200s over v2-lite's 256 rows that took TP 2's decode step from 9.89 to 9.34 ms and
+# DP attention's from 8.15 to 8.00. Fewer rows move too few bytes for it to pay, and at decode's
+# one or two rows the per-pair kernel, which sums in float32, would spend a launch on the cast.
+NARROW_SUMS_MIN_TOKENS = 16
+
 
 def route(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops, *,
           num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,15 +75,26 @@ def shared_experts(p: MoEParams, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
-    """Routed experts plus shared experts: x [T, D] -> [T, D] in at least float32 (an
-    expert-parallel rank's partial sum: its experts, its rows' shared experts).
+def sum_dtype(x: torch.Tensor, ops: Ops) -> torch.dtype:
+    """The dtype of the MoE block's output for rows x [T, D].
 
-    The sum over experts stays in float32 up to the residual add (`rms_norm`
-    rounds once, to the residual's dtype), which spares the fused MoE a pass
-    that would only round its float32 sums.
+    With one process, at least float32: the sum over experts stays there up to the residual add
+    (`rms_norm` rounds once, to the residual's dtype), which spares the fused MoE a pass that
+    would only round its float32 sums. When the output is a rank's partial sum that crosses the
+    wire, x's dtype from `NARROW_SUMS_MIN_TOKENS` rows (half the bytes; each rank's share then
+    rounds once before the ranks' sum). A batch-invariant table keeps float32 at every size: a
+    row's bits may not depend on how many rows share its step.
     """
-    out_dtype = torch.promote_types(x.dtype, torch.float32)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    if ops.collectives.size == 1 or ops.batch_invariant or x.shape[0] < NARROW_SUMS_MIN_TOKENS:
+        return wide
+    return x.dtype
+
+
+def moe(p: MoEParams, x: torch.Tensor, valid: torch.Tensor, config: ModelConfig, ops: Ops) -> torch.Tensor:
+    """Routed experts plus shared experts: x [T, D] -> [T, D] in `sum_dtype` (an expert-parallel
+    rank's partial sum: its experts, its rows' shared experts)."""
+    out_dtype = sum_dtype(x, ops)
     # A batch-invariant table keeps the shared experts in the fused call at every size: the
     # dense GEMMs and the separate add would give a token other bits in a larger step. So does
     # an expert-parallel rank, which runs them for its share of the rows only.

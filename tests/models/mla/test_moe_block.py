@@ -12,7 +12,7 @@ import torch
 
 import mla_func as mf
 from mla_func.kernels import ops_for
-from mla_func.models.mla.moe import SHARED_IN_FUSED_MAX_TOKENS, moe, route, shared_experts
+from mla_func.models.mla.moe import NARROW_SUMS_MIN_TOKENS, SHARED_IN_FUSED_MAX_TOKENS, moe, route, shared_experts, sum_dtype
 from mla_func.models.mla.params import MoEParams
 from support.mla_reference import make_reference, rel_err, save_reference
 
@@ -105,3 +105,45 @@ def test_expert_parallel_ranks_partial_sums_add_up_to_the_block(pair, num_tokens
     # no one reads: the real rows are the block's.)
     assert rel_err(sum(partials)[valid], whole[valid]) < 1e-12
     assert all(torch.all(part[~valid] == 0) for part in partials)
+
+
+def _two_ranks(ops):
+    """`ops` as rank 0 of two would hold them (the sums themselves are not called here)."""
+    import dataclasses
+
+    def refused(*args, **kwargs):
+        raise AssertionError("sum_dtype calls no collective")
+
+    return dataclasses.replace(ops, collectives=dataclasses.replace(
+        ops.collectives, size=2, all_reduce=refused, all_gather=refused, reduce_scatter=refused))
+
+
+@pytest.mark.parametrize("num_tokens", [1, NARROW_SUMS_MIN_TOKENS - 1, NARROW_SUMS_MIN_TOKENS, 256])
+def test_partial_sums_cross_the_wire_in_the_model_dtype_from_enough_rows(num_tokens):
+    """One process keeps the MoE's output in float32 (the residual add rounds once); a sharded rank's
+    partial sum goes out in bf16 from NARROW_SUMS_MIN_TOKENS rows, float32 below (and float64 stays
+    float64); a batch-invariant table keeps float32 at every size."""
+    single, invariant = ops_for("torch"), ops_for("torch", batch_invariant=True)
+    x = torch.zeros(num_tokens, 8, dtype=torch.bfloat16)
+    assert sum_dtype(x, single) == torch.float32
+    narrow = num_tokens >= NARROW_SUMS_MIN_TOKENS
+    assert sum_dtype(x, _two_ranks(single)) == (torch.bfloat16 if narrow else torch.float32)
+    assert sum_dtype(x, _two_ranks(invariant)) == torch.float32
+    assert sum_dtype(x.double(), _two_ranks(single)) == torch.float64
+
+
+def test_a_ranks_partial_sum_in_bf16_is_the_same_sum(pair):
+    """From NARROW_SUMS_MIN_TOKENS rows a rank's block returns its sum in bf16: one process's float32
+    sum to bf16's precision (the reference weights and adds the experts in the output's dtype)."""
+    _, model = pair
+    p = model.params.layers[1].mlp
+    p = MoEParams(gate=p.gate.float(), w13=p.w13.bfloat16(), w2=p.w2.bfloat16(),
+                  e_score_correction_bias=None if p.e_score_correction_bias is None else p.e_score_correction_bias.float())
+    num_tokens = NARROW_SUMS_MIN_TOKENS + 2
+    x = torch.randn(num_tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    valid = torch.ones(num_tokens, dtype=torch.bool)
+    ops = ops_for("torch")
+    wide = moe(p, x, valid, model.config, ops)
+    narrow = moe(p, x, valid, model.config, _two_ranks(ops))
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(narrow.float(), wide, rtol=1.6e-2, atol=1e-2)
