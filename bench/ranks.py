@@ -40,32 +40,32 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.shard import Shard, cut_weight
 from mla_func.parallel.workers import run_ranks
 
-# `--modes` codes -> (expert_parallel, data_parallel_attention, symmetric_sums)
+# `--modes` codes -> (expert_parallel, data_parallel_attention, symmetric_memory)
 MODE_CODES = {"tp": (False, False, False), "ep": (True, False, False), "dp": (False, True, False),
-              "dp-ep": (True, True, False), "tp-sym": (False, False, True)}
+              "dp-ep": (True, True, False), "tp-sym": (False, False, True), "dp-sym": (False, True, True)}
 ONE_RANK = "1 rank"
 
 
 @dataclass(frozen=True, slots=True)
 class Mode:
     """How a run cuts the model: over `ranks` ranks (1: the whole model in one process), with whole
-    experts a rank or not, attention split by heads (tensor parallel) or by requests; symmetric_sums: the
-    all-reduces through symmetric memory (`Parallel.symmetric_memory`) rather than NCCL."""
+    experts a rank or not, attention split by heads (tensor parallel) or by requests; symmetric_memory: the
+    collectives through symmetric memory (`Parallel.symmetric_memory`) rather than NCCL."""
 
     ranks: int
     expert_parallel: bool = False
     data_parallel_attention: bool = False
-    symmetric_sums: bool = False
+    symmetric_memory: bool = False
 
     @property
     def name(self) -> str:
-        """'1 rank', 'TP 2', 'TP 2 + EP', 'DP-attention 2', 'DP-attention 2 + EP', 'TP 2 (symmetric sums)': a
-        result row's `mode`."""
+        """'1 rank', 'TP 2', 'TP 2 + EP', 'DP-attention 2', 'DP-attention 2 + EP', 'TP 2 (symmetric memory)',
+        'DP-attention 2 (symmetric memory)': a result row's `mode`."""
         if self.ranks == 1:
             return ONE_RANK
         attention = "DP-attention" if self.data_parallel_attention else "TP"
         return f"{attention} {self.ranks}" + (" + EP" if self.expert_parallel else "") \
-            + (" (symmetric sums)" if self.symmetric_sums else "")
+            + (" (symmetric memory)" if self.symmetric_memory else "")
 
     def rank_parallel(self, group: Parallel) -> Parallel:
         """This rank's `Parallel`: the group's, cut this way; with one rank no group (the unsharded model,
@@ -74,7 +74,7 @@ class Mode:
             return Parallel()
         return dataclasses.replace(group, expert_parallel=self.expert_parallel,
                                    data_parallel_attention=self.data_parallel_attention,
-                                   symmetric_memory=self.symmetric_sums)
+                                   symmetric_memory=self.symmetric_memory)
 
 
 def modes(ranks: int, codes: Sequence[str]) -> list[Mode]:
@@ -88,10 +88,10 @@ def modes(ranks: int, codes: Sequence[str]) -> list[Mode]:
 
 
 def mode_codes(args: argparse.Namespace) -> list[str]:
-    """TP always; EP, DP-attention and both, as --expert-parallel / --data-parallel-attention ask; TP over
-    symmetric memory's sums with --symmetric-sums."""
-    ep, dp = args.expert_parallel, args.data_parallel_attention
-    return ["tp"] + ["ep"] * ep + ["dp"] * dp + ["dp-ep"] * (ep and dp) + ["tp-sym"] * args.symmetric_sums
+    """TP always; EP, DP-attention and both, as --expert-parallel / --data-parallel-attention ask; with
+    --symmetric-memory, TP (and DP-attention, if asked) through symmetric memory's collectives too."""
+    ep, dp, sym = args.expert_parallel, args.data_parallel_attention, args.symmetric_memory
+    return ["tp"] + ["ep"] * ep + ["dp"] * dp + ["dp-ep"] * (ep and dp) + ["tp-sym"] * sym + ["dp-sym"] * (dp and sym)
 
 
 def _seed_of(name: str, seed: int) -> int:
@@ -268,8 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --tensor-parallel: also N ranks holding whole experts")
     parser.add_argument("--data-parallel-attention", action="store_true",
                         help="with --tensor-parallel: also N ranks attending for their own requests")
-    parser.add_argument("--symmetric-sums", action="store_true",
-                        help="with --tensor-parallel: also TP summing through symmetric memory instead of NCCL")
+    parser.add_argument("--symmetric-memory", action="store_true",
+                        help="with --tensor-parallel: also TP (and DP-attention, if asked) with the collectives "
+                             "through symmetric memory instead of NCCL")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: --tensor-parallel's ranks on the CPU over gloo (a smoke test)")
 
@@ -281,12 +282,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.tensor_parallel < 1:
         parser.error(f"--tensor-parallel: expected >= 1, got {args.tensor_parallel}")
     several = args.tensor_parallel > 1
-    if not several and (args.expert_parallel or args.data_parallel_attention or args.symmetric_sums
+    if not several and (args.expert_parallel or args.data_parallel_attention or args.symmetric_memory
                         or args.device != "cuda"):
-        parser.error("--expert-parallel, --data-parallel-attention, --symmetric-sums and --device cpu need "
+        parser.error("--expert-parallel, --data-parallel-attention, --symmetric-memory and --device cpu need "
                      "--tensor-parallel N >= 2")
-    if args.symmetric_sums and args.device != "cuda":
-        parser.error("--symmetric-sums: symmetric memory needs the ranks' GPUs (--device cuda)")
+    if args.symmetric_memory and args.device != "cuda":
+        parser.error("--symmetric-memory: symmetric memory needs the ranks' GPUs (--device cuda)")
     if several and args.device == "cuda" and torch.cuda.device_count() < args.tensor_parallel:
         parser.error(f"--tensor-parallel {args.tensor_parallel}: this host has {torch.cuda.device_count()} GPU(s)")
     args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")

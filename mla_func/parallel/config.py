@@ -39,10 +39,10 @@ class Parallel:
                      cache of its own requests only; the MLPs and experts stay split across the
                      ranks, which bring their rows to them (`mla_func.core.exchange`; each step's
                      plan is `data_parallel.plan_rank_step`'s).
-    symmetric_memory: sum through a symmetric-memory buffer every rank maps (NCCL ranks of one host;
-                     `kernels.collectives.symmetric_reduce`) instead of NCCL, up to its size. Off by
-                     default: on two H100s a sum's kernel takes 10 us against NCCL's 15, yet v2-lite's
-                     TP 2 decode step is no faster (bench/notes/parallel.md).
+    symmetric_memory: sum, gather and reduce-scatter through symmetric-memory buffers every rank maps
+                     (NCCL ranks of one host; `kernels.collectives.symmetric_buffer`) instead of NCCL,
+                     up to their size. Off by default: on two H100s a sum's kernel takes 10 us against
+                     NCCL's 15, yet v2-lite's TP 2 decode step is no faster (bench/notes/parallel.md).
     """
 
     tensor_parallel: int = 1
@@ -85,7 +85,8 @@ class Parallel:
     @property
     def collectives(self) -> CollectiveOps:
         """The collective ops over the group (`SINGLE_PROCESS` with one rank). With symmetric_memory each call
-        allocates and rendezvouses a buffer: a collective every rank makes together (a model's load makes it once)."""
+        allocates and rendezvouses three buffers: a collective every rank makes together (a model's load makes it
+        once)."""
         if self.group is None:
             return SINGLE_PROCESS
         return group_collectives(self.group, tokens_split=self.data_parallel_attention,

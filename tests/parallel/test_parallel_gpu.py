@@ -4,12 +4,14 @@ The CPU tests (`test_tensor_parallel.py`, `test_v4_parallel.py`) check the shard
 in fp32. Here the same scenarios (`support.parallel_runs`) run where users run them: two NCCL ranks,
 one GPU each, started by the library's launcher, on the Triton op table, in bf16 and in fp32, on tiny
 V3 (with and without a low-rank query), V3.2 and V4 checkpoints written by transformers (the V3 ones
-with head dims of 16, the least the Triton prefill kernel takes). One process on one GPU runs the same.
+with head dims of 16, the least the Triton prefill kernel takes), every mode of the CPU tests and TP and
+DP attention with the collectives through symmetric memory ("tp-sym", "dp-sym"). One process on one GPU
+runs the same.
 
 * bf16 logits: the median over rows of a rank's error against one process's fp32 logits
   (||row - fp32 row|| / ||fp32 row||) is at most twice one process's own bf16 median error, plus
-  1e-3. The ranks' partial sums meet in another order, and some in bf16 (an attention output's
-  all-reduce): they round differently, not more. The median, because in a tiny random model a few
+  1e-3. The ranks' partial sums meet in another order, and in bf16 (an attention output's all-reduce;
+  the MoE's from 16 rows): they round differently, not more. The median, because in a tiny random model a few
   rows flip a discrete choice (an expert, an indexer's top-k entry) between any two roundings,
   which moves those rows a lot; a wrong shard or collective moves every row. (Over gloo on the
   CPU the ranks' medians come to 0.9 to 1.1 times one process's.)
@@ -33,8 +35,8 @@ import mla_func as mf
 from mla_func.pytree import tree_map
 from support.dsa_reference import make_v32
 from support.mla_reference import make_reference, rel_err, save_reference
-from support.parallel_gpu_runs import DTYPES, GRAPH_STEPS, run_gpu_group
-from support.parallel_runs import DP_MODES, MODES, STEP_KINDS, TP_MODES, WORLD, rank_steps, run_steps, scenarios
+from support.parallel_gpu_runs import DTYPES, GPU_DP_MODES, GPU_MODES, GPU_TP_MODES, GRAPH_STEPS, run_gpu_group
+from support.parallel_runs import STEP_KINDS, WORLD, rank_steps, run_steps, scenarios
 from support.v4_reference import save_reference as save_v4
 
 pytestmark = [pytest.mark.gpu,
@@ -148,7 +150,7 @@ def ranks_of(sharded: Lazily, key: tuple[str, str, str]) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", STEP_KINDS)
-@pytest.mark.parametrize("mode", TP_MODES)
+@pytest.mark.parametrize("mode", GPU_TP_MODES)
 @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
 def test_sharded_bf16_logits_are_as_near_fp32_as_one_process_s(sharded, whole, checkpoint, mode, kind):
     fp32 = outcome(whole[checkpoint, "fp32"], checkpoint)[kind]
@@ -160,7 +162,7 @@ def test_sharded_bf16_logits_are_as_near_fp32_as_one_process_s(sharded, whole, c
     assert all(torch.equal(r[kind], ranks[0][kind]) for r in ranks)
 
 
-@pytest.mark.parametrize("mode", TP_MODES)
+@pytest.mark.parametrize("mode", GPU_TP_MODES)
 @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
 def test_sharded_fp32_greedy_tokens_and_logits_equal_one_process_s(sharded, whole, checkpoint, mode):
     want = outcome(whole[checkpoint, "fp32"], checkpoint)
@@ -173,7 +175,7 @@ def test_sharded_fp32_greedy_tokens_and_logits_equal_one_process_s(sharded, whol
             assert error <= FP32_TOL, f"rank {rank}, {kind}: fp32 error {error:.2e}"
 
 
-@pytest.mark.parametrize("mode", DP_MODES)
+@pytest.mark.parametrize("mode", GPU_DP_MODES)
 @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
 def test_data_parallel_attention_equals_each_rank_alone(sharded, whole, checkpoint, mode):
     """Each rank runs its own requests (of other lengths than the other rank's: the exchange pads) through
@@ -194,14 +196,14 @@ def test_data_parallel_attention_equals_each_rank_alone(sharded, whole, checkpoi
             assert error <= FP32_TOL, f"rank {rank}, step {step}: fp32 error {error:.2e} against its run alone"
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(GPU_MODES))
 @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
 def test_graphs_with_collectives_inside_equal_eager_steps(sharded, checkpoint, mode):
     """Prefill, decode and mixed steps, each replayed from a CUDA graph whose all-reduces (or all-gathers
     and reduce-scatters) were captured with it: the logits of the same steps run eagerly. Under
     data-parallel attention only the decode steps replay (the ranks agree on one padded key,
     `parallel.data_parallel.rank_modes`); the prefill and mixed steps run eagerly on every rank."""
-    replayed = [False, True, True, False] if MODES[mode][1] else [True] * GRAPH_STEPS
+    replayed = [False, True, True, False] if GPU_MODES[mode][1] else [True] * GRAPH_STEPS
     for rank, result in enumerate(ranks_of(sharded, (checkpoint, mode, "fp32"))):
         runs = result["graphs"]
         assert runs["replayed"] == replayed, f"rank {rank}"

@@ -1,8 +1,8 @@
 """NCCL ranks for the GPU parallel tests: one process a GPU of this host, started by the library's own
 launcher (`mla_func.parallel.workers.run_ranks`, as `mla-func generate --tensor-parallel` starts them).
 
-Each rank loads its shard of every checkpoint each way (`support.parallel_runs.MODES`) in bf16 and in
-fp32 and runs what the CPU tests run on it (`scenarios`, or its own `rank_steps` under data-parallel
+Each rank loads its shard of every checkpoint each way (`GPU_MODES`: `support.parallel_runs.MODES`, and
+TP and DP attention through symmetric memory's collectives) in bf16 and in fp32 and runs what the CPU tests run on it (`scenarios`, or its own `rank_steps` under data-parallel
 attention); in fp32 it also runs the same steps through a graph-replaying step and through that step
 eager (`graph_and_eager`), so the collectives run inside captured graphs. What a rank saw, moved to the
 CPU, is saved for the test to judge, and so is the error of a run that raised. A rank that fails outside
@@ -30,7 +30,13 @@ from support.graph_checks import LADDER
 from support.parallel_runs import BLOCK_SIZE, MODES, WORLD, rank_steps, run_steps, scenarios
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# A run: (checkpoint folder, mode of MODES, dtype of DTYPES)
+# mode -> (Parallel.expert_parallel, Parallel.data_parallel_attention, Parallel.symmetric_memory): the CPU
+# tests' modes, and TP and DP attention with the collectives through symmetric memory (NCCL ranks of one host).
+GPU_MODES = {**{mode: (*flags, False) for mode, flags in MODES.items()},
+             "tp-sym": (False, False, True), "dp-sym": (False, True, True)}
+GPU_TP_MODES = sorted(m for m, (_, dp, _) in GPU_MODES.items() if not dp)
+GPU_DP_MODES = sorted(m for m, (_, dp, _) in GPU_MODES.items() if dp)
+# A run: (checkpoint folder, mode of GPU_MODES, dtype of DTYPES)
 Run = tuple[str, str, str]
 
 
@@ -79,9 +85,9 @@ def _on_cpu(tree: Any) -> Any:
 def _run(parallel: Parallel, device: torch.device, path: str, mode: str, dtype: str) -> dict[str, Any]:
     """One run on this rank: its logits (and greedy tokens), and in fp32 its graph and eager steps."""
     rank, world = parallel.rank, parallel.tensor_parallel
-    expert_parallel, data_parallel = MODES[mode]
+    expert_parallel, data_parallel, symmetric_memory = GPU_MODES[mode]
     rank_parallel = dataclasses.replace(parallel, expert_parallel=expert_parallel,
-                                        data_parallel_attention=data_parallel)
+                                        data_parallel_attention=data_parallel, symmetric_memory=symmetric_memory)
     model = mf.load_model(path, dtype=DTYPES[dtype], device=device, parallel=rank_parallel)
     if data_parallel:
         every_rank = [rank_steps(model, r) for r in range(world)]
