@@ -16,12 +16,15 @@ kernel reads over NVLink.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import contracts as c
 from .ops import CollectiveOps, Ops
+
+if TYPE_CHECKING:
+    from torch.distributed._symmetric_memory import _SymmetricMemory
 
 
 def _identity_reduce(x: torch.Tensor, /) -> torch.Tensor:
@@ -123,7 +126,7 @@ class SymmetricBuffer:
     """
 
     buffer: torch.Tensor
-    handle: object
+    handle: _SymmetricMemory
     group_name: str
     rank: int
     size: int
@@ -266,15 +269,15 @@ def group_collectives(group: dist.ProcessGroup, *, tokens_split: bool = False,
                       one host; one `symmetric_buffer` an op) up to their size, NCCL past it.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    all_reduce: c.AllReduce = _GroupReduce(group)
-    all_gather: c.AllGather = _GroupGather(group, size)
-    reduce_scatter: c.ReduceScatter = _GroupReduceScatter(group, size, rank)
-    if symmetric_memory:
-        all_reduce = SymmetricReduce(symmetric_buffer(group), all_reduce)
-        all_gather = SymmetricGather(symmetric_buffer(group), all_gather)
-        reduce_scatter = SymmetricReduceScatter(symmetric_buffer(group), reduce_scatter)
-    return CollectiveOps(size=size, rank=rank, all_reduce=all_reduce, all_gather=all_gather,
-                         reduce_scatter=reduce_scatter, tokens_split=tokens_split)
+    nccl_reduce, nccl_gather = _GroupReduce(group), _GroupGather(group, size)
+    nccl_scatter = _GroupReduceScatter(group, size, rank)
+    if not symmetric_memory:
+        return CollectiveOps(size=size, rank=rank, all_reduce=nccl_reduce, all_gather=nccl_gather,
+                             reduce_scatter=nccl_scatter, tokens_split=tokens_split)
+    return CollectiveOps(size=size, rank=rank, all_reduce=SymmetricReduce(symmetric_buffer(group), nccl_reduce),
+                         all_gather=SymmetricGather(symmetric_buffer(group), nccl_gather),
+                         reduce_scatter=SymmetricReduceScatter(symmetric_buffer(group), nccl_scatter),
+                         tokens_split=tokens_split)
 
 
 def with_collectives(ops: Ops, collectives: CollectiveOps) -> Ops:
