@@ -20,7 +20,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -447,6 +447,27 @@ def _add_parallel_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
                         help="split the model across N processes of this host (one GPU each on cuda); only the "
                              "first prints (see README 'Several GPUs')")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="with --tensor-parallel: each rank holds 1/N of the routed experts whole instead of "
+                             "1/N of every expert's columns")
+    parser.add_argument("--data-parallel-attention", action="store_true",
+                        help="with --tensor-parallel: each rank attends for its own requests with every head, "
+                             "over a latent cache of its own; the MLPs and experts stay split")
+
+
+def check_parallel(args: argparse.Namespace) -> None:
+    """--expert-parallel and --data-parallel-attention cut the model across ranks: they need
+    --tensor-parallel N >= 2 (UsageError naming them otherwise)."""
+    asked = [flag for flag, on in (("--expert-parallel", args.expert_parallel),
+                                   ("--data-parallel-attention", args.data_parallel_attention)) if on]
+    if asked and args.tensor_parallel < 2:
+        raise UsageError(f"{' and '.join(asked)} {'needs' if len(asked) == 1 else 'need'} --tensor-parallel N >= 2 "
+                         f"(ranks to split the model across), got --tensor-parallel {args.tensor_parallel}")
+
+
+def rank_parallel(args: argparse.Namespace, parallel: Parallel) -> Parallel:
+    """This rank's `Parallel` (from `run_ranks`), cut as --expert-parallel / --data-parallel-attention ask."""
+    return replace(parallel, expert_parallel=args.expert_parallel, data_parallel_attention=args.data_parallel_attention)
 
 
 def rank_device(device: torch.device, parallel: Parallel | None) -> torch.device:
@@ -460,6 +481,7 @@ def generate_main(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     messages = chat_messages(args)
     prompt: str | list[dict[str, str]] = read_prompt(args.prompt) if messages is None else messages
+    check_parallel(args)
     # Read and drawn once, here: every rank must run the same prompt with the same seed.
     if args.tensor_parallel > 1:
         return run_ranks(args.tensor_parallel, _generate_rank, (args, params, prompt))
@@ -467,7 +489,8 @@ def generate_main(args: argparse.Namespace) -> int:
 
 
 def _generate_rank(payload: tuple[argparse.Namespace, SamplingParams, Any], parallel: Parallel) -> int:
-    return _generate(*payload, parallel)
+    args, params, prompt = payload
+    return _generate(args, params, prompt, rank_parallel(args, parallel))
 
 
 def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | list[dict[str, str]],
@@ -486,13 +509,14 @@ def _generate(args: argparse.Namespace, params: SamplingParams, prompt: str | li
 def bench_main(args: argparse.Namespace) -> int:
     if args.min_input_len > args.max_input_len:
         raise UsageError(f"--min-input-len {args.min_input_len} is above --max-input-len {args.max_input_len}")
+    check_parallel(args)
     if args.tensor_parallel > 1:
         return run_ranks(args.tensor_parallel, _bench_rank, args)
     return _bench(args, None)
 
 
 def _bench_rank(args: argparse.Namespace, parallel: Parallel) -> int:
-    return _bench(args, parallel)
+    return _bench(args, rank_parallel(args, parallel))
 
 
 def _bench(args: argparse.Namespace, parallel: Parallel | None) -> int:

@@ -1,5 +1,6 @@
 """Launching ranks: the README's torchrun example (on one host and on two) and `mla-func generate
---tensor-parallel N` print once, what one process prints; a rank that fails is named."""
+--tensor-parallel N` (with whole experts a rank, data-parallel attention, or both) print once, what
+one process prints; `mla-func bench` runs the same ways; a rank that fails is named."""
 
 from __future__ import annotations
 
@@ -68,12 +69,37 @@ def test_two_hosts_torchrun_launchers_print_what_one_process_prints(tmp_path, ca
     assert (printed == [alone, ""]) if rendezvous == "static" else (sorted(printed) == ["", alone])
 
 
-def test_cli_tensor_parallel_prints_what_one_process_prints():
-    args = ("generate", "The capital of France is", "--max-tokens", "10", "--temperature", "0")
-    alone = mla_func(*args)
-    split = mla_func(*args, "--tensor-parallel", "2")
-    assert alone.returncode == 0 and split.returncode == 0, split.stderr
-    assert alone.stdout.strip() and split.stdout == alone.stdout
+GENERATE = ("generate", "The capital of France is", "--max-tokens", "10", "--temperature", "0")
+
+
+@pytest.fixture(scope="module")
+def alone():
+    result = mla_func(*GENERATE)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("cut", [(), ("--expert-parallel",), ("--data-parallel-attention",),
+                                 ("--expert-parallel", "--data-parallel-attention")],
+                         ids=["tp", "ep", "dp", "dp-ep"])
+def test_cli_tensor_parallel_prints_what_one_process_prints(alone, cut):
+    split = mla_func(*GENERATE, "--tensor-parallel", "2", *cut)
+    assert split.returncode == 0, split.stderr
+    assert split.stdout == alone
+
+
+def test_cli_bench_runs_every_request_under_data_parallel_attention():
+    result = mla_func("bench", "--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "12", "--output-len",
+                      "4", "--tensor-parallel", "2", "--data-parallel-attention", "--expert-parallel")
+    assert result.returncode == 0, result.stderr
+    assert re.match(r"6 requests, \d+ prompt \+ 24 output tokens in ", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("cut", ["--expert-parallel", "--data-parallel-attention"])
+def test_cli_refuses_a_cut_without_ranks(cut):
+    result = mla_func("generate", "The capital", "--max-tokens", "2", cut)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"{cut} needs --tensor-parallel N >= 2" in result.stderr and "got --tensor-parallel 1" in result.stderr
 
 
 def test_cli_names_the_rank_that_failed():

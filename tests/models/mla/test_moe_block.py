@@ -12,7 +12,8 @@ import torch
 
 import mla_func as mf
 from mla_func.kernels import ops_for
-from mla_func.models.mla.moe import NARROW_SUMS_MIN_TOKENS, SHARED_IN_FUSED_MAX_TOKENS, moe, route, shared_experts, sum_dtype
+from mla_func.models.mla.moe import (NARROW_SUMS_MIN_TOKENS, SHARED_IN_FUSED_MAX_TOKENS, moe, route, shared_experts,
+                                     sum_dtype)
 from mla_func.models.mla.params import MoEParams
 from support.mla_reference import make_reference, rel_err, save_reference
 
@@ -137,8 +138,8 @@ def test_a_ranks_partial_sum_in_bf16_is_the_same_sum(pair):
     sum to bf16's precision (the reference weights and adds the experts in the output's dtype)."""
     _, model = pair
     p = model.params.layers[1].mlp
-    p = MoEParams(gate=p.gate.float(), w13=p.w13.bfloat16(), w2=p.w2.bfloat16(),
-                  e_score_correction_bias=None if p.e_score_correction_bias is None else p.e_score_correction_bias.float())
+    bias = None if p.e_score_correction_bias is None else p.e_score_correction_bias.float()
+    p = MoEParams(gate=p.gate.float(), w13=p.w13.bfloat16(), w2=p.w2.bfloat16(), e_score_correction_bias=bias)
     num_tokens = NARROW_SUMS_MIN_TOKENS + 2
     x = torch.randn(num_tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     valid = torch.ones(num_tokens, dtype=torch.bool)
