@@ -561,6 +561,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from mla_func.server.engine_process import EngineRecipe, EngineStartError
     from mla_func.server.serve import Listen, serve
 
+    check_parallel(args)
+    if args.engine_thread and args.tensor_parallel > 1:
+        raise UsageError(f"--engine-thread: the engine of --tensor-parallel {args.tensor_parallel} runs in "
+                         f"{args.tensor_parallel} processes of its own; drop one of the two")
     device = prepare(args)
     source = check_model(args)
     if source is not None and args.max_model_len is not None \
@@ -579,7 +583,9 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_kwargs=dict(backend=args.backend, graphs=not args.no_graphs, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                            batch_invariant=args.batch_invariant, speculative_tokens=args.speculative_tokens,
-                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, w8a8=args.w8a8))
+                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, w8a8=args.w8a8),
+        tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
+        data_parallel_attention=args.data_parallel_attention)
     listen = Listen(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                     max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
                     shutdown_timeout_s=args.shutdown_timeout)
@@ -619,6 +625,7 @@ def _add_serve_parser(commands: Any) -> None:
                                             "/v1/chat/completions, /v1/models) with /health and /metrics, "
                                             "until SIGTERM or Ctrl-C.")
     _add_model_args(serve)
+    _add_parallel_arg(serve)
     _add_draft_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on")

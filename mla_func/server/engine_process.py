@@ -30,6 +30,7 @@ the stderr it shares with the server, as "[engine] ...".
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import multiprocessing
@@ -41,7 +42,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import TracebackType
@@ -50,9 +51,11 @@ from typing import Any
 import torch
 
 from mla_func.models.load import load_model
+from mla_func.parallel.config import Parallel
 from mla_func.server.engine_driver import (Abort, Admitted, Command, EngineDriver, Failure, Item, Load, Pass,
                                            ShutdownReport, Stop, Submit)
 from mla_func.server.engine_loop import Batch, Deliver, EngineInfo, Sink, call_each
+from mla_func.server.engine_ranks import EngineRanks, RankStartError, start_ranks
 from mla_func.server.metrics import ServerMetrics
 from mla_func.serving.engine import Engine
 from mla_func.serving.requests import ParamsLike, Prompt, RequestError, StreamEvent
@@ -74,6 +77,9 @@ class EngineRecipe:
     engine_kwargs: `Engine`'s keyword arguments (max_num_seqs, backend, max_model_len, ...); with
                    speculative_tokens > 0 the model's MTP layer is loaded too
     warmup:        run `Engine.warmup` (graph captures included) before the engine takes requests
+    tensor_parallel: ranks of this host the model is split across (`engine_ranks`: the engine's
+                   process is rank 0 and starts the others; one GPU each on CUDA); 1: one process
+    expert_parallel, data_parallel_attention: how the ranks cut it (`Parallel`'s fields of those names)
     """
 
     model: str
@@ -82,6 +88,9 @@ class EngineRecipe:
     threads: int | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     warmup: bool = True
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
+    data_parallel_attention: bool = False
 
     def __post_init__(self) -> None:
         # Checked here, in the server's process, so that a mistake is named before a process starts.
@@ -97,16 +106,29 @@ class EngineRecipe:
             inspect.signature(Engine).bind(None, **self.engine_kwargs)
         except TypeError as error:
             raise ValueError(f"EngineRecipe.engine_kwargs: {error} (Engine's keyword arguments)") from None
+        if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
+            raise ValueError(f"EngineRecipe.tensor_parallel: expected an int >= 1, got {self.tensor_parallel!r}")
+        if (self.expert_parallel or self.data_parallel_attention) and self.tensor_parallel < 2:
+            raise ValueError("EngineRecipe: expert_parallel and data_parallel_attention cut the model across ranks: "
+                             f"they need tensor_parallel >= 2, got {self.tensor_parallel}")
 
-    def build(self, say: Callable[[str], None]) -> Engine:
-        """Load the model and build the engine (warmed up with `warmup`), saying what it does."""
+    def rank_parallel(self, parallel: Parallel) -> Parallel:
+        """A rank's `Parallel` (from `join`), cut as the recipe says."""
+        return replace(parallel, expert_parallel=self.expert_parallel,
+                       data_parallel_attention=self.data_parallel_attention)
+
+    def build(self, say: Callable[[str], None], parallel: Parallel | None = None) -> Engine:
+        """Load the model (this rank's shard of it, given `parallel`) and build the engine (warmed up with
+        `warmup`), saying what it does. On CUDA a rank of several takes the GPU of its rank."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         device = torch.device(self.device)
+        if parallel is not None and parallel.tensor_parallel > 1 and device.type == "cuda":
+            device = torch.device("cuda", parallel.rank)
         started = time.perf_counter()
         say(f"loading {self.model} on {device}")
         model = load_model(self.model, dtype=self.dtype, device=device,
-                           mtp=self.engine_kwargs.get("speculative_tokens", 0) > 0)
+                           mtp=self.engine_kwargs.get("speculative_tokens", 0) > 0, parallel=parallel)
         say(f"loaded in {time.perf_counter() - started:.1f} s")
         engine = Engine(model, **self.engine_kwargs)
         if self.warmup:
@@ -186,24 +208,40 @@ def _engine_main(recipe: EngineRecipe, conn: Connection) -> None:
     server = multiprocessing.parent_process()
     if server is not None:
         threading.Thread(target=_exit_after, args=(server,), name="mla-func-server-watch", daemon=True).start()
+    ranks: EngineRanks | None = None
     try:
-        engine = recipe.build(_say)
+        if recipe.tensor_parallel > 1:
+            ranks = start_ranks(recipe)
+            others = "rank 1" if recipe.tensor_parallel == 2 else f"ranks 1-{recipe.tensor_parallel - 1}"
+            _say(f"{others} started; this process is rank 0")
+        try:
+            engine = recipe.build(_say, None if ranks is None else ranks.parallel)
+        except BaseException:
+            if ranks is not None:
+                ranks.release()
+            raise
+        if ranks is not None:
+            ranks.agree()
     except BaseException as error:  # anything at all: the server must hear of it rather than wait
         # The server reports the error; a bad checkpoint's message says it all, anything else needs its trace.
-        if not isinstance(error, ValueError | OSError):
+        if not isinstance(error, ValueError | OSError | RankStartError):
             traceback.print_exc()
         try:
             conn.send(_StartFailed(f"{type(error).__name__}: {error}"))
         except OSError:
             pass  # the server is gone already
         sys.exit(1)
+    # Each round's commands: from the pipe, and with several ranks sent on to the others.
+    commands = functools.partial(_receive, conn) if ranks is None else functools.partial(ranks.commands, conn, _receive)
     try:
         conn.send(EngineInfo.of(engine))
         _say("ready")
-        driver = EngineDriver[int](engine)
-        conn.send(driver.run(lambda block: _receive(conn, block), lambda done: conn.send(_encode(done))))
+        conn.send(EngineDriver[int](engine).run(commands, lambda done: conn.send(_encode(done))))
     except OSError:  # a write to a server that is gone (EPIPE, ECONNRESET)
         _say("the server's process is gone: stopping")
+    if ranks is not None:
+        del engine  # what holds the group goes before the group does
+        ranks.close()
 
 
 def _exit_after(server: BaseProcess) -> None:
@@ -215,12 +253,12 @@ def _exit_after(server: BaseProcess) -> None:
     os._exit(1)
 
 
-def _receive(conn: Connection, block: bool) -> list[Command[int]]:
-    """The commands waiting in the pipe; with `block`, waits for one. EOF (the server's process is gone)
-    reads as a Stop."""
+def _receive(conn: Connection, block: bool, wait_s: float | None = None) -> list[Command[int]]:
+    """The commands waiting in the pipe; with `block`, waits for one (at most `wait_s` seconds, if given).
+    EOF (the server's process is gone) reads as a Stop."""
     commands: list[Command[int]] = []
     try:
-        if block:
+        if block and conn.poll(wait_s):
             commands.append(conn.recv())
         while conn.poll():
             commands.append(conn.recv())

@@ -7,11 +7,9 @@ the pipe comes back as it was sent."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +21,7 @@ from mla_func.server.engine_process import EngineProcess, EngineRecipe, EngineSt
 from mla_func.server.metrics import ServerMetrics
 from mla_func.serving.requests import Completion, RequestError, StreamEvent, TokenLogprob
 from support.cli_process import mla_func
-from support.server_process import free_port, start_server, stopped_cleanly
+from support.server_process import engine_pid, free_port, gone, start_server, stopped_cleanly, wait_for
 
 DEMO = SHIPPED_PRESETS["demo"]  # the demo's checkpoint folder
 
@@ -42,43 +40,6 @@ def serving():
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait(30)
-
-
-def engine_pid(server) -> int:
-    """The engine process's id, as the server's log gives it; checked to be the server's child."""
-    found = re.search(r"engine ready in process (\d+)", server.log.read_text())
-    assert found is not None, server.log.read_text()
-    pid = int(found.group(1))
-    assert _stat(pid)[1] == server.process.pid
-    return pid
-
-
-def _stat(pid: int) -> tuple[str, int]:
-    """(state, parent's id) of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
-
-
-def wait_for(condition, within: float = 30) -> bool:
-    """Whether `condition()` holds within `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def gone(pid: int, within: float) -> bool:
-    """Whether process `pid` ends (or is a zombie waiting to be reaped) within `within` seconds."""
-
-    def ended() -> bool:
-        try:
-            return _stat(pid)[0] == "Z"
-        except FileNotFoundError:
-            return True
-
-    return wait_for(ended, within)
 
 
 def test_sigterm_to_the_server_ends_the_engine_process(serving):

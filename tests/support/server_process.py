@@ -83,3 +83,40 @@ def stopped_cleanly(server: ServerProcess) -> None:
     os.unlink(server.log)
     assert code == -signal.SIGTERM, log
     assert "shutdown: 0 requests aborted, 0 KV blocks in use" in log, log
+
+
+def engine_pid(server) -> int:
+    """The engine process's id, as the server's log gives it; checked to be the server's child."""
+    found = re.search(r"engine ready in process (\d+)", server.log.read_text())
+    assert found is not None, server.log.read_text()
+    pid = int(found.group(1))
+    assert _stat(pid)[1] == server.process.pid
+    return pid
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(state, parent's id) of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def wait_for(condition, within: float = 30) -> bool:
+    """Whether `condition()` holds within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def gone(pid: int, within: float) -> bool:
+    """Whether process `pid` ends (or is a zombie waiting to be reaped) within `within` seconds."""
+
+    def ended() -> bool:
+        try:
+            return _stat(pid)[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    return wait_for(ended, within)

@@ -1,0 +1,123 @@
+"""`mla-func serve --tensor-parallel N`: the engine's process is rank 0 of N and starts the others.
+
+Over gloo on the CPU, as a user runs it (a subprocess, a real OpenAI client): the sharded server's
+greedy completions, plain and streamed, and a chat's, equal one process's server's, tensor-parallel
+and with data-parallel attention over whole experts; a request after the engine sat idle past
+`HEARTBEAT_S` (the empty rounds that keep the other ranks inside the group's timeout) is answered
+too; SIGTERM stops every rank with nothing aborted and no block held. A rank that cannot build its
+engine is named and the command fails; a rank that dies while serving leaves a server that answers 503.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mla_func.server.engine_process import EngineRecipe
+from mla_func.server.engine_ranks import HEARTBEAT_S
+from support.cli_process import mla_func
+from support.server_process import engine_pid, free_port, gone, start_server, stopped_cleanly, wait_for
+
+PROMPTS = ("The capital of France is", "Return the number of")
+CHAT = [{"role": "user", "content": "add two numbers"}]
+
+
+def _children(pid: int) -> list[int]:
+    """The ids of the processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+def _answers(server) -> dict:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    plain = [client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+             for prompt in PROMPTS]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
+    return dict(plain=plain, streamed=streamed, chat=chat.choices[0].message.content)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    server = start_server("--model", "demo")
+    try:
+        yield _answers(server)
+    finally:
+        stopped_cleanly(server)
+
+
+@pytest.mark.parametrize("cut", [(), ("--data-parallel-attention", "--expert-parallel")], ids=["tp", "dp-ep"])
+def test_a_sharded_server_answers_what_one_process_answers(one_process, cut):
+    server = start_server("--model", "demo", "--tensor-parallel", "2", *cut)
+    try:
+        rank_0 = engine_pid(server)
+        others = _children(rank_0)
+        assert len(others) >= 1, "rank 0 started no rank"
+        assert _answers(server) == one_process
+        time.sleep(HEARTBEAT_S + 1)  # idle: rank 0 sends the others empty rounds
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        again = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert again.choices[0].text == one_process["plain"][0]
+    except BaseException:
+        server.process.kill()
+        raise
+    stopped_cleanly(server)
+    assert gone(rank_0, 30) and all(gone(pid, 30) for pid in others), "a rank outlived the server"
+
+
+def test_a_rank_that_cannot_build_is_named():
+    # The demo's 4 heads do not split across 3 ranks: every rank says so, and the command fails.
+    started = time.monotonic()
+    result = mla_func("serve", "--model", "demo", "--device", "cpu", "--port", str(free_port()),
+                      "--tensor-parallel", "3", timeout=180)
+    assert result.returncode == 2, result.stderr
+    assert "error: the engine could not be built: ConfigError:" in result.stderr
+    assert "must be a multiple of 3" in result.stderr
+    assert "[engine rank 1] error: ConfigError:" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 180
+
+
+def test_a_dead_rank_leaves_a_server_that_answers_503():
+    server = start_server("--model", "demo", "--tensor-parallel", "2")
+    try:
+        others = _children(engine_pid(server))
+        for pid in others:
+            os.kill(pid, signal.SIGKILL)
+        # Rank 0's next round (within HEARTBEAT_S) meets the closed connection, and its process ends.
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, within=HEARTBEAT_S + 60)
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="demo", prompt="x", max_tokens=2)
+        assert refused.value.status_code == 503
+    finally:
+        code, log = server.stop()
+        server.log.unlink()
+    assert "exited unexpectedly" in log, log
+
+
+def test_engine_thread_and_ranks_are_refused_together():
+    result = mla_func("serve", "--model", "demo", "--engine-thread", "--tensor-parallel", "2")
+    assert result.returncode == 2 and "--engine-thread: the engine of --tensor-parallel 2 runs in 2" in result.stderr
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(tensor_parallel=0), "tensor_parallel: expected an int >= 1, got 0"),
+    (dict(data_parallel_attention=True), "they need tensor_parallel >= 2, got 1"),
+])
+def test_a_bad_rank_recipe_is_refused_by_name(fields, words):
+    with pytest.raises(ValueError, match=f"EngineRecipe.*{words}"):
+        EngineRecipe(**{"model": "demo", **fields})
