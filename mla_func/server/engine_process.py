@@ -26,6 +26,9 @@ it loads the model or runs a step, when multiprocessing's sentinel of its parent
 ignores SIGINT and SIGTERM, which a terminal's Ctrl-C or a service manager send to the whole process
 group, so the streams the server is still finishing keep their engine. It writes its log lines to
 the stderr it shares with the server, as "[engine] ...".
+
+A model split across ranks (`EngineRecipe.tensor_parallel` > 1) makes this process rank 0 of a group it
+starts (`engine_ranks`): it alone talks to the server, and hands each round's commands to the others.
 """
 
 from __future__ import annotations
