@@ -1,8 +1,9 @@
 """`mla-func serve --tensor-parallel N`: the engine's process is rank 0 of N and starts the others.
 
 Over gloo on the CPU, as a user runs it (a subprocess, a real OpenAI client): the sharded server's
-greedy completions, plain and streamed, and a chat's, equal one process's server's, tensor-parallel
-and with data-parallel attention over whole experts; a request after the engine sat idle past
+greedy completions (plain, streamed, and two prompts added together, which data-parallel attention
+gives to the two ranks in turn) and a chat's reply equal one process's server's, tensor-parallel and
+with data-parallel attention over whole experts; a request after the engine sat idle past
 `HEARTBEAT_S` (the empty rounds that keep the other ranks inside the group's timeout) is answered
 too; SIGTERM stops every rank with nothing aborted and no block held. A rank that cannot build its
 engine is named and the command fails; a rank that dies while serving leaves a server that answers 503.
@@ -48,7 +49,10 @@ def _answers(server) -> dict:
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
         model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
     chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
-    return dict(plain=plain, streamed=streamed, chat=chat.choices[0].message.content)
+    # Requests added together: under data-parallel attention they go to the ranks in turn.
+    together = client.completions.create(model="demo", prompt=list(PROMPTS), max_tokens=12, temperature=0)
+    return dict(plain=plain, streamed=streamed, chat=chat.choices[0].message.content,
+                together=[choice.text for choice in sorted(together.choices, key=lambda c: c.index)])
 
 
 @pytest.fixture(scope="module")
