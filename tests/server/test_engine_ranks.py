@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,43 +22,15 @@ import pytest
 from mla_func.server.engine_process import EngineRecipe
 from mla_func.server.engine_ranks import HEARTBEAT_S
 from support.cli_process import mla_func
-from support.server_process import engine_pid, free_port, gone, start_server, stopped_cleanly, wait_for
-
-PROMPTS = ("The capital of France is", "Return the number of")
-CHAT = [{"role": "user", "content": "add two numbers"}]
-
-
-def _children(pid: int) -> list[int]:
-    """The ids of the processes whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return found
-
-
-def _answers(server) -> dict:
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-    plain = [client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
-             for prompt in PROMPTS]
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
-    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
-    # Requests added together: under data-parallel attention they go to the ranks in turn.
-    together = client.completions.create(model="demo", prompt=list(PROMPTS), max_tokens=12, temperature=0)
-    return dict(plain=plain, streamed=streamed, chat=chat.choices[0].message.content,
-                together=[choice.text for choice in sorted(together.choices, key=lambda c: c.index)])
+from support.server_process import (PROMPTS, children, engine_pid, free_port, gone, greedy_answers, start_server,
+                                   stopped_cleanly, wait_for)
 
 
 @pytest.fixture(scope="module")
 def one_process():
     server = start_server("--model", "demo")
     try:
-        yield _answers(server)
+        yield greedy_answers(server)
     finally:
         stopped_cleanly(server)
 
@@ -69,9 +40,9 @@ def test_a_sharded_server_answers_what_one_process_answers(one_process, cut):
     server = start_server("--model", "demo", "--tensor-parallel", "2", *cut)
     try:
         rank_0 = engine_pid(server)
-        others = _children(rank_0)
+        others = children(rank_0)
         assert len(others) >= 1, "rank 0 started no rank"
-        assert _answers(server) == one_process
+        assert greedy_answers(server) == one_process
         time.sleep(HEARTBEAT_S + 1)  # idle: rank 0 sends the others empty rounds
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         again = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0)
@@ -98,7 +69,7 @@ def test_a_rank_that_cannot_build_is_named():
 def test_a_dead_rank_leaves_a_server_that_answers_503():
     server = start_server("--model", "demo", "--tensor-parallel", "2")
     try:
-        others = _children(engine_pid(server))
+        others = children(engine_pid(server))
         for pid in others:
             os.kill(pid, signal.SIGKILL)
         # Rank 0's next round (within HEARTBEAT_S) meets the closed connection, and its process ends.

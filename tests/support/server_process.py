@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 from support.cli_process import ENV, mla_func_command
 
@@ -53,13 +54,14 @@ class ServerProcess:
         return code, self.log.read_text()
 
 
-def start_server(*args: str, timeout: float = 120) -> ServerProcess:
-    """`mla-func serve ARGS --device cpu --port <free>`, once /health answers 200."""
+def start_server(*args: str, timeout: float = 120, device: str = "cpu") -> ServerProcess:
+    """`mla-func serve ARGS --device DEVICE --port <free>`, once /health answers 200 (on the CPU path, GPUs
+    hidden, unless `device` names CUDA)."""
     port = free_port()
     command = mla_func_command()
     log = Path(tempfile.mkstemp(prefix="mla-func-serve-", suffix=".log")[1])
-    env = {**ENV, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([*command, "serve", *args, "--device", "cpu", "--port", str(port)],
+    env = {**(ENV if device == "cpu" else os.environ), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([*command, "serve", *args, "--device", device, "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + timeout
@@ -120,3 +122,35 @@ def gone(pid: int, within: float) -> bool:
             return True
 
     return wait_for(ended, within)
+
+
+PROMPTS = ("The capital of France is", "Return the number of")
+CHAT = [{"role": "user", "content": "add two numbers"}]
+
+
+def children(pid: int) -> list[int]:
+    """The ids of the processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+def greedy_answers(server) -> dict:
+    """Greedy answers of a few kinds from `server` (the demo's model): two completions, one streamed, a chat's
+    reply, and two prompts added together."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    plain = [client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+             for prompt in PROMPTS]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
+    # Requests added together: under data-parallel attention they go to the ranks in turn.
+    together = client.completions.create(model="demo", prompt=list(PROMPTS), max_tokens=12, temperature=0)
+    return dict(plain=plain, streamed=streamed, chat=chat.choices[0].message.content,
+                together=[choice.text for choice in sorted(together.choices, key=lambda c: c.index)])
