@@ -88,6 +88,8 @@ class EngineRanks:
         try:
             _gathered_failures(self.control, False)
         except RuntimeError:
+            # A rank already gone: rank 0's own error is the one reported, and the others end with this
+            # process either way (`_exit_after`).
             pass
 
     def commands(self, conn: Connection, receive: Callable[[Connection, bool, float | None], list[Command[int]]],
