@@ -88,6 +88,15 @@ def test_cli_tensor_parallel_prints_what_one_process_prints(alone, cut):
     assert split.stdout == alone
 
 
+def test_cli_samples_on_both_ranks_print_what_one_process_prints():
+    # Two (greedy) choices: under data-parallel attention one a rank, and rank 0 prints both.
+    args = (*GENERATE, "--n", "2")
+    alone = mla_func(*args)
+    split = mla_func(*args, "--tensor-parallel", "2", "--data-parallel-attention")
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr
+    assert alone.stdout.strip() and split.stdout == alone.stdout
+
+
 def test_cli_bench_runs_every_request_under_data_parallel_attention():
     result = mla_func("bench", "--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "12", "--output-len",
                       "4", "--tensor-parallel", "2", "--data-parallel-attention", "--expert-parallel")
