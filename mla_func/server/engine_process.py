@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -214,7 +214,7 @@ def _engine_main(recipe: EngineRecipe, conn: Connection) -> None:
     ranks: EngineRanks | None = None
     try:
         if recipe.tensor_parallel > 1:
-            ranks = start_ranks(recipe)
+            ranks = start_ranks(recipe, functools.partial(_start_failed, conn))
             others = "rank 1" if recipe.tensor_parallel == 2 else f"ranks 1-{recipe.tensor_parallel - 1}"
             _say(f"{others} started; this process is rank 0")
         try:
@@ -245,6 +245,15 @@ def _engine_main(recipe: EngineRecipe, conn: Connection) -> None:
     if ranks is not None:
         del engine  # what holds the group goes before the group does
         ranks.close()
+
+
+def _start_failed(conn: Connection, reason: str) -> NoReturn:
+    """Report a start failure found off the main thread (which is blocked in a rendezvous) and end the process."""
+    try:
+        conn.send(_StartFailed(f"RankStartError: {reason}"))
+    except OSError:
+        pass  # the server is gone already
+    os._exit(1)
 
 
 def _exit_after(server: BaseProcess) -> None:

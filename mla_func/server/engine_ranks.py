@@ -13,8 +13,9 @@ ones, so every rank's schedulers decide alike by construction and the steps' col
 Only rank 0 talks to the server. While the engine is idle, rank 0 sends an empty round every
 `HEARTBEAT_S`, so a rank waiting for commands never reaches the group's timeout.
 
-Failures: after the build every rank tells the others whether it built (`agree`); a rank that could
-not is named in rank 0's start error, which the server reports. Later, a rank that dies makes the
+Failures: a rank that ends before the group forms (rank 0 waiting in the rendezvous) is named at once
+(`watch_rendezvous`); after the build every rank tells the others whether it built (`agree`); a rank that
+could not is named in rank 0's start error, which the server reports. Later, a rank that dies makes the
 next broadcast or collective raise on rank 0, whose process then ends: the server answers 503 from
 then on. A rank whose parent (rank 0) is gone exits; so the ranks end with the engine's process
 however it ends.
@@ -23,6 +24,7 @@ however it ends.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -45,13 +47,14 @@ if TYPE_CHECKING:
     from mla_func.server.engine_process import EngineRecipe
     from mla_func.serving.engine import Engine
 
-__all__ = ["HEARTBEAT_S", "EngineRanks", "RankStartError", "start_ranks"]
+__all__ = ["HEARTBEAT_S", "EngineRanks", "RankStartError", "start_ranks", "watch_rendezvous"]
 
 # How long rank 0 waits for a command while idle before it sends the other ranks an empty round: well
 # inside the group's timeout (`DEFAULT_TIMEOUT_S`), which bounds every broadcast's wait.
 HEARTBEAT_S = 5.0
 _GRACE_S = 2.0  # rank 0 gone, how long a rank waits before it exits on its own
 _JOIN_S = 30.0  # rank 0 stopping, how long the other ranks may take to end before they are killed
+_WATCH_S = 0.5  # how often rank 0 looks at the other ranks while their group forms (and whether it has)
 
 
 class RankStartError(RuntimeError):
@@ -112,8 +115,12 @@ class EngineRanks:
                 process.join()
 
 
-def start_ranks(recipe: EngineRecipe) -> EngineRanks:
-    """Start ranks 1 .. N-1 of `recipe.tensor_parallel` and join their group as rank 0 (in the engine's process)."""
+def start_ranks(recipe: EngineRecipe, lost: Callable[[str], object]) -> EngineRanks:
+    """Start ranks 1 .. N-1 of `recipe.tensor_parallel` and join their group as rank 0 (in the engine's process).
+
+    lost: called with the reason, from another thread, if a rank ends before the group forms (rank 0 is
+    then inside the rendezvous, which would wait out the group's timeout for it); it should report the
+    reason and end the process."""
     size = recipe.tensor_parallel
     port = free_local_port()
     context = multiprocessing.get_context("spawn")
@@ -121,6 +128,9 @@ def start_ranks(recipe: EngineRecipe) -> EngineRanks:
                                    daemon=True) for rank in range(1, size))
     for process in others:
         process.start()
+    formed = threading.Event()
+    threading.Thread(target=watch_rendezvous, args=(others, formed, lost), name="mla-func-rendezvous-watch",
+                     daemon=True).start()
     try:
         parallel = join(rank=0, world_size=size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=DEFAULT_TIMEOUT_S)
         control = dist.new_group(backend="gloo")
@@ -128,7 +138,23 @@ def start_ranks(recipe: EngineRecipe) -> EngineRanks:
         for process in others:
             process.kill()
         raise
+    finally:
+        formed.set()
     return EngineRanks(recipe.rank_parallel(parallel), control, others)
+
+
+def watch_rendezvous(others: tuple[BaseProcess, ...], formed: threading.Event, lost: Callable[[str], object]) -> None:
+    """Until `formed` is set, watch ranks 1 .. N-1 (`others`); the first that ends is told to `lost`, naming
+    it and how it ended. Returns once the group has formed, or after telling."""
+    while not formed.is_set():
+        multiprocessing.connection.wait([process.sentinel for process in others], timeout=_WATCH_S)
+        ended = [(rank, process.exitcode) for rank, process in enumerate(others, start=1)
+                 if process.exitcode is not None]
+        if ended and not formed.is_set():
+            rank, code = ended[0]
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            lost(f"rank {rank} of {len(others) + 1} {how} before the ranks' group formed (its error is above)")
+            return
 
 
 def _rank_main(recipe: EngineRecipe, rank: int, size: int, port: int) -> None:

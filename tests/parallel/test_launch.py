@@ -1,6 +1,7 @@
 """Launching ranks: the README's torchrun example (on one host and on two) and `mla-func generate
 --tensor-parallel N` (with whole experts a rank, data-parallel attention, or both) print once, what
-one process prints; `mla-func bench` runs the same ways; a rank that fails is named."""
+one process prints; `mla-func bench` runs the same ways; a rank that fails is named; more ranks than
+visible GPUs are refused before any starts (on a GPU machine)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mla_func.parallel.workers import free_local_port
 from support.cli_process import mla_func
@@ -117,3 +119,14 @@ def test_cli_names_the_rank_that_failed():
     assert result.returncode != 0 and result.stdout == ""
     assert "num_attention_heads" in result.stderr and "must be a multiple of 3" in result.stderr
     assert re.search(r"error: rank \d of 3 exited with code 1; the other ranks were stopped", result.stderr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("command", [("generate", "The capital", "--max-tokens", "2"), ("bench", "--num-prompts", "2"),
+                                     ("serve",)], ids=["generate", "bench", "serve"])
+def test_cli_refuses_more_ranks_than_gpus_before_starting_any(command):
+    ranks = torch.cuda.device_count() + 1
+    result = mla_func(*command, "--device", "cuda", "--tensor-parallel", str(ranks), env={**os.environ}, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert f"--tensor-parallel {ranks}: one GPU a rank, and {ranks - 1} CUDA device" in result.stderr, result.stderr

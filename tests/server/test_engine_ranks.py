@@ -7,20 +7,24 @@ with data-parallel attention over whole experts; a request after the engine sat 
 `HEARTBEAT_S` (the empty rounds that keep the other ranks inside the group's timeout) is answered
 too; SIGTERM stops every rank with nothing aborted and no block held. A rank that cannot build its
 engine is named and the command fails; a rank that dies while serving leaves a server that answers 503.
+One that ends before the ranks' group forms is named at once (the watch, over real processes).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
+from multiprocessing.process import BaseProcess
 
 import httpx
 import openai
 import pytest
 
 from mla_func.server.engine_process import EngineRecipe
-from mla_func.server.engine_ranks import HEARTBEAT_S
+from mla_func.server.engine_ranks import HEARTBEAT_S, watch_rendezvous
 from support.cli_process import mla_func
 from support.server_process import (PROMPTS, children, engine_pid, free_port, gone, greedy_answers, start_server,
                                    stopped_cleanly, wait_for)
@@ -96,3 +100,47 @@ def test_engine_thread_and_ranks_are_refused_together():
 def test_a_bad_rank_recipe_is_refused_by_name(fields, words):
     with pytest.raises(ValueError, match=f"EngineRecipe.*{words}"):
         EngineRecipe(**{"model": "demo", **fields})
+
+
+def _started(*targets: tuple) -> tuple[BaseProcess, ...]:
+    context = multiprocessing.get_context("spawn")
+    processes = tuple(context.Process(target=target, args=args, daemon=True) for target, *args in targets)
+    for process in processes:
+        process.start()
+    return processes
+
+
+def _stopped(processes: tuple[BaseProcess, ...]) -> None:
+    for process in processes:
+        process.kill()
+        process.join()
+
+
+@pytest.mark.parametrize("ends", ["exits", "killed"])
+def test_a_rank_that_ends_before_the_group_forms_is_named_at_once(ends):
+    # Rank 0 waits inside the rendezvous; without the watch it would wait out the group's timeout (300 s).
+    others = _started((time.sleep, 120), (time.sleep, 120) if ends == "killed" else (os._exit, 3))
+    if ends == "killed":
+        os.kill(others[1].pid, signal.SIGKILL)
+    told: list[str] = []
+    start = time.monotonic()
+    try:
+        watch_rendezvous(others, threading.Event(), told.append)
+    finally:
+        _stopped(others)
+    how = "was killed by signal 9" if ends == "killed" else "exited with code 3"
+    assert told == [f"rank 2 of 3 {how} before the ranks' group formed (its error is above)"]
+    assert time.monotonic() - start < 30
+
+
+def test_the_rendezvous_watch_ends_quietly_once_the_group_forms():
+    others = _started((time.sleep, 120))
+    formed = threading.Event()
+    threading.Timer(0.3, formed.set).start()
+    told: list[str] = []
+    try:
+        watch_rendezvous(others, formed, told.append)
+        assert formed.is_set() and others[0].is_alive()
+    finally:
+        _stopped(others)
+    assert told == []
