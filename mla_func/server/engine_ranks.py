@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
@@ -44,10 +44,9 @@ from mla_func.parallel.workers import free_local_port
 from mla_func.server.engine_driver import Command, EngineDriver
 
 if TYPE_CHECKING:
-    from mla_func.server.engine_process import EngineRecipe
     from mla_func.serving.engine import Engine
 
-__all__ = ["HEARTBEAT_S", "EngineRanks", "RankStartError", "start_ranks", "watch_rendezvous"]
+__all__ = ["HEARTBEAT_S", "EngineRanks", "RankRecipe", "RankStartError", "start_ranks", "watch_rendezvous"]
 
 # How long rank 0 waits for a command while idle before it sends the other ranks an empty round: well
 # inside the group's timeout (`DEFAULT_TIMEOUT_S`), which bounds every broadcast's wait.
@@ -55,6 +54,18 @@ HEARTBEAT_S = 5.0
 _GRACE_S = 2.0  # rank 0 gone, how long a rank waits before it exits on its own
 _JOIN_S = 30.0  # rank 0 stopping, how long the other ranks may take to end before they are killed
 _WATCH_S = 0.5  # how often rank 0 looks at the other ranks while their group forms (and whether it has)
+
+
+class RankRecipe(Protocol):
+    """What a rank needs of the engine's recipe (`server.engine_process.EngineRecipe`, which pickles to
+    every rank): how many ranks, how to cut a rank's `Parallel`, and how to build its engine."""
+
+    @property
+    def tensor_parallel(self) -> int: ...
+
+    def rank_parallel(self, parallel: Parallel) -> Parallel: ...
+
+    def build(self, say: Callable[[str], None], parallel: Parallel | None = None) -> Engine: ...
 
 
 class RankStartError(RuntimeError):
@@ -115,7 +126,7 @@ class EngineRanks:
                 process.join()
 
 
-def start_ranks(recipe: EngineRecipe, lost: Callable[[str], object]) -> EngineRanks:
+def start_ranks(recipe: RankRecipe, lost: Callable[[str], object]) -> EngineRanks:
     """Start ranks 1 .. N-1 of `recipe.tensor_parallel` and join their group as rank 0 (in the engine's process).
 
     lost: called with the reason, from another thread, if a rank ends before the group forms (rank 0 is
@@ -157,7 +168,7 @@ def watch_rendezvous(others: tuple[BaseProcess, ...], formed: threading.Event, l
             return
 
 
-def _rank_main(recipe: EngineRecipe, rank: int, size: int, port: int) -> None:
+def _rank_main(recipe: RankRecipe, rank: int, size: int, port: int) -> None:
     """Rank `rank`'s whole life: join, build its engine, say whether it did, then apply rank 0's commands
     round by round until a `Stop`."""
     # As the engine's process: rank 0 decides when the ranks stop, not a Ctrl-C sent to the process group.
