@@ -384,9 +384,16 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
                 copy_time_ratio=ms * 1e-3 / (num_bytes / ceilings["copy"]))
 
 
+# An expert-parallel rank's share of V4-Flash's experts on eight GPUs (EP 8: 32 of 256), at 64 and 128 of its own
+# sequences a step: each of its experts takes 12 or 24 rows, the load `bench/notes/parallel.md`'s V4-Flash layout needs.
+EP8_EXPERTS = 32
+EP8_TOKENS = (64, 128)
+
+
 def fp4_rows(ceilings):
     """The default path at 1, 4 and 16 tokens (per pair up to `FP4_PAIR_MAX_PAIRS` pairs), and the tiled path
-    beside it at every count, its scales applied to the weight tiles (its default) and to the products."""
+    beside it at every count, its scales applied to the weight tiles (its default) and to the products; then
+    the default path over an expert-parallel rank's 32 experts at 64 and 128 tokens (`EP8_EXPERTS`)."""
     tiled = fp4_experts.fp4_moe_config(fp4_pairs.FP4_PAIR_MAX_PAIRS + 1, 256, torch.device("cuda"))
     rows = []
     for num_tokens in (1, 4, 16):
@@ -395,6 +402,9 @@ def fp4_rows(ceilings):
         if default["run"] == "per pair":
             rows.append(bench_fp4_experts(num_tokens, ceilings, config=tiled))
         rows.append(bench_fp4_experts(num_tokens, ceilings, config=dataclasses.replace(tiled, scales_on_acc=True)))
+    for num_tokens in EP8_TOKENS:
+        row = bench_fp4_experts(num_tokens, ceilings, num_experts=EP8_EXPERTS)
+        rows.append({**row, "run": f"{row['run']}, {EP8_EXPERTS} of 256 experts (EP 8)"})
     return rows
 
 
