@@ -94,11 +94,16 @@ def _watch(procs: list[Any]) -> int:
                 continue
             running.discard(rank)
             if p.exitcode != 0:
-                how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-                raise ChildProcessError(f"rank {rank} of {len(procs)} {how}; the other ranks were stopped")
+                raise ChildProcessError(f"rank {rank} of {len(procs)} {how_it_ended(p.exitcode)}; "
+                                        "the other ranks were stopped")
             if rank == 0:
                 done_at = time.monotonic()
     return 0
+
+
+def how_it_ended(exitcode: int) -> str:
+    """A finished process's exit code in words: "exited with code N" or "was killed by signal N"."""
+    return f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
 
 
 def _stop(procs: list[Any]) -> None:

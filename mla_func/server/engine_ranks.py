@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from mla_func.parallel.config import Parallel
 from mla_func.parallel.launch import DEFAULT_TIMEOUT_S, join, leave
-from mla_func.parallel.workers import free_local_port
+from mla_func.parallel.workers import free_local_port, how_it_ended
 from mla_func.server.engine_driver import Command, EngineDriver
 
 if TYPE_CHECKING:
@@ -163,8 +163,8 @@ def watch_rendezvous(others: tuple[BaseProcess, ...], formed: threading.Event, l
                  if process.exitcode is not None]
         if ended and not formed.is_set():
             rank, code = ended[0]
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            lost(f"rank {rank} of {len(others) + 1} {how} before the ranks' group formed (its error is above)")
+            lost(f"rank {rank} of {len(others) + 1} {how_it_ended(code)} before the ranks' group formed "
+                 "(its error is above)")
             return
 
 
