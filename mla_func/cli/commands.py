@@ -457,14 +457,19 @@ def _add_parallel_arg(parser: argparse.ArgumentParser) -> None:
 
 def check_parallel(args: argparse.Namespace) -> None:
     """--expert-parallel and --data-parallel-attention cut the model across ranks: they need
-    --tensor-parallel N >= 2 (UsageError naming them otherwise); N ranks on CUDA need N visible GPUs."""
+    --tensor-parallel N >= 2 (UsageError naming them otherwise); N ranks on CUDA need N visible GPUs, one
+    each in order (a --device naming one GPU is refused)."""
     asked = [flag for flag, on in (("--expert-parallel", args.expert_parallel),
                                    ("--data-parallel-attention", args.data_parallel_attention)) if on]
     if asked and args.tensor_parallel < 2:
         raise UsageError(f"{' and '.join(asked)} {'needs' if len(asked) == 1 else 'need'} --tensor-parallel N >= 2 "
                          f"(ranks to split the model across), got --tensor-parallel {args.tensor_parallel}")
-    if args.tensor_parallel > 1 and resolve_device(args.device).type == "cuda":
+    device = resolve_device(args.device) if args.tensor_parallel > 1 else None
+    if device is not None and device.type == "cuda":
         # Checked here, before any rank starts: a rank whose GPU is missing would fail only once it runs.
+        if device.index is not None:
+            raise UsageError(f"--device {args.device} with --tensor-parallel {args.tensor_parallel}: rank r takes "
+                             "GPU r of those visible; pass --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)")
         count = torch.cuda.device_count()
         if count < args.tensor_parallel:
             raise UsageError(f"--tensor-parallel {args.tensor_parallel}: one GPU a rank, and {count} CUDA "

@@ -130,3 +130,12 @@ def test_cli_refuses_more_ranks_than_gpus_before_starting_any(command):
     result = mla_func(*command, "--device", "cuda", "--tensor-parallel", str(ranks), env={**os.environ}, timeout=120)
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert f"--tensor-parallel {ranks}: one GPU a rank, and {ranks - 1} CUDA device" in result.stderr, result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cli_refuses_one_named_gpu_for_several_ranks():
+    result = mla_func("generate", "The capital", "--max-tokens", "2", "--device", "cuda:0", "--tensor-parallel", "2",
+                      env={**os.environ}, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert "--device cuda:0 with --tensor-parallel 2: rank r takes GPU r" in result.stderr, result.stderr
