@@ -1,5 +1,5 @@
-"""DeepSeek-V3's layer at its real size, decoding on one GPU and on N: the time a layer takes, tensor-parallel
-against data-parallel attention with expert parallelism.
+"""DeepSeek-V3's layer (or V4-Flash's) at its real size, decoding on one GPU and on N: the time a layer takes,
+tensor-parallel against data-parallel attention with expert parallelism.
 
     python bench/layer.py [--tensor-parallel 2] [--layers 2] [--batches 1 64 256] [--contexts 4096 32768]
                           [--modes tp dp-ep] [--fp8] [--kv-cache-dtype auto|fp8] [--iters 10] [--commit SHA]
@@ -23,7 +23,12 @@ the same on the CPU over gloo at the tiny preset's shapes, for a smoke test.
 
 `--fp8`: the weights DeepSeek's FP8 checkpoints store quantized as block-scaled FP8 pairs (128 x 128
 blocks, drawn whole, quantized, then cut with their blocks' scales: `ranks.random_shard(block=)`), the
-rest in bf16, as V3 ships: about half the bf16 layer's 23 GB. `--kv-cache-dtype fp8`: the latent cache
+rest in bf16, as V3 ships: about half the bf16 layer's 23 GB.
+
+`--shape v4`: DeepSeek-V4-Flash's layer (V4's real per-layer shapes, `mla_func.models.v4.presets.v4_real_shapes`:
+hidden 4096, 64 heads of 512, 256 routed experts of 2048, top 6), CSA and HCA layers in turn; with `--fp8` in
+V4's released layout (FP8 linears, routed experts as random FP4 pairs: `ranks.random_shard`), 3.4 GB of experts
+a layer. Results under bench/results/layer-fp8-v4/ (or layer-v4/). `--kv-cache-dtype fp8`: the latent cache
 in FP8 (656 bytes a token and layer against 1,152). Results under bench/results/layer-fp8/ when either
 is given, each row's `run` naming its weights and cache.
 """
@@ -43,16 +48,24 @@ import ranks  # noqa: E402
 import step_parallel  # noqa: E402
 
 import mla_func as mf  # noqa: E402
+from mla_func.models.v4.presets import v4_real_shapes  # noqa: E402
 from mla_func.parallel import Parallel  # noqa: E402
 
 
 FP8_BLOCK = (128, 128)  # DeepSeek's FP8 checkpoints' weight_block_size
 
 
+# The real-size shapes; the others are tiny, for smoke tests on the CPU.
+REAL_SHAPES = ("v3", "v4")
+# V4's layers in the bench: its compressed kinds in turn (V4-Flash: 21 CSA and 20 HCA of 43), experts routed by
+# the learned router (V4-Flash hashes only its first 3 layers' tokens).
+V4_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
 def fp8_block(shape: str) -> tuple[int, int]:
-    """The FP8 pairs' block: DeepSeek's for "v3"; 16 x 16 for "tiny", whose widths split across ranks
-    are not multiples of 128 (a rank reads whole blocks)."""
-    return FP8_BLOCK if shape == "v3" else (16, 16)
+    """The FP8 pairs' block: DeepSeek's for the real sizes; 16 x 16 for the tiny shapes, whose widths split
+    across ranks are not multiples of 128 (a rank reads whole blocks)."""
+    return FP8_BLOCK if shape in REAL_SHAPES else (16, 16)
 
 
 def v3_layers(layers: int) -> mf.ModelConfig:
@@ -69,10 +82,26 @@ def v3_layers(layers: int) -> mf.ModelConfig:
         eos_token_ids=(1,))
 
 
+def v4_layers(layers: int, tiny: bool = False) -> mf.ModelConfig:
+    """V4-Flash's layer (V4's real per-layer shapes, 256 routed experts, top 6), `layers` of them, CSA and HCA
+    in turn (`V4_KINDS`); `tiny`: the v4-tiny preset's shapes in the same layers (a smoke test)."""
+    kinds = [V4_KINDS[i % 2] for i in range(layers)]
+    if not tiny:
+        # A vocabulary of 1024, as for V3: V4's 129,280 would add its head's 1 GB to every step.
+        return dataclasses.replace(v4_real_shapes(kinds, ["moe"] * layers, n_routed_experts=256), vocab_size=1024)
+    preset = mf.PRESETS["v4-tiny"]()
+    family = preset.family
+    return family.config_from_hf({**family.config_to_hf(preset), "num_hidden_layers": layers, "layer_types": kinds,
+                                  "mlp_layer_types": ["moe"] * layers}, family)
+
+
 def layer_config(shape: str, layers: int) -> mf.ModelConfig:
-    """"v3": DeepSeek-V3's layer (`v3_layers`); "tiny": the tiny preset's, every layer MoE (a smoke test)."""
+    """"v3": DeepSeek-V3's layer (`v3_layers`); "v4": V4-Flash's (`v4_layers`); "tiny", "v4-tiny": the tiny
+    presets' shapes, every layer MoE (smoke tests)."""
     if shape == "v3":
         return v3_layers(layers)
+    if shape in ("v4", "v4-tiny"):
+        return v4_layers(layers, tiny=shape == "v4-tiny")
     return dataclasses.replace(mf.PRESETS["tiny"](), num_hidden_layers=layers, first_k_dense_replace=0)
 
 
@@ -105,8 +134,9 @@ def main() -> None:
                         help="the cuts of N ranks timed after one rank: tp (tensor parallel), ep (tp with whole "
                              "experts), dp (data-parallel attention), dp-ep (dp with whole experts)")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--shape", default="v3", choices=["v3", "tiny"],
-                        help="v3: DeepSeek-V3's layer; tiny: the tiny preset's (a smoke test)")
+    parser.add_argument("--shape", default="v3", choices=["v3", "v4", "tiny", "v4-tiny"],
+                        help="v3: DeepSeek-V3's layer; v4: V4-Flash's (CSA and HCA in turn; with --fp8 its FP4 "
+                             "experts too); tiny, v4-tiny: the tiny presets' (smoke tests)")
     parser.add_argument("--backend", default=None, help="default triton on cuda, torch on cpu")
     parser.add_argument("--fp8", action="store_true",
                         help="weights as block-scaled FP8 pairs, as DeepSeek's checkpoints ship (default: bf16)")
@@ -129,7 +159,8 @@ def main() -> None:
     result = dict(shape=args.shape, layers=args.layers, dtype="bfloat16" if args.device == "cuda" else "float32",
                   backend=args.backend, block_size=step_parallel.BLOCK_SIZE, commit=common.git_commit(args.commit),
                   tensor_parallel=args.tensor_parallel, weights="random", iters=args.iters,
-                  weight_format="fp8 {}x{} blocks".format(*fp8_block(args.shape)) if args.fp8 else "bf16",
+                  weight_format=("fp8 {}x{} blocks".format(*fp8_block(args.shape))
+                                 + (", fp4 routed experts" if args.shape.startswith("v4") else "")) if args.fp8 else "bf16",
                   kv_cache_dtype=args.kv_cache_dtype, **facts, rows=rows)
     path = common.write_json(result, args.out, bench)
     print(f"\n{result['gpu']}, {args.layers} layers of {args.shape}, peak GB a rank {facts['peak_gb']} -> {path}")

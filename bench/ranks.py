@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -32,8 +33,11 @@ import torch
 import torch.distributed as dist
 
 import mla_func as mf
-from mla_func.checkpoint.fp8 import QUANTIZATION_CONFIG, block_quantize, is_quantized_name
+from mla_func.checkpoint.fp8 import QUANTIZATION_CONFIG, block_quantize
+from mla_func.checkpoint.fp8_pairs import released_fp8_layout
 from mla_func.core.params import Params, params_from_hf
+from mla_func.kernels.fp4_weight import SCALE_DTYPE as FP4_SCALE_DTYPE
+from mla_func.kernels.fp4_weight import BlockFP4Weight
 from mla_func.kernels.quantized import BlockFP8Weight, Weight
 from mla_func.models.tensor_shapes import hf_tensor_shapes
 from mla_func.parallel import Parallel
@@ -113,6 +117,19 @@ def _random_tensor(config: mf.ModelConfig, name: str, shape: tuple[int, ...], de
     return torch.empty(shape, device=device).normal_(0.0, shape[1] ** -0.5, generator=generator)
 
 
+def _random_fp4(name: str, shape: tuple[int, ...], fan_in: int, block: tuple[int, int], device: torch.device,
+                seed: int) -> BlockFP4Weight:
+    """Checkpoint tensor `name` [N, K] (or a rank's cut of it) as random FP4 pairs: uniform e2m1 codes (their
+    values' root mean square is 2.93) and one e8m0 scale a `block` (1 x 32), the power of two nearest
+    1 / (2.93 sqrt(fan_in)), so that its values spread as `_random_tensor`'s do."""
+    generator = torch.Generator(device=device).manual_seed(_seed_of(name, seed))
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), device=device, dtype=torch.uint8, generator=generator)
+    exponent = round(math.log2(1 / (2.93 * fan_in ** 0.5)))
+    scale = torch.full((*lead, n // block[0], k // block[1]), 127 + exponent, device=device, dtype=torch.uint8)
+    return BlockFP4Weight(packed, scale.view(FP4_SCALE_DTYPE), block)
+
+
 def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, max_model_len: int | None = None,
                  block: tuple[int, int] | None = None) -> mf.Model:
@@ -120,9 +137,11 @@ def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dty
 
     Cut as `load_model(folder, parallel=parallel)` cuts a checkpoint; ValueError (or ConfigError) when
     the family cannot be cut that way or the ranks do not divide a width, naming it.
-    block: every tensor an FP8 checkpoint stores quantized is drawn whole, quantized in blocks of `block`
-           (rows, columns) as DeepSeek's FP8 checkpoints store it, then cut with its blocks' scales (ValueError
-           where a cut falls inside a block): the params hold FP8 pairs, as a sharded FP8 folder loads.
+    block: the weights are stored as the family's released checkpoints store them (`Family.quant_layout`, FP8
+           in blocks of `block`): every FP8 tensor is drawn whole, quantized in blocks of `block` (rows,
+           columns), then cut with its blocks' scales (ValueError where a cut falls inside a block); every FP4
+           one (V4's routed experts) is drawn as random pairs at the rank's cut (`_random_fp4`); those the
+           family holds dequantized are drawn in float. The params hold what a sharded folder of the layout loads.
     """
     shapes = hf_tensor_shapes(config)
     ranks, rank = parallel.tensor_parallel, parallel.rank
@@ -132,13 +151,26 @@ def random_shard(config: mf.ModelConfig, parallel: Parallel, *, dtype: torch.dty
         if split is None:
             raise ValueError(f"random_shard: {config.family.title} models cannot be sharded")
         rule = split(config, parallel.sharding)
-    quantized = {"quantization_config": QUANTIZATION_CONFIG}
+    layout = None
+    if block is not None:
+        raw = {"quantization_config": {**QUANTIZATION_CONFIG, "weight_block_size": list(block)}}
+        layout = (config.family.quant_layout or released_fp8_layout)(config, raw, "random weights")
 
     def fetch(name: str) -> Weight:
-        whole: Weight = _random_tensor(config, name, shapes[name], device, seed)
-        if block is not None and is_quantized_name(name, quantized):
-            whole = BlockFP8Weight(*block_quantize(whole, block), block)
         dim = None if rule is None else rule(name)
+        stored = None if layout is None or layout.held_dense(name) else layout.format_of(name)
+        if stored is not None and stored.pack > 1:
+            shape = list(shapes[name])
+            if dim is not None:
+                start, stop = Shard(dim, rank, ranks).bounds(shape[dim])
+                shape[dim] = stop - start
+            if shape[-2] % stored.block[0] or shape[-1] % stored.block[1]:
+                raise ValueError(f"random_shard: {name!r} cut to {tuple(shape)} across {ranks} ranks falls inside "
+                                 f"its FP4 blocks of {stored.block}")
+            return _random_fp4(name, tuple(shape), shapes[name][-1], stored.block, device, seed)
+        whole: Weight = _random_tensor(config, name, shapes[name], device, seed)
+        if stored is not None:
+            whole = BlockFP8Weight(*block_quantize(whole, stored.block), stored.block)
         if dim is None:
             return whole
         if isinstance(whole, torch.Tensor):

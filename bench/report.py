@@ -82,6 +82,10 @@ BENCHES = {
                   "[--kv-cache-dtype fp8]`)", "rows", None,
                   [("ms / layer", "layer_ms", "{:.3f}"), ("tok/s", "graph_tok_s", "{:.0f}"),
                    ("time × 1 GPU", "time_vs_one_rank", "{:.2f}"), ("tok/s × TP", "vs_tp", "{:.2f}")]),
+    "layer-fp8-v4": ("DeepSeek-V4-Flash's layer at its real size, FP8 linears and FP4 routed experts as released, random "
+                     "weights, on one GPU and on several (`bench/layer.py --shape v4 --fp8`)", "rows", None,
+                     [("ms / layer", "layer_ms", "{:.3f}"), ("tok/s", "graph_tok_s", "{:.0f}"),
+                      ("time × 1 GPU", "time_vs_one_rank", "{:.2f}"), ("tok/s × TP", "vs_tp", "{:.2f}")]),
     "step-v32-lite": ("Decode step, v32-lite (`bench/step.py --preset v32-lite`)", "rows", None,
                       [("graph ms", "graph_ms", "{:.2f}"), ("% roofline", "pct_roofline", "{:.1f}"),
                        ("tok/s", "graph_tok_s", "{:.0f}")]),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -32,17 +33,24 @@ from mla_func.parallel import Parallel
 from mla_func.parallel.data_parallel import plan_rank_step
 
 BLOCK_SIZE = 64
-PRESETS = ("v2-lite", "v32-lite", "tiny")  # one cache group each: every block table below is group 0's
+# The MLA-family presets `bench/step.py` times; V4's step is `bench/v4_step.py`'s, its layer on several ranks
+# `bench/layer.py --shape v4`'s (these plans give every cache group its table).
+PRESETS = ("v2-lite", "v32-lite", "tiny")
 
 
-def decode_plan(vocab: int, first: int, count: int, context: int, blocks_per_seq: int) -> mf.StepPlan:
+def decode_plan(vocab: int, first: int, count: int, context: int, groups: Sequence[mf.CacheGroup],
+                max_len: int) -> mf.StepPlan:
     """Sequences first .. first + count - 1 of a batch (their token ids follow that numbering, so every
-    cut feeds the same tokens), each decoding its next token after `context` cached ones; the i-th of
-    them over blocks [1 + i * blocks_per_seq, ...) of this rank's cache."""
-    needed = math.ceil((context + 1) / BLOCK_SIZE)
+    cut feeds the same tokens), each decoding its next token after `context` cached ones; in each cache
+    group g of this rank's state (`groups`: one for MLA, V4's window and compressed ones) the i-th of them
+    over blocks [1 + i * g.blocks_for(max_len), ...), as many as its `context + 1` tokens' entries fill."""
+    def table(group: mf.CacheGroup, i: int) -> tuple[int, ...]:
+        start = 1 + i * group.blocks_for(max_len)
+        return tuple(range(start, start + group.blocks_for(context + 1)))
+
     return mf.StepPlan(decode=tuple(
-        mf.SeqPlan(((17 * (first + i)) % vocab,), context,
-                   tuple(range(1 + i * blocks_per_seq, 1 + i * blocks_per_seq + needed)))
+        mf.SeqPlan(((17 * (first + i)) % vocab,), context, table(groups[0], i), 1,
+                   group_block_tables=tuple(table(g, i) for g in groups[1:]))
         for i in range(count)))
 
 
@@ -86,7 +94,7 @@ def decode_rows(model: mf.Model, mode: ranks.Mode, parallel: Parallel, device: t
         for batch, seqs in zip(batches, own):
             if split and (batch % count or not seqs):
                 continue
-            plans = [decode_plan(config.vocab_size, r * seqs if split else 0, seqs, context, blocks_per_seq)
+            plans = [decode_plan(config.vocab_size, r * seqs if split else 0, seqs, context, state.groups, max_len)
                      for r in range(count)]
             if split:
                 tensors, step_mode = plan_rank_step(config, state, plans, rank, backend=step.backend,

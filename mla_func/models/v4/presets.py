@@ -36,9 +36,17 @@ def v4_mini() -> ModelConfig:
     64 heads of 512 (64 rotated), q_lora_rank 1024, 8 output groups of rank 1024, window 128, CSA 4:1 with a
     64 x 128 indexer keeping 512 entries, HCA 128:1, hc_mult 4, hidden size 4096, experts of 2048.
     """
+    return v4_real_shapes(_KINDS, ["hash_moe", "hash_moe", "moe", "moe"], n_routed_experts=8)
+
+
+def v4_real_shapes(layer_types: list[str], mlp_layer_types: list[str], *, n_routed_experts: int) -> ModelConfig:
+    """V4's real per-layer shapes (V4-Flash's, as `v4_mini` lists them; top 6 of `n_routed_experts`) in the
+    layers `layer_types` and `mlp_layer_types` name, one entry a layer."""
     return _config(
-        vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
-        q_lora_rank=1024, moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=1,
+        layer_types=layer_types, mlp_layer_types=mlp_layer_types,
+        vocab_size=129280, hidden_size=4096, num_hidden_layers=len(layer_types), num_attention_heads=64, head_dim=512,
+        q_lora_rank=1024, moe_intermediate_size=2048, n_routed_experts=n_routed_experts, num_experts_per_tok=6,
+        n_shared_experts=1,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, sliding_window=128,
         o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
         hc_sinkhorn_iters=20, swiglu_limit=10.0, routed_scaling_factor=1.5,
