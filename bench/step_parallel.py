@@ -43,10 +43,12 @@ def decode_plan(vocab: int, first: int, count: int, context: int, groups: Sequen
     """Sequences first .. first + count - 1 of a batch (their token ids follow that numbering, so every
     cut feeds the same tokens), each decoding its next token after `context` cached ones; in each cache
     group g of this rank's state (`groups`: one for MLA, V4's window and compressed ones) the i-th of them
-    over blocks [1 + i * g.blocks_for(max_len), ...), as many as its `context + 1` tokens' entries fill."""
+    over blocks [1 + i * g.peak_blocks(max_len), ...), as many as its `context + 1` tokens' entries fill
+    that a later step still reads: in a group with a lookback (V4's group 0) the blocks behind it are the
+    scratch block, as the scheduler leaves them (`CacheGroup.first_live_block`)."""
     def table(group: mf.CacheGroup, i: int) -> tuple[int, ...]:
-        start = 1 + i * group.blocks_for(max_len)
-        return tuple(range(start, start + group.blocks_for(context + 1)))
+        start, first = 1 + i * group.peak_blocks(max_len), group.first_live_block(context)
+        return (0,) * first + tuple(range(start, start + group.blocks_for(context + 1) - first))
 
     return mf.StepPlan(decode=tuple(
         mf.SeqPlan(((17 * (first + i)) % vocab,), context, table(groups[0], i), 1,
@@ -84,8 +86,10 @@ def decode_rows(model: mf.Model, mode: ranks.Mode, parallel: Parallel, device: t
     own = [b // count if split else b for b in batches]  # sequences a rank runs, a batch
     most_seqs = max(own)
     blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
+    # Sized as the engine sizes it for `most_seqs` decoding sequences: a group with a lookback (V4's window
+    # and compressor inputs) holds only the blocks within it, which at 64K tokens is what makes V4 fit.
     state = mf.init_state(model, num_blocks=1 + most_seqs * blocks_per_seq, block_size=BLOCK_SIZE,
-                          kv_cache_dtype=kv_cache_dtype)
+                          max_num_seqs=most_seqs, max_num_batched_tokens=most_seqs, kv_cache_dtype=kv_cache_dtype)
     ranks.fill_random_cache(state, kv_cache_dtype)
     step = mf.make_step(model, backend=backend, max_num_seqs=max(batches), max_model_len=max_len,
                         block_size=BLOCK_SIZE)

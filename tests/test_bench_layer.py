@@ -1,6 +1,7 @@
 """bench/layer.py on the CPU over gloo, as its smoke test: V4's layer in its released layout (FP8 linears, FP4
 routed experts drawn by `ranks.random_shard`, every cache group given its table by `step_parallel.decode_plan`),
-on one rank and two ranks with data-parallel attention and whole experts, writes a row of each."""
+on one rank and two ranks with data-parallel attention and whole experts, writes a row of each, at a
+context within the window's lookback and one past it (group 0 then holds only the blocks within it)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_v4_layer_bench_runs_on_two_gloo_ranks(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "layer.py"), "--device", "cpu", "--shape", "v4-tiny", "--fp8",
-         "--tensor-parallel", "2", "--modes", "dp-ep", "--batches", "2", "--contexts", "64", "--iters", "1",
+         "--tensor-parallel", "2", "--modes", "dp-ep", "--batches", "2", "--contexts", "64", "200", "--iters", "1",
          "--commit", "0" * 40, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
@@ -22,6 +23,8 @@ def test_v4_layer_bench_runs_on_two_gloo_ranks(tmp_path):
     written, = (tmp_path / "layer-fp8-v4-tiny" / "cpu").glob("*.json")
     bench = json.loads(written.read_text())
     assert bench["weight_format"] == "fp8 16x16 blocks, fp4 routed experts"
-    rows = {row["mode"]: row for row in bench["rows"]}
-    assert set(rows) == {"1 rank", "DP-attention 2 + EP"}
-    assert rows["DP-attention 2 + EP"]["rank_batch"] == 1 and all(row["graph_ms"] > 0 for row in rows.values())
+    # 200 tokens reach past the window's lookback: group 0's first blocks are the scratch block there
+    rows = {(row["mode"], row["context"]): row for row in bench["rows"]}
+    assert set(rows) == {(mode, context) for mode in ("1 rank", "DP-attention 2 + EP") for context in (64, 200)}
+    assert all(row["rank_batch"] == 1 for (mode, _), row in rows.items() if mode != "1 rank")
+    assert all(row["graph_ms"] > 0 for row in rows.values())
