@@ -376,10 +376,7 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * 3 * inter * hidden
     tiled = isinstance(config, fp4_experts.Fp4MoeConfig)
-    if isinstance(config, fp4_experts.Fp4Fp16Config):
-        run = "fp16 tiles"
-    else:
-        run = ("scales on products" if config.scales_on_acc else "scales on tiles") if tiled else "per pair"
+    run = ("scales on products" if config.scales_on_acc else "scales on tiles") if tiled else "per pair"
     return dict(op="fp4_experts", run=run, tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden,
                 inter=inter, scales_on_acc=tiled and config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
                 gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,

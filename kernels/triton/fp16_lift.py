@@ -7,17 +7,15 @@ can be written in fp16 without loss: each line of the tile (a row of activations
 the power of two that puts its largest magnitude in [2^14, 2^15). A bf16 value has 8 significant
 bits, so every value of the line above 2^-31 times its largest is then exact in fp16 (smaller ones
 round on fp16's subnormal grid, below 2^-39 of the line's largest); the power of two is undone on
-the float32 product, exactly. Used by the FP8 weight stream (`fp8_linear`) and MoE, and, as a pass over
-whole rows first (`lifted_rows`), by the FP4 experts' fp16 tiles (`fp4_fp16`).
+the float32 product, exactly. Used by the FP8 weight stream (`fp8_linear`).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, power_of_two_scale
+from ._common import power_of_two_scale
 
 
 @triton.jit
@@ -32,29 +30,4 @@ def lift_to_fp16(x, AXIS: tl.constexpr):
     # 2^s puts amax in [2^14, 2^15).
     scale, unscale = power_of_two_scale(amax, 14)
     x16 = (xf * tl.expand_dims(scale, AXIS)).to(tl.float16)
-    return x16, unscale
-
-
-@triton.jit
-def _lift_rows_kernel(x_ptr, x16_ptr, unscale_ptr, cols, s_xr, s_xc, s_or, s_oc, s_ur, s_uc, STEP: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    row, step = tl.program_id(0), tl.program_id(1)
-    ks = step * STEP + tl.arange(0, BLOCK)
-    mask = (ks < cols) & (tl.arange(0, BLOCK) < STEP)
-    x = tl.load(x_ptr + row * s_xr + ks * s_xc, mask=mask, other=0.0)
-    x16, unscale = lift_to_fp16(x[None, :], 1)
-    tl.store(x16_ptr + row * s_or + ks[None, :] * s_oc, x16, mask=mask[None, :])
-    tl.store(unscale_ptr + row * s_ur + step * s_uc + tl.arange(0, 1), unscale)
-
-
-def lifted_rows(x: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] bf16 lifted `step` columns at a time: (x16 [R, C] fp16, unscale [R, ceil(C / step)] float32)
-    with x[r, c] == x16[r, c] * unscale[r, c // step] (`lift_to_fp16` over each step of each row)."""
-    rows, cols = x.shape
-    steps = triton.cdiv(cols, step)
-    x16 = torch.empty((rows, cols), dtype=torch.float16, device=x.device)
-    unscale = torch.empty((rows, steps), dtype=torch.float32, device=x.device)
-    if rows:
-        _lift_rows_kernel[(rows, steps)](x, x16, unscale, cols, *x.stride(), *x16.stride(), *unscale.stride(),
-                                         STEP=step, BLOCK=max(16, next_pow2(step)))
     return x16, unscale

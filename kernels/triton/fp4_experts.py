@@ -37,7 +37,6 @@ from ..checks import check_dtype, check_same_device, check_shape
 from ..fp4_weight import BlockFP4Weight
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
-from .fp4_fp16 import Fp4Fp16Config, fp4_fp16_moe
 from .fp4_pairs import FP4_PAIR_MAX_PAIRS, fp4_pair_config, fp4_pair_moe
 from .fp8_moe import down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs
 from .fp8_ops import fp8_pair
@@ -70,15 +69,16 @@ _GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, n
 _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
 
 
-def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device
-                   ) -> Fp4MoeConfig | Fp4Fp16Config | PairConfig:
+def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp4MoeConfig | PairConfig:
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
     FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one."""
     if num_pairs <= FP4_PAIR_MAX_PAIRS:
         return fp4_pair_config(device)
     if device.type != "cuda":
         return _INTERPRETER
-    return _GPU_DECODE if num_pairs <= 16 * num_experts else _GPU_PREFILL
+    # Up to a decode tile of rows an expert (32) the decode tiles: at 24 rows an expert they took 0.64-0.67x
+    # the 64-row tiles' time on an H200, at 48 rows 1.12-1.13x, past that within 3% (bench/notes/fp8.md).
+    return _GPU_DECODE if num_pairs <= _GPU_DECODE.block_m * num_experts else _GPU_PREFILL
 
 
 @triton.jit
@@ -193,8 +193,8 @@ def fp4_pair(x: torch.Tensor, w: Weight) -> BlockFP4Weight | None:
 
 
 def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, *, limit: float,
-                        config: Fp4MoeConfig | Fp4Fp16Config | PairConfig | None = None) -> torch.Tensor:
+                        topk_ids: torch.Tensor, *, limit: float, config: Fp4MoeConfig | PairConfig | None = None
+                        ) -> torch.Tensor:
     """Contract of `reference.v4_moe.clamped_experts` with FP4 experts read packed.
 
     x:            [T, D] bf16 (any strides)
@@ -207,7 +207,7 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     returns       [T, D] bf16. Pre-activations and the activation rounded to bf16, products and the
                   k-way sum in float32. `config` overrides `fp4_moe_config` (a `PairConfig` takes the
                   per-pair path, whose float32 atomics add the k terms in an order, and so to last bits,
-                  that may differ from run to run; an `Fp4Fp16Config` the fp16-tile path, `fp4_fp16`).
+                  that may differ from run to run).
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -233,8 +233,6 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     if isinstance(c, PairConfig):
         pair_sum = fp4_pair_moe(x, w13, w2, topk_weights.float(), topk_ids, limit=limit, config=c)
         return pair_sum.to(x.dtype)
-    if isinstance(c, Fp4Fp16Config):
-        return fp4_fp16_moe(x, w13, w2, topk_weights, topk_ids, limit=limit, config=c)
     if c.block_k % MX_GROUP:
         raise ValueError(f"config.block_k: expected a multiple of {MX_GROUP}, got {c.block_k}")
     bm = c.block_m

@@ -11,19 +11,15 @@ import random
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import mla_func as mf
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels import ops_for
-from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight, e2m1_table
+from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton import fp4_experts
-from mla_func.kernels.triton.e2m1_widen import E2M1_UNDO, e2m1_to_fp16
 from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts, fp4_moe_config
-from mla_func.kernels.triton.fp4_fp16 import Fp4Fp16Config
 from mla_func.kernels.triton.fp4_pairs import FP4_PAIR_MAX_PAIRS
 from mla_func.kernels.triton.moe_pairs import PairConfig
 from support.kernel_cases import assert_close, generator, randn
@@ -111,47 +107,6 @@ def test_the_per_pair_path_equals_the_reference_and_the_tiled_path(config, devic
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
     tiled = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=Fp4MoeConfig(16, 32, 64, 4, 1))
     assert_close(got, tiled, torch.bfloat16)
-
-
-@pytest.mark.parametrize("config", [Fp4Fp16Config(16, 32, 32, 4, 1), Fp4Fp16Config(16, 64, 64, 4, 1),
-                                    Fp4Fp16Config(32, 64, 32, 4, 1)])
-def test_the_fp16_tile_path_equals_the_reference_and_the_tiled_path(config, device):
-    """e2m1 tiles widened to fp16 through e4m3 against rows lifted to fp16: K steps of one and two scale groups,
-    the last partial (D 96, I 160: the last gate/up program's columns partly past I); rows far above and far
-    below fp16's range, which the lift must keep exact; against the reference and the `dot_scaled` tiled path,
-    each row on its own scale."""
-    x, w13, w2, weights, ids = _ragged_case(9, 3, 2, generator(config.block_n + config.block_k, device), device)
-    x[2] *= 2.0 ** 20                        # its SwiGLU output near 1e12, past fp16's 65504
-    x[3] *= 2.0 ** -20                       # its SwiGLU output near 1e-12, below fp16's subnormals
-    limit = 1e9                              # above every row's pre-activations: each row scales alone
-    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=limit, config=config)
-    want = reference(x.double(), w13, w2, weights.double(), ids, limit=limit)
-    tiled = fp4_clamped_experts(x, w13, w2, weights, ids, limit=limit, config=Fp4MoeConfig(16, 32, 64, 4, 1))
-    assert bool((got[0] == 0).all())
-    for row in range(1, 9):
-        size = want[row].abs().max()
-        assert_close(got[row].double() / size, want[row] / size, torch.bfloat16)
-    # The tiled path on the rows of ordinary size (under the interpreter its products of row 2 overflow).
-    assert_close(got[4:], tiled[4:], torch.bfloat16)
-
-
-@triton.jit
-def _widen_kernel(packed_ptr, low_ptr, high_ptr, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    offs = tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    low, high = e2m1_to_fp16(tl.load(packed_ptr + offs), ASM)
-    tl.store(low_ptr + offs, low)
-    tl.store(high_ptr + offs, high)
-
-
-def test_e2m1_codes_widen_to_their_values_over_64(device):
-    """Every byte (two codes) through the fp16-tile path's widening (the inline PTX on a GPU, Triton's
-    operations in the interpreter): the low nibble's value and the high nibble's, each times 2^-6, exactly."""
-    packed = torch.arange(256, dtype=torch.uint8, device=device).reshape(16, 16)
-    low, high = (torch.empty((16, 16), dtype=torch.float16, device=device) for _ in range(2))
-    _widen_kernel[(1,)](packed, low, high, BLOCK=16, ASM=device.type == "cuda")
-    table = e2m1_table(device)
-    assert torch.equal(low.float() * E2M1_UNDO, table[(packed & 15).long()])
-    assert torch.equal(high.float() * E2M1_UNDO, table[(packed >> 4).long()])
 
 
 def test_other_activation_dtypes_take_the_dequantized_weights(device):
