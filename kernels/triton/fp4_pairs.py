@@ -4,17 +4,17 @@
 column in the low nibble; one e8m0 scale per 32 values of a row): a program takes one (token, slot) pair
 and BLOCK_I of its expert's intermediate columns, computes their gate/up products and the clamped
 SwiGLU, and adds its slice's share of the down projection into the token's zeroed float32 row with
-atomics. A pair is one row, so the products run on CUDA cores: each byte's two nibbles are widened to
-float (an e2m1 code's sign and magnitude bits, placed in an fp16's sign, exponent and mantissa, are the
-value times 2^-14, subnormal 0.5 included), multiplied by the row's even and odd columns, summed a
-group of 32 values at a time, and each group's sum times its scale (2^(byte - 127)) and 2^14. The
-reference's math (`BlockFP4Weight.dequantize`: value * scale, exact) summed in another order.
+atomics. A pair is one row, so the products run on CUDA cores: each word of packed bytes is widened
+through e4m3 (`e2m1_widen`: a few bit operations for four bytes, one conversion for two values, the
+value times 2^-6), then to float32, multiplied by the row's even and odd columns, summed a group of 32
+values at a time, and each group's sum times its scale (2^(byte - 127)) and 2^6. The reference's math
+(`BlockFP4Weight.dequantize`: value * scale, exact) summed in another order.
 
 The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1 tile to bf16 in
-registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a quarter of
-the copy bandwidth at one token. Here a value costs a few integer operations, a conversion and a
-multiply-add; on an H100 it runs as fast as the tiled path at one token and 5-17% faster at 2-8 tokens
-(bench/notes/fp8.md), far from the bytes' time either way. The float32 atomics make the order of the
+registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a fifth of
+the copy bandwidth at one token. Here, on an H200, 0.59x its time at one token, 0.59-0.75x at 2-8 tokens,
+0.94-0.97x at 16 (bench/notes/fp8.md); the widening through e4m3 took 0.78-0.89x the time of the one
+before it (each nibble's bits placed in an fp16 alone). The float32 atomics make the order of the
 k-way sum, and so its last bits, vary from run to run, as in the other per-pair paths.
 """
 
@@ -29,21 +29,22 @@ from ._common import next_pow2, pdl
 from .fill import zeros
 from .fp8_moe_pairs import pair_program
 from .moe_pairs import PairConfig
+from .e2m1_widen import E2M1_UNDO, e2m1_to_fp16
 from .swiglu import swiglu_activation
 
 # Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
 GROUP = 32
 _GROUP = tl.constexpr(GROUP)
+_E2M1_UNDO = tl.constexpr(E2M1_UNDO)
 # 32 intermediate columns a program, 256-deep K and output steps, 4 warps: the best of a 36-setting sweep on
 # an H100 (36% of the copy rate at one token, 43% at four); on an H200, one process, against 64 columns,
 # 128-deep steps and 8 warps: 70.7 against 99.0 us at one token, 225 against 285 at four (bench/notes/fp8.md).
 _GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
-# once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the setting above, one process) it
-# took 0.73-0.77x the tiled path's time from 36 to 60 pairs, 0.93x at 72, 1.01-1.04x at 96 and 1.13-1.15x
-# at 120 (with the setting before it, on an H100, the two met between 48 and 72 pairs).
-FP4_PAIR_MAX_PAIRS = 72
+# once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the setting above, one process, two
+# rounds) it took 0.81-0.82x the tiled path's time at 72 pairs, 0.94-0.97x at 96 and 1.12-1.16x at 144.
+FP4_PAIR_MAX_PAIRS = 96
 
 
 def fp4_pair_config(device: torch.device) -> PairConfig:
@@ -52,35 +53,25 @@ def fp4_pair_config(device: torch.device) -> PairConfig:
 
 
 @triton.jit
-def _e2m1_times_2_to_minus_14(nibble):
-    """e2m1 codes [...] (int32 in 0..15: sign bit 3, magnitude bits 2..0) -> their values * 2^-14, float32.
-    The magnitude bits at an fp16's exponent / mantissa boundary (bits 11..9) give 2^-14 * (0, 0.5, 1,
-    1.5, 2, 3, 4, 6), the subnormal code 1 included; the sign goes to bit 15."""
-    bits = ((nibble & 8) << 12) | ((nibble & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _group_scales(scale_bytes):
-    """e8m0 scale bytes [...] (uint8) -> 2^(byte - 127) * 2^14 as float32 (byte 0 reads 0: no trained scale
-    is 2^-127)."""
-    return (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+    """e8m0 scale bytes [...] (uint8) -> 2^(byte - 127) * 2^6 as float32 (byte 0 reads 0: no trained scale
+    is 2^-127); the 2^6 undoes the widening's 2^-6 (`e2m1_widen`)."""
+    return (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True) * _E2M1_UNDO
 
 
 @triton.jit
-def _pair_products(packed, even, odd):
+def _pair_products(packed, even, odd, ASM: tl.constexpr):
     """A packed tile [R, B] (two e2m1 values a byte, the even column low) times the row's even and odd
-    columns [B] (float32): each byte's two products summed, times 2^-14 -> [R, B]."""
-    codes = packed.to(tl.int32)
-    return (_e2m1_times_2_to_minus_14(codes & 15) * even[None, :]
-            + _e2m1_times_2_to_minus_14(codes >> 4) * odd[None, :])
+    columns [B] (float32): each byte's two products summed, times 2^-6 -> [R, B]."""
+    low, high = e2m1_to_fp16(packed, ASM)
+    return low.to(tl.float32) * even[None, :] + high.to(tl.float32) * odd[None, :]
 
 
 @triton.jit
-def _row_step(packed, x_even, x_odd, scales, ROWS: tl.constexpr, BYTES: tl.constexpr):
+def _row_step(packed, x_even, x_odd, scales, ROWS: tl.constexpr, BYTES: tl.constexpr, ASM: tl.constexpr):
     """sum over K of w * x for a packed tile [ROWS, BYTES] (two values a byte) against the row's even and odd
     columns [BYTES] (float32), each group of 32 values times its scale [ROWS, BYTES // 16] -> [ROWS]."""
-    prod = _pair_products(packed, x_even, x_odd)
+    prod = _pair_products(packed, x_even, x_odd, ASM)
     groups = tl.sum(tl.reshape(prod, [ROWS, BYTES // 16, 16]), axis=2)
     return tl.sum(groups * _group_scales(scales), axis=1)
 
@@ -92,7 +83,7 @@ def _fp4_pair_kernel(
     s_xt, s_xd, s_ge, s_gn, s_gk, s_gse, s_gsn, s_gsk, s_de, s_dd, s_di, s_dse, s_dsn, s_dsk,
     s_ids_t, s_ids_k, s_tw_t, s_tw_k, s_ot,
     SCALE_N13: tl.constexpr, SCALE_N2: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr, ASM: tl.constexpr,
 ):
     """One (token, slot) pair, BLOCK_I of its expert's intermediate columns: gate/up, clamped SwiGLU, down.
     BLOCK_K (a multiple of 32) values of the hidden dimension a gate/up step; BLOCK_I columns lie in whole
@@ -121,9 +112,9 @@ def _fp4_pair_kernel(
             gate = tl.load(w_gate + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
             up = tl.load(w_up + bs[None, :] * s_gk, mask=b_mask[None, :], other=0)
             acc_gate += _row_step(gate, x_even, x_odd, tl.load(s_gate + gs[None, :] * s_gsk, mask=g_mask, other=0),
-                                  BLOCK_I, BYTES)
+                                  BLOCK_I, BYTES, ASM)
             acc_up += _row_step(up, x_even, x_odd, tl.load(s_up + gs[None, :] * s_gsk, mask=g_mask, other=0),
-                                BLOCK_I, BYTES)
+                                BLOCK_I, BYTES, ASM)
         act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
         act = tl.where(i_mask, act.to(tl.float32), 0.0)
         # The down product over this program's columns: their bytes, and the activation's even and odd ones.
@@ -148,9 +139,9 @@ def _fp4_pair_kernel(
             scales = tl.load(s_rows + group_cols[None, :] * s_dsk,
                              mask=d_mask[:, None] & (group_cols < inter // _GROUP)[None, :], other=0)
             if BLOCK_I >= _GROUP:
-                part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I)
+                part = _row_step(w, act_even, act_odd, scales, BLOCK_D, HALF_I, ASM)
             else:
-                part = tl.sum(_pair_products(w, act_even, act_odd), axis=1) * tl.sum(_group_scales(scales), axis=1)
+                part = tl.sum(_pair_products(w, act_even, act_odd, ASM), axis=1) * tl.sum(_group_scales(scales), axis=1)
             tl.atomic_add(out_row + ds, part * router, mask=d_mask, sem="relaxed")
 
 
@@ -176,6 +167,7 @@ def fp4_pair_moe(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, topk_
         *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
         SCALE_N13=w13.block[0], SCALE_N2=w2.block[0], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
         BLOCK_K=config.block_k, BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))), GDC=use_pdl,
+        ASM=x.device.type == "cuda",
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -11,14 +11,17 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import mla_func as mf
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels import ops_for
-from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight
+from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight, e2m1_table
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton import fp4_experts
+from mla_func.kernels.triton.e2m1_widen import E2M1_UNDO, e2m1_to_fp16
 from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts, fp4_moe_config
 from mla_func.kernels.triton.fp4_pairs import FP4_PAIR_MAX_PAIRS
 from mla_func.kernels.triton.moe_pairs import PairConfig
@@ -46,7 +49,7 @@ def _routing(tokens, experts, top_k, gen, device):
     return weights, ids
 
 
-@pytest.mark.parametrize("tokens, top_k", [(3, 2), (40, 2), (5, 1)])
+@pytest.mark.parametrize("tokens, top_k", [(3, 2), (60, 2), (5, 1)])
 def test_fp4_experts_equal_the_reference(device, tokens, top_k, monkeypatch):
     gen = generator(tokens * 10 + top_k, device)
     experts, hidden, inter = 6, 96, 64
@@ -107,6 +110,25 @@ def test_the_per_pair_path_equals_the_reference_and_the_tiled_path(config, devic
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
     tiled = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=Fp4MoeConfig(16, 32, 64, 4, 1))
     assert_close(got, tiled, torch.bfloat16)
+
+
+@triton.jit
+def _widen_kernel(packed_ptr, low_ptr, high_ptr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    offs = tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    low, high = e2m1_to_fp16(tl.load(packed_ptr + offs), ASM)
+    tl.store(low_ptr + offs, low)
+    tl.store(high_ptr + offs, high)
+
+
+def test_e2m1_codes_widen_to_their_values_over_64(device):
+    """Every byte (two codes) through the per-pair path's widening (the inline PTX on a GPU, Triton's
+    operations in the interpreter): the low nibble's value and the high nibble's, each times 2^-6, exactly."""
+    packed = torch.arange(256, dtype=torch.uint8, device=device).reshape(16, 16)
+    low, high = (torch.empty((16, 16), dtype=torch.float16, device=device) for _ in range(2))
+    _widen_kernel[(1,)](packed, low, high, BLOCK=16, ASM=device.type == "cuda")
+    table = e2m1_table(device)
+    assert torch.equal(low.float() * E2M1_UNDO, table[(packed & 15).long()])
+    assert torch.equal(high.float() * E2M1_UNDO, table[(packed >> 4).long()])
 
 
 def test_other_activation_dtypes_take_the_dequantized_weights(device):
@@ -210,8 +232,9 @@ def test_fp4_experts_real_sizes_on_the_gpu(tokens):
     # The kernel rounds the pre-activations and the SwiGLU to bf16 (0.4% each) before 2048-term sums:
     # judged over the whole output, not element by element near 0.
     assert float((got.double() - want).norm() / want.norm()) <= 1e-2
-    # The table takes the same kernel: the same bits on the tiled path, and on the per-pair path (one token,
-    # float32 atomics in an order that varies from run to run) the same up to a last bf16 bit here and there.
-    if tokens > 1:
+    # The table takes the same kernel: the same bits on the tiled path, and on the per-pair path (up to
+    # FP4_PAIR_MAX_PAIRS pairs: float32 atomics in an order that varies from run to run) the same up to a
+    # last bf16 bit here and there.
+    if tokens * top_k > FP4_PAIR_MAX_PAIRS:
         assert table.equal(got)
     assert float((table.double() - got.double()).norm() / want.norm()) <= 1e-3

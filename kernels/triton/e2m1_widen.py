@@ -1,0 +1,64 @@
+"""Packed e2m1 bytes widened through e4m3: integer operations on whole words, one conversion for two values.
+
+An e2m1 code (sign bit 3, magnitude bits 2..0: 0, 0.5, 1, 1.5, 2, 3, 4, 6) is an e4m3 value once its sign
+goes to bit 7 and its magnitude bits to bits 4..2 (the low exponent bits and the top mantissa bit): the
+e4m3 byte is then the e2m1 value times 2^-6 exactly (code 1, e2m1's subnormal 0.5, lands on e4m3's
+subnormal 2^-7). Hopper converts two e4m3 bytes to two fp16 values in one instruction
+(`cvt.rn.f16x2.e4m3x2`), so a byte of two codes costs a handful of bit operations shared by the four
+bytes of a word and one conversion. The FP4 per-pair path (`fp4_pairs`) widens its tiles so, on CUDA
+cores: 0.78-0.89x the time of placing each nibble's bits in an fp16 alone (bench/notes/fp8.md).
+
+The low nibble of a byte (DeepSeek's even column) and the high one (the odd column) come back as two
+tiles of the byte tile's shape, so a product over K takes the even and the odd columns of the
+activations apart, and no interleave is needed.
+
+`ASM` picks the inline PTX (CUDA) over the same operations in Triton's language (the interpreter's path,
+and the values the PTX must give: `tests/kernels/test_fp4_experts.py` checks every byte both ways).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Each e4m3 byte is the e2m1 value times 2^-6: a sum of widened values' products is undone by this factor.
+E2M1_UNDO = 64.0
+
+# $0..$3: the low nibbles' four fp16 (two f16x2 registers), then the high nibbles'; $4: four packed bytes.
+_E2M1X4_TO_F16 = tl.constexpr("""
+{
+.reg .b32 sgn, mag, lo, hi;
+.reg .b16 a, b, c, d;
+shl.b32 sgn, $4, 4;
+and.b32 sgn, sgn, 0x80808080;
+shl.b32 mag, $4, 2;
+and.b32 mag, mag, 0x1c1c1c1c;
+or.b32 lo, sgn, mag;
+and.b32 sgn, $4, 0x80808080;
+shr.b32 mag, $4, 2;
+and.b32 mag, mag, 0x1c1c1c1c;
+or.b32 hi, sgn, mag;
+mov.b32 {a, b}, lo;
+mov.b32 {c, d}, hi;
+cvt.rn.f16x2.e4m3x2 $0, a;
+cvt.rn.f16x2.e4m3x2 $1, b;
+cvt.rn.f16x2.e4m3x2 $2, c;
+cvt.rn.f16x2.e4m3x2 $3, d;
+}
+""")
+
+
+@triton.jit
+def e2m1_to_fp16(packed, ASM: tl.constexpr):
+    """packed [R, N] uint8, two e2m1 codes a byte -> (low [R, N], high [R, N]) fp16: each nibble's value
+    times 2^-6 (`E2M1_UNDO`), exactly."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(_E2M1X4_TO_F16, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        # (sign << 4) | (magnitude << 2) of each nibble, in one byte: an e4m3 value.
+        low8 = (((packed << 4) & 0x80) | ((packed << 2) & 0x1C)).to(tl.uint8)
+        high8 = ((packed & 0x80) | ((packed >> 2) & 0x1C)).to(tl.uint8)
+        low = low8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        high = high8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return low, high
