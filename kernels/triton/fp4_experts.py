@@ -73,7 +73,7 @@ def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
     FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one."""
     if num_pairs <= FP4_PAIR_MAX_PAIRS:
-        return fp4_pair_config(device)
+        return fp4_pair_config(num_pairs, device)
     if device.type != "cuda":
         return _INTERPRETER
     # Up to a decode tile of rows an expert (32) the decode tiles: at 24 rows an expert they took 0.64-0.67x

@@ -12,9 +12,9 @@ values at a time, and each group's sum times its scale (2^(byte - 127)) and 2^6.
 
 The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1 tile to bf16 in
 registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a fifth of
-the copy bandwidth at one token. Here, on an H200, 0.59x its time at one token, 0.59-0.75x at 2-8 tokens,
-0.94-0.97x at 16 (bench/notes/fp8.md); the widening through e4m3 took 0.78-0.89x the time of the one
-before it (each nibble's bits placed in an fp16 alone). The float32 atomics make the order of the
+the copy bandwidth at one token. Here, on an H200, 0.49x its time at one token, 0.53-0.55x at 2-8 tokens,
+0.71-0.73x at 16 and 0.89x at 32 (bench/notes/fp8.md); the widening through e4m3 took 0.78-0.89x the time
+of the one before it (each nibble's bits placed in an fp16 alone), and the settings after it a little less. The float32 atomics make the order of the
 k-way sum, and so its last bits, vary from run to run, as in the other per-pair paths.
 """
 
@@ -36,20 +36,26 @@ from .swiglu import swiglu_activation
 GROUP = 32
 _GROUP = tl.constexpr(GROUP)
 _E2M1_UNDO = tl.constexpr(E2M1_UNDO)
-# 32 intermediate columns a program, 256-deep K and output steps, 4 warps: the best of a 36-setting sweep on
-# an H100 (36% of the copy rate at one token, 43% at four); on an H200, one process, against 64 columns,
-# 128-deep steps and 8 warps: 70.7 against 99.0 us at one token, 225 against 285 at four (bench/notes/fp8.md).
-_GPU_FP4_PAIRS = PairConfig(block_i=32, block_k=256, block_d=256, num_warps=4, num_stages=1)
+# With the e4m3 widening, on an H200 (V4-Flash's experts, one process, two rounds; bench/notes/fp8.md): one
+# token's 6 pairs ran best with 32 intermediate columns a program, 512-deep K steps, 256-deep output steps and
+# 4 warps (50.3-50.8 us against 60.9-61.8 with 256-deep K steps), and from 12 pairs on with 64 columns and
+# 256-deep K steps (84.4 against 115.3 us at 12 pairs, 318 against 350 at 48, 670 against 897 at 96).
+_GPU_FP4_FEW_PAIRS = PairConfig(block_i=32, block_k=512, block_d=256, num_warps=4, num_stages=1)
+_GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=4, num_stages=1)
+_FEW_PAIRS = 8
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
 # once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the setting above, one process, two
-# rounds) it took 0.81-0.82x the tiled path's time at 72 pairs, 0.94-0.97x at 96 and 1.12-1.16x at 144.
-FP4_PAIR_MAX_PAIRS = 96
+# rounds) it took 0.71-0.73x the tiled path's time at 96 pairs, 0.80-0.81x at 144, 0.89x at 192 and 1.04x
+# at 288.
+FP4_PAIR_MAX_PAIRS = 192
 
 
-def fp4_pair_config(device: torch.device) -> PairConfig:
-    """The FP4 per-pair path's launch configuration on `device`."""
-    return _GPU_FP4_PAIRS if device.type == "cuda" else _INTERPRETER_FP4_PAIRS
+def fp4_pair_config(num_pairs: int, device: torch.device) -> PairConfig:
+    """The FP4 per-pair path's launch configuration for num_pairs pairs on `device`."""
+    if device.type != "cuda":
+        return _INTERPRETER_FP4_PAIRS
+    return _GPU_FP4_FEW_PAIRS if num_pairs <= _FEW_PAIRS else _GPU_FP4_PAIRS
 
 
 @triton.jit
