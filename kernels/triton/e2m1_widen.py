@@ -12,8 +12,9 @@ The low nibble of a byte (DeepSeek's even column) and the high one (the odd colu
 tiles of the byte tile's shape, so a product over K takes the even and the odd columns of the
 activations apart, and no interleave is needed.
 
-`ASM` picks the inline PTX (CUDA) over the same operations in Triton's language (the interpreter's path,
-and the values the PTX must give: `tests/kernels/test_fp4_experts.py` checks every byte both ways).
+`ASM` picks the inline PTX (`hardware.e4m3_pairs_to_fp16`: NVIDIA GPUs from compute capability 8.9) over the
+same operations in Triton's language (the interpreter's and other GPUs' path, and the values the PTX must give:
+`tests/kernels/test_fp4_experts.py` checks every byte both ways).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ The tiled path (`fp4_experts`: `tl.dot_scaled`, which on Hopper widens each e2m1
 registers before a tensor-core product of one live row in 32) reads V4-Flash's experts at a fifth of
 the copy bandwidth at one token. Here, on an H200, 0.49x its time at one token, 0.53-0.55x at 2-8 tokens,
 0.71-0.73x at 16 and 0.89x at 32 (bench/notes/fp8.md); the widening through e4m3 took 0.78-0.89x the time
-of the one before it (each nibble's bits placed in an fp16 alone), and the settings after it a little less. The float32 atomics make the order of the
-k-way sum, and so its last bits, vary from run to run, as in the other per-pair paths.
+of the one before it (each nibble's bits placed in an fp16 alone), and the settings after it a little less.
+The float32 atomics make the order of the k-way sum, and so its last bits, vary from run to run, as in the
+other per-pair paths.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import triton.language as tl
 
 from ..fp4_weight import BlockFP4Weight
 from ._common import next_pow2, pdl
+from ..hardware import e4m3_pairs_to_fp16
+from .e2m1_widen import E2M1_UNDO, e2m1_to_fp16
 from .fill import zeros
 from .fp8_moe_pairs import pair_program
 from .moe_pairs import PairConfig
-from .e2m1_widen import E2M1_UNDO, e2m1_to_fp16
 from .swiglu import swiglu_activation
 
 # Values one e8m0 scale covers along K (the only K block the kernel reads); as a constexpr for the kernel.
@@ -45,7 +47,7 @@ _GPU_FP4_PAIRS = PairConfig(block_i=64, block_k=256, block_d=256, num_warps=4, n
 _FEW_PAIRS = 8
 _INTERPRETER_FP4_PAIRS = PairConfig(block_i=16, block_k=64, block_d=32, num_warps=4, num_stages=1)
 # Up to this many pairs the per-pair path runs: it reads an expert's bytes once per pair, the tiled path
-# once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the setting above, one process, two
+# once per expert chosen. On an H200 (V4-Flash's 256 experts, top 6, the settings above, one process, two
 # rounds) it took 0.71-0.73x the tiled path's time at 96 pairs, 0.80-0.81x at 144, 0.89x at 192 and 1.04x
 # at 288.
 FP4_PAIR_MAX_PAIRS = 192
@@ -173,7 +175,7 @@ def fp4_pair_moe(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, topk_
         *topk_ids.stride(), *topk_weights.stride(), out.stride(0),
         SCALE_N13=w13.block[0], SCALE_N2=w2.block[0], TOP_K=topk_ids.shape[1], BLOCK_I=block_i,
         BLOCK_K=config.block_k, BLOCK_D=min(config.block_d, max(16, next_pow2(hidden))), GDC=use_pdl,
-        ASM=x.device.type == "cuda",
+        ASM=e4m3_pairs_to_fp16(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -18,6 +18,7 @@ import mla_func as mf
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels import ops_for
 from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight, e2m1_table
+from mla_func.kernels.hardware import e4m3_pairs_to_fp16
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton import fp4_experts
@@ -125,7 +126,7 @@ def test_e2m1_codes_widen_to_their_values_over_64(device):
     operations in the interpreter): the low nibble's value and the high nibble's, each times 2^-6, exactly."""
     packed = torch.arange(256, dtype=torch.uint8, device=device).reshape(16, 16)
     low, high = (torch.empty((16, 16), dtype=torch.float16, device=device) for _ in range(2))
-    _widen_kernel[(1,)](packed, low, high, BLOCK=16, ASM=device.type == "cuda")
+    _widen_kernel[(1,)](packed, low, high, BLOCK=16, ASM=e4m3_pairs_to_fp16(device))
     table = e2m1_table(device)
     assert torch.equal(low.float() * E2M1_UNDO, table[(packed & 15).long()])
     assert torch.equal(high.float() * E2M1_UNDO, table[(packed >> 4).long()])
