@@ -122,8 +122,8 @@ def _widen_kernel(packed_ptr, low_ptr, high_ptr, BLOCK: tl.constexpr, ASM: tl.co
 
 
 def test_e2m1_codes_widen_to_their_values_over_64(device):
-    """Every byte (two codes) through the per-pair path's widening (the inline PTX on a GPU, Triton's
-    operations in the interpreter): the low nibble's value and the high nibble's, each times 2^-6, exactly."""
+    """Every byte (two codes) through the per-pair path's widening (the inline PTX on NVIDIA GPUs from 8.9, Triton's
+    operations elsewhere): the low nibble's value and the high nibble's, each times 2^-6, exactly."""
     packed = torch.arange(256, dtype=torch.uint8, device=device).reshape(16, 16)
     low, high = (torch.empty((16, 16), dtype=torch.float16, device=device) for _ in range(2))
     _widen_kernel[(1,)](packed, low, high, BLOCK=16, ASM=e4m3_pairs_to_fp16(device))
