@@ -376,7 +376,8 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * 3 * inter * hidden
     tiled = isinstance(config, fp4_experts.Fp4MoeConfig)
-    run = ("scales on products" if config.scales_on_acc else "scales on tiles") if tiled else "per pair"
+    run = "per pair" if not tiled else "widened tiles" if config.widened else (
+        "scales on products" if config.scales_on_acc else "scales on tiles")
     return dict(op="fp4_experts", run=run, tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden,
                 inter=inter, scales_on_acc=tiled and config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
                 gb_s=num_bytes / ms / 1e6, tflop_s=flops / ms / 1e9,
@@ -391,17 +392,20 @@ EP8_TOKENS = (64, 128)
 
 
 def fp4_rows(ceilings):
-    """The default path at 1, 4 and 16 tokens (per pair up to `FP4_PAIR_MAX_PAIRS` pairs), and the tiled path
-    beside it at every count, its scales applied to the weight tiles (its default) and to the products; then
-    the default path over an expert-parallel rank's 32 experts at 64 and 128 tokens (`EP8_EXPERTS`)."""
-    tiled = fp4_experts.fp4_moe_config(fp4_pairs.FP4_PAIR_MAX_PAIRS + 1, 256, torch.device("cuda"))
+    """The default path (per pair, widened tiles or `dot_scaled`'s: `fp4_experts.fp4_moe_config`) at 1 to 256
+    tokens, and `dot_scaled`'s decode tiles beside it wherever it is another path (at 1, 4 and 16 tokens also
+    with the scales applied to the products); then the default path over an expert-parallel rank's 32
+    experts at 64 and 128 tokens (`EP8_EXPERTS`)."""
+    # dot_scaled's decode tiles: what the config takes at 12 rows an expert (past the widened tiles' reach).
+    tiled = fp4_experts.fp4_moe_config(fp4_pairs.FP4_PAIR_MAX_PAIRS + 1, 16, torch.device("cuda"))
     rows = []
-    for num_tokens in (1, 4, 16):
+    for num_tokens in (1, 4, 16, 64, 256):
         default = bench_fp4_experts(num_tokens, ceilings)
         rows.append(default)
-        if default["run"] == "per pair":
+        if default["run"] != "scales on tiles":
             rows.append(bench_fp4_experts(num_tokens, ceilings, config=tiled))
-        rows.append(bench_fp4_experts(num_tokens, ceilings, config=dataclasses.replace(tiled, scales_on_acc=True)))
+        if num_tokens <= 16:
+            rows.append(bench_fp4_experts(num_tokens, ceilings, config=dataclasses.replace(tiled, scales_on_acc=True)))
     for num_tokens in EP8_TOKENS:
         row = bench_fp4_experts(num_tokens, ceilings, num_experts=EP8_EXPERTS)
         rows.append({**row, "run": f"{row['run']}, {EP8_EXPERTS} of 256 experts (EP 8)"})

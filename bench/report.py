@@ -114,8 +114,10 @@ BENCHES = {
                     + [dict(op="fp8_moe", tokens=t, w8a8=w) for t in (1, 16, 1024) for w in (False, True)],
                     [("µs", "us", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.0f}"), ("% copy", "pct_copy", "{:.1f}")]),
     "kernels:fp4": ("V4's FP4 routed experts read packed in the kernel, V4-Flash's shapes (`bench/kernels.py --fp4`)",
-                    "rows", [dict(op="fp4_experts", tokens=t) for t in (1, 16, 64, 128)],
-                    [("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.1f}")]),
+                    "rows", [dict(op="fp4_experts", tokens=t, experts=256) for t in (1, 16, 64, 256)]
+                    + [dict(op="fp4_experts", tokens=t, experts=32) for t in (64, 128)],
+                    [("path", "run", "{}"), ("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"),
+                     ("TFLOP/s", "tflop_s", "{:.1f}")]),
     "kernels:wgmma": ("MLA decode at 128 heads on Hopper's warpgroup MMA (Gluon) beside its `tl.dot` twin, same run "
                       "(`bench/kernels.py --wgmma`)", "rows",
                       [dict(op="mla_decode", heads=128, batch=b, context=c, q_len=1, kernel=k)

@@ -25,11 +25,9 @@ import triton.language as tl
 # Each e4m3 byte is the e2m1 value times 2^-6: a sum of widened values' products is undone by this factor.
 E2M1_UNDO = 64.0
 
-# $0..$3: the low nibbles' four fp16 (two f16x2 registers), then the high nibbles'; $4: four packed bytes.
-_E2M1X4_TO_F16 = tl.constexpr("""
-{
-.reg .b32 sgn, mag, lo, hi;
-.reg .b16 a, b, c, d;
+# Four packed bytes ($4) to their low nibbles' e4m3 bytes (lo) and their high nibbles' (hi), then as pairs
+# (a, b: bytes 0-1 and 2-3 of lo; c, d: of hi).
+_E2M1X4_TO_E4M3 = """
 shl.b32 sgn, $4, 4;
 and.b32 sgn, sgn, 0x80808080;
 shl.b32 mag, $4, 2;
@@ -41,10 +39,28 @@ and.b32 mag, mag, 0x1c1c1c1c;
 or.b32 hi, sgn, mag;
 mov.b32 {a, b}, lo;
 mov.b32 {c, d}, hi;
+"""
+
+# $0..$3: the low nibbles' four fp16 (two f16x2 registers), then the high nibbles'; $4: four packed bytes.
+_E2M1X4_TO_F16 = tl.constexpr("{\n.reg .b32 sgn, mag, lo, hi;\n.reg .b16 a, b, c, d;\n" + _E2M1X4_TO_E4M3 + """
 cvt.rn.f16x2.e4m3x2 $0, a;
 cvt.rn.f16x2.e4m3x2 $1, b;
 cvt.rn.f16x2.e4m3x2 $2, c;
 cvt.rn.f16x2.e4m3x2 $3, d;
+}
+""")
+
+# As _E2M1X4_TO_F16, each pair then times its bytes' fp16 scales ($5: bytes 0 and 1, $6: bytes 2 and 3).
+_E2M1X4_TO_F16_SCALED = tl.constexpr("{\n.reg .b32 sgn, mag, lo, hi, t0, t1, t2, t3;\n.reg .b16 a, b, c, d;\n"
+                                     + _E2M1X4_TO_E4M3 + """
+cvt.rn.f16x2.e4m3x2 t0, a;
+cvt.rn.f16x2.e4m3x2 t1, b;
+cvt.rn.f16x2.e4m3x2 t2, c;
+cvt.rn.f16x2.e4m3x2 t3, d;
+mul.rn.f16x2 $0, t0, $5;
+mul.rn.f16x2 $1, t1, $6;
+mul.rn.f16x2 $2, t2, $5;
+mul.rn.f16x2 $3, t3, $6;
 }
 """)
 
@@ -62,4 +78,18 @@ def e2m1_to_fp16(packed, ASM: tl.constexpr):
         high8 = ((packed & 0x80) | ((packed >> 2) & 0x1C)).to(tl.uint8)
         low = low8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         high = high8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return low, high
+
+
+@triton.jit
+def e2m1_to_fp16_scaled(packed, scale, ASM: tl.constexpr):
+    """packed [R, N] uint8 and scale [R, N] fp16 (one a byte) -> e2m1_to_fp16's (low, high), each times its
+    byte's scale: one fp16 product for two values (exact where the product is an fp16 number)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(_E2M1X4_TO_F16_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        low, high = e2m1_to_fp16(packed, False)
+        low = low * scale
+        high = high * scale
     return low, high

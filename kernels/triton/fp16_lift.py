@@ -7,15 +7,18 @@ can be written in fp16 without loss: each line of the tile (a row of activations
 the power of two that puts its largest magnitude in [2^14, 2^15). A bf16 value has 8 significant
 bits, so every value of the line above 2^-31 times its largest is then exact in fp16 (smaller ones
 round on fp16's subnormal grid, below 2^-39 of the line's largest); the power of two is undone on
-the float32 product, exactly. Used by the FP8 weight stream (`fp8_linear`).
+the float32 product, exactly. Used by the FP8 weight stream (`fp8_linear`), and, as a pass over whole rows
+(`lift_rows`), by the FP4 experts' widened tiles (`fp4_widened`).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import power_of_two_scale
+from ..checks import check_dtype
+from ._common import next_pow2, power_of_two_scale
 
 
 @triton.jit
@@ -31,3 +34,30 @@ def lift_to_fp16(x, AXIS: tl.constexpr):
     scale, unscale = power_of_two_scale(amax, 14)
     x16 = (xf * tl.expand_dims(scale, AXIS)).to(tl.float16)
     return x16, unscale
+
+
+@triton.jit
+def _lift_rows_kernel(x_ptr, out_ptr, unlift_ptr, num_cols, s_xr, s_xc, s_or, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * s_xr + cols[None, :] * s_xc, mask=mask[None, :], other=0.0)
+    x16, unscale = lift_to_fp16(x, 1)
+    tl.store(out_ptr + row * s_or + cols[None, :], x16, mask=mask[None, :])
+    tl.store(unlift_ptr + row + tl.arange(0, 1), unscale)
+
+
+def lift_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] bf16 (any strides) -> (x16 [R, K] fp16 contiguous, unlift [R] float32): each row times the
+    power of two that puts its largest magnitude in [2^14, 2^15), so x == x16 * unlift[:, None] for every
+    value above 2^-31 times its row's largest (smaller ones round on fp16's subnormal grid). One program a
+    row (K up to a few thousand)."""
+    check_dtype("x", x, (torch.bfloat16,))
+    num_rows, num_cols = x.shape
+    x16 = torch.empty((num_rows, num_cols), dtype=torch.float16, device=x.device)
+    unlift = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows:
+        block = next_pow2(num_cols)
+        _lift_rows_kernel[(num_rows,)](x, x16, unlift, num_cols, *x.stride(), x16.stride(0), BLOCK=block,
+                                       num_warps=4 if block <= 2048 else 8)
+    return x16, unlift

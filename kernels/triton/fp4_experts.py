@@ -21,6 +21,11 @@ at one token and 32.7% at 16 (bench/results/kernels/h100/2026-11-27-2ee19b2.json
 costs more than reading it. The check is now skipped
 (`fast_math`: no scale byte is 0xFF), and `Fp4MoeConfig.scales_on_acc` applies each 32-value group's
 scale to its product instead, as `fp8_linear` applies its block scales, for the sweep to weigh.
+
+With a few rows an expert (decode) on Hopper, `Fp4MoeConfig.widened` takes the products the other way
+round (`fp4_widened`): the weight tile, widened to fp16 through e4m3 with its scales in a few
+instructions, as the MMA's left side in registers, against activation rows lifted to fp16 a row at a
+time (`fp16_lift.lift_rows`, a pass before each product): the same products, summed in another order.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..fp4_weight import BlockFP4Weight
+from ..hardware import e4m3_pairs_to_fp16
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
+from .fp16_lift import lift_rows
+from .fp4_widened import widened_fp4_step
 from .fp4_pairs import FP4_PAIR_MAX_PAIRS, fp4_pair_config, fp4_pair_moe
 from .fp8_moe import down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs
 from .fp8_ops import fp8_pair
@@ -59,6 +67,10 @@ class Fp4MoeConfig:
     # the tile); True, to each group's product in the accumulator, one `tl.dot_scaled` of unscaled values
     # per MX_GROUP of K (as `fp8_linear` applies its block scales). The same sums in another order.
     scales_on_acc: bool = False
+    # The weight tiles widened to fp16 in registers as the product's left side (`fp4_widened`: the tile's
+    # rows as the MMA's M, the sorted rows as its N) instead of `tl.dot_scaled`'s. Hopper only (the e4m3
+    # pair conversion, `hardware.e4m3_pairs_to_fp16`; Triton's operations elsewhere, slowly).
+    widened: bool = False
 
 
 # Decode: a row or two per expert, so the GEMMs stream the chosen experts' bytes; 64-wide column
@@ -67,15 +79,28 @@ class Fp4MoeConfig:
 _GPU_DECODE = Fp4MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
 _GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
+# A few rows an expert on GPUs that convert e4m3 pairs: the widened tiles, 16 rows (the MMA's N) a program.
+# On an H200 (V4-Flash's experts, bench/notes/fp8.md) they took 0.78-0.81x `dot_scaled`'s decode tiles' time
+# at 1.5-6 rows an expert, 0.85-0.87x at 9, the same at 12 and 1.4x at 18; against the per-pair path 1.06x
+# at 96 pairs, 0.93x at 144 and 0.84x at 192.
+_GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widened=True)
+_WIDENED_MAX_ROWS_PER_EXPERT = 10
+_WIDENED_PAIR_MAX_PAIRS = 120
 
 
 def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp4MoeConfig | PairConfig:
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
-    FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one."""
-    if num_pairs <= FP4_PAIR_MAX_PAIRS:
+    FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one.
+    Where the GPU converts e4m3 pairs (`hardware.e4m3_pairs_to_fp16`) the widened tiles take over from the
+    per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run up to _WIDENED_MAX_ROWS_PER_EXPERT rows an
+    expert; past that, `tl.dot_scaled`'s tiles."""
+    widened = device.type == "cuda" and e4m3_pairs_to_fp16(device)
+    if num_pairs <= (min(FP4_PAIR_MAX_PAIRS, _WIDENED_PAIR_MAX_PAIRS) if widened else FP4_PAIR_MAX_PAIRS):
         return fp4_pair_config(num_pairs, device)
     if device.type != "cuda":
         return _INTERPRETER
+    if widened and num_pairs <= _WIDENED_MAX_ROWS_PER_EXPERT * num_experts:
+        return _GPU_WIDENED
     # Up to a decode tile of rows an expert (32) the decode tiles: at 24 rows an expert they took 0.64-0.67x
     # the 64-row tiles' time on an H200, at 48 rows 1.12-1.13x, past that within 3% (bench/notes/fp8.md).
     return _GPU_DECODE if num_pairs <= _GPU_DECODE.block_m * num_experts else _GPU_PREFILL
@@ -125,12 +150,12 @@ def _fp4_step(acc, acc2, x_rows, row_mask, s_xk, w_cols, s_cols, w2_cols, s2_col
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w13_ptr, ws_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
+    x_ptr, unlift_ptr, w13_ptr, ws_ptr, ids_ptr, sorted_ptr, block_expert_ptr, act_ptr,
     num_pairs, num_experts, hidden, inter, limit,
     s_xt, s_xd, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_ar, s_ai, s_ids_t, s_ids_k,
     SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-    GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr,
+    GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr, WIDENED: tl.constexpr, ASM: tl.constexpr,
 ):
     if GDC:
         gdc_wait()
@@ -138,31 +163,45 @@ def _gate_up_kernel(
         ids_ptr, sorted_ptr, block_expert_ptr, s_ids_t, s_ids_k, num_pairs, num_experts, inter,
         TOP_K, BLOCK_M, BLOCK_N, INLINE_ALIGN, BLOCK_E, BLOCK_P)
     if expert >= 0:
-        x_rows = x_ptr + tokens[:, None] * s_xt
+        x_rows = x_ptr + tokens * s_xt
         w_expert = w13_ptr + expert.to(tl.int64) * s_we
         s_expert = ws_ptr + expert.to(tl.int64) * s_se
-        gate_w, up_w = w_expert + gate_rows[None, :] * s_wn, w_expert + up_rows[None, :] * s_wn
-        gate_s = s_expert + (gate_rows // SCALE_N)[:, None] * s_sn
-        up_s = s_expert + (up_rows // SCALE_N)[:, None] * s_sn
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            acc_gate, acc_up = _fp4_step(acc_gate, acc_up, x_rows, row_mask, s_xd, gate_w, gate_s, up_w, up_s, k0,
-                                         hidden, s_wk, s_sk, BLOCK_K, True, SCALES_ON_ACC)
-        if GDC:
-            gdc_launch_dependents()
-        act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
-        tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai, act,
-                 mask=row_mask[:, None] & col_mask[None, :])
+        gate_w, up_w = w_expert + gate_rows * s_wn, w_expert + up_rows * s_wn
+        gate_s, up_s = s_expert + (gate_rows // SCALE_N) * s_sn, s_expert + (up_rows // SCALE_N) * s_sn
+        if WIDENED:   # x lifted to fp16 (`lift_rows`); the products transposed: [BLOCK_N, BLOCK_M]
+            unlift = tl.load(unlift_ptr + tokens, mask=row_mask, other=1.0)
+            acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                acc_gate, acc_up = widened_fp4_step(acc_gate, acc_up, x_rows, row_mask, s_xd, unlift, gate_w, gate_s,
+                                                    up_w, up_s, k0, hidden, s_sk, BLOCK_K, True, ASM)
+            if GDC:
+                gdc_launch_dependents()
+            act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
+            tl.store(act_ptr + rows[None, :].to(tl.int64) * s_ar + cols[:, None] * s_ai, act,
+                     mask=row_mask[None, :] & col_mask[:, None])
+        else:
+            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                acc_gate, acc_up = _fp4_step(acc_gate, acc_up, x_rows[:, None], row_mask, s_xd, gate_w[None, :],
+                                             gate_s[:, None], up_w[None, :], up_s[:, None], k0, hidden, s_wk, s_sk,
+                                             BLOCK_K, True, SCALES_ON_ACC)
+            if GDC:
+                gdc_launch_dependents()
+            act = swiglu_activation(acc_gate, acc_up, limit, tl.bfloat16, True)
+            tl.store(act_ptr + rows[:, None].to(tl.int64) * s_ar + cols[None, :] * s_ai, act,
+                     mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w2_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, pair_out_ptr,
+    act_ptr, unlift_ptr, w2_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, pair_out_ptr,
     num_pairs, hidden, inter,
     s_ar, s_ai, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_tw_t, s_tw_k, s_pr,
     SCALE_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALES_ON_ACC: tl.constexpr, WIDENED: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     block = tl.program_id(0)
     if GDC:
@@ -170,14 +209,22 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         rows, pairs, row_mask, cols, col_mask, out_rows = down_rows(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
-        a_rows = act_ptr + rows[:, None].to(tl.int64) * s_ar
-        w_cols = w2_ptr + expert.to(tl.int64) * s_we + out_rows[None, :] * s_wn
-        s_cols = ws_ptr + expert.to(tl.int64) * s_se + (out_rows // SCALE_N)[:, None] * s_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            # One product: the second accumulator and weight are bound to the first and never read.
-            acc, _ = _fp4_step(acc, acc, a_rows, row_mask, s_ai, w_cols, s_cols, w_cols, s_cols, k0, inter, s_wk, s_sk,
-                               BLOCK_K, False, SCALES_ON_ACC)
+        a_rows = act_ptr + rows.to(tl.int64) * s_ar
+        w_cols = w2_ptr + expert.to(tl.int64) * s_we + out_rows * s_wn
+        s_cols = ws_ptr + expert.to(tl.int64) * s_se + (out_rows // SCALE_N) * s_sn
+        # One product: the second accumulator and weight are bound to the first and never read.
+        if WIDENED:   # act lifted to fp16 (`lift_rows`); the product transposed
+            unlift = tl.load(unlift_ptr + rows, mask=row_mask, other=1.0)
+            acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                acc_t, _ = widened_fp4_step(acc_t, acc_t, a_rows, row_mask, s_ai, unlift, w_cols, s_cols, w_cols,
+                                            s_cols, k0, inter, s_sk, BLOCK_K, False, ASM)
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                acc, _ = _fp4_step(acc, acc, a_rows[:, None], row_mask, s_ai, w_cols[None, :], s_cols[:, None],
+                                   w_cols[None, :], s_cols[:, None], k0, inter, s_wk, s_sk, BLOCK_K, False, SCALES_ON_ACC)
         if GDC:
             gdc_launch_dependents()
         store_weighted_pairs(acc, weights_ptr, pair_out_ptr, pairs, row_mask, cols, col_mask, s_tw_t, s_tw_k, s_pr,
@@ -235,6 +282,12 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
         return pair_sum.to(x.dtype)
     if c.block_k % MX_GROUP:
         raise ValueError(f"config.block_k: expected a multiple of {MX_GROUP}, got {c.block_k}")
+    if c.widened and c.scales_on_acc:
+        raise ValueError("config: widened tiles apply their scales to the tiles; scales_on_acc must be False")
+    if c.widened and (w13.packed.stride(-1) != 1 or w2.packed.stride(-1) != 1):
+        raise ValueError(f"widened tiles read packed rows of unit stride along K; got strides "
+                         f"{w13.packed.stride()} (w13) and {w2.packed.stride()} (w2)")
+    asm = e4m3_pairs_to_fp16(device)
     bm = c.block_m
     num_blocks, inline_align, sorted_pairs, block_expert = sorted_rows(topk_ids, num_experts, bm)
     num_rows = num_blocks * bm
@@ -242,25 +295,29 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     s13, s2 = w13.scale.view(torch.uint8), w2.scale.view(torch.uint8)
     use_pdl = pdl(device)
     act = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
+    # Widened tiles meet the activations as fp16 rows, lifted a row at a time; else x and no lift (unread).
+    x_in, x_unlift = lift_rows(x) if c.widened else (x, x)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, c.block_n))](
-        x, w13.packed, s13, topk_ids, sorted_pairs, block_expert, act,
+        x_in, x_unlift, w13.packed, s13, topk_ids, sorted_pairs, block_expert, act,
         num_pairs, num_experts, hidden, inter, float(limit),
-        *x.stride(), *w13.packed.stride(), *s13.stride(), *act.stride(), *topk_ids.stride(),
+        *x_in.stride(), *w13.packed.stride(), *s13.stride(), *act.stride(), *topk_ids.stride(),
         SCALE_N=w13.block[0], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         # BLOCK_P only sizes the inline sort; elsewhere a fixed value, or every new
         # power of two of pairs in an eager step would compile another variant.
         INLINE_ALIGN=inline_align, BLOCK_E=max(2, next_pow2(num_experts)),
         BLOCK_P=max(2, next_pow2(num_pairs)) if inline_align else 2, GDC=use_pdl, SCALES_ON_ACC=c.scales_on_acc,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        WIDENED=c.widened, ASM=asm, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     weights = topk_weights.float()
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
+    act_in, act_unlift = lift_rows(act) if c.widened else (act, act)
     _down_kernel[(num_blocks, triton.cdiv(hidden, c.block_n))](
-        act, w2.packed, s2, sorted_pairs, block_expert, weights, pair_out,
+        act_in, act_unlift, w2.packed, s2, sorted_pairs, block_expert, weights, pair_out,
         num_pairs, hidden, inter,
-        *act.stride(), *w2.packed.stride(), *s2.stride(), *weights.stride(), pair_out.stride(0),
+        *act_in.stride(), *w2.packed.stride(), *s2.stride(), *weights.stride(), pair_out.stride(0),
         SCALE_N=w2.block[0], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GDC=use_pdl,
-        SCALES_ON_ACC=c.scales_on_acc, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        SCALES_ON_ACC=c.scales_on_acc, WIDENED=c.widened, ASM=asm, num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=use_pdl,
     )
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
     combine_pairs(pair_out, topk_ids, out)

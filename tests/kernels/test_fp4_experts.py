@@ -90,13 +90,42 @@ def _ragged_case(tokens, experts, top_k, gen, device):
 
 @pytest.mark.parametrize("config", [Fp4MoeConfig(16, 32, 64, 4, 1), Fp4MoeConfig(32, 64, 128, 4, 1),
                                     Fp4MoeConfig(16, 32, 64, 4, 1, scales_on_acc=True),
-                                    Fp4MoeConfig(32, 64, 128, 4, 1, scales_on_acc=True)])
+                                    Fp4MoeConfig(32, 64, 128, 4, 1, scales_on_acc=True),
+                                    Fp4MoeConfig(16, 32, 64, 4, 1, widened=True),
+                                    Fp4MoeConfig(16, 64, 128, 4, 1, widened=True)])
 def test_wider_k_steps_read_several_scales_a_step(config, device):
     """K steps of 2 and 4 scale groups (the GPU's are 128 deep), the last one partial (D 96, I 160); the
-    scales applied to the tiles or to each group's product."""
+    scales applied to the tiles or to each group's product, or the tiles widened to fp16 first."""
     x, w13, w2, weights, ids = _ragged_case(9, 3, 2, generator(config.block_k, device), device)
     got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=config)
     assert_close(got, reference(x.double(), w13, w2, weights.double(), ids, limit=1.0), torch.bfloat16)
+
+
+def _far_below_the_top(w: BlockFP4Weight) -> BlockFP4Weight:
+    """w with every even scale group of each row made all zeros under a scale of 2^2: each K step's largest
+    scale then carries nothing, and the values lie 2^20 .. 2^22 below it."""
+    packed, biased = w.packed.clone(), w.scale.view(torch.uint8).clone()
+    biased[..., 0::2] = 127 + 2
+    packed.view(*packed.shape[:-1], -1, 16)[..., 0::2, :] = 0
+    return BlockFP4Weight(packed, biased.view(SCALE_DTYPE), w.block)
+
+
+def test_widened_tiles_are_exact_far_below_a_steps_largest_scale(device):
+    """The widened tiles take a row's scales in a K step relative to the largest (`fp4_widened`): exact while
+    they lie within 2^23 of it. Every value here sits 2^20 .. 2^22 below its step's largest scale (a group of
+    zeros), where a flush to zero would leave almost nothing: the widened path equals the per-pair one (each
+    value times its scale in float32) up to the order of the sums, and the reference as the tiled paths do."""
+    gen = generator(23, device)
+    x, w13, w2, weights, ids = _ragged_case(9, 3, 2, gen, device)
+    w13 = _far_below_the_top(random_fp4(w13.shape, gen, device, exponents=(-20, -18)))
+    w2 = _far_below_the_top(random_fp4(w2.shape, gen, device, exponents=(-20, -18)))
+    x = x * 2.0 ** 20                                   # back to magnitudes the SwiGLU's bf16 rounding keeps
+    want = reference(x.double(), w13, w2, weights.double(), ids, limit=1e4)
+    widened = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1e4, config=Fp4MoeConfig(16, 32, 64, 4, 1, widened=True))
+    per_pair = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1e4, config=PairConfig(16, 64, 32, 4, 1))
+    assert float(want.norm()) > 0
+    assert float((widened.double() - want).norm() / want.norm()) <= 1e-2
+    assert float((widened.double() - per_pair.double()).norm() / want.norm()) <= 1e-3
 
 
 @pytest.mark.parametrize("config", [PairConfig(16, 64, 32, 4, 1), PairConfig(64, 32, 16, 4, 1),
@@ -215,7 +244,7 @@ def test_a_released_fp4_checkpoint_runs_its_experts_packed_on_triton(tmp_path, m
 # --- on the GPU: V4-Flash's expert shapes ------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("tokens", [1, 16, 24, 40, 300])
 def test_fp4_experts_real_sizes_on_the_gpu(tokens):
     """V4-Flash's routed experts (D 4096, I 2048, top 6, swiglu_limit 10; 16 of its 256 experts, which the
     float64 oracle can hold), bf16 activations, scales around 2^-8 as a trained checkpoint's are."""
@@ -239,3 +268,8 @@ def test_fp4_experts_real_sizes_on_the_gpu(tokens):
     if tokens * top_k > FP4_PAIR_MAX_PAIRS:
         assert table.equal(got)
     assert float((table.double() - got.double()).norm() / want.norm()) <= 1e-3
+    # Each tiled form at this size: the same products, sums in another order.
+    for config in (Fp4MoeConfig(16, 64, 128, 4, 4, widened=True), Fp4MoeConfig(32, 64, 128, 4, 4)):
+        other = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0, config=config)
+        assert float((other.double() - want).norm() / want.norm()) <= 1e-2
+        assert float((other.double() - got.double()).norm() / want.norm()) <= 1e-3
