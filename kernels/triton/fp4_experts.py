@@ -81,10 +81,11 @@ _GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, n
 _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
 # A few rows an expert on GPUs that convert e4m3 pairs: the widened tiles, 16 rows (the MMA's N) a program.
 # On an H200 (V4-Flash's experts, bench/notes/fp8.md) they took 0.78-0.81x `dot_scaled`'s decode tiles' time
-# at 1.5-6 rows an expert, 0.85-0.87x at 9, the same at 12 and 1.4x at 18; against the per-pair path 1.06x
-# at 96 pairs, 0.93x at 144 and 0.84x at 192.
+# at 1.5-6 rows an expert, 0.85-0.87x at 9, 0.94-1.00x at 12 and 1.4x at 18; against the per-pair path 1.06x
+# at 96 pairs, 0.93x at 144 and 0.84x at 192. Pairs count with their dropped slots (an expert-parallel rank
+# sees the other ranks' experts as -1): at DP 2 + EP, 6 rows an expert are 12 pairs an expert held.
 _GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widened=True)
-_WIDENED_MAX_ROWS_PER_EXPERT = 10
+_WIDENED_MAX_ROWS_PER_EXPERT = 12
 _WIDENED_PAIR_MAX_PAIRS = 120
 
 
