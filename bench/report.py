@@ -116,8 +116,7 @@ BENCHES = {
     "kernels:fp4": ("V4's FP4 routed experts read packed in the kernel, V4-Flash's shapes (`bench/kernels.py --fp4`)",
                     "rows", [dict(op="fp4_experts", tokens=t, experts=256) for t in (1, 16, 64, 256)]
                     + [dict(op="fp4_experts", tokens=t, experts=32) for t in (64, 128)],
-                    [("path", "run", "{}"), ("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"),
-                     ("TFLOP/s", "tflop_s", "{:.1f}")]),
+                    [("µs", "us", "{:.1f}"), ("% copy", "pct_copy", "{:.1f}"), ("TFLOP/s", "tflop_s", "{:.1f}")]),
     "kernels:wgmma": ("MLA decode at 128 heads on Hopper's warpgroup MMA (Gluon) beside its `tl.dot` twin, same run "
                       "(`bench/kernels.py --wgmma`)", "rows",
                       [dict(op="mla_decode", heads=128, batch=b, context=c, q_len=1, kernel=k)
