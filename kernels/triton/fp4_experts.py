@@ -44,8 +44,8 @@ from ..hardware import e4m3_pairs_to_fp16
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
 from .fp16_lift import lift_rows
-from .fp4_widened import widened_fp4_step
 from .fp4_pairs import FP4_PAIR_MAX_PAIRS, fp4_pair_config, fp4_pair_moe
+from .fp4_widened import widened_fp4_step
 from .fp8_moe import down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs
 from .fp8_ops import fp8_pair
 from .moe import combine_pairs
@@ -85,7 +85,7 @@ _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=
 # at 96 pairs, 0.93x at 144 and 0.84x at 192. Pairs count with their dropped slots (an expert-parallel rank
 # sees the other ranks' experts as -1): at DP 2 + EP, 6 rows an expert are 12 pairs an expert held.
 _GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widened=True)
-_WIDENED_MAX_ROWS_PER_EXPERT = 12
+_WIDENED_MAX_PAIRS_PER_EXPERT = 12
 _WIDENED_PAIR_MAX_PAIRS = 120
 
 
@@ -93,14 +93,14 @@ def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
     FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one.
     Where the GPU converts e4m3 pairs (`hardware.e4m3_pairs_to_fp16`) the widened tiles take over from the
-    per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run up to _WIDENED_MAX_ROWS_PER_EXPERT rows an
+    per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run up to _WIDENED_MAX_PAIRS_PER_EXPERT pairs an
     expert; past that, `tl.dot_scaled`'s tiles."""
     widened = device.type == "cuda" and e4m3_pairs_to_fp16(device)
     if num_pairs <= (min(FP4_PAIR_MAX_PAIRS, _WIDENED_PAIR_MAX_PAIRS) if widened else FP4_PAIR_MAX_PAIRS):
         return fp4_pair_config(num_pairs, device)
     if device.type != "cuda":
         return _INTERPRETER
-    if widened and num_pairs <= _WIDENED_MAX_ROWS_PER_EXPERT * num_experts:
+    if widened and num_pairs <= _WIDENED_MAX_PAIRS_PER_EXPERT * num_experts:
         return _GPU_WIDENED
     # Up to a decode tile of rows an expert (32) the decode tiles: at 24 rows an expert they took 0.64-0.67x
     # the 64-row tiles' time on an H200, at 48 rows 1.12-1.13x, past that within 3% (bench/notes/fp8.md).
