@@ -84,7 +84,7 @@ _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=
 # at 1.5-6 rows an expert, 0.85-0.87x at 9, 0.94-1.00x at 12 and 1.4x at 18; against the per-pair path 1.06x
 # at 96 pairs, 0.93x at 144 and 0.84x at 192. Pairs count with their dropped slots (an expert-parallel rank
 # sees the other ranks' experts as -1): at DP 2 + EP, 6 rows an expert are 12 pairs an expert held.
-_GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widened=True)
+_GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, widened=True)
 _WIDENED_MAX_PAIRS_PER_EXPERT = 12
 _WIDENED_PAIR_MAX_PAIRS = 120
 
