@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..fp4_weight import BlockFP4Weight
-from ..hardware import e4m3_pairs_to_fp16
+from ..hardware import e4m3_pairs_to_fp16, hopper
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
 from .fp16_lift import lift_rows
@@ -79,7 +79,7 @@ class Fp4MoeConfig:
 _GPU_DECODE = Fp4MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
 _GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
-# A few rows an expert on GPUs that convert e4m3 pairs: the widened tiles, 16 rows (the MMA's N) a program.
+# A few rows an expert on Hopper: the widened tiles, 16 rows (the MMA's N) a program.
 # On an H200 (V4-Flash's experts, bench/notes/fp8.md) they took 0.78-0.81x `dot_scaled`'s decode tiles' time
 # at 1.5-6 rows an expert, 0.85-0.87x at 9, 0.94-1.00x at 12 and 1.4x at 18; against the per-pair path 1.06x
 # at 96 pairs, 0.93x at 144 and 0.84x at 192. Pairs count with their dropped slots (an expert-parallel rank
@@ -92,10 +92,10 @@ _WIDENED_PAIR_MAX_PAIRS = 120
 def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp4MoeConfig | PairConfig:
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
     FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one.
-    Where the GPU converts e4m3 pairs (`hardware.e4m3_pairs_to_fp16`) the widened tiles take over from the
-    per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run up to _WIDENED_MAX_PAIRS_PER_EXPERT pairs an
-    expert; past that, `tl.dot_scaled`'s tiles."""
-    widened = device.type == "cuda" and e4m3_pairs_to_fp16(device)
+    On Hopper, where they were measured (`hardware.hopper`: no FP4 tensor cores, e4m3 pairs converted in one
+    instruction), the widened tiles take over from the per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run
+    up to _WIDENED_MAX_PAIRS_PER_EXPERT pairs an expert; past that, `tl.dot_scaled`'s tiles."""
+    widened = hopper(device)
     if num_pairs <= (min(FP4_PAIR_MAX_PAIRS, _WIDENED_PAIR_MAX_PAIRS) if widened else FP4_PAIR_MAX_PAIRS):
         return fp4_pair_config(num_pairs, device)
     if device.type != "cuda":
