@@ -32,6 +32,7 @@ from mla_func.kernels.reference import attention as ref_attention  # noqa: E402
 from mla_func.kernels.reference import moe as ref_moe  # noqa: E402
 from mla_func.kernels.reference.cache import quantized_cache  # noqa: E402
 from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight  # noqa: E402
+from mla_func.kernels.gluon import fp4_experts as wgmma_fp4  # noqa: E402
 from mla_func.kernels.triton import decode, fp4_experts, fp4_pairs, fp8_linear, fp8_moe, moe, prefill  # noqa: E402
 from mla_func.kernels.triton.fp8_quant import quantize_activations  # noqa: E402
 
@@ -359,7 +360,8 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=BF16)
     w13, w2 = _fp4_weight((num_experts, 2 * inter, hidden)), _fp4_weight((num_experts, hidden, inter))
     if config is None:
-        config = fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device)
+        config = fp4_experts.fp4_moe_config(num_tokens * top_k, num_experts, x.device,
+                                            warpgroup=wgmma_fp4.applies(x, w13, w2))
         if isinstance(config, fp4_experts.Fp4MoeConfig):
             config = dataclasses.replace(config, scales_on_acc=scales_on_acc)
     routes = []
@@ -376,7 +378,7 @@ def bench_fp4_experts(num_tokens, ceilings, num_experts=256, top_k=6, hidden=409
     num_bytes = distinct * expert_bytes + 2 * x.numel() * 2
     flops = num_tokens * top_k * 2 * 3 * inter * hidden
     tiled = isinstance(config, fp4_experts.Fp4MoeConfig)
-    run = "per pair" if not tiled else "widened tiles" if config.widened else (
+    run = "per pair" if not tiled else "warpgroup tiles" if config.wgmma else "widened tiles" if config.widened else (
         "scales on products" if config.scales_on_acc else "scales on tiles")
     return dict(op="fp4_experts", run=run, tokens=num_tokens, experts=num_experts, top_k=top_k, hidden=hidden,
                 inter=inter, scales_on_acc=tiled and config.scales_on_acc, distinct_experts=distinct, ms=ms, us=ms * 1e3,
@@ -392,10 +394,11 @@ EP8_TOKENS = (64, 128)
 
 
 def fp4_rows(ceilings):
-    """The default path (per pair, widened tiles or `dot_scaled`'s: `fp4_experts.fp4_moe_config`) at 1 to 256
-    tokens, and `dot_scaled`'s decode tiles beside it wherever it is another path (at 1, 4 and 16 tokens also
-    with the scales applied to the products); then the default path over an expert-parallel rank's 32
-    experts at 64 and 128 tokens (`EP8_EXPERTS`)."""
+    """The default path (per pair, the widened tiles on the warpgroup MMA or `dot_scaled`'s:
+    `fp4_experts.fp4_moe_config`) at 1 to 256 tokens, and `dot_scaled`'s decode tiles beside it wherever it is
+    another path (at 1, 4 and 16 tokens also with the scales applied to the products), the warpgroup tiles'
+    Triton twin beside them; then the default path over an expert-parallel rank's 32 experts at 64 and 128
+    tokens (`EP8_EXPERTS`)."""
     # dot_scaled's decode tiles: what the config takes at 12 rows an expert (past the widened tiles' reach).
     tiled = fp4_experts.fp4_moe_config(fp4_pairs.FP4_PAIR_MAX_PAIRS + 1, 16, torch.device("cuda"))
     rows = []
@@ -404,6 +407,10 @@ def fp4_rows(ceilings):
         rows.append(default)
         if default["run"] != "scales on tiles":
             rows.append(bench_fp4_experts(num_tokens, ceilings, config=tiled))
+        if default["run"] == "warpgroup tiles":
+            twin = dataclasses.replace(fp4_experts.fp4_moe_config(num_tokens * 6, 256, torch.device("cuda"),
+                                                                  warpgroup=True), wgmma=False)
+            rows.append(bench_fp4_experts(num_tokens, ceilings, config=twin))
         if num_tokens <= 16:
             rows.append(bench_fp4_experts(num_tokens, ceilings, config=dataclasses.replace(tiled, scales_on_acc=True)))
     for num_tokens in EP8_TOKENS:

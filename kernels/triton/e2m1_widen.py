@@ -25,24 +25,44 @@ import triton.language as tl
 # Each e4m3 byte is the e2m1 value times 2^-6: a sum of widened values' products is undone by this factor.
 E2M1_UNDO = 64.0
 
-# Four packed bytes ($4) to their low nibbles' e4m3 bytes (lo) and their high nibbles' (hi), then as pairs
-# (a, b: bytes 0-1 and 2-3 of lo; c, d: of hi).
-_E2M1X4_TO_E4M3 = """
-shl.b32 sgn, $4, 4;
+def _e2m1x4_to_e4m3(word: str) -> str:
+    # Four packed bytes (the operand `word`) to their low nibbles' e4m3 bytes (lo) and their high nibbles' (hi),
+    # then as pairs (a, b: bytes 0-1 and 2-3 of lo; c, d: of hi).
+    return f"""
+shl.b32 sgn, {word}, 4;
 and.b32 sgn, sgn, 0x80808080;
-shl.b32 mag, $4, 2;
+shl.b32 mag, {word}, 2;
 and.b32 mag, mag, 0x1c1c1c1c;
 or.b32 lo, sgn, mag;
-and.b32 sgn, $4, 0x80808080;
-shr.b32 mag, $4, 2;
+and.b32 sgn, {word}, 0x80808080;
+shr.b32 mag, {word}, 2;
 and.b32 mag, mag, 0x1c1c1c1c;
 or.b32 hi, sgn, mag;
-mov.b32 {a, b}, lo;
-mov.b32 {c, d}, hi;
+mov.b32 {{a, b}}, lo;
+mov.b32 {{c, d}}, hi;
 """
 
+
+def e2m1x4_to_f16_scaled_asm(word: str, scale_01: str, scale_23: str) -> str:
+    """Inline PTX widening four packed bytes (operand `word`) to eight fp16 values times their scales: out
+    operands $0, $1 the low nibbles' values (bytes 0-1, 2-3: two f16x2 registers), $2, $3 the high nibbles';
+    scale_01 / scale_23 the f16x2 scales of bytes 0 and 1 / 2 and 3 (the same operand where one scale covers
+    the word, as in `gluon.fp4_experts`)."""
+    return ("{\n.reg .b32 sgn, mag, lo, hi, t0, t1, t2, t3;\n.reg .b16 a, b, c, d;\n" + _e2m1x4_to_e4m3(word) + f"""
+cvt.rn.f16x2.e4m3x2 t0, a;
+cvt.rn.f16x2.e4m3x2 t1, b;
+cvt.rn.f16x2.e4m3x2 t2, c;
+cvt.rn.f16x2.e4m3x2 t3, d;
+mul.rn.f16x2 $0, t0, {scale_01};
+mul.rn.f16x2 $1, t1, {scale_23};
+mul.rn.f16x2 $2, t2, {scale_01};
+mul.rn.f16x2 $3, t3, {scale_23};
+}}
+""")
+
+
 # $0..$3: the low nibbles' four fp16 (two f16x2 registers), then the high nibbles'; $4: four packed bytes.
-_E2M1X4_TO_F16 = tl.constexpr("{\n.reg .b32 sgn, mag, lo, hi;\n.reg .b16 a, b, c, d;\n" + _E2M1X4_TO_E4M3 + """
+_E2M1X4_TO_F16 = tl.constexpr("{\n.reg .b32 sgn, mag, lo, hi;\n.reg .b16 a, b, c, d;\n" + _e2m1x4_to_e4m3("$4") + """
 cvt.rn.f16x2.e4m3x2 $0, a;
 cvt.rn.f16x2.e4m3x2 $1, b;
 cvt.rn.f16x2.e4m3x2 $2, c;
@@ -51,18 +71,7 @@ cvt.rn.f16x2.e4m3x2 $3, d;
 """)
 
 # As _E2M1X4_TO_F16, each pair then times its bytes' fp16 scales ($5: bytes 0 and 1, $6: bytes 2 and 3).
-_E2M1X4_TO_F16_SCALED = tl.constexpr("{\n.reg .b32 sgn, mag, lo, hi, t0, t1, t2, t3;\n.reg .b16 a, b, c, d;\n"
-                                     + _E2M1X4_TO_E4M3 + """
-cvt.rn.f16x2.e4m3x2 t0, a;
-cvt.rn.f16x2.e4m3x2 t1, b;
-cvt.rn.f16x2.e4m3x2 t2, c;
-cvt.rn.f16x2.e4m3x2 t3, d;
-mul.rn.f16x2 $0, t0, $5;
-mul.rn.f16x2 $1, t1, $6;
-mul.rn.f16x2 $2, t2, $5;
-mul.rn.f16x2 $3, t3, $6;
-}
-""")
+_E2M1X4_TO_F16_SCALED = tl.constexpr(e2m1x4_to_f16_scaled_asm("$4", "$5", "$6"))
 
 
 @triton.jit

@@ -37,27 +37,39 @@ def lift_to_fp16(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _lift_rows_kernel(x_ptr, out_ptr, unlift_ptr, num_cols, s_xr, s_xc, s_or, BLOCK: tl.constexpr):
+def _lift_rows_kernel(x_ptr, out_ptr, unlift_ptr, num_cols, s_xr, s_xc, s_or, BLOCK: tl.constexpr,
+                      ORDER_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
-    x = tl.load(x_ptr + row * s_xr + cols[None, :] * s_xc, mask=mask[None, :], other=0.0)
+    # Column j of the output from the input column whose bit i is bit ORDER_BITS[i] of j (the bits above kept).
+    src = cols >> len(ORDER_BITS) << len(ORDER_BITS)
+    for i in tl.static_range(len(ORDER_BITS)):
+        src += ((cols >> ORDER_BITS[i]) & 1) << i
+    x = tl.load(x_ptr + row * s_xr + src[None, :] * s_xc, mask=mask[None, :], other=0.0)
     x16, unscale = lift_to_fp16(x, 1)
     tl.store(out_ptr + row * s_or + cols[None, :], x16, mask=mask[None, :])
     tl.store(unlift_ptr + row + tl.arange(0, 1), unscale)
 
 
-def lift_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lift_rows(x: torch.Tensor, order_bits: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] bf16 (any strides) -> (x16 [R, K] fp16 contiguous, unlift [R] float32): each row times the
     power of two that puts its largest magnitude in [2^14, 2^15), so x == x16 * unlift[:, None] for every
     value above 2^-31 times its row's largest (smaller ones round on fp16's subnormal grid). One program a
-    row (K up to a few thousand)."""
+    row (K up to a few thousand).
+
+    order_bits: a permutation of range(n) with K a multiple of 2^n: the columns of each run of 2^n permuted
+    by their index's bits, x16[:, s + j] lifted from x[:, s + c] where bit i of c is bit order_bits[i] of j
+    (the K order a kernel's operand takes, as `gluon.fp4_experts.K_ORDER_BITS`); () keeps x's order."""
     check_dtype("x", x, (torch.bfloat16,))
     num_rows, num_cols = x.shape
+    if sorted(order_bits) != list(range(len(order_bits))) or num_cols % (1 << len(order_bits)):
+        raise ValueError(f"order_bits: expected a permutation of range(n) with 2^n dividing K = {num_cols}, "
+                         f"got {order_bits}")
     x16 = torch.empty((num_rows, num_cols), dtype=torch.float16, device=x.device)
     unlift = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows:
         block = next_pow2(num_cols)
         _lift_rows_kernel[(num_rows,)](x, x16, unlift, num_cols, *x.stride(), x16.stride(0), BLOCK=block,
-                                       num_warps=4 if block <= 2048 else 8)
+                                       ORDER_BITS=tuple(order_bits), num_warps=4 if block <= 2048 else 8)
     return x16, unlift

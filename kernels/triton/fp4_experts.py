@@ -26,10 +26,14 @@ With a few rows an expert (decode) on Hopper, `Fp4MoeConfig.widened` takes the p
 round (`fp4_widened`): the weight tile, widened to fp16 through e4m3 with its scales in a few
 instructions, as the MMA's left side in registers, against activation rows lifted to fp16 a row at a
 time (`fp16_lift.lift_rows`, a pass before each product): the same products, summed in another order.
+Where `gluon.fp4_experts.applies` (V4's shapes on Hopper), `Fp4MoeConfig.wgmma` runs those tiles as Gluon
+kernels that load each packed word where the warpgroup MMA reads it (0.68-0.76x the Triton tiles' time on an
+H200), from a few tokens to prefill sizes; the Triton tiles are their twin (the interpreter's path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
 from ..fp4_weight import BlockFP4Weight
+from ..gluon import fp4_experts as wgmma_fp4
 from ..hardware import e4m3_pairs_to_fp16, hopper
 from ..quantized import Weight, dequantized
 from ._common import next_pow2, pdl
@@ -49,6 +54,7 @@ from .fp4_widened import widened_fp4_step
 from .fp8_moe import down_rows, fp8_fused_moe, gate_up_program, sorted_rows, store_weighted_pairs
 from .fp8_ops import fp8_pair
 from .moe import combine_pairs
+from .moe_align import moe_align
 from .moe_pairs import PairConfig
 from .swiglu import swiglu_activation
 
@@ -71,6 +77,9 @@ class Fp4MoeConfig:
     # rows as the MMA's M, the sorted rows as its N) instead of `tl.dot_scaled`'s. Hopper only (the e4m3
     # pair conversion, `hardware.e4m3_pairs_to_fp16`; Triton's operations elsewhere, slowly).
     widened: bool = False
+    # With `widened`: the Gluon kernels on Hopper's warpgroup MMA (`gluon.fp4_experts`, each packed word loaded
+    # where the MMA reads it) wherever `gluon.fp4_experts.applies`, else these tiles in Triton (their twin).
+    wgmma: bool = False
 
 
 # Decode: a row or two per expert, so the GEMMs stream the chosen experts' bytes; 64-wide column
@@ -79,7 +88,7 @@ class Fp4MoeConfig:
 _GPU_DECODE = Fp4MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
 _GPU_PREFILL = Fp4MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=4, num_stages=1)
-# A few rows an expert on Hopper: the widened tiles, 16 rows (the MMA's N) a program.
+# A few rows an expert on Hopper: the widened tiles, 16 rows (the MMA's N) a program, in Triton.
 # On an H200 (V4-Flash's experts, bench/notes/fp8.md) they took 0.78-0.81x `dot_scaled`'s decode tiles' time
 # at 1.5-6 rows an expert, 0.85-0.87x at 9, 0.94-1.00x at 12 and 1.4x at 18; against the per-pair path 1.06x
 # at 96 pairs, 0.93x at 144 and 0.84x at 192. Pairs count with their dropped slots (an expert-parallel rank
@@ -87,21 +96,34 @@ _INTERPRETER = Fp4MoeConfig(block_m=16, block_n=32, block_k=MX_GROUP, num_warps=
 _GPU_WIDENED = Fp4MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, widened=True)
 _WIDENED_MAX_PAIRS_PER_EXPERT = 12
 _WIDENED_PAIR_MAX_PAIRS = 120
+# The same tiles on the warpgroup MMA (`gluon.fp4_experts`), where they apply. On an H200 (bench/notes/fp8.md)
+# against the per-pair path: 0.98-1.01x at 18-24 pairs, 0.96x at 36, 0.89-0.91x at 48, 0.76x at 96; against
+# `dot_scaled`'s decode tiles 0.56-0.63x at 0.5-12 rows an expert, 0.76-0.77x at 18, 0.84-0.88x at 24; against
+# its 64-row tiles 0.85-0.96x at 48 rows an expert, 0.66-0.85x at 72-128, 0.89x at 192 (further not measured).
+_GPU_WARPGROUP = dataclasses.replace(_GPU_WIDENED, wgmma=True)
+_WARPGROUP_MAX_PAIRS_PER_EXPERT = 192
+_WARPGROUP_PAIR_MAX_PAIRS = 24
 
 
-def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> Fp4MoeConfig | PairConfig:
+def fp4_moe_config(num_pairs: int, num_experts: int, device: torch.device, *, warpgroup: bool = False
+                   ) -> Fp4MoeConfig | PairConfig:
     """The launch configuration, and so the path, for num_pairs = T * k pairs over num_experts experts: up to
     FP4_PAIR_MAX_PAIRS pairs the per-pair path on CUDA cores (`fp4_pairs`, one launch), else the tiled one.
     On Hopper, where they were measured (`hardware.hopper`: no FP4 tensor cores, e4m3 pairs converted in one
     instruction), the widened tiles take over from the per-pair path past _WIDENED_PAIR_MAX_PAIRS pairs and run
-    up to _WIDENED_MAX_PAIRS_PER_EXPERT pairs an expert; past that, `tl.dot_scaled`'s tiles."""
+    up to _WIDENED_MAX_PAIRS_PER_EXPERT pairs an expert; past that, `tl.dot_scaled`'s tiles. With `warpgroup`
+    (the Gluon kernels take these experts: `gluon.fp4_experts.applies`) the widened tiles on the warpgroup MMA,
+    past _WARPGROUP_PAIR_MAX_PAIRS pairs and up to _WARPGROUP_MAX_PAIRS_PER_EXPERT pairs an expert."""
     widened = hopper(device)
-    if num_pairs <= (min(FP4_PAIR_MAX_PAIRS, _WIDENED_PAIR_MAX_PAIRS) if widened else FP4_PAIR_MAX_PAIRS):
+    pair_max, tiles, per_expert = (
+        (_WARPGROUP_PAIR_MAX_PAIRS, _GPU_WARPGROUP, _WARPGROUP_MAX_PAIRS_PER_EXPERT) if warpgroup
+        else (_WIDENED_PAIR_MAX_PAIRS, _GPU_WIDENED, _WIDENED_MAX_PAIRS_PER_EXPERT))
+    if num_pairs <= (min(FP4_PAIR_MAX_PAIRS, pair_max) if widened else FP4_PAIR_MAX_PAIRS):
         return fp4_pair_config(num_pairs, device)
     if device.type != "cuda":
         return _INTERPRETER
-    if widened and num_pairs <= _WIDENED_MAX_PAIRS_PER_EXPERT * num_experts:
-        return _GPU_WIDENED
+    if widened and num_pairs <= per_expert * num_experts:
+        return tiles
     # Up to a decode tile of rows an expert (32) the decode tiles: at 24 rows an expert they took 0.64-0.67x
     # the 64-row tiles' time on an H200, at 48 rows 1.12-1.13x, past that within 3% (bench/notes/fp8.md).
     return _GPU_DECODE if num_pairs <= _GPU_DECODE.block_m * num_experts else _GPU_PREFILL
@@ -277,7 +299,7 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=device)
-    c = config or fp4_moe_config(num_pairs, num_experts, device)
+    c = config or fp4_moe_config(num_pairs, num_experts, device, warpgroup=wgmma_fp4.applies(x, w13, w2))
     if isinstance(c, PairConfig):
         pair_sum = fp4_pair_moe(x, w13, w2, topk_weights.float(), topk_ids, limit=limit, config=c)
         return pair_sum.to(x.dtype)
@@ -285,6 +307,11 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
         raise ValueError(f"config.block_k: expected a multiple of {MX_GROUP}, got {c.block_k}")
     if c.widened and c.scales_on_acc:
         raise ValueError("config: widened tiles apply their scales to the tiles; scales_on_acc must be False")
+    if c.wgmma and not (c.widened and c.block_m == wgmma_fp4.BLOCK_M):
+        raise ValueError(f"config: the warpgroup-MMA tiles are widened tiles of {wgmma_fp4.BLOCK_M} rows; got "
+                         f"widened={c.widened}, block_m={c.block_m}")
+    if c.wgmma and wgmma_fp4.applies(x, w13, w2):
+        return _wgmma_clamped_experts(x, w13, w2, topk_weights.float(), topk_ids, limit)
     if c.widened and (w13.packed.stride(-1) != 1 or w2.packed.stride(-1) != 1):
         raise ValueError(f"widened tiles read packed rows of unit stride along K; got strides "
                          f"{w13.packed.stride()} (w13) and {w2.packed.stride()} (w2)")
@@ -321,6 +348,24 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
         launch_pdl=use_pdl,
     )
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
+    combine_pairs(pair_out, topk_ids, out)
+    return out
+
+
+def _wgmma_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight, weights: torch.Tensor,
+                           topk_ids: torch.Tensor, limit: float) -> torch.Tensor:
+    """`fp4_clamped_experts` on the Gluon kernels (`gluon.fp4_experts`): x [T, D] bf16, weights [T, k] float32
+    -> [T, D] bf16. Both products' activations lifted to fp16 in the kernels' K order (`K_ORDER_BITS`)."""
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    sorted_pairs, block_expert = moe_align(topk_ids, w13.shape[0], wgmma_fp4.BLOCK_M)
+    x16, x_unlift = lift_rows(x, wgmma_fp4.K_ORDER_BITS)
+    act = torch.empty((sorted_pairs.numel(), inter), dtype=torch.bfloat16, device=x.device)
+    wgmma_fp4.wgmma_fp4_gate_up(x16, x_unlift, w13, sorted_pairs, block_expert, topk_ids.shape[1], limit, act)
+    act16, act_unlift = lift_rows(act, wgmma_fp4.K_ORDER_BITS)
+    pair_out = torch.empty((topk_ids.numel(), hidden), dtype=torch.float32, device=x.device)
+    wgmma_fp4.wgmma_fp4_down(act16, act_unlift, w2, sorted_pairs, block_expert, weights, pair_out)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     combine_pairs(pair_out, topk_ids, out)
     return out
 

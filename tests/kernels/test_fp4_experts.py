@@ -7,6 +7,7 @@ shapes (D 4096, I 2048, top 6) in bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,17 +19,23 @@ import mla_func as mf
 from mla_func.checkpoint.fp8 import block_quantize
 from mla_func.kernels import ops_for
 from mla_func.kernels.fp4_weight import SCALE_DTYPE, BlockFP4Weight, e2m1_table
+from mla_func.kernels.gluon import fp4_experts as wgmma_fp4
 from mla_func.kernels.hardware import e4m3_pairs_to_fp16
 from mla_func.kernels.quantized import BlockFP8Weight
 from mla_func.kernels.reference.v4_moe import clamped_experts as reference
 from mla_func.kernels.triton import fp4_experts
 from mla_func.kernels.triton.e2m1_widen import E2M1_UNDO, e2m1_to_fp16
+from mla_func.kernels.triton.fp16_lift import lift_rows
 from mla_func.kernels.triton.fp4_experts import Fp4MoeConfig, fp4_clamped_experts, fp4_moe_config
 from mla_func.kernels.triton.fp4_pairs import FP4_PAIR_MAX_PAIRS
 from mla_func.kernels.triton.moe_pairs import PairConfig
 from support.kernel_cases import assert_close, generator, randn
 from support.v4_official import write_v4_official
 from support.v4_reference import save_reference
+
+
+# The widened tiles on the warpgroup MMA (Gluon; their Triton twin where `gluon.fp4_experts.applies` does not).
+WGMMA = Fp4MoeConfig(16, 64, 128, 4, 2, widened=True, wgmma=True)
 
 
 def random_fp4(shape, gen, device, exponents=(-6, -3)) -> BlockFP4Weight:
@@ -126,6 +133,46 @@ def test_widened_tiles_are_exact_far_below_a_steps_largest_scale(device):
     assert float(want.norm()) > 0
     assert float((widened.double() - want).norm() / want.norm()) <= 1e-2
     assert float((widened.double() - per_pair.double()).norm() / want.norm()) <= 1e-3
+
+
+def test_rows_lift_in_the_warpgroup_tiles_k_order(device):
+    """`lift_rows(x, K_ORDER_BITS)`: each run of 128 columns in the order the warpgroup-MMA tiles read K (bit i
+    of the source column is bit K_ORDER_BITS[i] of the position), the same lift as in x's order."""
+    gen = generator(7, device)
+    rows_scale = 2.0 ** torch.arange(-6, 9, 3, device=device)[:, None]          # rows of other magnitudes
+    x = (randn((5, 384), torch.bfloat16, device, gen) * rows_scale).to(torch.bfloat16)
+    plain, unlift = lift_rows(x)
+    ordered, ordered_unlift = lift_rows(x, wgmma_fp4.K_ORDER_BITS)
+    j = torch.arange(128)
+    source = sum(((j >> b) & 1) << i for i, b in enumerate(wgmma_fp4.K_ORDER_BITS))
+    assert sorted(source.tolist()) == list(range(128)) and not torch.equal(source, j)
+    columns = torch.cat([run * 128 + source for run in range(3)]).to(device)
+    assert torch.equal(ordered, plain[:, columns]) and torch.equal(ordered_unlift, unlift)
+    assert torch.equal(ordered.float() * unlift[:, None], x[:, columns].float())
+    with pytest.raises(ValueError, match="order_bits"):
+        lift_rows(x[:, :96], wgmma_fp4.K_ORDER_BITS)
+    with pytest.raises(ValueError, match="order_bits"):
+        lift_rows(x, (0, 1, 1))
+
+
+def test_warpgroup_tiles_refuse_other_tiles_and_take_their_twin_where_they_do_not_apply(device, monkeypatch):
+    """`wgmma` names the widened tiles of 16 rows; where `gluon.fp4_experts.applies` says no (here: D 96, I 160,
+    and on the CPU any shape) the Triton twin runs, bit for bit."""
+    x, w13, w2, weights, ids = _ragged_case(9, 3, 2, generator(5, device), device)
+    with pytest.raises(ValueError, match="block_m"):
+        fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=dataclasses.replace(WGMMA, block_m=32))
+    with pytest.raises(ValueError, match="widened"):
+        fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=dataclasses.replace(WGMMA, widened=False))
+    assert not wgmma_fp4.applies(x, w13, w2)
+
+    def not_here(*args):
+        raise AssertionError("the Gluon kernels ran where they do not apply")
+
+    monkeypatch.setattr(wgmma_fp4, "wgmma_fp4_gate_up", not_here)
+    twin = dataclasses.replace(WGMMA, block_n=32, block_k=64, num_stages=1)
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0, config=twin)
+    assert torch.equal(got, fp4_clamped_experts(x, w13, w2, weights, ids, limit=1.0,
+                                                config=dataclasses.replace(twin, wgmma=False)))
 
 
 @pytest.mark.parametrize("config", [PairConfig(16, 64, 32, 4, 1), PairConfig(64, 32, 16, 4, 1),
@@ -268,8 +315,79 @@ def test_fp4_experts_real_sizes_on_the_gpu(tokens):
     if tokens * top_k > FP4_PAIR_MAX_PAIRS:
         assert table.equal(got)
     assert float((table.double() - got.double()).norm() / want.norm()) <= 1e-3
-    # Each tiled form at this size: the same products, sums in another order.
-    for config in (Fp4MoeConfig(16, 64, 128, 4, 4, widened=True), Fp4MoeConfig(32, 64, 128, 4, 4)):
+    # Each tiled form at this size: the same products, sums in another order (the warpgroup-MMA tiles, their
+    # Triton twin, `dot_scaled`'s).
+    for config in (WGMMA, dataclasses.replace(WGMMA, wgmma=False), Fp4MoeConfig(32, 64, 128, 4, 4)):
         other = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0, config=config)
         assert float((other.double() - want).norm() / want.norm()) <= 1e-2
         assert float((other.double() - got.double()).norm() / want.norm()) <= 1e-3
+
+
+def _spy(monkeypatch, name):
+    """Count the calls of `gluon.fp4_experts.<name>` (the kernels the warpgroup tiles launch)."""
+    calls = []
+    real = getattr(wgmma_fp4, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wgmma_fp4, name, counted)
+    return calls
+
+
+@pytest.mark.gpu
+def test_warpgroup_tiles_are_exact_far_below_a_steps_largest_scale_on_the_gpu(monkeypatch):
+    """The Gluon kernels' scales relative to a row's largest in a K step, as the twin's: every value 2^20 ..
+    2^22 below its step's largest scale (D 256, I 384: two and three K steps), against the per-pair path and
+    the reference, and against the Triton twin up to the order of the sums."""
+    device = torch.device("cuda")
+    gen = generator(29, device)
+    tokens, experts, hidden, inter, top_k = 40, 4, 256, 384, 2
+    x = randn((tokens, hidden), torch.bfloat16, device, gen) * 2.0 ** 20
+    w13 = _far_below_the_top(random_fp4((experts, 2 * inter, hidden), gen, device, exponents=(-20, -18)))
+    w2 = _far_below_the_top(random_fp4((experts, hidden, inter), gen, device, exponents=(-20, -18)))
+    weights, ids = _routing(tokens, experts, top_k, gen, device)
+    assert wgmma_fp4.applies(x, w13, w2)
+    calls = _spy(monkeypatch, "wgmma_fp4_down")
+    got = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1e4, config=WGMMA)
+    assert len(calls) == 1
+    want = reference(x.double(), w13, w2, weights.double(), ids, limit=1e4)
+    per_pair = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1e4, config=PairConfig(16, 64, 32, 4, 1))
+    twin = fp4_clamped_experts(x, w13, w2, weights, ids, limit=1e4, config=dataclasses.replace(WGMMA, wgmma=False))
+    assert float(want.norm()) > 0 and bool((got[0] == 0).all())
+    assert float((got.double() - want).norm() / want.norm()) <= 1e-2
+    assert float((got.double() - per_pair.double()).norm() / want.norm()) <= 1e-3
+    assert float((got.double() - twin.double()).norm() / want.norm()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, experts", [(24, 16), (64, 256)])
+def test_warpgroup_tiles_in_a_cuda_graph_equal_their_eager_run(tokens, experts, monkeypatch):
+    """The default path at V4-Flash's shapes where it takes the warpgroup tiles (24 tokens over 16 experts: 9 rows
+    an expert; 64 over 256), captured once and replayed on new routing: the same bits as an eager run, and
+    the Triton twin's values up to the order of the sums."""
+    device = torch.device("cuda")
+    gen = generator(tokens + experts, device)
+    hidden, inter, top_k = 4096, 2048, 6
+    x = randn((tokens, hidden), torch.bfloat16, device, gen)
+    w13 = random_fp4((experts, 2 * inter, hidden), gen, device, exponents=(-9, -7))
+    w2 = random_fp4((experts, hidden, inter), gen, device, exponents=(-9, -7))
+    assert wgmma_fp4.applies(x, w13, w2) and fp4_moe_config(tokens * top_k, experts, device, warpgroup=True) == WGMMA
+    calls = _spy(monkeypatch, "wgmma_fp4_gate_up")
+    weights, ids = _routing(tokens, experts, top_k, gen, device)
+    static_weights, static_ids = weights.clone(), ids.clone()
+    fp4_clamped_experts(x, w13, w2, static_weights, static_ids, limit=10.0)      # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp4_clamped_experts(x, w13, w2, static_weights, static_ids, limit=10.0)
+    for _ in range(2):
+        weights, ids = _routing(tokens, experts, top_k, gen, device)
+        static_weights.copy_(weights)
+        static_ids.copy_(ids)
+        graph.replay()
+        eager = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0)
+        assert torch.equal(captured, eager)
+        twin = fp4_clamped_experts(x, w13, w2, weights, ids, limit=10.0, config=dataclasses.replace(WGMMA, wgmma=False))
+        assert float((eager.double() - twin.double()).norm() / twin.double().norm()) <= 1e-3
+    assert len(calls) == 4
