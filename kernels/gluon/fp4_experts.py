@@ -36,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..fp4_weight import BlockFP4Weight
-from ..hardware import hopper
 from ..triton.e2m1_widen import e2m1x4_to_f16_scaled_asm
+from .support import available
 
 # Weight rows a program (the MMA's M), sorted rows a program (its N; the rows `moe_align` sorts in runs of), and
 # values of K a step (64 packed bytes a row).
@@ -75,15 +75,10 @@ _WIDEN_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 K_ORDER_BITS = (4, 0, 3, 5, 6, 1, 2)
 
 
-def available(device: torch.device) -> bool:
-    """Whether `device` has Hopper's warpgroup MMA (`hardware.hopper`)."""
-    return hopper(device)
-
-
 def applies(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight) -> bool:
-    """Whether the kernels take these experts: bf16 activations on a Hopper GPU; a scale a row and 32 values
-    (block (1, 32)); D and I multiples of K_STEP; packed rows of unit stride, every row 16-byte aligned (the
-    words load as 16-byte vectors)."""
+    """Whether the kernels take these experts: bf16 activations where the Gluon kernels run
+    (`support.available`); a scale a row and 32 values (block (1, 32)); D and I multiples of K_STEP; packed
+    rows of unit stride, every row 16-byte aligned (the words load as 16-byte vectors)."""
     hidden, inter = x.shape[1], w2.shape[2]
     packed = (w13.packed, w2.packed)
     return (x.dtype == torch.bfloat16 and w13.block == (1, 32) and w2.block == (1, 32)

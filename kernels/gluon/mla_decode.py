@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..hardware import hopper
+from .support import available
 
 # Rows a program, keys a tile, and the column slab one copy or one shared-memory slice covers (the
 # 128-byte swizzle of 16-bit values).
@@ -45,11 +45,6 @@ NUM_WARPS = 8
 # The shapes the kernel's tiles are laid out for: DeepSeek's latent and RoPE widths.
 KV_LORA_RANK = 512
 ROPE_DIM = 64
-
-
-def available(device: torch.device) -> bool:
-    """Whether `device` has Hopper's warpgroup MMA (`hardware.hopper`)."""
-    return hopper(device)
 
 
 def applies(num_heads: int, q_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,

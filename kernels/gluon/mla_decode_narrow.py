@@ -41,8 +41,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .mla_decode import (KV_LORA_RANK, ROPE_DIM, _locate, _pages, available, copy_fp8_half, copy_rope, copyable,
-                         load_scales)
+from .mla_decode import KV_LORA_RANK, ROPE_DIM, _locate, _pages, copy_fp8_half, copy_rope, copyable, load_scales
+from .support import available
 
 # Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16

@@ -63,7 +63,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .mla_decode import available, copyable, softmax_step
+from .mla_decode import copyable, softmax_step
+from .support import available
 
 BLOCK_M = 64
 # Keys a warpgroup's tile, and the runs a split covers (the twin's tile).
