@@ -27,9 +27,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .mla_decode import KV_LORA_RANK, ROPE_DIM, _copy_keys, _locate, _pages, copyable
-from .support import available
 from .mla_decode_narrow import (ACC_LAYOUT, COPY_LAYOUT, Q_LAYOUT, STAGE_LAYOUT, _softmax_value_product,
                                 _store_partials)
+from .support import available
 
 # Heads a program (the products' N) and keys a tile (their M); one warpgroup.
 BLOCK_H = 16
