@@ -299,7 +299,8 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=device)
-    c = config or fp4_moe_config(num_pairs, num_experts, device, warpgroup=wgmma_fp4.applies(x, w13, w2))
+    warpgroup = wgmma_fp4.applies(x, w13, w2)
+    c = config or fp4_moe_config(num_pairs, num_experts, device, warpgroup=warpgroup)
     if isinstance(c, PairConfig):
         pair_sum = fp4_pair_moe(x, w13, w2, topk_weights.float(), topk_ids, limit=limit, config=c)
         return pair_sum.to(x.dtype)
@@ -310,7 +311,7 @@ def fp4_clamped_experts(x: torch.Tensor, w13: BlockFP4Weight, w2: BlockFP4Weight
     if c.wgmma and not (c.widened and c.block_m == wgmma_fp4.BLOCK_M):
         raise ValueError(f"config: the warpgroup-MMA tiles are widened tiles of {wgmma_fp4.BLOCK_M} rows; got "
                          f"widened={c.widened}, block_m={c.block_m}")
-    if c.wgmma and wgmma_fp4.applies(x, w13, w2):
+    if c.wgmma and warpgroup:
         return _wgmma_clamped_experts(x, w13, w2, topk_weights.float(), topk_ids, limit)
     if c.widened and (w13.packed.stride(-1) != 1 or w2.packed.stride(-1) != 1):
         raise ValueError(f"widened tiles read packed rows of unit stride along K; got strides "
