@@ -16,7 +16,8 @@ and batch 8 at 128K as a decode step of a long-context batch would run them):
   = the selected rows + queries + outputs.
 * index_topk: indexer scores over every cached position, then top-k; bytes = the
   indexer keys read (the figure the target is stated in), the scores' write and
-  reads listed beside it.
+  reads listed beside it; the scores alone, and their `tl.dot` twin's where the
+  warpgroup-MMA kernel takes them.
 * sparse_mla_prefill: a prefill chunk of one sequence through the same op (absorbed, each row its own
   top-k), 128 heads; against the bf16 matmul rate measured in the run.
 * dsa_decode: the three kernels of one layer's sparse attention; bytes = the
@@ -29,6 +30,7 @@ sit beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from mla_func.kernels.gluon import dsa_indexer as gluon_indexer  # noqa: E402
 from mla_func.kernels.triton import dsa_decode, dsa_indexer, dsa_topk  # noqa: E402
 from mla_func.kernels.triton.decode import DecodeConfig, decode_flops  # noqa: E402
 
@@ -149,7 +152,17 @@ def _topk_workspace(num_rows, context, topk_config=None, path=None):
 
 
 def _indexer_grid(num_rows, context, config=None):
+    """The indexer's kernel at these shapes: the warpgroup-MMA one's programs, or the twin's chunks a row."""
+    config = config or dsa_indexer.default_config(num_rows, context, "cuda")
+    q = torch.empty(1, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=BF16)
+    if config.wgmma and gluon_indexer.applies(q, torch.empty(1, BLOCK_SIZE, INDEX_DIM, device="cuda", dtype=BF16)):
+        return f"wgmma, {gluon_indexer.PROGRAMS_PER_SM} programs an SM"
     return f"{dsa_indexer.index_scores_num_chunks(num_rows, context, 'cuda', config)} chunks a row"
+
+
+def _twin_config(num_rows, context):
+    """The `tl.dot` indexer's tiles the op would take at these shapes without the warpgroup-MMA kernel."""
+    return dataclasses.replace(dsa_indexer.default_config(num_rows, context, "cuda"), wgmma=False)
 
 
 def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None, topk_chunks=None, eager=True,
@@ -168,6 +181,9 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
                                       num_chunks=topk_chunks, config=topk_config, path=topk_path)
 
     score_ms = common.time_graph([lambda: score(tables[0])])
+    twin_ms = common.time_graph([lambda: dsa_indexer.index_scores(index_q, head_weights, index_cache, tables[0],
+                                                                   key_lens, out=scores,
+                                                                   config=_twin_config(num_rows, context))])
     topk_ms = common.time_graph([select])
     ms = common.time_graph([lambda: (score(tables[0]), select())])
     key_bytes = num_rows * context * INDEX_DIM * 2
@@ -175,6 +191,7 @@ def bench_index_topk(num_rows, context, ceilings, config=None, topk_config=None,
     row = _row("index_topk", ms, key_bytes, ceilings, batch=num_rows, context=context, index_heads=INDEX_HEADS,
                index_dim=INDEX_DIM, top_k=TOP_K, score_ms=score_ms, topk_us=topk_ms * 1e3,
                score_pct_copy=100 * key_bytes / ceilings["copy"] * 1e3 / score_ms,
+               score_ms_twin=twin_ms, score_pct_copy_twin=100 * key_bytes / ceilings["copy"] * 1e3 / twin_ms,
                score_bytes=score_bytes, topk_gb_s_one_pass=score_bytes / topk_ms / 1e6,
                indexer_grid=_indexer_grid(num_rows, context, config),
                topk_path=topk_path,
@@ -342,7 +359,8 @@ def _report(result, out):
                               ("eager_ms", "eager ms"), ("roofline_ms", "roofline ms"), ("gb_s", "GB/s"),
                               ("pct_copy", "%copy"), ("copy_time_ratio", "t/t_copy"), ("kernel", "kernel"),
                               ("tflop_s", "TFLOP/s"), ("pct_matmul", "%mm"), ("speedup_vs_twin", "x twin"),
-                              ("score_ms", "score ms"), ("topk_us", "topk us"), ("topk_path", "top-k"), ("indexer_grid", "indexer")])
+                              ("score_ms", "score ms"), ("score_ms_twin", "twin ms"), ("topk_us", "topk us"),
+                              ("topk_path", "top-k"), ("indexer_grid", "indexer")])
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .dependent_launch import gdc_launch_dependents, gdc_wait
 from .mla_decode import copyable, softmax_step
 from .support import available
 
@@ -103,18 +104,6 @@ def applies(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.dev
     row), a Hopper GPU. (The caches must also be `copyable`.)"""
     return (dtype in (torch.bfloat16, torch.float16) and head_dim == HEAD_DIM and num_heads >= BLOCK_M
             and available(device))
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -787,8 +776,8 @@ def _window_entry_split_kernel(
     mbarrier.init(done_bar, count=DONE_ARRIVALS)
 
     if GDC:
-        _gdc_wait()
-        _gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
 
     # The row's list: n_win window keys, then n_e entries (the twin's arithmetic, so the splits cover the
     # same slots). Entries past the table are no key (a pick there is masked, as the reference masks it).

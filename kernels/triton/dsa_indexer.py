@@ -15,6 +15,10 @@ The chunk count per row depends only on static shapes and the device
 (`index_scores_num_chunks`): enough programs for several waves over the
 multiprocessors, so rows of unequal lengths still balance, and no chunk shorter
 than a few tiles.
+
+On Hopper, over a plain 16-bit cache, the scores come from the warpgroup-MMA kernel
+(`gluon.dsa_indexer`, `IndexerConfig.wgmma`), of which this kernel is the `tl.dot`
+twin: the same product a 64-key tile and the same sum over heads, so the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import check_dtype, check_same_device, check_shape
+from ..gluon import dsa_indexer as gluon_indexer
 from ..index_cache import FP8IndexCache, IndexCache
 from ._common import check_float, dot_precision, next_pow2, pdl, sm_count
 from .cache import write_kv
@@ -110,29 +115,31 @@ def write_index_key(
 @dataclass(frozen=True, slots=True)
 class IndexerConfig:
     """Tile sizes of the scoring kernel: keys per step, warps, pipeline depth, and the tiles whose
-    pages are looked up at once (0: each tile's with its keys)."""
+    pages are looked up at once (0: each tile's with its keys); wgmma: the warpgroup-MMA kernel
+    (`gluon.dsa_indexer`) where it applies, these tiles elsewhere."""
 
     block_n: int
     num_warps: int
     num_stages: int
     locate_tiles: int = 0
+    wgmma: bool = False
 
 
 # 64 heads x 128 dims: a [64, 64] fp32 product tile per step is 32 registers a
 # thread at 4 warps, and five 16 KB key tiles in flight hide the gather latency.
 # Swept on an H200 at B64 x 32K / 128K: 85% / 87% of copy bandwidth, where
 # 128 keys a step at 8 warps and 3 stages gave 77% / 75%.
-_GPU_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=5)
+_GPU_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=5, wgmma=True)
 # Chunks of at most 16 tiles (few rows: each row in many chunks) look their pages up at once,
 # in one group of tiles. H200, 64 heads, us: B8 x 128K (16 tiles a chunk) 77.3 against 80.6,
 # B1 x 128K (8) 11.1 against 15.5; at B64 x 32K (30 tiles, two groups) 154 against 146
 # (bench/results/dsa-kernels/h200/logs-archive/indexer-locate-sweep-h200-2026-11-24.log).
-_GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16)
+_GPU_SHORT_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16, wgmma=True)
 # Chunks of 17 to 32 tiles look theirs up in one group of 32. H200, B8 x 128K in 64 chunks
 # of 2K keys: 72.4 us (87% of copy), where 132 chunks of 1K (the short ones' config) took
 # 77.2; B64 x 32K in 17 chunks of ~30 tiles 145.7 against 144.4 without the lookup
 # (bench/results/dsa-kernels/h200/logs-archive/indexer-chunks-sweep-h200-2026-11-26.log).
-_GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32)
+_GPU_MEDIUM_CHUNKS = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=32, wgmma=True)
 _INTERPRETER_CONFIG = IndexerConfig(block_n=16, num_warps=4, num_stages=1)
 
 # Programs per multiprocessor aimed for: several waves, so rows of unequal key
@@ -163,6 +170,15 @@ def indexer_config(device: torch.device, keys_per_chunk: int | None = None) -> I
         if keys_per_chunk is not None and keys_per_chunk <= located.locate_tiles * located.block_n:
             return located
     return _GPU_CONFIG
+
+
+def default_config(num_rows: int, num_cols: int, device: torch.device | str) -> IndexerConfig:
+    """The tiles `index_scores` takes for [num_rows, num_cols] scores when given none: by the length of the
+    chunks the rows split into (the GPU configurations all step 64 keys, so the chunking holds for each)."""
+    device = torch.device(device)
+    tiles = indexer_config(device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, tiles)
+    return indexer_config(device, triton.cdiv(triton.cdiv(max(1, num_cols), chunks), tiles.block_n) * tiles.block_n)
 
 
 def index_scores_num_chunks(num_rows: int, num_cols: int, device: torch.device | str,
@@ -292,7 +308,8 @@ def index_scores(
     block_table:  [T, W] int32, one table per row
     key_lens:     [T] int32 keys the row sees (clamped to [0, W * bs]); 0 marks a padded row
     out:          [T, W * bs] float32 to write into (a captured graph allocates nothing), or None
-    config:       overrides the tile sizes (benchmark sweeps)
+    config:       overrides the tiles (tests, benchmark sweeps); `default_config`'s otherwise, which take the
+                  warpgroup-MMA kernel (`gluon.dsa_indexer`) on Hopper where it applies
     returns       scores [T, W * bs] float32: sum_h w[t, h] * relu(q[t, h] . key_j), w = head_weights * weight_scale
                   (products and sums in float32) for j < key_lens[t], -inf after.
     """
@@ -324,13 +341,14 @@ def index_scores(
     if num_rows == 0 or num_cols == 0:
         return out
     device = q.device
-    tiles = config or indexer_config(device)
-    chunks = index_scores_num_chunks(num_rows, num_cols, device, tiles)
-    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), tiles.block_n) * tiles.block_n
+    config = config or default_config(num_rows, num_cols, device)
+    chunks = index_scores_num_chunks(num_rows, num_cols, device, config)
+    keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n) * config.block_n
     chunks = triton.cdiv(num_cols, keys_per_chunk)
-    # The GPU configs all step 64 keys, so the chunking above holds for the one picked here.
-    config = config or indexer_config(device, keys_per_chunk)
     use_pdl = pdl(device)
+    if config.wgmma and not fp8 and gluon_indexer.applies(q, keys):
+        return gluon_indexer.index_scores_wgmma(q, head_weights, keys, block_table, key_lens, out,
+                                                weight_scale=weight_scale, sm_count=sm_count(device), use_pdl=use_pdl)
     _index_scores_kernel[(num_rows, chunks)](
         # Without FP8 keys the scale pointer is the cache's, never read.
         q, head_weights, keys, scales, block_table, key_lens, out,

@@ -41,8 +41,9 @@ from .v4_hc_site import (_BLOCK_D, _MAX_BLOCK_T, StreamsLayout, hc_head, hc_site
 # tokens still spreads fn's read over 16 programs a token block.
 _SLICE_CHUNKS = 4
 # The indexer's tiles: 64 keys a step (as every GPU configuration of the default), the pages of
-# 16 tiles looked up at once.
-_GPU_INDEXER = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16)
+# 16 tiles looked up at once; the warpgroup-MMA kernel where it applies (a row's tiles are the same
+# products whatever rows share the launch).
+_GPU_INDEXER = IndexerConfig(block_n=64, num_warps=4, num_stages=4, locate_tiles=16, wgmma=True)
 
 
 def attention_config(num_heads: int, device: torch.device) -> DecodeConfig:
