@@ -16,7 +16,7 @@ The chunk count per row depends only on static shapes and the device
 multiprocessors, so rows of unequal lengths still balance, and no chunk shorter
 than a few tiles.
 
-On Hopper, over a plain 16-bit cache, the scores come from the warpgroup-MMA kernel
+On Hopper, with 16-bit queries of 64 heads of 128, the scores come from the warpgroup-MMA kernel
 (`gluon.dsa_indexer`, `IndexerConfig.wgmma`), of which this kernel is the `tl.dot`
 twin: the same product a 64-key tile and the same sum over heads, so the same bits.
 """
@@ -346,8 +346,8 @@ def index_scores(
     keys_per_chunk = triton.cdiv(triton.cdiv(num_cols, chunks), config.block_n) * config.block_n
     chunks = triton.cdiv(num_cols, keys_per_chunk)
     use_pdl = pdl(device)
-    if config.wgmma and not fp8 and gluon_indexer.applies(q, keys):
-        return gluon_indexer.index_scores_wgmma(q, head_weights, keys, block_table, key_lens, out,
+    if config.wgmma and gluon_indexer.applies(q, index_cache):
+        return gluon_indexer.index_scores_wgmma(q, head_weights, index_cache, block_table, key_lens, out,
                                                 weight_scale=weight_scale, sm_count=sm_count(device), use_pdl=use_pdl)
     _index_scores_kernel[(num_rows, chunks)](
         # Without FP8 keys the scale pointer is the cache's, never read.

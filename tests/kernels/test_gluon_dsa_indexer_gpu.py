@@ -3,7 +3,8 @@ twin (`triton.dsa_indexer` with `wgmma=False`).
 
 Cases: ragged rows (padded rows, lengths inside and at the end of a tile, rows longer than a program's run, so
 runs start and end inside rows), pages of whole tiles (64, 128 keys) and pages shorter than a tile (8, 16, 32:
-several copies a tile, tables whose last pages end inside a tile), strided queries and weights, fp16, the
+several copies a tile, tables whose last pages end inside a tile), FP8 caches (bf16 and fp16 queries), strided
+queries and weights, fp16, the
 programs' run lengths at other programs-a-multiprocessor and stage counts, a graph replayed on new tables and
 lengths, a row's scores alone and among other rows (the batch-invariant table takes the kernel), V3.2's
 benchmark shape (64 rows x 32K keys). The op is spied to have taken the kernel.
@@ -15,11 +16,13 @@ import pytest
 import torch
 
 from mla_func.kernels.gluon import dsa_indexer as gluon_indexer
+from mla_func.kernels.index_cache import FP8IndexCache
 from mla_func.kernels.triton import dsa_indexer as tri
 from mla_func.kernels.triton import v4_invariant
 from mla_func.kernels.triton._common import sm_count
 from support.kernel_cases import captured, generator, paged_cache, randn, strided
 from test_dsa_indexer import oracle_index_scores
+from test_fp8_index_cache import dequantized, fp8_keys
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -61,7 +64,8 @@ def _inputs(key_lens, block_size, dtype, device, seed, non_contiguous=False):
 
 
 def _assert_scores(got, q, weights, cache, table, lens, weight_scale=1.0):
-    expected = oracle_index_scores(q, weights * weight_scale, cache, table, lens)
+    keys = dequantized(cache) if isinstance(cache, FP8IndexCache) else cache
+    expected = oracle_index_scores(q, weights * weight_scale, keys, table, lens)
     hidden = torch.isinf(expected)
     assert torch.equal(torch.isinf(got), hidden) and torch.all(got[hidden] < 0)
     scale = expected[~hidden].abs().max().item() if (~hidden).any() else 1.0
@@ -76,6 +80,23 @@ def test_ragged_rows_every_page_size(block_size, spied):
     device = _hopper()
     lens = [1, 64, 65, 0, 127, 700, 33, 1000, 5]
     q, weights, cache, table, lens_t = _inputs(lens, block_size, torch.bfloat16, device, seed=block_size)
+    got = tri.index_scores(q, weights, cache, table, lens_t, weight_scale=0.3)
+    assert spied == [len(lens)]
+    _assert_scores(got, q, weights, cache, table, lens_t, weight_scale=0.3)
+
+
+@pytest.mark.parametrize("block_size", [64, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_keys(block_size, dtype, spied):
+    # V3.2's FP8 indexer cache (e4m3 values, a float32 scale a key): the bytes by TMA, widened to q's dtype in
+    # registers, each key's logits times its scale.
+    device = _hopper()
+    lens = [1, 64, 65, 0, 700, 33, 1000]
+    gen = generator(block_size + 1, device)
+    cache, table = fp8_keys(lens, block_size, DIM, device, gen)
+    q = randn((len(lens), HEADS, DIM), dtype, device, gen)
+    weights = randn((len(lens), HEADS), torch.float32, device, gen, scale=HEADS ** -0.5)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     got = tri.index_scores(q, weights, cache, table, lens_t, weight_scale=0.3)
     assert spied == [len(lens)]
     _assert_scores(got, q, weights, cache, table, lens_t, weight_scale=0.3)
@@ -125,6 +146,7 @@ def test_refusals():
     wide = torch.zeros(4, 64, 2 * DIM, dtype=torch.bfloat16, device=device)
     assert not gluon_indexer.applies(q, wide[..., :DIM])                            # rows TMA cannot read
     assert not gluon_indexer.applies(q, torch.zeros(4, 48, DIM, dtype=torch.bfloat16, device=device))
+    assert not gluon_indexer.applies(q, cache.half())                                  # not q's dtype
     assert gluon_indexer.applies(q, torch.zeros(4, 16, DIM, dtype=torch.bfloat16, device=device))
 
 
