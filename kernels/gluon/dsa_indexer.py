@@ -16,9 +16,9 @@ multiprocessors idle. Here PROGRAMS_PER_SM programs a multiprocessor split the l
 after the other, into equal runs: a run may start inside one row and end inside another (the queries are
 read again where it enters a row). Several small programs a multiprocessor keep its copies flowing while
 one of them multiplies or stores: at two stages and four programs B64 x 32K read 92% of the copy rate on
-an H200, against 90% at four stages and two programs, 77-78% (76.7 at 12) at one program of 6-12 stages, and the twin's
-85% (bench/notes/dsa.md). A tile at or past its row's key count reads no key: it writes -inf over its
-positions in its turn, and its stage's phase completes without a copy.
+an H200, against 90% at four stages and two programs, 77-78% (76.7 at 12) at one program of 6-12 stages,
+and the twin's 85% (bench/notes/dsa.md). A tile at or past its row's key count reads no key: it writes -inf
+over its positions in its turn, and its stage's phase completes without a copy.
 """
 
 from __future__ import annotations
