@@ -8,11 +8,8 @@ accumulation), then the sum over heads along the accumulator's columns.
 A tile comes by TMA (the cache viewed as [num_blocks * bs, Di]): one copy where a page holds whole tiles
 (bs a multiple of 64), 64 / bs copies where a tile spans pages. Copies run STAGES - 1 tiles ahead of the
 product, and the block-table reads a copy waits on run one tile before that. Over an `FP8IndexCache` a tile
-comes as its e4m3 bytes (half the copy) and goes to the product from registers widened to fp16 (exact, one
-conversion a pair of keys' values); bf16 queries are lifted to fp16 by a power of two a head
-(`triton.fp16_lift`: exact but for values under 2^-31 of their head's largest, which round on fp16's
-subnormal grid), undone on the logits; each key's logits are multiplied by its scale (read a tile ahead)
-before the relu, as the twin does.
+comes as its e4m3 bytes (half the copy), goes to the product from registers widened to q's dtype (exact),
+and each key's logits are multiplied by its scale (read a tile ahead) before the relu, as the twin does.
 
 The twin gives every row the same chunks, a program each, and the last of its programs run with most
 multiprocessors idle. Here PROGRAMS_PER_SM programs a multiprocessor split the launch's tiles, rows one
@@ -33,7 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..index_cache import FP8IndexCache, IndexCache
-from ..triton.fp16_lift import lift_to_fp16
 from .dependent_launch import gdc_launch_dependents, gdc_wait
 from .support import available
 
@@ -121,14 +117,11 @@ def _scores_kernel(
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, GDC: gl.constexpr, FP8: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 64
-    # FP8 keys against bf16 queries: the queries lifted to fp16 (a power of two a head), so each key pair widens
-    # in one conversion.
-    LIFT: gl.constexpr = FP8 and q_ptr.dtype.element_ty == gl.bfloat16
-    mma_dtype: gl.constexpr = gl.float16 if LIFT else q_ptr.dtype.element_ty
     NUM_HEADS: gl.constexpr = 64
     HEAD_DIM: gl.constexpr = 128
     # Runs of one page a tile: 64 / PAGE_SIZE where pages are shorter than a tile.
     SUB: gl.constexpr = 64 // PAGE_SIZE if PAGE_SIZE < 64 else 1
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -142,7 +135,7 @@ def _scores_kernel(
     sub_layout: gl.constexpr = gl.BlockedLayout([SUB], [32], [4], [0])
     # FP8: the keys come as e4m3 bytes and go to the product from registers, widened to q's dtype (exact).
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    q_smem = gl.allocate_shared_memory(mma_dtype, [NUM_HEADS, HEAD_DIM],
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_HEADS, HEAD_DIM],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -172,7 +165,6 @@ def _scores_kernel(
     offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     zero = gl.zeros([BLOCK_N, NUM_HEADS], gl.float32, layout=acc_layout)
     weights = gl.zeros([NUM_HEADS], gl.float32, layout=gl.SliceLayout(0, acc_layout))
-    unlift = gl.full([NUM_HEADS], 1.0, gl.float32, layout=gl.SliceLayout(0, acc_layout))
     q_row = -1
     for i in range(num_tiles):
         # Every warp is past tile i - 1's product: its stage takes tile i + STAGES - 1.
@@ -201,21 +193,13 @@ def _scores_kernel(
                             + gl.expand_dims(q_dims * s_qd, 0))
                 # Heads' weights times the scale in float32, one rounding, as the twin's.
                 weights = gl.load(w_ptr + row.to(gl.int64) * s_wt + heads * s_wh) * weight_scale
-                if LIFT:
-                    q_lift, q_unlift = lift_to_fp16(q, 1)
-                    q_smem.store(q_lift)
-                    unlift = gl.convert_layout(q_unlift, gl.SliceLayout(0, acc_layout))
-                else:
-                    q_smem.store(q)
+                q_smem.store(q)
                 fence_async_shared()
                 gl.thread_barrier()
                 q_row = row
             if FP8:
-                keys = k_smem.index(i % STAGES).load(a_layout).to(mma_dtype)
+                keys = k_smem.index(i % STAGES).load(a_layout).to(dtype)
                 logits = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False)
-                if LIFT:
-                    # Undoes the lift, exactly (a power of two on float32 sums of exact products).
-                    logits = logits * gl.expand_dims(unlift, 0)
                 # A key's scale times its logits, before the relu (the twin's order, so its bits).
                 logits = logits * gl.expand_dims(scales, 1)
             else:
