@@ -47,7 +47,7 @@ def applies(q: torch.Tensor, index_cache: IndexCache) -> bool:
     or an `FP8IndexCache`, whose keys TMA can read as tiles (contiguous, 16-byte aligned; bs a multiple of 64, or
     8, 16 or 32 pages a tile spans), on a Hopper GPU under the Triton release the kernel is written for."""
     fp8 = isinstance(index_cache, FP8IndexCache)
-    keys = index_cache.values if fp8 else index_cache
+    keys = index_cache.values if isinstance(index_cache, FP8IndexCache) else index_cache
     page_size = keys.shape[1]
     return (q.dtype in (torch.bfloat16, torch.float16) and (fp8 or keys.dtype == q.dtype)
             and tuple(q.shape[1:]) == (NUM_HEADS, HEAD_DIM) and keys.shape[2] == HEAD_DIM
@@ -228,9 +228,11 @@ def index_scores_wgmma(q: torch.Tensor, head_weights: torch.Tensor, index_cache:
     """
     num_rows = q.shape[0]
     fp8 = isinstance(index_cache, FP8IndexCache)
-    keys = index_cache.values if fp8 else index_cache
-    # A plain cache passes itself as the scales (never read: FP8 is False).
-    scales = index_cache.scales if fp8 else index_cache
+    if isinstance(index_cache, FP8IndexCache):
+        keys, scales = index_cache.values, index_cache.scales
+    else:
+        # A plain cache passes itself as the scales (never read: FP8 is False).
+        keys = scales = index_cache
     num_blocks, page_size, head_dim = keys.shape
     num_cols = out.shape[1]
     tiles_per_row = -(-num_cols // BLOCK_N)
