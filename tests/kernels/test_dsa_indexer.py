@@ -27,13 +27,20 @@ def oracle_index_scores(q, head_weights, index_cache, block_table, key_lens) -> 
     return out
 
 
-def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_contiguous=False, out=False,
-           config=None, weight_scale=None):
-    gen = generator(seed, device)
+def index_inputs(key_lens, num_heads, head_dim, block_size, dtype, device, gen):
+    """(q [T, H, D], head_weights [T, H] float32, a paged cache [nb, bs, D], its block table, key_lens [T] int32)."""
     index_cache, block_table = paged_cache(key_lens, block_size, head_dim, dtype, device, gen)
     q = randn((len(key_lens), num_heads, head_dim), dtype, device, gen)
     head_weights = randn((len(key_lens), num_heads), torch.float32, device, gen, scale=num_heads ** -0.5)
     lens = torch.tensor(key_lens, dtype=torch.int32, device=device)
+    return q, head_weights, index_cache, block_table, lens
+
+
+def _check(key_lens, num_heads, head_dim, block_size, dtype, device, seed, non_contiguous=False, out=False,
+           config=None, weight_scale=None):
+    gen = generator(seed, device)
+    q, head_weights, index_cache, block_table, lens = index_inputs(key_lens, num_heads, head_dim, block_size, dtype,
+                                                                   device, gen)
     if non_contiguous:
         q, index_cache, block_table = strided(q, gen), strided(index_cache, gen), strided(block_table, gen)
         head_weights, lens = strided(head_weights, gen), strided(lens, gen)

@@ -20,8 +20,8 @@ from mla_func.kernels.index_cache import FP8IndexCache
 from mla_func.kernels.triton import dsa_indexer as tri
 from mla_func.kernels.triton import v4_invariant
 from mla_func.kernels.triton._common import sm_count
-from support.kernel_cases import captured, generator, paged_cache, randn, strided
-from test_dsa_indexer import oracle_index_scores
+from support.kernel_cases import captured, generator, randn, strided
+from test_dsa_indexer import index_inputs, oracle_index_scores
 from test_fp8_index_cache import dequantized, fp8_keys
 
 pytestmark = [pytest.mark.gpu,
@@ -53,11 +53,9 @@ def spied(monkeypatch):
 
 
 def _inputs(key_lens, block_size, dtype, device, seed, non_contiguous=False):
+    # The cache stays contiguous (TMA reads it as rows); non_contiguous strides the rest.
     gen = generator(seed, device)
-    cache, table = paged_cache(key_lens, block_size, DIM, dtype, device, gen)
-    q = randn((len(key_lens), HEADS, DIM), dtype, device, gen)
-    weights = randn((len(key_lens), HEADS), torch.float32, device, gen, scale=HEADS ** -0.5)
-    lens = torch.tensor(key_lens, dtype=torch.int32, device=device)
+    q, weights, cache, table, lens = index_inputs(key_lens, HEADS, DIM, block_size, dtype, device, gen)
     if non_contiguous:
         q, weights, table, lens = strided(q, gen), strided(weights, gen), strided(table, gen), strided(lens, gen)
     return q, weights, cache, table, lens
